@@ -1,0 +1,239 @@
+"""Typed, frozen configuration: DiLoCo knobs, model, data, wire and swarm timing, and the run manifest.
+
+Every dataclass validates itself at construction and raises `ConfigError` naming the field and the fix.
+A manifest (TOML, see `peers/demo.toml`) bundles them; its hash goes into every DHT key and header so
+peers with a different manifest never mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from p2p_diloco.errors import ConfigError
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class DilocoConfig:
+    """The algorithm's knobs (names follow PAPER.md)."""
+
+    inner_steps: int = 24  # H: inner steps between two syncs of the same fragment
+    fragments: int = 4  # P
+    max_in_flight: int = 2  # tau: fragments sent but not yet adopted
+    min_quorum: int = 1  # K
+    grace_gamma: float = 0.3  # gamma in the adaptive grace window
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    max_staleness: int = 4  # a delta's anchor must be within this many outer versions
+    merge_rule: Literal["rda", "mean"] = "rda"
+    fragment_pattern: Literal["balanced", "strided"] = "balanced"
+    adoption: Literal["overwrite", "blend"] = "overwrite"
+    blend_alpha: float = 0.5
+    inner_lr: float = 3e-3
+    inner_weight_decay: float = 0.1
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.fragments >= 1, f"fragments (P) must be >= 1, got {self.fragments}")
+        _require(
+            self.inner_steps >= self.fragments,
+            f"inner_steps (H={self.inner_steps}) must be >= fragments (P={self.fragments}): "
+            "one fragment is due every H/P steps",
+        )
+        _require(self.max_in_flight >= 1, f"max_in_flight (tau) must be >= 1, got {self.max_in_flight}")
+        _require(self.min_quorum >= 1, f"min_quorum (K) must be >= 1, got {self.min_quorum}")
+        _require(0.0 <= self.grace_gamma < 1.0, f"grace_gamma must be in [0, 1), got {self.grace_gamma}")
+        _require(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
+        _require(0.0 <= self.outer_momentum < 1.0, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        _require(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _require(self.merge_rule in ("rda", "mean"), f"merge_rule must be 'rda' or 'mean', got {self.merge_rule!r}")
+        _require(
+            self.fragment_pattern in ("balanced", "strided"),
+            f"fragment_pattern must be 'balanced' or 'strided', got {self.fragment_pattern!r}",
+        )
+        _require(
+            self.adoption in ("overwrite", "blend"),
+            f"adoption must be 'overwrite' or 'blend', got {self.adoption!r}",
+        )
+        _require(0.0 < self.blend_alpha <= 1.0, f"blend_alpha must be in (0, 1], got {self.blend_alpha}")
+        _require(self.inner_lr > 0, f"inner_lr must be > 0, got {self.inner_lr}")
+        _require(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+
+    @property
+    def steps_per_fragment(self) -> int:
+        """Inner steps between two consecutive fragment sends (H/P, at least 1)."""
+        return max(1, self.inner_steps // self.fragments)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small byte-level GPT (vocab 256)."""
+
+    kind: Literal["gpt"] = "gpt"
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 64
+    dropout: float = 0.0
+    seed: int = 0  # initial weights are identical on every peer
+
+    def __post_init__(self) -> None:
+        _require(self.kind == "gpt", f"model.kind must be 'gpt', got {self.kind!r}")
+        _require(self.n_layer >= 1, f"model.n_layer must be >= 1, got {self.n_layer}")
+        _require(self.n_head >= 1, f"model.n_head must be >= 1, got {self.n_head}")
+        _require(
+            self.n_embd % self.n_head == 0,
+            f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})",
+        )
+        _require(self.block_size >= 2, f"model.block_size must be >= 2, got {self.block_size}")
+        _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where training text comes from: the embedded corpus or local files."""
+
+    source: Literal["builtin", "files"] = "builtin"
+    paths: tuple[str, ...] = ()
+    eval_fraction: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.source in ("builtin", "files"), f"data.source must be 'builtin' or 'files', got {self.source!r}")
+        _require(
+            self.source != "files" or len(self.paths) > 0,
+            "data.source = 'files' needs data.paths = ['corpus.txt', ...]",
+        )
+        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How outer deltas and updates are encoded."""
+
+    codec: Literal["int8", "fp32"] = "int8"
+    block_size: int = 4096
+    error_feedback: bool = True
+    max_message_bytes: int = 256 * 1024 * 1024
+    norm_bound: float = 1e4  # absolute bound on a delta tensor's L2 norm
+
+    def __post_init__(self) -> None:
+        _require(self.codec in ("int8", "fp32"), f"wire.codec must be 'int8' or 'fp32', got {self.codec!r}")
+        _require(
+            self.block_size in (64, 128, 256, 512, 1024, 2048, 4096),
+            f"wire.block_size must be one of 64..4096 (powers of two), got {self.block_size}",
+        )
+        _require(self.max_message_bytes > 0, "wire.max_message_bytes must be > 0")
+        _require(self.norm_bound > 0, "wire.norm_bound must be > 0")
+
+
+@dataclass(frozen=True)
+class SwarmTiming:
+    """Seconds for heartbeats, leases and grace windows (real time on the network, fake time in the sim)."""
+
+    heartbeat_period: float = 1.0
+    heartbeat_ttl: float = 4.0
+    lease_ttl: float = 6.0
+    lease_renew_fraction: float = 0.5  # renew when this fraction of the TTL is left... of elapsed
+    claim_grace: float = 2.0
+    lease_margin: float = 0.5
+    term_rounds: int = 50
+    rejoin_grace: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_period", "heartbeat_ttl", "lease_ttl", "claim_grace", "rejoin_grace"):
+            _require(getattr(self, name) > 0, f"timing.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.lease_margin >= 0, f"timing.lease_margin must be >= 0, got {self.lease_margin}")
+        _require(
+            self.heartbeat_ttl > self.heartbeat_period,
+            "timing.heartbeat_ttl must exceed timing.heartbeat_period (a few periods is typical)",
+        )
+        _require(0 < self.lease_renew_fraction < 1, "timing.lease_renew_fraction must be in (0, 1)")
+        _require(self.term_rounds >= 1, f"timing.term_rounds must be >= 1, got {self.term_rounds}")
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """Everything peers of one run must agree on. Its `manifest_hash` is part of every key and header."""
+
+    run_id: str
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    timing: SwarmTiming = field(default_factory=SwarmTiming)
+    allowlist: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id) and len(self.run_id) <= 64,
+            f"run_id must be 1-64 characters of letters, digits, '-', '_' or '.', got {self.run_id!r}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def manifest_hash(self) -> str:
+        """16 hex digits over everything peers must agree on (bootstrap addresses excluded)."""
+        d = self.to_dict()
+        d.pop("bootstrap")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, where: str = "manifest") -> RunManifest:
+        sections = {
+            "diloco": DilocoConfig,
+            "model": ModelConfig,
+            "data": DataConfig,
+            "wire": WireConfig,
+            "timing": SwarmTiming,
+        }
+        raw = dict(raw)
+        known = set(sections) | {"run_id", "allowlist", "bootstrap"}
+        unknown = sorted(set(raw) - known)
+        _require(not unknown, f"{where}: unknown top-level keys {unknown}; expected some of {sorted(known)}")
+        _require("run_id" in raw, f"{where}: missing run_id = \"...\"")
+        kwargs: dict[str, Any] = {"run_id": raw["run_id"]}
+        for name, klass in sections.items():
+            section = raw.get(name, {})
+            _require(isinstance(section, dict), f"{where}: [{name}] must be a table")
+            fields = {f.name for f in dataclasses.fields(klass)}
+            bad = sorted(set(section) - fields)
+            _require(not bad, f"{where}: unknown keys in [{name}]: {bad}; valid keys are {sorted(fields)}")
+            values = {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}
+            try:
+                kwargs[name] = klass(**values)
+            except TypeError as exc:
+                raise ConfigError(f"{where}: [{name}]: {exc}") from exc
+        for name in ("allowlist", "bootstrap"):
+            value = raw.get(name, [])
+            _require(
+                isinstance(value, list) and all(isinstance(v, str) for v in value),
+                f"{where}: {name} must be a list of strings",
+            )
+            kwargs[name] = tuple(value)
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunManifest:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"manifest {path} does not exist; see peers/demo.toml for an example")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"manifest {path} is not valid TOML: {exc}") from exc
+        return cls.from_dict(raw, where=str(path))

@@ -1,0 +1,20 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: creates .venv if missing and installs the project.
+# torch is pinned to the CPU build first, so the project's torch requirement never pulls a CUDA build.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+VENV="$ROOT/.venv"
+EXTRAS="${1:-}"
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "creating $VENV with $PY" >&2
+    "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.installed${EXTRAS:+-$EXTRAS}"
+if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
+    "$VENV/bin/pip" install -q --disable-pip-version-check "torch==${P2P_DILOCO_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored" || true
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT${EXTRAS:+[$EXTRAS]}" 2>&1 | grep -v "is ignored" || true
+    "$VENV/bin/python" -c "import p2p_diloco, torch, hivemind, bitsandbytes" 2>/dev/null \
+        || { echo "install failed: see pip output above" >&2; exit 1; }
+    touch "$STAMP"
+fi
