@@ -54,9 +54,13 @@ class DilocoConfig:
         _require(self.min_quorum >= 1, f"min_quorum (K) must be >= 1, got {self.min_quorum}")
         _require(0.0 <= self.grace_gamma < 1.0, f"grace_gamma must be in [0, 1), got {self.grace_gamma}")
         _require(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
-        _require(0.0 <= self.outer_momentum < 1.0, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        _require(
+            0.0 <= self.outer_momentum < 1.0, f"outer_momentum must be in [0, 1), got {self.outer_momentum}"
+        )
         _require(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
-        _require(self.merge_rule in ("rda", "mean"), f"merge_rule must be 'rda' or 'mean', got {self.merge_rule!r}")
+        _require(
+            self.merge_rule in ("rda", "mean"), f"merge_rule must be 'rda' or 'mean', got {self.merge_rule!r}"
+        )
         _require(
             self.fragment_pattern in ("balanced", "strided"),
             f"fragment_pattern must be 'balanced' or 'strided', got {self.fragment_pattern!r}",
@@ -109,12 +113,18 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.source in ("builtin", "files"), f"data.source must be 'builtin' or 'files', got {self.source!r}")
+        _require(
+            self.source in ("builtin", "files"),
+            f"data.source must be 'builtin' or 'files', got {self.source!r}",
+        )
         _require(
             self.source != "files" or len(self.paths) > 0,
             "data.source = 'files' needs data.paths = ['corpus.txt', ...]",
         )
-        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        _require(
+            0.0 < self.eval_fraction < 0.5,
+            f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}",
+        )
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,9 @@ class RunManifest:
 
     def __post_init__(self) -> None:
         _require(
-            bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id) and len(self.run_id) <= 64,
+            bool(self.run_id)
+            and all(c.isalnum() or c in "-_." for c in self.run_id)
+            and len(self.run_id) <= 64,
             f"run_id must be 1-64 characters of letters, digits, '-', '_' or '.', got {self.run_id!r}",
         )
 
@@ -205,7 +217,7 @@ class RunManifest:
         known = set(sections) | {"run_id", "allowlist", "bootstrap"}
         unknown = sorted(set(raw) - known)
         _require(not unknown, f"{where}: unknown top-level keys {unknown}; expected some of {sorted(known)}")
-        _require("run_id" in raw, f"{where}: missing run_id = \"...\"")
+        _require("run_id" in raw, f'{where}: missing run_id = "..."')
         kwargs: dict[str, Any] = {"run_id": raw["run_id"]}
         for name, klass in sections.items():
             section = raw.get(name, {})

@@ -46,3 +46,19 @@ class Transport(Protocol):
     def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]: ...
 
     def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes: ...
+
+
+class InboundHandlers(Protocol):
+    """What a peer answers on the transport. `sender` comes from the connection (authenticated peer ID).
+
+    Handlers validate everything before use and never raise on bad input: they return a reason string
+    (``"accepted"`` or a rejection reason) that goes back to the sender and into the rejection counters.
+    """
+
+    def handle_delta(self, sender: str, frame: bytes) -> str: ...
+
+    def handle_update(self, sender: str, frame: bytes) -> str: ...
+
+    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]: ...
+
+    def serve_snapshot(self, requester: str, fragment: int) -> bytes: ...

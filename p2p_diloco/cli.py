@@ -1,0 +1,109 @@
+"""The `p2p-diloco` command line: argument parsing only; each subcommand's work lives in its module.
+
+Handlers are imported lazily so `p2p-diloco --help` stays fast and a missing optional piece fails
+with a clear message only when used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from p2p_diloco.errors import ConfigError
+
+
+def _lazy(target: str):
+    """`module:function` resolved at call time."""
+
+    def run(args: argparse.Namespace) -> int:
+        module_name, func_name = target.split(":")
+        return getattr(importlib.import_module(module_name), func_name)(args)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2p-diloco",
+        description="Peer-to-peer Decoupled DiLoCo: pool GPUs you don't control into one training run.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("simulate", help="paper-scale discrete-event goodput simulation (no training)")
+    p.add_argument("--learners", "-M", type=int, required=True, help="number of DiLoCo learners M")
+    p.add_argument("--chips", "-N", type=int, required=True, help="total number of chips in the cluster")
+    p.add_argument("--mtbf-years", type=float, default=1.0, help="mean time between failures of one chip")
+    p.add_argument(
+        "--hours", type=float, default=None, help="simulated wall time (default: enough for stable figures)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=_lazy("p2p_diloco.sim.goodput:cli_simulate"))
+
+    p = sub.add_parser("swarm", help="run the in-process swarm (many learners in one process, fake clock)")
+    p.add_argument("--manifest", default=None, help="run manifest TOML (default: peers/demo.toml settings)")
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=None, help="total tokens to train on (default: a short run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--crash",
+        action="append",
+        default=[],
+        metavar="LEARNER@T:DOWN",
+        help="crash learner LEARNER at fake time T seconds for DOWN seconds, e.g. 1@20:15",
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("p2p_diloco.swarm.inprocess:cli_swarm"))
+
+    p = sub.add_parser("demo", help="the main job: a swarm on this machine with a report")
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
+    p.add_argument("--chaos", action="store_true", help="inject failures from a seeded schedule")
+    p.add_argument("--compare", action="store_true", help="also run the lock-step baseline")
+    p.add_argument("--out", default="demo-out", help="directory for report.json and PNGs")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_lazy("p2p_diloco.demo:cli_demo"))
+
+    p = sub.add_parser("keygen", help="write a private key file; prints the peer ID it gives")
+    p.add_argument("--out", required=True, help="path of the key file to write (mode 0600)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing key file")
+    p.set_defaults(func=_lazy("p2p_diloco.net.identity:cli_keygen"))
+
+    p = sub.add_parser("bootstrap", help="run a DHT-only bootstrap node (trains nothing)")
+    p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=None,
+        metavar="MULTIADDR",
+        help="address to listen on (repeatable); default /ip4/0.0.0.0/tcp/31337",
+    )
+    p.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="public address to announce (repeatable)",
+    )
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.set_defaults(func=_lazy("p2p_diloco.net.bootstrap:cli_bootstrap"))
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"p2p-diloco {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
