@@ -6,6 +6,7 @@ in-process swarm use `p2p_diloco.swarm.memory`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,9 +40,17 @@ class Transport(Protocol):
     from the connection, not from the payload.
     """
 
-    def send_delta(self, to_peer: str, frame: bytes) -> None: ...
+    def bind(self, handlers: InboundHandlers) -> None:
+        """Start answering incoming frames and requests with `handlers`."""
+        ...
 
-    def push_update(self, to_peer: str, frame: bytes) -> None: ...
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
+        """Send in the background (never blocks training); `on_reply` gets the receiver's reason string."""
+        ...
+
+    def push_update(
+        self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None
+    ) -> None: ...
 
     def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]: ...
 

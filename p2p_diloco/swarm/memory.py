@@ -1,0 +1,180 @@
+"""In-memory versions of the project's interfaces, for tests and the in-process swarm.
+
+`FakeClock` and `EventLoop` give a deterministic discrete-event world; `InMemoryKeyValueStore` keeps
+hivemind's rule (per key/subkey the later expiration wins, first writer on a tie); `SimNetwork` routes
+frames between `InMemoryTransport`s with per-link delays and fault rules, delivering them as events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from p2p_diloco.swarm.interfaces import InboundHandlers, StoredValue
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, start: float = 0.0):
+        self._now = start
+
+    def now(self) -> float:
+        return self._now
+
+    def advance_to(self, t: float) -> None:
+        if t < self._now:
+            raise ValueError(f"fake clock cannot go back from {self._now} to {t}")
+        self._now = t
+
+
+class EventLoop:
+    """A heap of (time, sequence, callback); `run_until` fires them in order on the fake clock."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (max(when, self.clock.now()), next(self._seq), callback))
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        self.call_at(self.clock.now() + delay, callback)
+
+    def run_until(self, t_end: float, stop: Callable[[], bool] | None = None) -> None:
+        while self._heap and self._heap[0][0] <= t_end:
+            when, _, callback = heapq.heappop(self._heap)
+            self.clock.advance_to(when)
+            callback()
+            if stop is not None and stop():
+                return
+        self.clock.advance_to(max(self.clock.now(), t_end))
+
+
+class InMemoryKeyValueStore:
+    """`KeyValueStore` in a dict, with hivemind's conflict rule."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, dict[str, StoredValue]] = {}
+
+    def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+        current = self._data.setdefault(key, {}).get(subkey)
+        if current is not None and current.expiration >= expiration:
+            return False
+        self._data[key][subkey] = StoredValue(value=value, expiration=expiration)
+        return True
+
+    def get(self, key: str, now: float) -> dict[str, StoredValue]:
+        return {sk: v for sk, v in self._data.get(key, {}).items() if v.expiration > now}
+
+
+@dataclass
+class LinkRule:
+    """Fault injection on frames from `src` to `dst` ("*" matches any): drop or add delay."""
+
+    src: str = "*"
+    dst: str = "*"
+    drop: bool = False
+    extra_delay: float = 0.0
+    until: float = float("inf")
+
+    def matches(self, src: str, dst: str, now: float) -> bool:
+        return now < self.until and self.src in ("*", src) and self.dst in ("*", dst)
+
+
+@dataclass
+class SimNetwork:
+    """Routes frames between peers registered with their handlers; down peers receive nothing."""
+
+    loop: EventLoop
+    base_delay: float = 0.05
+    bytes_per_second: float = 12.5e6  # 100 Mbit/s per link
+    rules: list[LinkRule] = field(default_factory=list)
+    handlers: dict[str, InboundHandlers] = field(default_factory=dict)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0
+
+    def register(self, peer_id: str, handlers: InboundHandlers) -> None:
+        self.handlers[peer_id] = handlers
+
+    def unregister(self, peer_id: str) -> None:
+        self.handlers.pop(peer_id, None)
+
+    def is_up(self, peer_id: str) -> bool:
+        return peer_id in self.handlers
+
+    def _delay(self, src: str, dst: str, size: int) -> float | None:
+        now = self.loop.clock.now()
+        delay = self.base_delay + size / self.bytes_per_second
+        for rule in self.rules:
+            if rule.matches(src, dst, now):
+                if rule.drop:
+                    return None
+                delay += rule.extra_delay
+        return delay
+
+    def deliver(
+        self, src: str, dst: str, frame: bytes, kind: str, on_reply: Callable[[str], None] | None
+    ) -> None:
+        delay = self._delay(src, dst, len(frame))
+        self.bytes_sent[src] = self.bytes_sent.get(src, 0) + len(frame)
+        if delay is None:
+            self.dropped += 1
+            return
+
+        def arrive() -> None:
+            handlers = self.handlers.get(dst)
+            if handlers is None:
+                self.dropped += 1
+                return
+            self.bytes_received[dst] = self.bytes_received.get(dst, 0) + len(frame)
+            handle = handlers.handle_delta if kind == "delta" else handlers.handle_update
+            reply = handle(src, frame)
+            if on_reply is not None:
+                self.loop.call_later(self.base_delay, lambda: on_reply(reply) if self.is_up(src) else None)
+
+        self.loop.call_later(delay, arrive)
+
+
+class InMemoryTransport:
+    """`Transport` for one peer on a `SimNetwork`. Fetches answer at once (fake time does not move)."""
+
+    def __init__(self, network: SimNetwork, peer_id: str):
+        self.network = network
+        self.peer_id = peer_id
+
+    def bind(self, handlers: InboundHandlers) -> None:
+        self.network.register(self.peer_id, handlers)
+
+    def close(self) -> None:
+        self.network.unregister(self.peer_id)
+
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
+        self.network.deliver(self.peer_id, to_peer, frame, "delta", on_reply)
+
+    def push_update(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
+        self.network.deliver(self.peer_id, to_peer, frame, "update", on_reply)
+
+    def _remote(self, peer: str) -> InboundHandlers:
+        handlers = self.network.handlers.get(peer)
+        if handlers is None:
+            raise ConnectionError(f"peer {peer} is not reachable")
+        return handlers
+
+    def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
+        frames = self._remote(from_peer).serve_updates(self.peer_id, fragment, after_version)
+        self.network.bytes_received[self.peer_id] = self.network.bytes_received.get(self.peer_id, 0) + sum(
+            map(len, frames)
+        )
+        return frames
+
+    def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes:
+        frame = self._remote(from_peer).serve_snapshot(self.peer_id, fragment)
+        self.network.bytes_received[self.peer_id] = self.network.bytes_received.get(self.peer_id, 0) + len(
+            frame
+        )
+        return frame
