@@ -1,0 +1,178 @@
+"""Validating learners' outer deltas and merging them into one outer gradient per fragment.
+
+Owns the merge weight (tokens x tokens-per-step), the checks every incoming delta must pass before it
+can reach the global state, and the two merge rules: RDA (weighted mean of norms times the direction
+of the weighted mean of unit vectors, per tensor; plain weighted mean for embeddings) and the plain
+weighted mean. Only the synchronizer merges; replicas apply the published (quantized) result, so the
+merge must be deterministic for given inputs but need not be bit-reproducible across machines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from p2p_diloco.protocol.decisions import Decision
+
+# Actions of `validate_delta`.
+ACCEPT = "accept"
+REJECT = "reject"
+
+# Reason tags (a reason is "<tag>: <details>"). `replica` reuses the shape/dtype/finite tags.
+ACCEPTED = "accepted"
+MISSING_TENSOR = "missing tensor"
+UNEXPECTED_TENSOR = "unexpected tensor"
+WRONG_SHAPE = "wrong shape"
+WRONG_DTYPE = "wrong dtype"
+NON_FINITE = "non-finite"
+NORM_BOUND = "norm bound"
+
+MERGE_RULES = ("rda", "mean")
+
+DELTA_DTYPE = torch.float32
+
+
+def merge_weight(tokens: int, steps: int) -> float:
+    """A learner's merge weight: tokens x (tokens / steps), both counted since it last adopted the fragment.
+
+    Favours learners that trained on more data and with larger batches (more tokens per step).
+    """
+    if steps <= 0:
+        raise ValueError(f"steps must be > 0 to weigh a delta, got {steps}")
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    return float(tokens) * (float(tokens) / float(steps))
+
+
+def check_tensors(
+    tensors: Mapping[str, object],
+    expected_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    norm_bound: float | None,
+) -> Decision:
+    """Names, shapes, dtype (float32), finite values and, if `norm_bound` is given, per-tensor L2 norms.
+
+    Shared by `validate_delta` and the replica's checks on outer gradients and snapshots.
+    Checks run in a fixed order (names first, then each tensor in `expected_shapes` order) so the
+    same input always gets the same reason.
+    """
+    missing = [name for name in expected_shapes if name not in tensors]
+    if missing:
+        return Decision(REJECT, f"{MISSING_TENSOR}: {_preview(missing)}")
+    unexpected = [name for name in tensors if name not in expected_shapes]
+    if unexpected:
+        return Decision(REJECT, f"{UNEXPECTED_TENSOR}: {_preview(unexpected)}")
+    for name, shape in expected_shapes.items():
+        tensor = tensors[name]
+        if not isinstance(tensor, Tensor):
+            return Decision(REJECT, f"{WRONG_DTYPE}: {name} is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != tuple(shape):
+            return Decision(
+                REJECT, f"{WRONG_SHAPE}: {name} is {tuple(tensor.shape)}, expected {tuple(shape)}"
+            )
+        if tensor.dtype != DELTA_DTYPE or tensor.layout != torch.strided:
+            return Decision(
+                REJECT, f"{WRONG_DTYPE}: {name} is {tensor.dtype} ({tensor.layout}), expected dense float32"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            return Decision(REJECT, f"{NON_FINITE}: {name} has {bad} NaN/inf values")
+        if norm_bound is not None:
+            # float64 accumulation: a float32 sum of squares can overflow for finite, in-bound entries.
+            norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+            if not norm <= norm_bound:
+                return Decision(REJECT, f"{NORM_BOUND}: {name} has L2 norm {norm:.6g} > {norm_bound:.6g}")
+    return Decision(ACCEPT, f"{ACCEPTED}: {len(expected_shapes)} tensors")
+
+
+def validate_delta(
+    tensors: Mapping[str, Tensor],
+    expected_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    norm_bound: float,
+) -> Decision:
+    """Accept a decoded delta only if it has exactly the expected tensors, shapes, float32, finite, in bound."""
+    if not norm_bound > 0:
+        raise ValueError(f"norm_bound must be > 0, got {norm_bound}")
+    return check_tensors(tensors, expected_shapes, norm_bound=norm_bound)
+
+
+def merge_deltas(
+    deltas: Sequence[Mapping[str, Tensor]],
+    weights: Sequence[float],
+    *,
+    rule: str = "rda",
+    embedding_names: Collection[str] = (),
+) -> dict[str, Tensor]:
+    """Merge validated deltas of one fragment into one float32 outer gradient.
+
+    rule "rda", per tensor: (sum w*|v| / sum w) * unit(sum w*unit(v) / sum w); a zero vector has a zero
+    unit vector, and a zero combined direction gives a zero result (never NaN). Tensors named in
+    `embedding_names` (names absent from the deltas are ignored) and every tensor under rule "mean" use
+    the plain weighted mean sum w*v / sum w. Sums run in float64, in the order given (callers sort by
+    sender), so equal inputs give equal outputs. Weights must be finite and >= 0 with a positive total.
+    """
+    if rule not in MERGE_RULES:
+        raise ValueError(f"unknown merge rule {rule!r}; expected one of {MERGE_RULES}")
+    if not deltas:
+        raise ValueError("nothing to merge: no deltas given")
+    if len(weights) != len(deltas):
+        raise ValueError(f"{len(deltas)} deltas but {len(weights)} weights")
+    ws = [float(w) for w in weights]
+    if any(not math.isfinite(w) or w < 0 for w in ws):
+        raise ValueError(f"merge weights must be finite and >= 0, got {ws}")
+    total = math.fsum(ws)
+    if not total > 0:
+        raise ValueError(f"total merge weight must be > 0, got {total}")
+    names = list(deltas[0])
+    for index, delta in enumerate(deltas[1:], start=1):
+        if set(delta) != set(names):
+            diff = sorted(set(delta).symmetric_difference(names))
+            raise ValueError(f"delta {index} has different tensor names than delta 0: {_preview(diff)}")
+    embeddings = set(embedding_names)
+    merged: dict[str, Tensor] = {}
+    for name in names:
+        parts = [delta[name] for delta in deltas]
+        shape = parts[0].shape
+        for index, part in enumerate(parts):
+            if part.shape != shape:
+                raise ValueError(
+                    f"{name}: delta {index} has shape {tuple(part.shape)}, delta 0 {tuple(shape)}"
+                )
+        if rule == "mean" or name in embeddings:
+            merged[name] = _weighted_mean(parts, ws, total)
+        else:
+            merged[name] = _rda(parts, ws, total)
+    return merged
+
+
+def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
+    acc = torch.zeros(parts[0].shape, dtype=torch.float64)
+    for part, w in zip(parts, weights):
+        acc += part.detach().to(device="cpu", dtype=torch.float64) * w
+    return (acc / total).to(torch.float32)
+
+
+def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
+    direction = torch.zeros(parts[0].shape, dtype=torch.float64)
+    norm_sum = 0.0
+    for part, w in zip(parts, weights):
+        v = part.detach().to(device="cpu", dtype=torch.float64)
+        norm = float(torch.linalg.vector_norm(v))
+        if norm > 0:  # a zero vector adds its zero norm to the mean but no direction
+            direction += v * (w / norm)
+            norm_sum += w * norm
+    mean_norm = norm_sum / total
+    direction /= total
+    direction_norm = float(torch.linalg.vector_norm(direction))
+    if direction_norm == 0.0 or mean_norm == 0.0:  # all zero, or directions cancel exactly
+        return torch.zeros(parts[0].shape, dtype=torch.float32)
+    return (direction * (mean_norm / direction_norm)).to(torch.float32)
+
+
+def _preview(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} (+{len(names) - limit} more)"

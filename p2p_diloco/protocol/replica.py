@@ -1,0 +1,465 @@
+"""`GlobalReplica`: the CPU fp32 copy of the global state (Θ, m, v per fragment) that every peer holds.
+
+Every peer applies each published outer update itself (outer Nesterov SGD on the dequantized merged
+gradient) and compares the result with the checksum in the update, so all replicas agree bit for bit.
+This module owns that step, the checksums and digest, version ordering (duplicates and gaps are
+refused, never silently applied), loading fragments fetched from other peers, persistence to disk and
+copying the global parameters into a learner's live model.
+
+Checksum of fragment p (`fragment_checksum`): blake2b, 32-byte digest, hex, over
+    b"p2p_diloco.replica.v1" | version as 8-byte little-endian |
+    for each name in plan order: utf-8 name | b"\\0" | ndim and dims as 8-byte little-endian |
+                                 raw float32 bytes of Θ[name] | raw float32 bytes of m[name]
+(raw bytes are the host's; every supported host is little-endian). The digest of the replica is
+blake2b over the fragment checksums in fragment order, so equal digests mean identical replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.merge import (
+    ACCEPT,
+    MISSING_TENSOR,
+    NON_FINITE,
+    UNEXPECTED_TENSOR,
+    WRONG_SHAPE,
+    check_tensors,
+)
+
+if TYPE_CHECKING:
+    from p2p_diloco.protocol.fragments import FragmentPlan
+
+# Actions.
+APPLY = "apply"
+LOAD = "load"
+REFUSE = "refuse"
+
+# Reason tags (a reason is "<tag>: <details>"). Gradient/snapshot checks also use the tags of
+# `merge.check_tensors`: "missing tensor", "unexpected tensor", "wrong shape", "wrong dtype", "non-finite"
+# (snapshots report missing/unexpected tensors as "wrong shape").
+APPLIED = "applied"
+DUPLICATE_UPDATE = "duplicate update"  # from_version < version: already applied, ignore
+OUT_OF_ORDER = "out of order"  # from_version > version: a gap, replay the missing updates or fetch
+CHECKSUM_MISMATCH = "checksum mismatch"  # the replica is unchanged; refetch the fragment from a peer
+LOADED = "loaded"
+OLDER_THAN_REPLICA = "older than replica"
+
+_CHECKSUM_DOMAIN = b"p2p_diloco.replica.v1"
+_FILE_FORMAT = "p2p_diloco.replica"
+_FILE_FORMAT_VERSION = 1
+
+
+class ReplicaFileError(ValueError):
+    """A saved replica file is unreadable, corrupt or belongs to another fragment plan."""
+
+
+def fragment_checksum(
+    names: Sequence[str], params: Mapping[str, Tensor], momentum: Mapping[str, Tensor], version: int
+) -> str:
+    """The checksum documented in the module docstring."""
+    h = hashlib.blake2b(_CHECKSUM_DOMAIN, digest_size=32)
+    h.update(int(version).to_bytes(8, "little", signed=True))
+    for name in names:
+        p, m = params[name], momentum[name]
+        h.update(name.encode() + b"\0")
+        h.update(len(p.shape).to_bytes(8, "little"))
+        for dim in p.shape:
+            h.update(int(dim).to_bytes(8, "little"))
+        h.update(_raw_bytes(p))
+        h.update(_raw_bytes(m))
+    return h.hexdigest()
+
+
+def nesterov_step(
+    param: Tensor, momentum_buf: Tensor, grad: Tensor, *, lr: float, momentum: float
+) -> tuple[Tensor, Tensor]:
+    """One outer Nesterov SGD step on float32 tensors, returning (new param, new momentum); no mutation.
+
+    m' = mu*m + g;  Θ' = Θ - lr*(g + mu*m').  g is the outer gradient (anchor - θ), so it points
+    against progress like a gradient. Every operation is a separate element-wise float32 kernel with
+    its own rounding, because replicas on different CPUs must agree bit for bit: a fused multiply-add
+    (torch's `add(alpha=)`, `addcmul`, `lerp`, or one expression compiled into an FMA) rounds once
+    instead of twice, and whether a kernel uses FMA depends on the CPU and build. Plain `+`/`-` are
+    safe: torch may run them as fma(b, ±1, a), but multiplying by ±1 is exact, so the single rounding is
+    that of the plain sum. lr and momentum are rounded to float32 once, the same on every peer.
+    """
+    mu = torch.tensor(momentum, dtype=torch.float32)
+    rate = torch.tensor(lr, dtype=torch.float32)
+    decayed = momentum_buf * mu
+    new_momentum = decayed + grad
+    lookahead = new_momentum * mu
+    direction = grad + lookahead
+    step = direction * rate
+    new_param = param - step
+    return new_param, new_momentum
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """The result of one outer step on one fragment, computed but not applied (see `GlobalReplica.commit`)."""
+
+    fragment: int
+    from_version: int
+    base_checksum: str  # checksum of the fragment this was computed from
+    params: dict[str, Tensor]
+    momentum: dict[str, Tensor]
+    checksum: str  # checksum of the fragment after applying, at version from_version + 1
+
+    @property
+    def to_version(self) -> int:
+        return self.from_version + 1
+
+
+class GlobalReplica:
+    """Θ, m and v for every fragment of `plan`, on CPU in float32; tensors are never handed out uncopied.
+
+    `initial` must hold every name of the plan (extra names, e.g. buffers, are ignored). Momentum starts
+    at zero and every version at 0.
+    """
+
+    def __init__(self, plan: FragmentPlan, initial: Mapping[str, Tensor]):
+        self.plan = plan
+        seen: set[str] = set()
+        for p in range(plan.num_fragments):
+            for name in plan.names(p):
+                if name in seen:
+                    raise ValueError(f"tensor {name} appears in more than one fragment of the plan")
+                seen.add(name)
+        missing = sorted(seen - set(initial))
+        if missing:
+            raise ValueError(f"initial parameters lack {len(missing)} tensors of the plan: {missing[:5]}")
+        self._params: list[dict[str, Tensor]] = []
+        self._momentum: list[dict[str, Tensor]] = []
+        for p in range(plan.num_fragments):
+            params = {name: _cpu_fp32_copy(initial[name]) for name in plan.names(p)}
+            self._params.append(params)
+            self._momentum.append({name: torch.zeros_like(t) for name, t in params.items()})
+        self._versions = [0] * plan.num_fragments
+        # Checksum cache: valid because internal tensors are never handed out or changed in place.
+        self._checksums: list[str | None] = [None] * plan.num_fragments
+
+    # ---- reading -------------------------------------------------------------------------------------
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self._params)
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(self._versions)
+
+    def version(self, fragment: int) -> int:
+        return self._versions[self._index(fragment)]
+
+    def shapes(self, fragment: int) -> dict[str, tuple[int, ...]]:
+        """Expected shapes of the fragment's tensors, in plan order (for `merge.validate_delta`)."""
+        return {name: tuple(t.shape) for name, t in self._params[self._index(fragment)].items()}
+
+    def checksum(self, fragment: int) -> str:
+        p = self._index(fragment)
+        cached = self._checksums[p]
+        if cached is None:
+            cached = fragment_checksum(
+                self.plan.names(p), self._params[p], self._momentum[p], self._versions[p]
+            )
+            self._checksums[p] = cached
+        return cached
+
+    def digest(self) -> str:
+        """blake2b over all fragment checksums in order: equal digests <=> identical replicas."""
+        h = hashlib.blake2b(_CHECKSUM_DOMAIN + b".digest", digest_size=32)
+        for p in range(self.num_fragments):
+            h.update(bytes.fromhex(self.checksum(p)))
+        return h.hexdigest()
+
+    def params_of(self, fragment: int) -> dict[str, Tensor]:
+        return {name: t.clone() for name, t in self._params[self._index(fragment)].items()}
+
+    def export_params(self) -> dict[str, Tensor]:
+        return {name: t.clone() for params in self._params for name, t in params.items()}
+
+    def snapshot(self, fragment: int) -> tuple[int, dict[str, Tensor], dict[str, Tensor]]:
+        """(version, params, momentum) copies: what a peer serves to one fetching this fragment."""
+        p = self._index(fragment)
+        params = {name: t.clone() for name, t in self._params[p].items()}
+        momentum = {name: t.clone() for name, t in self._momentum[p].items()}
+        return self._versions[p], params, momentum
+
+    # ---- outer updates -------------------------------------------------------------------------------
+
+    def check_outer_grad(self, fragment: int, outer_grad: Mapping[str, Tensor]) -> Decision:
+        """Names, shapes, float32 and finite values of an outer gradient for `fragment` (action accept/reject)."""
+        return check_tensors(outer_grad, self.shapes(fragment), norm_bound=None)
+
+    def compute_update(
+        self, fragment: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
+    ) -> PendingUpdate:
+        """The fragment after one outer step from its current state; the replica is not changed.
+
+        Raises ValueError (message starting with a reason tag) if the gradient fails `check_outer_grad`
+        or the step overflows to non-finite values: every replica would reach the same, so a
+        synchronizer must not publish it.
+        """
+        result = self._compute(self._index(fragment), outer_grad, lr=lr, momentum=momentum)
+        if isinstance(result, Decision):
+            raise ValueError(result.reason)
+        return result
+
+    def _compute(
+        self, p: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
+    ) -> PendingUpdate | Decision:
+        check = self.check_outer_grad(p, outer_grad)
+        if check.action != ACCEPT:
+            return Decision(REFUSE, check.reason)
+        new_params: dict[str, Tensor] = {}
+        new_momentum: dict[str, Tensor] = {}
+        for name, param in self._params[p].items():
+            new_params[name], new_momentum[name] = nesterov_step(
+                param, self._momentum[p][name], outer_grad[name], lr=lr, momentum=momentum
+            )
+            if not bool(torch.isfinite(new_params[name]).all() and torch.isfinite(new_momentum[name]).all()):
+                return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
+        to_version = self._versions[p] + 1
+        return PendingUpdate(
+            fragment=p,
+            from_version=self._versions[p],
+            base_checksum=self.checksum(p),
+            params=new_params,
+            momentum=new_momentum,
+            checksum=fragment_checksum(self.plan.names(p), new_params, new_momentum, to_version),
+        )
+
+    def apply(
+        self,
+        fragment: int,
+        from_version: int,
+        outer_grad: Mapping[str, Tensor],
+        *,
+        lr: float,
+        momentum: float,
+        expected_checksum: str | None,
+    ) -> Decision:
+        """Apply the update from_version -> from_version + 1 if it is the next one and its checksum matches.
+
+        With `expected_checksum=None` the result is not verified (for a peer's own computation).
+        """
+        p = self._index(fragment)
+        order = self._check_order(p, from_version)
+        if order is not None:
+            return order
+        result = self._compute(p, outer_grad, lr=lr, momentum=momentum)
+        if isinstance(result, Decision):
+            return result
+        return self._install(result, expected_checksum, copy=False)
+
+    def commit(self, pending: PendingUpdate, *, expected_checksum: str | None = None) -> Decision:
+        """Install a `PendingUpdate` (e.g. the synchronizer's own, computed once for publishing and applying).
+
+        Refused like `apply`, and with "checksum mismatch" if the fragment changed since it was computed.
+        """
+        return self._install(pending, expected_checksum, copy=True)
+
+    def _install(self, pending: PendingUpdate, expected_checksum: str | None, *, copy: bool) -> Decision:
+        p = self._index(pending.fragment)
+        order = self._check_order(p, pending.from_version)
+        if order is not None:
+            return order
+        if pending.base_checksum != self.checksum(p):
+            return Decision(
+                REFUSE, f"{CHECKSUM_MISMATCH}: fragment {p} changed since the update was computed; recompute"
+            )
+        if expected_checksum is not None and pending.checksum != expected_checksum:
+            return Decision(
+                REFUSE,
+                f"{CHECKSUM_MISMATCH}: fragment {p} v{pending.to_version} computed {pending.checksum[:16]}, "
+                f"update says {expected_checksum[:16]}; replica unchanged, refetch the fragment",
+            )
+        # A caller's PendingUpdate is copied so later edits of its dicts cannot reach the replica.
+        self._params[p] = {name: t.clone() if copy else t for name, t in pending.params.items()}
+        self._momentum[p] = {name: t.clone() if copy else t for name, t in pending.momentum.items()}
+        self._versions[p] = pending.to_version
+        self._checksums[p] = pending.checksum
+        return Decision(APPLY, f"{APPLIED}: fragment {p} v{pending.from_version} -> v{pending.to_version}")
+
+    def _check_order(self, p: int, from_version: int) -> Decision | None:
+        current = self._versions[p]
+        if from_version < current:
+            return Decision(
+                REFUSE,
+                f"{DUPLICATE_UPDATE}: fragment {p} update from v{from_version}, replica is at v{current}",
+            )
+        if from_version > current:
+            return Decision(
+                REFUSE,
+                f"{OUT_OF_ORDER}: fragment {p} update from v{from_version}, replica is at v{current}; "
+                f"replay v{current}..v{from_version} or fetch the fragment",
+            )
+        return None
+
+    # ---- fetched fragments ---------------------------------------------------------------------------
+
+    def load_fragment(
+        self,
+        fragment: int,
+        version: int,
+        params: Mapping[str, Tensor],
+        momentum: Mapping[str, Tensor],
+        expected_checksum: str,
+        *,
+        force: bool = False,
+    ) -> Decision:
+        """Replace a fragment with one fetched from a peer, after checking shapes, values and checksum.
+
+        A version older than the replica's is refused unless `force` (reconciling after a losing branch);
+        the same version is accepted (refetch after a checksum mismatch).
+        """
+        p = self._index(fragment)
+        if version < self._versions[p] and not force:
+            return Decision(
+                REFUSE,
+                f"{OLDER_THAN_REPLICA}: fragment {p} snapshot is v{version}, replica is at v{self._versions[p]}",
+            )
+        shapes = self.shapes(p)
+        for what, tensors in (("params", params), ("momentum", momentum)):
+            check = check_tensors(tensors, shapes, norm_bound=None)
+            if check.action != ACCEPT:
+                tag, _, detail = check.reason.partition(": ")
+                if tag in (MISSING_TENSOR, UNEXPECTED_TENSOR):  # a snapshot of another layout
+                    tag, detail = WRONG_SHAPE, check.reason
+                return Decision(REFUSE, f"{tag}: {what}: {detail}")
+        names = self.plan.names(p)
+        got = fragment_checksum(names, params, momentum, version)
+        if got != expected_checksum:
+            return Decision(
+                REFUSE,
+                f"{CHECKSUM_MISMATCH}: fragment {p} snapshot v{version} hashes to {got[:16]}, "
+                f"expected {expected_checksum[:16]}; replica unchanged",
+            )
+        self._params[p] = {name: _cpu_fp32_copy(params[name]) for name in names}
+        self._momentum[p] = {name: _cpu_fp32_copy(momentum[name]) for name in names}
+        previous, self._versions[p] = self._versions[p], version
+        self._checksums[p] = got
+        return Decision(LOAD, f"{LOADED}: fragment {p} v{previous} -> v{version}")
+
+    # ---- adoption into a learner's model -------------------------------------------------------------
+
+    def adopt_into(
+        self,
+        model_params: Mapping[str, Tensor],
+        fragment: int,
+        *,
+        mode: str = "overwrite",
+        alpha: float = 0.5,
+    ) -> None:
+        """Copy Θ_p into the live model tensors in place (any device/dtype): overwrite, or blend
+        θ <- (1 - alpha)·θ + alpha·Θ. Raises KeyError/ValueError if the model lacks a tensor or its shape differs.
+        """
+        if mode not in ("overwrite", "blend"):
+            raise ValueError(f"adoption mode must be 'overwrite' or 'blend', got {mode!r}")
+        if mode == "blend" and not 0.0 < alpha <= 1.0:
+            raise ValueError(f"blend alpha must be in (0, 1], got {alpha}")
+        p = self._index(fragment)
+        for name, source in self._params[p].items():
+            if name not in model_params:
+                raise KeyError(f"model has no tensor {name} (fragment {p})")
+            if tuple(model_params[name].shape) != tuple(source.shape):
+                raise ValueError(
+                    f"{name}: model shape {tuple(model_params[name].shape)} != {tuple(source.shape)}"
+                )
+        with torch.no_grad():
+            for name, source in self._params[p].items():
+                target = model_params[name]
+                if mode == "overwrite":
+                    target.copy_(source)
+                else:  # learner-local, so rounding differences between machines do not matter here
+                    target.lerp_(source.to(device=target.device, dtype=target.dtype), alpha)
+
+    # ---- persistence ---------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the whole replica to `path` atomically (temporary file in the same folder, then rename)."""
+        path = Path(path)
+        state: dict[str, Any] = {
+            "format": _FILE_FORMAT,
+            "format_version": _FILE_FORMAT_VERSION,
+            "fragments": [list(self.plan.names(p)) for p in range(self.num_fragments)],
+            "versions": list(self._versions),
+            "checksums": [self.checksum(p) for p in range(self.num_fragments)],
+            "params": [dict(params) for params in self._params],
+            "momentum": [dict(momentum) for momentum in self._momentum],
+        }
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    @classmethod
+    def load(cls, path: str | Path, plan: FragmentPlan) -> GlobalReplica:
+        """Read a replica written by `save`; raises `ReplicaFileError` saying what is wrong."""
+        path = Path(path)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError as exc:
+            raise ReplicaFileError(f"replica file {path} does not exist") from exc
+        except Exception as exc:  # torch raises several types for truncated or foreign files
+            raise ReplicaFileError(f"replica file {path} is unreadable: {exc}") from exc
+        if not isinstance(state, dict) or state.get("format") != _FILE_FORMAT:
+            raise ReplicaFileError(f"{path} is not a p2p_diloco replica file")
+        if state.get("format_version") != _FILE_FORMAT_VERSION:
+            raise ReplicaFileError(
+                f"{path} has replica format version {state.get('format_version')}, expected {_FILE_FORMAT_VERSION}"
+            )
+        expected = [list(plan.names(p)) for p in range(plan.num_fragments)]
+        if state.get("fragments") != expected:
+            raise ReplicaFileError(
+                f"{path} was saved with a different fragment plan ({len(state.get('fragments') or [])} fragments); "
+                "it belongs to another model or manifest"
+            )
+        count = plan.num_fragments
+        for key, kind in (("versions", int), ("checksums", str), ("params", dict), ("momentum", dict)):
+            value = state.get(key)
+            if not (
+                isinstance(value, list) and len(value) == count and all(isinstance(v, kind) for v in value)
+            ):
+                raise ReplicaFileError(f"{path}: '{key}' must be a list of {count} {kind.__name__} values")
+        try:
+            replica = cls(plan, {name: t for params in state["params"] for name, t in params.items()})
+        except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            raise ReplicaFileError(f"{path}: parameters do not fit the plan: {exc}") from exc
+        for p in range(count):
+            decision = replica.load_fragment(
+                p, state["versions"][p], state["params"][p], state["momentum"][p], state["checksums"][p]
+            )
+            if decision.action != LOAD:
+                raise ReplicaFileError(f"{path}: fragment {p} is corrupt: {decision.reason}")
+        return replica
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _index(self, fragment: int) -> int:
+        if not 0 <= fragment < len(self._params):
+            raise IndexError(f"fragment {fragment} out of range 0..{len(self._params) - 1}")
+        return fragment
+
+
+def _cpu_fp32_copy(t: Tensor) -> Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+
+
+def _raw_bytes(t: Tensor) -> memoryview:
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).numpy()).cast("B")
