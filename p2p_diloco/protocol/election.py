@@ -1,0 +1,388 @@
+"""The synchronizer election: a deterministic rule every peer evaluates on the DHT records it reads.
+
+hivemind's DHT has no compare-and-swap (per key/subkey the later expiration wins), so nobody "wins" a
+write; instead every peer reads the same heartbeats (`{run}/peers`) and leases (`{run}/lease`, one subkey
+per holder) and applies `decide`. Peers that read the same records reach the same conclusion.
+
+The rule, in short:
+- the live lease (not expired, not released) with the highest term is the synchronizer; ties between live
+  leases of one term go to the holder ranked first by `rendezvous_rank(LEASE_TIE_SALT, term, holders)`;
+- T = the highest term anyone has seen (lease records still visible, and `term_seen` in heartbeats, so a
+  term survives its lease record disappearing from the DHT). A holder of a term below T steps down;
+- with no live lease of term >= T, the up-to-date eligible peers are ranked for term T+1 by a rendezvous
+  hash of (run, T+1, peer ID). From a base time, claim windows of `claim_grace` seconds go to the ranked
+  candidates in turn (rank 0 first, then rank 1 if rank 0 never claimed, ..., wrapping around), so at any
+  moment exactly one candidate may claim. The base is the last lease's expiry + `lease_margin` ("lease
+  grace"), or its release time for a released lease (rotation: no margin, and the previous holder is left
+  out of the ranking if anyone else is eligible). With no record of term T visible the windows are aligned
+  on time 0;
+- fencing: a holder stops merging once `now >= expires_at - lease_margin` (it steps down instead of renewing
+  late), while claimants wait until `expires_at + lease_margin`. Clocks may disagree by up to
+  `lease_margin` and the two sides still never overlap. Updates carry their term and replicas ignore
+  updates of a term below the highest they have seen (`should_accept_update`).
+
+Record conventions (the swarm layer writes these; `ElectionDecision.lease_to_write` and
+`release_lease` build them):
+- every lease write (claim, renewal, release) sets `expires_at = now + lease_ttl`, so a record's write time
+  is `expires_at - lease_ttl`; for a released lease that is the release time;
+- store a lease in the DHT with an expiration later than `expires_at` (e.g. `dht_expiration`), so followers
+  still see the term and the lease grace after the lease lapses; later writes then also win at their subkey.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from p2p_diloco.config import SwarmTiming
+from p2p_diloco.protocol.decisions import Decision
+
+# decide(): actions
+FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = "follow", "hold", "renew", "step_down", "claim", "wait"
+# decide(): reason tags
+TAG_HELD_BY = "held by"  # follow: another peer holds a live lease
+TAG_HOLDING = "holding"  # hold: my lease is live and not due for renewal
+TAG_RENEW = "renew"  # renew: lease_renew_fraction of the TTL has elapsed
+TAG_HIGHER_TERM = "higher term"  # step_down: someone holds (or has held) a term above mine
+TAG_LOST_TIE = "lost tie"  # step_down: another live lease of my term wins the rendezvous tie-break
+TAG_LEASE_EXPIRED = "lease expired"  # step_down: too close to (or past) expiry to renew safely
+TAG_TERM_ENDED = "term ended"  # step_down: term_rounds rounds done; finish in-flight rounds, then release
+TAG_CLAIM = "claim"  # claim: my window for term T+1 is open
+TAG_LEASE_GRACE = "lease grace"  # wait: the last lease has not yet passed expiry + lease_margin
+TAG_CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is open
+TAG_NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable, lagging, or just rotated out
+TAG_NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
+# should_accept_update(): actions and tags
+ACCEPT, IGNORE = "accept", "ignore"
+TAG_CURRENT_TERM = "current term"
+TAG_NEWER_TERM = "newer term"
+TAG_LOWER_TERM = "lower term"
+
+LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves
+
+
+@dataclass(frozen=True)
+class PeerHeartbeat:
+    """One peer's heartbeat as read from `{run}/peers`. `versions` are its replica's fragment versions;
+    `term_seen` is the highest lease term it has seen (keeps terms monotonic after lease records vanish)."""
+
+    peer_id: str
+    may_sync: bool
+    reachable: bool
+    versions: tuple[int, ...]
+    expires_at: float
+    term_seen: int = 0
+
+    def live(self, now: float) -> bool:
+        return now < self.expires_at
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """One holder's lease from `{run}/lease` (subkey = holder). Live while not released and `now < expires_at`."""
+
+    holder: str
+    term: int
+    expires_at: float
+    rounds_done: int = 0
+    released: bool = False
+
+    def live(self, now: float) -> bool:
+        return not self.released and now < self.expires_at
+
+
+@dataclass(frozen=True)
+class ElectionDecision(Decision):
+    """`term`/`holder`: the term this decision is about and who holds it (or whose claim window is open);
+    `expires_at`: for claim/renew the expiry to write, otherwise the relevant lease's expiry (or None)."""
+
+    term: int = 0
+    holder: str | None = None
+    expires_at: float | None = None
+    rounds_done: int = 0
+
+    def lease_to_write(self) -> LeaseRecord | None:
+        """The record to store for a claim or renewal; None for every other action."""
+        if self.action not in (CLAIM, RENEW) or self.holder is None or self.expires_at is None:
+            return None
+        return LeaseRecord(self.holder, self.term, self.expires_at, self.rounds_done)
+
+
+def _score(run_id: str, term: int, peer_id: str) -> int:
+    digest = hashlib.blake2b(f"{run_id}/{term}/{peer_id}".encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_rank(run_id: str, term: int, peer_ids: Iterable[str]) -> list[str]:
+    """Distinct `peer_ids` ordered by blake2b(run_id/term/peer_id), highest score first (ID breaks ties)."""
+    return sorted(set(peer_ids), key=lambda p: (_score(run_id, term, p), p), reverse=True)
+
+
+def highest_term(leases: Iterable[LeaseRecord]) -> int:
+    """The highest term among all visible lease records, expired and released ones included (0 if none)."""
+    return max((lease.term for lease in leases), default=0)
+
+
+def highest_term_seen(leases: Iterable[LeaseRecord], heartbeats: Iterable[PeerHeartbeat]) -> int:
+    """T: the highest term in visible leases or reported by any heartbeat's `term_seen`."""
+    return max(highest_term(leases), max((hb.term_seen for hb in heartbeats), default=0))
+
+
+def current_holder(leases: Iterable[LeaseRecord], now: float) -> LeaseRecord | None:
+    """The live lease with the highest term; between live leases of that term, the holder ranked first by
+    `rendezvous_rank(LEASE_TIE_SALT, term, holders)`. None if no lease is live."""
+    live = [lease for lease in leases if lease.live(now)]
+    if not live:
+        return None
+    top = max(lease.term for lease in live)
+    of_top = {lease.holder: lease for lease in sorted(live, key=lambda x: x.expires_at) if lease.term == top}
+    return of_top[rendezvous_rank(LEASE_TIE_SALT, top, of_top)[0]]
+
+
+def eligible_candidates(
+    heartbeats: Iterable[PeerHeartbeat], now: float, max_lag: int = 0
+) -> list[PeerHeartbeat]:
+    """Live heartbeats that may synchronize, are reachable and are up to date, sorted by peer ID.
+
+    Up to date: the sum of its fragment versions is within `max_lag` of the highest such sum among *all*
+    live heartbeats (a synchronizer must start from the newest global state, and any peer holding it counts).
+    """
+    live = [hb for hb in heartbeats if hb.live(now)]
+    newest = max((sum(hb.versions) for hb in live), default=0)
+    ok = [hb for hb in live if hb.may_sync and hb.reachable and sum(hb.versions) >= newest - max_lag]
+    return sorted(ok, key=lambda hb: hb.peer_id)
+
+
+def _why_not_eligible(self_id: str, heartbeats: Sequence[PeerHeartbeat], now: float, max_lag: int) -> str:
+    mine = [hb for hb in heartbeats if hb.peer_id == self_id and hb.live(now)]
+    if not mine:
+        return "no live heartbeat of mine"
+    hb = max(mine, key=lambda x: x.expires_at)
+    if not hb.may_sync:
+        return "may_sync is off"
+    if not hb.reachable:
+        return "not reachable"
+    newest = max(sum(h.versions) for h in heartbeats if h.live(now))
+    return f"versions sum {sum(hb.versions)} lags the newest {newest} by more than {max_lag}"
+
+
+def release_lease(lease: LeaseRecord, now: float, timing: SwarmTiming, rounds_done: int) -> LeaseRecord:
+    """The released record a holder writes when its term ends, after finishing its in-flight rounds.
+
+    Like every lease write it expires at ``now + lease_ttl``, so its write (release) time is recoverable and
+    its DHT expiration is later than the record it replaces."""
+    return replace(lease, expires_at=now + timing.lease_ttl, rounds_done=rounds_done, released=True)
+
+
+def dht_expiration(lease: LeaseRecord, timing: SwarmTiming) -> float:
+    """DHT expiration for storing `lease`: one TTL past its logical expiry, so the term stays visible."""
+    return lease.expires_at + timing.lease_ttl
+
+
+def _claim_base(last: Sequence[LeaseRecord], timing: SwarmTiming) -> float:
+    """When claims for the next term may start, from the (non-live) records of the highest term; with none
+    visible, claim windows are aligned on time 0."""
+    if not last:
+        return 0.0
+    return max(
+        lease.expires_at - timing.lease_ttl if lease.released else lease.expires_at + timing.lease_margin
+        for lease in last
+    )
+
+
+def decide(
+    self_id: str,
+    run_id: str,
+    heartbeats: Iterable[PeerHeartbeat],
+    leases: Iterable[LeaseRecord],
+    now: float,
+    timing: SwarmTiming,
+    *,
+    my_lease: LeaseRecord | None,
+    rounds_done: int,
+    max_lag: int = 0,
+) -> ElectionDecision:
+    """What `self_id` should do about the synchronizer role now.
+
+    `my_lease` is the lease this peer last wrote and still believes it holds (None, or a released record,
+    when it holds none); `rounds_done` counts the rounds it merged in that term.
+    """
+    heartbeats, leases = list(heartbeats), list(leases)
+    term_seen = highest_term_seen(leases, heartbeats)
+    holder = current_holder(leases, now)
+    if my_lease is not None and not my_lease.released:
+        if my_lease.holder != self_id:
+            raise ValueError(f"my_lease is held by {my_lease.holder!r}, not by this peer {self_id!r}")
+        return _decide_as_holder(my_lease, holder, term_seen, leases, now, timing, rounds_done)
+
+    if holder is not None and holder.term >= term_seen:
+        if holder.holder == self_id:  # my own lease from before a restart: let it lapse, do not resume
+            return ElectionDecision(
+                WAIT,
+                f"{TAG_LEASE_GRACE}: my own term {holder.term} lease from before a restart, live until "
+                f"{holder.expires_at:.2f}",
+                term=holder.term,
+                holder=self_id,
+                expires_at=holder.expires_at,
+            )
+        return ElectionDecision(
+            FOLLOW,
+            f"{TAG_HELD_BY}: {holder.holder} term {holder.term} until {holder.expires_at:.2f}",
+            term=holder.term,
+            holder=holder.holder,
+            expires_at=holder.expires_at,
+        )
+    return _decide_claim(self_id, run_id, heartbeats, leases, term_seen, now, timing, max_lag)
+
+
+def _decide_as_holder(
+    mine: LeaseRecord,
+    holder: LeaseRecord | None,
+    term_seen: int,
+    leases: Sequence[LeaseRecord],
+    now: float,
+    timing: SwarmTiming,
+    rounds_done: int,
+) -> ElectionDecision:
+    term = mine.term
+    if holder is not None and holder.term > term:
+        return ElectionDecision(
+            STEP_DOWN,
+            f"{TAG_HIGHER_TERM}: {holder.holder} holds term {holder.term} > my term {term}",
+            term=holder.term,
+            holder=holder.holder,
+            expires_at=holder.expires_at,
+        )
+    if term_seen > term:
+        return ElectionDecision(
+            STEP_DOWN, f"{TAG_HIGHER_TERM}: term {term_seen} was seen > my term {term}", term=term_seen
+        )
+    if holder is not None and holder.term == term and holder.holder != mine.holder:
+        return ElectionDecision(
+            STEP_DOWN,
+            f"{TAG_LOST_TIE}: {holder.holder} also holds term {term} and wins the tie-break",
+            term=term,
+            holder=holder.holder,
+            expires_at=holder.expires_at,
+        )
+    # Others fence me on what they read: if my renewal is not visible yet, the older expiry is the one
+    # that counts.
+    visible = [x.expires_at for x in leases if x.holder == mine.holder and x.term == term and not x.released]
+    expires_at = min([mine.expires_at, *visible])
+    if now >= expires_at - timing.lease_margin:
+        return ElectionDecision(
+            STEP_DOWN,
+            f"{TAG_LEASE_EXPIRED}: term {term} lease expires at {expires_at:.2f}; stop merging by "
+            f"{expires_at - timing.lease_margin:.2f} (margin {timing.lease_margin}s)",
+            term=term,
+            holder=mine.holder,
+            expires_at=expires_at,
+        )
+    if rounds_done >= timing.term_rounds:
+        return ElectionDecision(
+            STEP_DOWN,
+            f"{TAG_TERM_ENDED}: {rounds_done} of {timing.term_rounds} rounds done in term {term}; "
+            "finish in-flight rounds, then release",
+            term=term,
+            holder=mine.holder,
+            expires_at=expires_at,
+            rounds_done=rounds_done,
+        )
+    written_at = expires_at - timing.lease_ttl
+    if now - written_at >= timing.lease_renew_fraction * timing.lease_ttl:
+        return ElectionDecision(
+            RENEW,
+            f"{TAG_RENEW}: term {term}, {now - written_at:.2f}s of {timing.lease_ttl}s elapsed",
+            term=term,
+            holder=mine.holder,
+            expires_at=now + timing.lease_ttl,
+            rounds_done=rounds_done,
+        )
+    return ElectionDecision(
+        HOLD,
+        f"{TAG_HOLDING}: term {term} until {expires_at:.2f}, {rounds_done} rounds done",
+        term=term,
+        holder=mine.holder,
+        expires_at=expires_at,
+        rounds_done=rounds_done,
+    )
+
+
+def _decide_claim(
+    self_id: str,
+    run_id: str,
+    heartbeats: Sequence[PeerHeartbeat],
+    leases: Sequence[LeaseRecord],
+    term_seen: int,
+    now: float,
+    timing: SwarmTiming,
+    max_lag: int,
+) -> ElectionDecision:
+    next_term = term_seen + 1
+    last = [lease for lease in leases if lease.term == term_seen]
+    base = _claim_base(last, timing)
+    if last and now < base:
+        old = max(last, key=lambda x: x.expires_at)
+        return ElectionDecision(
+            WAIT,
+            f"{TAG_LEASE_GRACE}: term {term_seen} of {old.holder} lapsed; claims for term {next_term} "
+            f"open at {base:.2f}",
+            term=term_seen,
+            holder=old.holder,
+            expires_at=old.expires_at,
+        )
+    candidates = [hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag)]
+    if not candidates:
+        live = sum(hb.live(now) for hb in heartbeats)
+        return ElectionDecision(
+            WAIT,
+            f"{TAG_NO_CANDIDATES}: none of {live} live peers is eligible for term {next_term}",
+            term=next_term,
+        )
+    rotated_out = {lease.holder for lease in last if lease.released}
+    if any(c not in rotated_out for c in candidates):
+        candidates = [c for c in candidates if c not in rotated_out]
+    ranking = rendezvous_rank(run_id, next_term, candidates)
+    window = math.floor((now - base) / timing.claim_grace)
+    turn = ranking[window % len(ranking)]
+    if self_id not in ranking:
+        why = "previous holder, rotating out" if self_id in rotated_out else None
+        why = why or _why_not_eligible(self_id, heartbeats, now, max_lag)
+        return ElectionDecision(
+            WAIT, f"{TAG_NOT_ELIGIBLE}: {why}; {turn} may claim term {next_term}", term=next_term, holder=turn
+        )
+    if turn == self_id:
+        return ElectionDecision(
+            CLAIM,
+            f"{TAG_CLAIM}: term {next_term}, rank {ranking.index(self_id) + 1} of {len(ranking)}",
+            term=next_term,
+            holder=self_id,
+            expires_at=now + timing.lease_ttl,
+        )
+    rank = ranking.index(self_id)
+    my_window = window + (rank - window) % len(ranking)
+    return ElectionDecision(
+        WAIT,
+        f"{TAG_CLAIM_GRACE}: {turn} may claim term {next_term} now; I am rank {rank + 1} of {len(ranking)}, "
+        f"my turn at {base + my_window * timing.claim_grace:.2f}",
+        term=next_term,
+        holder=turn,
+    )
+
+
+def should_accept_update(update_term: int, highest_term_seen: int) -> Decision:
+    """Fencing for replicas: ignore an update whose term is below the highest term this replica has seen.
+
+    "accept" with "newer term" tells the caller to raise its highest term seen to `update_term`.
+    """
+    if update_term < highest_term_seen:
+        return Decision(
+            IGNORE, f"{TAG_LOWER_TERM}: update term {update_term} < highest seen {highest_term_seen}"
+        )
+    if update_term > highest_term_seen:
+        return Decision(
+            ACCEPT, f"{TAG_NEWER_TERM}: update term {update_term} > highest seen {highest_term_seen}"
+        )
+    return Decision(ACCEPT, f"{TAG_CURRENT_TERM}: term {update_term}")

@@ -1,0 +1,352 @@
+"""Synchronizer election over DHT records: every action and tag of `decide`, ranking, ties and fencing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.config import SwarmTiming
+from p2p_diloco.protocol import election as el
+from p2p_diloco.protocol.election import (
+    LeaseRecord,
+    PeerHeartbeat,
+    current_holder,
+    decide,
+    eligible_candidates,
+    highest_term,
+    rendezvous_rank,
+    should_accept_update,
+)
+
+RUN = "run-1"
+T = SwarmTiming()  # lease_ttl 6, renew at 50%, claim_grace 2, lease_margin 0.5, term_rounds 50
+PEERS = ("peer-a", "peer-b", "peer-c")
+
+
+def hb(peer: str, *, versions=(3, 3), expires_at=1000.0, may_sync=True, reachable=True, term_seen=0):
+    return PeerHeartbeat(peer, may_sync, reachable, tuple(versions), expires_at, term_seen)
+
+
+def everyone(*extra: PeerHeartbeat) -> list[PeerHeartbeat]:
+    replaced = {h.peer_id for h in extra}
+    return [hb(p) for p in PEERS if p not in replaced] + list(extra)
+
+
+def run_decide(peer, heartbeats, leases, now, *, my_lease=None, rounds_done=0, timing=T):
+    return decide(peer, RUN, heartbeats, leases, now, timing, my_lease=my_lease, rounds_done=rounds_done)
+
+
+def tag(decision) -> str:
+    return decision.reason.split(":")[0]
+
+
+# --- ranking, holders, eligibility -------------------------------------------------------------------
+
+
+def test_rendezvous_rank_is_deterministic_and_order_free():
+    ranked = rendezvous_rank(RUN, 4, PEERS)
+    assert ranked == rendezvous_rank(RUN, 4, reversed(PEERS)) == rendezvous_rank(RUN, 4, PEERS + PEERS)
+    assert sorted(ranked) == sorted(PEERS)
+    # the top candidate changes with the term (rotation spreads the role) and with the run
+    assert len({rendezvous_rank(RUN, t, PEERS)[0] for t in range(1, 30)}) == 3
+    assert any(rendezvous_rank("other", t, PEERS) != rendezvous_rank(RUN, t, PEERS) for t in range(1, 10))
+
+
+def test_current_holder_takes_highest_live_term_and_ignores_expired_or_released():
+    leases = [
+        LeaseRecord("peer-a", 2, expires_at=50.0),
+        LeaseRecord("peer-b", 5, expires_at=9.0),  # expired
+        LeaseRecord("peer-c", 6, expires_at=50.0, released=True),
+    ]
+    assert current_holder(leases, 10.0) == leases[0]
+    assert current_holder(leases, 50.0) is None
+    assert highest_term(leases) == 6
+    assert highest_term([]) == 0
+
+
+def test_tie_between_two_live_leases_of_one_term_is_resolved_identically_by_everyone():
+    a, b = LeaseRecord("peer-a", 3, 20.0), LeaseRecord("peer-b", 3, 21.0)
+    winner = current_holder([a, b], 10.0)
+    assert winner == current_holder([b, a], 10.0)
+    assert (
+        winner is not None and winner.holder == rendezvous_rank(el.LEASE_TIE_SALT, 3, ["peer-a", "peer-b"])[0]
+    )
+    loser = a if winner is b else b
+    views = {
+        p: run_decide(p, everyone(), [a, b], 10.0, my_lease={a.holder: a, b.holder: b}.get(p)) for p in PEERS
+    }
+    assert views[loser.holder].action == el.STEP_DOWN and tag(views[loser.holder]) == el.TAG_LOST_TIE
+    assert views[winner.holder].action == el.HOLD
+    assert views["peer-c"].action == el.FOLLOW and views["peer-c"].holder == winner.holder
+
+
+def test_eligible_candidates_filters_may_sync_reachability_lag_and_liveness():
+    beats = [
+        hb("ok", versions=(4, 4)),
+        hb("no-sync", may_sync=False, versions=(4, 4)),
+        hb("unreachable", reachable=False, versions=(4, 4)),
+        hb("lagging", versions=(4, 3)),
+        hb("dead", versions=(4, 4), expires_at=5.0),
+        hb("observer", may_sync=False, versions=(5, 4)),  # newest state sets the bar even if it cannot sync
+    ]
+    assert [h.peer_id for h in eligible_candidates(beats, 10.0)] == []
+    assert [h.peer_id for h in eligible_candidates(beats, 10.0, max_lag=1)] == ["ok"]
+    assert [h.peer_id for h in eligible_candidates(beats, 10.0, max_lag=2)] == ["lagging", "ok"]
+    assert [h.peer_id for h in eligible_candidates(beats[:5], 10.0)] == ["ok"]
+
+
+# --- the holder's side -------------------------------------------------------------------------------
+
+
+def test_follow_when_another_peer_holds_a_live_lease():
+    lease = LeaseRecord("peer-b", 2, expires_at=20.0)
+    d = run_decide("peer-a", everyone(), [lease], 15.0)
+    assert (d.action, tag(d), d.holder, d.term, d.expires_at) == (
+        el.FOLLOW,
+        el.TAG_HELD_BY,
+        "peer-b",
+        2,
+        20.0,
+    )
+    assert d.lease_to_write() is None
+
+
+def test_hold_then_renew_once_the_renew_fraction_has_elapsed():
+    mine = LeaseRecord("peer-a", 2, expires_at=16.0)  # written at 10
+    hold = run_decide("peer-a", everyone(), [mine], 12.9, my_lease=mine, rounds_done=3)
+    assert (hold.action, tag(hold), hold.term) == (el.HOLD, el.TAG_HOLDING, 2)
+    renew = run_decide("peer-a", everyone(), [mine], 13.0, my_lease=mine, rounds_done=3)
+    assert (renew.action, tag(renew), renew.term, renew.expires_at) == (el.RENEW, el.TAG_RENEW, 2, 19.0)
+    assert renew.lease_to_write() == LeaseRecord("peer-a", 2, 19.0, rounds_done=3)
+
+
+def test_step_down_when_a_higher_term_is_live_or_was_seen():
+    mine = LeaseRecord("peer-a", 2, expires_at=16.0)
+    other = LeaseRecord("peer-b", 3, expires_at=18.0)
+    d = run_decide("peer-a", everyone(), [mine, other], 12.0, my_lease=mine)
+    assert (d.action, tag(d), d.term, d.holder) == (el.STEP_DOWN, el.TAG_HIGHER_TERM, 3, "peer-b")
+    # the term-3 record is gone from the DHT, but a heartbeat remembers it
+    d = run_decide("peer-a", everyone(hb("peer-c", term_seen=3)), [mine], 12.0, my_lease=mine)
+    assert (d.action, tag(d), d.term) == (el.STEP_DOWN, el.TAG_HIGHER_TERM, 3)
+
+
+def test_step_down_instead_of_renewing_too_close_to_expiry():
+    mine = LeaseRecord("peer-a", 2, expires_at=16.0)
+    assert run_decide("peer-a", everyone(), [mine], 15.49, my_lease=mine).action == el.RENEW
+    for now in (15.5, 16.0, 30.0):  # fencing: stop merging lease_margin before anyone may claim
+        d = run_decide("peer-a", everyone(), [mine], now, my_lease=mine)
+        assert (d.action, tag(d)) == (el.STEP_DOWN, el.TAG_LEASE_EXPIRED), now
+
+
+def test_holder_fences_on_the_older_expiry_others_still_see():
+    written = LeaseRecord("peer-a", 2, expires_at=19.0)  # my renewal at 13 ...
+    visible = LeaseRecord("peer-a", 2, expires_at=16.0)  # ... has not reached the replicas I read
+    d = run_decide("peer-a", everyone(), [visible], 15.6, my_lease=written)
+    assert (d.action, tag(d), d.expires_at) == (el.STEP_DOWN, el.TAG_LEASE_EXPIRED, 16.0)
+    assert run_decide("peer-a", everyone(), [written], 15.6, my_lease=written).action == el.HOLD
+
+
+def test_term_ended_then_release_rotates_to_the_next_candidate_without_margin():
+    mine = LeaseRecord("peer-a", 2, expires_at=16.0)
+    d = run_decide("peer-a", everyone(), [mine], 12.0, my_lease=mine, rounds_done=T.term_rounds)
+    assert (d.action, tag(d), d.term) == (el.STEP_DOWN, el.TAG_TERM_ENDED, 2)
+    released = el.release_lease(mine, 12.5, T, rounds_done=T.term_rounds)
+    assert (
+        released.released
+        and released.expires_at == 18.5
+        and el.dht_expiration(released, T) > 16.0 + T.lease_ttl
+    )
+    others = rendezvous_rank(RUN, 3, ["peer-b", "peer-c"])
+    views = {
+        p: run_decide(p, everyone(), [released], 12.5, my_lease=released if p == "peer-a" else None)
+        for p in PEERS
+    }
+    assert (views[others[0]].action, views[others[0]].term) == (el.CLAIM, 3)  # immediately, no lease_margin
+    assert tag(views[others[1]]) == el.TAG_CLAIM_GRACE and views[others[1]].holder == others[0]
+    assert tag(views["peer-a"]) == el.TAG_NOT_ELIGIBLE and "previous holder" in views["peer-a"].reason
+    # if nobody else is eligible, the previous holder takes the next term itself
+    alone = [hb("peer-a"), hb("peer-b", may_sync=False), hb("peer-c", reachable=False)]
+    assert run_decide("peer-a", alone, [released], 12.5).action == el.CLAIM
+
+
+def test_my_lease_must_be_mine():
+    with pytest.raises(ValueError, match="held by"):
+        run_decide("peer-a", everyone(), [], 1.0, my_lease=LeaseRecord("peer-b", 1, 5.0))
+
+
+# --- claiming ----------------------------------------------------------------------------------------
+
+OLD = LeaseRecord("peer-x", 3, expires_at=10.0)  # a crashed holder: claims open at 10.5
+
+
+def decisions(now, leases=(OLD,), beats=None):
+    beats = everyone() if beats is None else beats
+    return {p: run_decide(p, beats, list(leases), now) for p in PEERS}
+
+
+def test_lease_grace_until_expiry_plus_margin():
+    for now in (10.0, 10.49):
+        for d in decisions(now).values():
+            assert (d.action, tag(d), d.term, d.holder) == (el.WAIT, el.TAG_LEASE_GRACE, 3, "peer-x")
+
+
+def test_top_candidate_claims_first_and_the_others_wait_their_turn_in_order():
+    ranked = rendezvous_rank(RUN, 4, PEERS)
+    for slot, now in enumerate((10.5, 12.5, 14.5, 16.5)):  # the second claims only if the first never did
+        ds = decisions(now)
+        claimer = ranked[slot % 3]
+        assert (ds[claimer].action, tag(ds[claimer]), ds[claimer].term) == (el.CLAIM, el.TAG_CLAIM, 4)
+        assert ds[claimer].lease_to_write() == LeaseRecord(claimer, 4, now + T.lease_ttl)
+        for p in set(PEERS) - {claimer}:
+            assert (ds[p].action, tag(ds[p]), ds[p].holder) == (el.WAIT, el.TAG_CLAIM_GRACE, claimer)
+    second = decisions(12.49)[ranked[1]]
+    assert tag(second) == el.TAG_CLAIM_GRACE and "12.50" in second.reason
+
+
+def test_once_a_claim_is_visible_everyone_follows_it():
+    ranked = rendezvous_rank(RUN, 4, PEERS)
+    claimed = LeaseRecord(ranked[0], 4, expires_at=16.5)
+    ds = {
+        p: run_decide(p, everyone(), [OLD, claimed], 11.0, my_lease=claimed if p == ranked[0] else None)
+        for p in PEERS
+    }
+    assert ds[ranked[0]].action == el.HOLD
+    assert all(ds[p].action == el.FOLLOW and ds[p].holder == ranked[0] for p in ranked[1:])
+
+
+@pytest.mark.parametrize(
+    ("beat", "why"),
+    [
+        (hb("peer-a", may_sync=False), "may_sync"),
+        (hb("peer-a", reachable=False), "reachable"),
+        (hb("peer-a", versions=(3, 2)), "lags"),
+        (hb("peer-a", expires_at=5.0), "no live heartbeat"),
+    ],
+)
+def test_not_eligible_peers_never_claim(beat, why):
+    for now in (10.5, 12.5, 14.5, 16.5, 18.5):
+        d = run_decide("peer-a", everyone(beat), [OLD], now)
+        assert (d.action, tag(d), d.term) == (el.WAIT, el.TAG_NOT_ELIGIBLE, 4)
+        assert why in d.reason and d.holder in ("peer-b", "peer-c")
+
+
+def test_no_candidates():
+    beats = [hb(p, may_sync=False) for p in PEERS]
+    for d in decisions(11.0, beats=beats).values():
+        assert (d.action, tag(d)) == (el.WAIT, el.TAG_NO_CANDIDATES)
+
+
+def test_fresh_run_without_any_lease_elects_exactly_one():
+    for now in (0.0, 1.0, 3.0, 777.7):
+        ds = decisions(now, leases=())
+        claims = [p for p, d in ds.items() if d.action == el.CLAIM]
+        assert len(claims) == 1 and all(d.term == 1 and d.holder == claims[0] for d in ds.values())
+
+
+def test_restarted_holder_does_not_resume_its_old_lease():
+    lease = LeaseRecord("peer-a", 2, expires_at=20.0)
+    d = run_decide("peer-a", everyone(), [lease], 15.0, my_lease=None)
+    assert (d.action, tag(d), d.holder) == (el.WAIT, el.TAG_LEASE_GRACE, "peer-a")
+
+
+def test_stale_lower_term_lease_is_not_followed():
+    stale = LeaseRecord("peer-b", 2, expires_at=50.0)  # should have stepped down: term 3 was seen
+    ds = decisions(20.0, leases=[stale, LeaseRecord("peer-c", 3, expires_at=10.0)])
+    assert all(d.action in (el.CLAIM, el.WAIT) and d.term == 4 for d in ds.values())
+    assert sum(d.action == el.CLAIM for d in ds.values()) == 1
+
+
+def test_peers_reading_the_same_records_agree():
+    scenarios = [
+        (9.0, [OLD]),
+        (10.2, [OLD]),
+        (11.0, [OLD]),
+        (13.0, [OLD]),
+        (11.0, [OLD, LeaseRecord("peer-b", 4, 17.0), LeaseRecord("peer-c", 4, 17.2)]),
+    ]
+    for now, leases in scenarios:
+        ds = decisions(now, leases=leases)
+        assert len({(d.term, d.holder) for d in ds.values()}) == 1, (now, ds)
+
+
+# --- fencing and a small failover walk-through -------------------------------------------------------
+
+
+def test_fencing_ignores_updates_from_a_lower_term():
+    d = should_accept_update(2, 3)
+    assert (d.action, tag(d)) == (el.IGNORE, el.TAG_LOWER_TERM)
+    assert should_accept_update(3, 3).action == el.ACCEPT
+    assert (should_accept_update(4, 3).action, tag(should_accept_update(4, 3))) == (
+        el.ACCEPT,
+        el.TAG_NEWER_TERM,
+    )
+
+
+def test_failover_walk_through_never_has_two_merging_holders():
+    """Peers decide every 0.25 s on a shared store; the holder crashes at t=20. Nobody claims before its
+    lease + margin, and no two peers ever consider themselves holders at once."""
+    store: dict[str, LeaseRecord] = {}
+    mine: dict[str, LeaseRecord | None] = dict.fromkeys(PEERS)
+    alive = set(PEERS)
+    holders_seen: list[tuple[float, str]] = []
+    for tick in range(0, 200):
+        now = tick * 0.25
+        if now == 20.0:
+            crashed = next(p for p in PEERS if mine[p] is not None)
+            alive.discard(crashed)
+        beats = [hb(p, expires_at=now + T.heartbeat_ttl) for p in sorted(alive)]
+        holding = []
+        for p in sorted(alive):
+            d = run_decide(p, beats, list(store.values()), now, my_lease=mine[p])
+            record = d.lease_to_write()
+            if record is not None:
+                store[p] = mine[p] = record
+            elif d.action == el.STEP_DOWN:
+                mine[p] = None
+            if d.action in (el.HOLD, el.RENEW, el.CLAIM):
+                holding.append(p)
+        assert len(holding) <= 1, (now, holding)
+        holders_seen += [(now, p) for p in holding]
+    first = holders_seen[0][1]
+    takeover = next(t for t, p in holders_seen if p != first)
+    crashed_expiry = store[first].expires_at  # the last lease the crashed holder wrote
+    assert crashed_expiry + T.lease_margin <= takeover <= crashed_expiry + T.lease_margin + T.claim_grace
+    assert max(t for t, p in holders_seen if p == first) < 20.0
+
+
+# --- property: at most one claimer -------------------------------------------------------------------
+
+beat_strategy = st.builds(
+    PeerHeartbeat,
+    peer_id=st.sampled_from(["p0", "p1", "p2", "p3", "p4", "p5"]),
+    may_sync=st.sampled_from([True, True, True, False]),
+    reachable=st.sampled_from([True, True, True, False]),
+    versions=st.tuples(st.integers(2, 3), st.just(3)),
+    expires_at=st.floats(0, 80),
+    term_seen=st.integers(0, 4),
+)
+lease_strategy = st.builds(
+    LeaseRecord,
+    holder=st.sampled_from(["p0", "p1", "p2", "p3", "p4", "p5"]),
+    term=st.integers(0, 4),
+    expires_at=st.floats(0, 40),
+    rounds_done=st.just(0),
+    released=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    beats=st.lists(beat_strategy, max_size=8),
+    leases=st.lists(lease_strategy, max_size=3),
+    now=st.floats(0, 40),
+)
+def test_at_most_one_peer_claims_at_any_moment(beats, leases, now):
+    peers = sorted({b.peer_id for b in beats} | {"p0"})
+    ds = {p: decide(p, RUN, beats, leases, now, T, my_lease=None, rounds_done=0) for p in peers}
+    claims = [p for p, d in ds.items() if d.action == el.CLAIM]
+    assert len(claims) <= 1
+    assert len({(d.term, d.holder) for d in ds.values()}) <= 1
+    if any(tag(d) == el.TAG_CLAIM_GRACE for d in ds.values()):  # someone's window is open: they claim
+        assert len(claims) == 1
