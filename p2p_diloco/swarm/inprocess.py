@@ -1,0 +1,345 @@
+"""The in-process swarm: N peers in one process on a fake clock, training the tiny GPT for real.
+
+Every peer is a `Peer` (the class the real network drives) on an `InMemoryKeyValueStore` and a
+`SimNetwork`. Inner steps take a configurable amount of fake time per learner (heterogeneous speeds),
+so the run is deterministic for a seed whatever the machine, and faults happen at exact fake times:
+crashes with restarts (`Crash`), dropped or delayed links (`LinkRule`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.config import ConfigError, RunManifest
+from p2p_diloco.model.data import BatchSampler, Corpus, evaluate, load_corpus
+from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
+from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.memory import (
+    EventLoop,
+    FakeClock,
+    InMemoryKeyValueStore,
+    InMemoryTransport,
+    LinkRule,
+    SimNetwork,
+)
+from p2p_diloco.swarm.peer import Peer
+
+
+@dataclass(frozen=True)
+class Crash:
+    """Learner `learner` dies at fake time `at` and restarts `down` seconds later (never if down < 0)."""
+
+    learner: int
+    at: float
+    down: float
+
+    @classmethod
+    def parse(cls, text: str) -> Crash:
+        try:
+            who, rest = text.split("@")
+            at, down = rest.split(":")
+            return cls(int(who), float(at), float(down))
+        except ValueError as exc:
+            raise ConfigError(f"--crash {text!r}: expected LEARNER@T:DOWN, e.g. 1@20:15") from exc
+
+
+@dataclass
+class SwarmSpec:
+    manifest: RunManifest
+    learners: int = 4
+    step_times: tuple[float, ...] = ()  # fake seconds per inner step, per learner (default 1.0 each)
+    total_tokens: int | None = None
+    duration: float | None = None
+    crashes: tuple[Crash, ...] = ()
+    link_rules: tuple[LinkRule, ...] = ()
+    base_delay: float = 0.05
+    eval_every: float = 30.0
+    eval_batches: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.learners < 1:
+            raise ConfigError(f"learners must be >= 1, got {self.learners}")
+        if self.step_times and len(self.step_times) != self.learners:
+            raise ConfigError(f"step_times lists {len(self.step_times)} values for {self.learners} learners")
+        if any(t <= 0 for t in self.step_times):
+            raise ConfigError("step_times must be > 0")
+        if self.total_tokens is None and self.duration is None:
+            raise ConfigError("give total_tokens or duration")
+        for c in self.crashes:
+            if not 0 <= c.learner < self.learners:
+                raise ConfigError(f"crash of learner {c.learner}: there are {self.learners} learners")
+
+    def step_time(self, i: int) -> float:
+        return self.step_times[i] if self.step_times else 1.0
+
+
+@dataclass
+class LearnerStats:
+    peer_id: str
+    step_time: float
+    steps: int = 0
+    tokens: int = 0
+    steps_merged: float = 0.0
+    deltas_sent: int = 0
+    deltas_rejected: int = 0
+    crashes: int = 0
+    down_seconds: float = 0.0
+
+
+@dataclass
+class SwarmReport:
+    fake_seconds: float
+    tokens: int
+    final_eval_loss: float
+    eval_curve: list[tuple[float, int, float]]
+    versions: tuple[int, ...]
+    version_curve: list[tuple[float, int]]
+    digests_equal: bool
+    bytes_sent: int
+    goodput: float
+    terms: list[tuple[float, str, int]]
+    rejections: dict[str, int]
+    learners: list[LearnerStats] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["learners"] = [s.__dict__ for s in self.learners]
+        return d
+
+
+class InProcessSwarm:
+    def __init__(
+        self, spec: SwarmSpec, corpus: Corpus | None = None, log: Callable[[str], None] | None = None
+    ):
+        self.spec = spec
+        self.manifest = spec.manifest
+        self.corpus = corpus if corpus is not None else load_corpus(self.manifest.data)
+        self.log = log
+        torch.manual_seed(spec.seed)
+        template = build_model(self.manifest.model)
+        self.shapes = {n: tuple(p.shape) for n, p in template.named_parameters()}
+        self.embeddings = embedding_parameter_names(template)
+        self.plan = plan_fragments(
+            list(self.shapes.items()), self.manifest.diloco.fragments, self.manifest.diloco.fragment_pattern
+        )
+        self.initial = {n: p.detach().clone() for n, p in template.named_parameters()}
+        self.eval_model = template
+        self.clock = FakeClock()
+        self.loop = EventLoop(self.clock)
+        self.network = SimNetwork(self.loop, base_delay=spec.base_delay, rules=list(spec.link_rules))
+        self.kv = InMemoryKeyValueStore()
+        self.peers: dict[int, Peer] = {}
+        self.generation: dict[int, int] = {}
+        self.persisted: dict[int, GlobalReplica] = {}
+        self.stats = [LearnerStats(f"learner-{i}", spec.step_time(i)) for i in range(spec.learners)]
+        self.eval_curve: list[tuple[float, int, float]] = []
+        self.version_curve: list[tuple[float, int]] = []
+        self.terms: list[tuple[float, str, int]] = []
+        self.tokens_done = 0
+        self.retired_rejections: dict[str, int] = {}
+        self.polling: set[tuple[int, int]] = set()
+
+    # ---- peers ----------------------------------------------------------------------------------
+
+    def _start_peer(self, i: int, replica: GlobalReplica, incarnation: int) -> Peer:
+        cfg = self.manifest
+        model = build_model(cfg.model)
+        optimizer = make_inner_optimizer(model, cfg.diloco.inner_lr, cfg.diloco.inner_weight_decay)
+        sampler = BatchSampler(
+            self.corpus.train,
+            block_size=cfg.model.block_size,
+            batch_size=cfg.diloco.batch_size,
+            shard=i,
+            num_shards=self.spec.learners,
+            seed=self.spec.seed * 1000 + incarnation,
+        )
+        peer_id = self.stats[i].peer_id
+        learner = Learner(peer_id, cfg, self.plan, replica, model, optimizer, sampler)
+        peer = Peer(
+            peer_id,
+            cfg,
+            self.plan,
+            replica,
+            kv=self.kv,
+            transport=InMemoryTransport(self.network, peer_id),
+            clock=self.clock,
+            shapes=self.shapes,
+            embedding_names=self.embeddings,
+            learner=learner,
+            log=self.log,
+        )
+        self.peers[i] = peer
+        gen = self.generation.get(i, 0) + 1
+        self.generation[i] = gen
+        now = self.clock.now()
+        period = cfg.timing.heartbeat_period
+        self.loop.call_at(now + self.spec.step_time(i), lambda: self._step(i, gen))
+        self.loop.call_at(now + period * (i + 1) / (self.spec.learners + 1), lambda: self._tick(i, gen))
+        return peer
+
+    def _alive(self, i: int, gen: int) -> bool:
+        return i in self.peers and self.generation[i] == gen
+
+    def _step(self, i: int, gen: int) -> None:
+        if not self._alive(i, gen):
+            return
+        peer, stats = self.peers[i], self.stats[i]
+        now = self.clock.now()
+        peer.learner.train_step()
+        stats.steps += 1
+        tokens = self.manifest.diloco.batch_size * self.manifest.model.block_size
+        stats.tokens += tokens
+        self.tokens_done += tokens
+        peer.after_train_step(now)
+        self.loop.call_later(stats.step_time, lambda: self._step(i, gen))
+
+    def _tick(self, i: int, gen: int) -> None:
+        if not self._alive(i, gen):
+            return
+        peer = self.peers[i]
+        now = self.clock.now()
+        peer.heartbeat(now, step_time=self.stats[i].step_time)
+        decision = peer.election_tick(now)
+        if decision.action == "claim":
+            self.terms.append((now, peer.peer_id, decision.term))
+        if peer.sync is not None:
+            for info in peer.live_peers.values():
+                if info.step_time > 0:
+                    peer.sync.observe_step_time(info.step_time)
+        if peer.sync is not None and (i, gen) not in self.polling:
+            self.polling.add((i, gen))
+            self._sync_poll(i, gen)
+        self.loop.call_later(self.manifest.timing.heartbeat_period, lambda: self._tick(i, gen))
+
+    def _sync_poll(self, i: int, gen: int) -> None:
+        """One poll chain per synchronizer incarnation; it ends when the peer loses the role or dies."""
+        if not self._alive(i, gen) or self.peers[i].sync is None:
+            self.polling.discard((i, gen))
+            return
+        peer = self.peers[i]
+        if peer.sync_tick(self.clock.now(), sync_seconds=self.spec.base_delay):
+            self.version_curve.append((self.clock.now(), sum(peer.replica.versions())))
+        interval = min(self.spec.step_time(j) for j in range(self.spec.learners)) / 2
+        self.loop.call_later(interval, lambda: self._sync_poll(i, gen))
+
+    def crash(self, i: int) -> None:
+        peer = self.peers.pop(i, None)
+        if peer is None:
+            return
+        self.persisted[i] = copy.deepcopy(peer.replica)
+        for tag, n in peer.rejections.items():
+            self.retired_rejections[tag] = self.retired_rejections.get(tag, 0) + n
+        peer.transport.close()
+        self.stats[i].crashes += 1
+        self.stats[i].steps_merged += peer.learner.steps_merged
+        self.stats[i].deltas_sent += peer.learner.deltas_sent
+        self.stats[i].deltas_rejected += peer.learner.deltas_rejected
+
+    def restart(self, i: int) -> Peer:
+        replica = self.persisted.pop(i)
+        peer = self._start_peer(i, replica, incarnation=self.stats[i].crashes)
+        peer.learner.load_global_into_model()
+        peer.catch_up(self.clock.now(), replay=True)
+        return peer
+
+    # ---- evaluation and the run -----------------------------------------------------------------
+
+    def best_replica(self) -> GlobalReplica:
+        return max((p.replica for p in self.peers.values()), key=lambda r: sum(r.versions()))
+
+    def evaluate_global(self) -> float:
+        params = self.best_replica().export_params()
+        with torch.no_grad():
+            for name, p in self.eval_model.named_parameters():
+                p.copy_(params[name])
+        return evaluate(
+            self.eval_model,
+            self.corpus.eval,
+            block_size=self.manifest.model.block_size,
+            max_batches=self.spec.eval_batches,
+        )
+
+    def _eval_tick(self) -> None:
+        self.eval_curve.append((self.clock.now(), self.tokens_done, self.evaluate_global()))
+        self.loop.call_later(self.spec.eval_every, self._eval_tick)
+
+    def run(self) -> SwarmReport:
+        spec = self.spec
+        for i in range(spec.learners):
+            self._start_peer(i, GlobalReplica(self.plan, self.initial), incarnation=0)
+        for c in spec.crashes:
+            self.loop.call_at(c.at, lambda c=c: self.crash(c.learner))
+            if c.down >= 0:
+                self.loop.call_at(c.at + c.down, lambda c=c: self.restart(c.learner))
+                self.stats[c.learner].down_seconds += c.down
+        self.loop.call_at(0.0, self._eval_tick)
+        end = spec.duration if spec.duration is not None else float("inf")
+        budget = spec.total_tokens if spec.total_tokens is not None else float("inf")
+        self.loop.run_until(end, stop=lambda: self.tokens_done >= budget)
+        # Let in-flight rounds close and updates land before measuring.
+        self.loop.run_until(self.clock.now() + 2 * self.manifest.timing.heartbeat_period)
+        return self._report()
+
+    def _report(self) -> SwarmReport:
+        final = self.evaluate_global()
+        self.eval_curve.append((self.clock.now(), self.tokens_done, final))
+        rejections = dict(self.retired_rejections)
+        for i, peer in self.peers.items():
+            s = self.stats[i]
+            s.steps_merged += peer.learner.steps_merged
+            s.deltas_sent += peer.learner.deltas_sent
+            s.deltas_rejected += peer.learner.deltas_rejected
+            for tag, n in peer.rejections.items():
+                rejections[tag] = rejections.get(tag, 0) + n
+            if peer.sync is not None:
+                for tag, n in peer.sync.rejections.items():
+                    rejections[tag] = rejections.get(tag, 0) + n
+        wall = self.clock.now()
+        merged_time = sum(s.steps_merged * s.step_time for s in self.stats)
+        digests = {p.replica.digest() for p in self.peers.values()}
+        return SwarmReport(
+            fake_seconds=wall,
+            tokens=self.tokens_done,
+            final_eval_loss=final,
+            eval_curve=self.eval_curve,
+            versions=self.best_replica().versions(),
+            version_curve=self.version_curve,
+            digests_equal=len(digests) == 1,
+            bytes_sent=sum(self.network.bytes_sent.values()),
+            goodput=merged_time / (len(self.stats) * wall) if wall > 0 else 0.0,
+            terms=self.terms,
+            rejections=rejections,
+            learners=self.stats,
+        )
+
+
+def cli_swarm(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    manifest = RunManifest.load(args.manifest) if args.manifest else RunManifest(run_id="inprocess")
+    tokens_per_step = manifest.diloco.batch_size * manifest.model.block_size
+    spec = SwarmSpec(
+        manifest=manifest,
+        learners=args.learners,
+        total_tokens=args.tokens or 200 * args.learners * tokens_per_step,
+        crashes=tuple(Crash.parse(c) for c in args.crash),
+        seed=args.seed,
+    )
+    report = InProcessSwarm(spec).run()
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(
+            f"{spec.learners} learners, {report.tokens} tokens in {report.fake_seconds:.0f} fake s: "
+            f"eval loss {report.final_eval_loss:.3f}, versions {report.versions}, goodput {report.goodput:.2f}, "
+            f"replicas identical: {report.digests_equal}"
+        )
+    return 0

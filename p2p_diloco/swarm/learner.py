@@ -1,0 +1,221 @@
+"""The learner: inner AdamW steps, fragment deltas with error feedback, adoption of merged updates.
+
+Sans-IO: the learner never touches the network or a clock. Its driver (the in-process swarm or a real
+peer) calls `train_step`, sends the frames `take_due_delta` returns, feeds back the receiver's reply
+with `on_delta_reply`, and calls `adopt` after the replica applied an update.
+
+Adoption rule. The delta of fragment p is always `anchor_p - theta_p`, where the anchor is the global
+Theta_p the learner last adopted (the replica's current value). When an update for p is applied:
+- if it merged this learner's in-flight delta, theta_p becomes the new Theta_p plus the progress made
+  since the delta was sent (`carry`, default), exactly the new Theta_p (`overwrite`, that progress is
+  lost), or a blend `(1-alpha) theta_p + alpha Theta_p` (`blend`);
+- otherwise (others' deltas were merged) theta_p moves by the global change Theta_new - Theta_old, so
+  no local work is lost and the next delta still carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.protocol.schedule import LearnerSchedule
+from p2p_diloco.wire.codec import ErrorFeedback
+from p2p_diloco.wire.frames import encode_delta
+
+ACCEPTED_REPLIES = ("accepted", "replaced", "opened round")
+
+
+@dataclass
+class FragmentWork:
+    """Work on one fragment not yet handed over in a delta."""
+
+    tokens: int = 0
+    steps: int = 0
+
+
+@dataclass
+class SentDelta:
+    """A delta in flight: sent, not yet merged (or rejected, or timed out)."""
+
+    seq: int
+    sent_at: float
+    anchor_version: int
+    tokens: int
+    steps: int
+    theta_at_send: dict[str, torch.Tensor]
+
+
+class Learner:
+    def __init__(
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        plan: FragmentPlan,
+        replica: GlobalReplica,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler,
+        *,
+        device: str = "cpu",
+    ):
+        self.peer_id = peer_id
+        self.manifest = manifest
+        self.plan = plan
+        self.replica = replica
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.device = device
+        cfg = manifest.diloco
+        self.schedule = LearnerSchedule(cfg.fragments, cfg.steps_per_fragment, cfg.max_in_flight)
+        wire = manifest.wire
+        self.feedback = ErrorFeedback(
+            codec=wire.codec, block_size=wire.block_size, enabled=wire.error_feedback
+        )
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self.work = [FragmentWork() for _ in range(plan.num_fragments)]
+        self.sent: dict[int, SentDelta] = {}
+        self.step = 0
+        self.seq = 0
+        self.tokens_trained = 0
+        self.steps_merged = 0.0  # inner steps whose work reached the global model, counted per fragment / P
+        self.deltas_sent = 0
+        self.deltas_rejected = 0
+        self.last_loss = float("nan")
+        self.load_global_into_model()
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def train_step(self) -> float:
+        """One inner AdamW step on this learner's shard; counts tokens and steps for every fragment."""
+        x, y = self.sampler.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        self.model.train()
+        _, loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        tokens = int(x.numel())
+        for work in self.work:
+            work.tokens += tokens
+            work.steps += 1
+        self.step += 1
+        self.tokens_trained += tokens
+        self.last_loss = float(loss.detach())
+        return self.last_loss
+
+    def _theta(self, fragment: int) -> dict[str, torch.Tensor]:
+        return {
+            name: self.params[name].detach().to("cpu", torch.float32) for name in self.plan.names(fragment)
+        }
+
+    def take_due_delta(self, now: float) -> tuple[int, bytes] | None:
+        """If the schedule says a fragment is due now, build its delta frame and mark it in flight."""
+        decision = self.schedule.on_step(self.step, frozenset(self.sent))
+        if decision.action != "send" or decision.fragment is None:
+            return None
+        p = decision.fragment
+        work = self.work[p]
+        if work.steps == 0:
+            return None
+        anchor = self.replica.params_of(p)
+        theta = self._theta(p)
+        delta = {name: anchor[name] - theta[name] for name in anchor}
+        payload, _ = self.feedback.compress(p, delta)
+        self.seq += 1
+        header = DeltaHeader(
+            run_id=self.manifest.run_id,
+            manifest_hash=self.manifest.manifest_hash,
+            fragment=p,
+            anchor_version=self.replica.versions()[p],
+            tokens=work.tokens,
+            steps=work.steps,
+            seq=self.seq,
+        )
+        self.sent[p] = SentDelta(
+            seq=self.seq,
+            sent_at=now,
+            anchor_version=header.anchor_version,
+            tokens=work.tokens,
+            steps=work.steps,
+            theta_at_send={k: v.clone() for k, v in theta.items()},
+        )
+        self.work[p] = FragmentWork()
+        self.deltas_sent += 1
+        return p, encode_delta(header, payload)
+
+    # ---- replies and timeouts -------------------------------------------------------------------
+
+    def on_delta_reply(self, fragment: int, seq: int, reply: str) -> bool:
+        """Handle the synchronizer's answer; returns True when the delta was refused and released."""
+        sent = self.sent.get(fragment)
+        if sent is None or sent.seq != seq or reply.startswith(ACCEPTED_REPLIES):
+            return False
+        self._release(fragment)
+        self.deltas_rejected += 1
+        return True
+
+    def expire_in_flight(self, now: float, timeout: float) -> list[int]:
+        """Release deltas with no merged update after `timeout` s (lost with a crashed synchronizer)."""
+        expired = [p for p, s in self.sent.items() if now - s.sent_at > timeout]
+        for p in expired:
+            self._release(p)
+        return expired
+
+    def _release(self, fragment: int) -> None:
+        """The delta will not be merged: its work goes back to the fragment's counters and is resent."""
+        sent = self.sent.pop(fragment)
+        self.work[fragment].tokens += sent.tokens
+        self.work[fragment].steps += sent.steps
+        self.feedback.reset(fragment)
+
+    # ---- adoption -------------------------------------------------------------------------------
+
+    def adopt(self, record: UpdateRecord, old_global: Mapping[str, torch.Tensor]) -> str:
+        """Called after the replica applied `record`; moves theta_p as the module docstring says."""
+        p = record.fragment
+        new_global = self.replica.params_of(p)
+        sent = self.sent.get(p)
+        contributed = sent is not None and any(peer == self.peer_id for peer, _ in record.contributors)
+        mode = self.manifest.diloco.adoption
+        with torch.no_grad():
+            for name in self.plan.names(p):
+                param = self.params[name]
+                theta = param.detach().to("cpu", torch.float32)
+                if contributed:
+                    if mode == "overwrite":
+                        new_theta = new_global[name]
+                    elif mode == "blend":
+                        alpha = self.manifest.diloco.blend_alpha
+                        new_theta = theta * (1 - alpha) + new_global[name] * alpha
+                    else:
+                        new_theta = new_global[name] + (theta - sent.theta_at_send[name])
+                else:
+                    shift = new_global[name] - old_global[name]
+                    new_theta = theta + shift
+                    if sent is not None:
+                        sent.theta_at_send[name] += shift
+                param.copy_(new_theta.to(param.device, param.dtype))
+        if contributed:
+            del self.sent[p]
+            self.steps_merged += sent.steps / self.plan.num_fragments
+            if mode == "overwrite":
+                self.work[p] = FragmentWork()
+            return "adopted own merge"
+        return "shifted by others' merge"
+
+    def load_global_into_model(self, fragments: list[int] | None = None) -> None:
+        """Overwrite theta with the replica's Theta (start, snapshot download); drops in-flight state."""
+        with torch.no_grad():
+            for p in range(self.plan.num_fragments) if fragments is None else fragments:
+                for name, value in self.replica.params_of(p).items():
+                    self.params[name].copy_(value.to(self.params[name].device, self.params[name].dtype))
+                self.sent.pop(p, None)
+                self.work[p] = FragmentWork()
+                self.feedback.reset(p)

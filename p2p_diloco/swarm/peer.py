@@ -1,0 +1,435 @@
+"""A swarm peer: a learner (optional), the replica, the update log and the synchronizer role.
+
+Driven by ticks that pass `now` in (heartbeat, election, sync poll, after each inner step) and by the
+transport calling its `InboundHandlers` methods. It knows the swarm only through the `KeyValueStore`
+and `Transport` interfaces, so the in-process swarm (fake clock, in-memory network) and the real peer
+(hivemind DHT and libp2p) run exactly this code.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Collection
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.net.keys import heartbeat_key, lease_key
+from p2p_diloco.protocol import election
+from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.replica import APPLY, DUPLICATE_UPDATE, OUT_OF_ORDER, GlobalReplica
+from p2p_diloco.swarm.interfaces import Clock, KeyValueStore, Transport
+from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
+from p2p_diloco.swarm.synchronizer import Synchronizer
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.frames import (
+    FragmentSnapshot,
+    decode_delta,
+    decode_snapshot,
+    decode_update,
+    encode_snapshot,
+    encode_update,
+)
+
+UPDATE_LOG_LENGTH = 256
+REJECT_NOT_SYNCHRONIZER = "not synchronizer"
+
+
+class Peer:
+    def __init__(
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        plan: FragmentPlan,
+        replica: GlobalReplica,
+        *,
+        kv: KeyValueStore,
+        transport: Transport,
+        clock: Clock,
+        shapes: dict[str, tuple[int, ...]],
+        embedding_names: Collection[str] = (),
+        learner: Learner | None = None,
+        may_sync: bool = True,
+        reachable: bool = True,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.peer_id = peer_id
+        self.manifest = manifest
+        self.plan = plan
+        self.replica = replica
+        self.kv = kv
+        self.transport = transport
+        self.clock = clock
+        self.shapes = shapes
+        self.embedding_names = frozenset(embedding_names)
+        self.learner = learner
+        self.may_sync = may_sync and learner is not None
+        self.reachable = reachable
+        self._log = log or (lambda line: None)
+        self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
+        self.lease_key = lease_key(manifest.run_id, manifest.manifest_hash)
+        self.update_log: list[deque[bytes]] = [
+            deque(maxlen=UPDATE_LOG_LENGTH) for _ in range(plan.num_fragments)
+        ]
+        self.sync: Synchronizer | None = None
+        self.my_lease: LeaseRecord | None = None
+        self.holder: str | None = None
+        self.term_seen = 0
+        self.last_election = ""
+        self.rejections: Counter[str] = Counter()
+        self.rejections_by_sender: Counter[tuple[str, str]] = Counter()
+        self.decisions: deque[str] = deque(maxlen=64)
+        self.updates_applied = 0
+        self.failovers_seen = 0
+        self.live_peers: dict[str, HeartbeatInfo] = {}
+        transport.bind(self)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+
+    def note(self, line: str) -> None:
+        self.decisions.append(line)
+        self._log(f"[{self.peer_id}] {line}")
+
+    def _reject(self, sender: str, tag: str, detail: str) -> str:
+        self.rejections[tag] += 1
+        self.rejections_by_sender[(sender, tag)] += 1
+        self.note(f"rejected from {sender}: {tag}: {detail}")
+        return f"{tag}: {detail}"
+
+    # ---- heartbeats and election ----------------------------------------------------------------
+
+    def heartbeat(self, now: float, **extra) -> None:
+        learner = self.learner
+        info = HeartbeatInfo(
+            role="synchronizer" if self.sync else ("learner" if learner else "observer"),
+            may_sync=self.may_sync,
+            reachable=self.reachable,
+            versions=self.replica.versions(),
+            term_seen=self.term_seen,
+            step=learner.step if learner else 0,
+            loss=learner.last_loss if learner and learner.last_loss == learner.last_loss else 0.0,
+            digest=self.replica.digest()[:16],
+            **extra,
+        )
+        self.kv.store(self.hb_key, self.peer_id, info.to_bytes(), now + self.manifest.timing.heartbeat_ttl)
+
+    def read_swarm(self, now: float) -> tuple[list[PeerHeartbeat], list[LeaseRecord]]:
+        heartbeats, leases = [], []
+        live: dict[str, HeartbeatInfo] = {}
+        for peer, stored in self.kv.get(self.hb_key, now).items():
+            try:
+                info = decode_heartbeat(stored.value, self.plan.num_fragments)
+            except RecordError as exc:
+                self.rejections["bad heartbeat"] += 1
+                self.note(f"ignored heartbeat of {peer}: {exc}")
+                continue
+            if self.manifest.allowlist and peer not in self.manifest.allowlist:
+                continue
+            live[peer] = info
+            heartbeats.append(info.as_election_record(peer, stored.expiration))
+        for holder, stored in self.kv.get(self.lease_key, now).items():
+            try:
+                leases.append(decode_lease(holder, stored.value))
+            except RecordError as exc:
+                self.rejections["bad lease"] += 1
+                self.note(f"ignored lease of {holder}: {exc}")
+        self.live_peers = live
+        return heartbeats, leases
+
+    def live_learners(self) -> frozenset[str]:
+        return frozenset(p for p, info in self.live_peers.items() if info.role in ("learner", "synchronizer"))
+
+    def election_tick(self, now: float) -> election.ElectionDecision:
+        heartbeats, leases = self.read_swarm(now)
+        rounds = self.sync.rounds_done if self.sync else 0
+        decision = election.decide(
+            self.peer_id,
+            self.manifest.run_id,
+            heartbeats,
+            leases,
+            now,
+            self.manifest.timing,
+            my_lease=self.my_lease,
+            rounds_done=rounds,
+        )
+        self.term_seen = max(self.term_seen, election.highest_term_seen(leases, heartbeats), decision.term)
+        if decision.reason.split(":")[0] != self.last_election.split(":")[0]:
+            self.note(f"election: {decision}")
+        self.last_election = decision.reason
+        timing = self.manifest.timing
+        if decision.action in (election.CLAIM, election.RENEW):
+            lease = decision.lease_to_write()
+            assert lease is not None
+            self.kv.store(
+                self.lease_key, self.peer_id, encode_lease(lease), election.dht_expiration(lease, timing)
+            )
+            if decision.action == election.CLAIM or self.sync is None:
+                self._become_synchronizer(lease.term)
+            self.my_lease = lease
+            self.holder = self.peer_id
+        elif decision.action == election.STEP_DOWN:
+            if self.my_lease is not None and decision.reason.startswith(election.TAG_TERM_ENDED):
+                released = election.release_lease(self.my_lease, now, timing, rounds)
+                self.kv.store(
+                    self.lease_key,
+                    self.peer_id,
+                    encode_lease(released),
+                    election.dht_expiration(released, timing),
+                )
+            self.sync = None
+            self.my_lease = None
+            self.holder = None
+        elif decision.action == election.FOLLOW:
+            if decision.holder != self.holder and self.holder is not None:
+                self.failovers_seen += 1
+            self.holder = decision.holder
+            if self.sync is not None:
+                self.sync = None
+                self.my_lease = None
+        else:
+            self.holder = None
+        return decision
+
+    def _become_synchronizer(self, term: int) -> None:
+        self.sync = Synchronizer(
+            self.peer_id,
+            self.manifest,
+            self.plan,
+            self.replica,
+            term=term,
+            embedding_names=self.embedding_names,
+            shapes=self.shapes,
+        )
+        self.term_seen = max(self.term_seen, term)
+        self.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
+
+    # ---- synchronizer role ----------------------------------------------------------------------
+
+    def sync_tick(
+        self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None
+    ) -> list[UpdateRecord]:
+        """Close ready rounds, apply each update locally, push it to every live peer."""
+        if self.sync is None:
+            return []
+        published = []
+        for outcome in self.sync.poll(now, self.live_learners(), cap):
+            record = outcome.record
+            frame = encode_update(record)
+            reply = self._apply_update(record, frame, source=self.peer_id)
+            if not reply.startswith("applied"):
+                self.note(f"own update refused: {reply}")
+                self.sync.rounds.abort(record.fragment)
+                continue
+            for peer in sorted(self.live_peers):
+                if peer != self.peer_id:
+                    self.transport.push_update(peer, frame)
+            self.sync.finish(record.fragment, sync_seconds)
+            published.append(record)
+        return published
+
+    # ---- learner side ---------------------------------------------------------------------------
+
+    def after_train_step(self, now: float) -> int | None:
+        """Send the due fragment's delta to the synchronizer, if one is due and a holder is known."""
+        learner = self.learner
+        if learner is None or self.holder is None:
+            return None
+        if learner.sent:
+            timeout = self.manifest.timing.lease_ttl + self.manifest.timing.claim_grace
+            for p in learner.expire_in_flight(now, timeout):
+                self.note(f"delta for fragment {p} timed out; its work will be resent")
+        due = learner.take_due_delta(now)
+        if due is None:
+            return None
+        fragment, frame = due
+        seq = learner.seq
+        if self.holder == self.peer_id:
+            reply = self.handle_delta(self.peer_id, frame)
+            learner.on_delta_reply(fragment, seq, reply)
+        else:
+            self.transport.send_delta(
+                self.holder, frame, on_reply=lambda reply: self._on_delta_reply(fragment, seq, reply)
+            )
+        return fragment
+
+    def _on_delta_reply(self, fragment: int, seq: int, reply: str) -> None:
+        if self.learner is not None and self.learner.on_delta_reply(fragment, seq, reply):
+            self.note(f"delta for fragment {fragment} refused: {reply}")
+
+    # ---- updates --------------------------------------------------------------------------------
+
+    def _apply_update(self, record: UpdateRecord, frame: bytes, *, source: str) -> str:
+        p = record.fragment
+        wire = self.manifest.wire
+        try:
+            grad = decode_tensors(
+                record.payload, expected_shapes=self.replica.shapes(p), max_bytes=wire.max_message_bytes
+            )
+        except DecodeError as exc:
+            return self._reject(source, exc.reason, f"update payload: {exc}")
+        old = self.replica.params_of(p) if self.learner is not None else {}
+        cfg = self.manifest.diloco
+        decision = self.replica.apply(
+            p,
+            record.from_version,
+            grad,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            expected_checksum=record.checksum,
+        )
+        if decision.action != APPLY:
+            return decision.reason
+        self.update_log[p].append(frame)
+        self.updates_applied += 1
+        if self.learner is not None:
+            self.learner.adopt(record, old)
+        return decision.reason
+
+    def handle_update(self, sender: str, frame: bytes) -> str:
+        try:
+            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except DecodeError as exc:
+            return self._reject(sender, exc.reason, str(exc))
+        bad = self._check_record(record.run_id, record.manifest_hash, record.fragment)
+        if bad:
+            return self._reject(sender, bad[0], bad[1])
+        fencing = election.should_accept_update(record.term, self.term_seen)
+        if fencing.action != election.ACCEPT:
+            return self._reject(sender, election.TAG_LOWER_TERM, fencing.reason)
+        self.term_seen = max(self.term_seen, record.term)
+        reply = self._apply_update(record, frame, source=sender)
+        tag = reply.split(":")[0]
+        if tag == OUT_OF_ORDER:
+            self.catch_up_fragment(record.fragment, [sender], target=record.to_version)
+            return reply
+        if tag not in ("applied", DUPLICATE_UPDATE):
+            self.note(f"update from {sender} refused: {reply}")
+            if tag == "checksum mismatch":
+                self.fetch_fragment(record.fragment, [sender])
+        return reply
+
+    def _check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
+        if run_id != self.manifest.run_id:
+            return ("wrong run", f"{run_id!r} is not this run ({self.manifest.run_id!r})")
+        if manifest_hash != self.manifest.manifest_hash:
+            return ("wrong manifest", "the sender runs a different manifest")
+        if not 0 <= fragment < self.plan.num_fragments:
+            return ("unknown fragment", f"{fragment} not in [0, {self.plan.num_fragments})")
+        return None
+
+    def handle_delta(self, sender: str, frame: bytes) -> str:
+        if self.sync is None:
+            try:
+                decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
+            except DecodeError as exc:
+                return self._reject(sender, exc.reason, str(exc))
+            return self._reject(sender, REJECT_NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease")
+        reply = self.sync.handle_delta(sender, frame, self.clock.now())
+        return reply
+
+    # ---- catch-up: replay and snapshots ---------------------------------------------------------
+
+    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
+        if not 0 <= fragment < self.plan.num_fragments:
+            return []
+        frames = []
+        for frame in self.update_log[fragment]:
+            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+            if record.from_version >= after_version:
+                frames.append(frame)
+        return frames
+
+    def serve_snapshot(self, requester: str, fragment: int) -> bytes:
+        version, params, momentum = self.replica.snapshot(fragment)
+        return encode_snapshot(
+            FragmentSnapshot(
+                run_id=self.manifest.run_id,
+                manifest_hash=self.manifest.manifest_hash,
+                fragment=fragment,
+                version=version,
+                checksum=self.replica.checksum(fragment),
+                params=encode_tensors(params, codec="fp32"),
+                momentum=encode_tensors(momentum, codec="fp32"),
+            )
+        )
+
+    def catch_up_fragment(self, fragment: int, sources: list[str], *, target: int) -> bool:
+        """Replay missing updates of `fragment` from the sources' logs; fall back to a snapshot."""
+        for source in sources:
+            if self.replica.versions()[fragment] >= target:
+                return True
+            try:
+                frames = self.transport.fetch_updates(source, fragment, self.replica.versions()[fragment])
+            except (ConnectionError, TimeoutError) as exc:
+                self.note(f"replay of fragment {fragment} from {source} failed: {exc}")
+                continue
+            for frame in frames:
+                self._replay_one(source, frame)
+        if self.replica.versions()[fragment] >= target:
+            return True
+        return self.fetch_fragment(fragment, sources)
+
+    def _replay_one(self, source: str, frame: bytes) -> None:
+        try:
+            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except DecodeError as exc:
+            self._reject(source, exc.reason, f"replayed update: {exc}")
+            return
+        if self._check_record(record.run_id, record.manifest_hash, record.fragment) is None:
+            if record.from_version == self.replica.versions()[record.fragment]:
+                self._apply_update(record, frame, source=source)
+
+    def fetch_fragment(self, fragment: int, sources: list[str]) -> bool:
+        """Download a checked snapshot of one fragment; the learner's copy of it is reset to the global one."""
+        for source in sources:
+            try:
+                snap = decode_snapshot(
+                    self.transport.fetch_snapshot(source, fragment),
+                    max_bytes=self.manifest.wire.max_message_bytes,
+                )
+                bad = self._check_record(snap.run_id, snap.manifest_hash, snap.fragment)
+                if bad or snap.fragment != fragment:
+                    self._reject(source, bad[0] if bad else "wrong fragment", "snapshot")
+                    continue
+                shapes = self.replica.shapes(fragment)
+                params = decode_tensors(
+                    snap.params, expected_shapes=shapes, max_bytes=self.manifest.wire.max_message_bytes
+                )
+                momentum = decode_tensors(
+                    snap.momentum, expected_shapes=shapes, max_bytes=self.manifest.wire.max_message_bytes
+                )
+            except (ConnectionError, TimeoutError, DecodeError) as exc:
+                self.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
+                continue
+            decision = self.replica.load_fragment(fragment, snap.version, params, momentum, snap.checksum)
+            self.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
+            if decision.action == "load":
+                self.update_log[fragment].clear()
+                if self.learner is not None:
+                    self.learner.load_global_into_model([fragment])
+                return True
+        return False
+
+    def catch_up(self, now: float, *, replay: bool) -> dict[str, int]:
+        """Bring the replica to the swarm's versions: replay logs (`replay`) or download snapshots,
+        spreading fragments over the up-to-date peers."""
+        self.read_swarm(now)
+        others = {p: i for p, i in self.live_peers.items() if p != self.peer_id and i.versions}
+        stats = {"replayed": 0, "snapshots": 0}
+        if not others:
+            return stats
+        for p in range(self.plan.num_fragments):
+            target = max(info.versions[p] for info in others.values())
+            if self.replica.versions()[p] >= target:
+                continue
+            ranked = sorted((peer for peer, i in others.items() if i.versions[p] >= target))
+            sources = ranked[p % len(ranked) :] + ranked[: p % len(ranked)]
+            if replay:
+                before = self.replica.versions()[p]
+                self.catch_up_fragment(p, sources, target=target)
+                stats["replayed"] += self.replica.versions()[p] - before
+            elif self.fetch_fragment(p, sources):
+                stats["snapshots"] += 1
+        return stats
