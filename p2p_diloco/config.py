@@ -36,6 +36,10 @@ class DilocoConfig:
     outer_momentum: float = 0.9
     max_staleness: int = 4  # a delta's anchor must be within this many outer versions
     merge_rule: Literal["rda", "mean"] = "rda"
+    # "contributors": the merged outer gradient is scaled by (learners merged / live learners), so that
+    # with K < M the global model moves per unit of time as much as synchronous DiLoCo would, instead of
+    # M times more (one full outer step per learner). "none": apply every merge at full size.
+    outer_scaling: Literal["contributors", "none"] = "contributors"
     fragment_pattern: Literal["balanced", "strided"] = "balanced"
     adoption: Literal["overwrite", "blend"] = "overwrite"
     blend_alpha: float = 0.5
@@ -60,6 +64,10 @@ class DilocoConfig:
         _require(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         _require(
             self.merge_rule in ("rda", "mean"), f"merge_rule must be 'rda' or 'mean', got {self.merge_rule!r}"
+        )
+        _require(
+            self.outer_scaling in ("contributors", "none"),
+            f"outer_scaling must be 'contributors' or 'none', got {self.outer_scaling!r}",
         )
         _require(
             self.fragment_pattern in ("balanced", "strided"),

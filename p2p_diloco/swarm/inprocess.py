@@ -35,7 +35,9 @@ from p2p_diloco.swarm.peer import Peer
 
 @dataclass(frozen=True)
 class Crash:
-    """Learner `learner` dies at fake time `at` and restarts `down` seconds later (never if down < 0)."""
+    """Learner `learner` dies at fake time `at` and restarts `down` seconds later (never if down < 0).
+
+    `learner = -1` means whoever holds the synchronizer lease at that moment."""
 
     learner: int
     at: float
@@ -46,9 +48,11 @@ class Crash:
         try:
             who, rest = text.split("@")
             at, down = rest.split(":")
-            return cls(int(who), float(at), float(down))
+            return cls(-1 if who == "sync" else int(who), float(at), float(down))
         except ValueError as exc:
-            raise ConfigError(f"--crash {text!r}: expected LEARNER@T:DOWN, e.g. 1@20:15") from exc
+            raise ConfigError(
+                f"--crash {text!r}: expected LEARNER@T:DOWN, e.g. 1@20:15 (or sync@20:15)"
+            ) from exc
 
 
 @dataclass
@@ -75,7 +79,7 @@ class SwarmSpec:
         if self.total_tokens is None and self.duration is None:
             raise ConfigError("give total_tokens or duration")
         for c in self.crashes:
-            if not 0 <= c.learner < self.learners:
+            if not -1 <= c.learner < self.learners:
                 raise ConfigError(f"crash of learner {c.learner}: there are {self.learners} learners")
 
     def step_time(self, i: int) -> float:
@@ -107,6 +111,7 @@ class SwarmReport:
     bytes_sent: int
     goodput: float
     terms: list[tuple[float, str, int]]
+    crashes: list[tuple[float, int]]
     rejections: dict[str, int]
     learners: list[LearnerStats] = field(default_factory=list)
 
@@ -147,6 +152,8 @@ class InProcessSwarm:
         self.tokens_done = 0
         self.retired_rejections: dict[str, int] = {}
         self.polling: set[tuple[int, int]] = set()
+        self.training = True
+        self.crash_log: list[tuple[float, int]] = []
 
     # ---- peers ----------------------------------------------------------------------------------
 
@@ -190,7 +197,7 @@ class InProcessSwarm:
         return i in self.peers and self.generation[i] == gen
 
     def _step(self, i: int, gen: int) -> None:
-        if not self._alive(i, gen):
+        if not self._alive(i, gen) or not self.training:
             return
         peer, stats = self.peers[i], self.stats[i]
         now = self.clock.now()
@@ -209,6 +216,7 @@ class InProcessSwarm:
         now = self.clock.now()
         peer.heartbeat(now, step_time=self.stats[i].step_time)
         decision = peer.election_tick(now)
+        peer.repair_tick(now)
         if decision.action == "claim":
             self.terms.append((now, peer.peer_id, decision.term))
         if peer.sync is not None:
@@ -230,6 +238,18 @@ class InProcessSwarm:
             self.version_curve.append((self.clock.now(), sum(peer.replica.versions())))
         interval = min(self.spec.step_time(j) for j in range(self.spec.learners)) / 2
         self.loop.call_later(interval, lambda: self._sync_poll(i, gen))
+
+    def _crash_event(self, crash: Crash) -> None:
+        i = crash.learner
+        if i == -1:
+            i = next((j for j, p in self.peers.items() if p.sync is not None), -1)
+        if i not in self.peers:
+            return
+        self.crash(i)
+        self.crash_log.append((self.clock.now(), i))
+        if crash.down >= 0:
+            self.stats[i].down_seconds += crash.down
+            self.loop.call_later(crash.down, lambda: self.restart(i))
 
     def crash(self, i: int) -> None:
         peer = self.peers.pop(i, None)
@@ -277,16 +297,14 @@ class InProcessSwarm:
         for i in range(spec.learners):
             self._start_peer(i, GlobalReplica(self.plan, self.initial), incarnation=0)
         for c in spec.crashes:
-            self.loop.call_at(c.at, lambda c=c: self.crash(c.learner))
-            if c.down >= 0:
-                self.loop.call_at(c.at + c.down, lambda c=c: self.restart(c.learner))
-                self.stats[c.learner].down_seconds += c.down
+            self.loop.call_at(c.at, lambda c=c: self._crash_event(c))
         self.loop.call_at(0.0, self._eval_tick)
         end = spec.duration if spec.duration is not None else float("inf")
         budget = spec.total_tokens if spec.total_tokens is not None else float("inf")
         self.loop.run_until(end, stop=lambda: self.tokens_done >= budget)
-        # Let in-flight rounds close and updates land before measuring.
-        self.loop.run_until(self.clock.now() + 2 * self.manifest.timing.heartbeat_period)
+        # Stop training, then let in-flight rounds close and lagging replicas repair before measuring.
+        self.training = False
+        self.loop.run_until(self.clock.now() + 3 * self.manifest.timing.heartbeat_period)
         return self._report()
 
     def _report(self) -> SwarmReport:
@@ -317,6 +335,7 @@ class InProcessSwarm:
             bytes_sent=sum(self.network.bytes_sent.values()),
             goodput=merged_time / (len(self.stats) * wall) if wall > 0 else 0.0,
             terms=self.terms,
+            crashes=self.crash_log,
             rejections=rejections,
             learners=self.stats,
         )

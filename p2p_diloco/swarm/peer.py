@@ -84,6 +84,7 @@ class Peer:
         self.updates_applied = 0
         self.failovers_seen = 0
         self.live_peers: dict[str, HeartbeatInfo] = {}
+        self.behind_since: dict[int, float] = {}
         transport.bind(self)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -155,7 +156,8 @@ class Peer:
             rounds_done=rounds,
         )
         self.term_seen = max(self.term_seen, election.highest_term_seen(leases, heartbeats), decision.term)
-        if decision.reason.split(":")[0] != self.last_election.split(":")[0]:
+        quiet = decision.action in (election.HOLD, election.RENEW, election.FOLLOW)
+        if not quiet or decision.reason.split(":")[0] != self.last_election.split(":")[0]:
             self.note(f"election: {decision}")
         self.last_election = decision.reason
         timing = self.manifest.timing
@@ -411,6 +413,29 @@ class Peer:
                     self.learner.load_global_into_model([fragment])
                 return True
         return False
+
+    def repair_tick(self, now: float) -> list[int]:
+        """Anti-entropy: a fragment that stayed behind a live peer's version for a whole heartbeat period
+        (a missed push, not one still in flight) is replayed from the peers that have it."""
+        repaired = []
+        period = self.manifest.timing.heartbeat_period
+        for p in range(self.plan.num_fragments):
+            ahead = sorted(
+                peer
+                for peer, info in self.live_peers.items()
+                if peer != self.peer_id and info.versions and info.versions[p] > self.replica.versions()[p]
+            )
+            if not ahead:
+                self.behind_since.pop(p, None)
+                continue
+            since = self.behind_since.setdefault(p, now)
+            if now - since >= period:
+                target = max(self.live_peers[peer].versions[p] for peer in ahead)
+                self.note(f"fragment {p} behind (v{self.replica.versions()[p]} < v{target}); repairing")
+                self.catch_up_fragment(p, ahead, target=target)
+                self.behind_since.pop(p, None)
+                repaired.append(p)
+        return repaired
 
     def catch_up(self, now: float, *, replay: bool) -> dict[str, int]:
         """Bring the replica to the swarm's versions: replay logs (`replay`) or download snapshots,

@@ -127,7 +127,9 @@ class Synchronizer:
             contributions = self.rounds.close(p, now)
             if not contributions:
                 continue
-            record = self._merge(p, contributions)
+            record = self._merge(
+                p, contributions, live=len(live_learners | {c.sender for c in contributions})
+            )
             self.rounds_done += 1
             self.decisions.append(
                 f"fragment {p} v{record.from_version}->{record.to_version}: {decision.reason}"
@@ -139,7 +141,7 @@ class Synchronizer:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
         self.rounds.finish(fragment, self.replica.versions()[fragment], sync_seconds)
 
-    def _merge(self, p: int, contributions: list[Contribution]) -> UpdateRecord:
+    def _merge(self, p: int, contributions: list[Contribution], *, live: int) -> UpdateRecord:
         contributions = sorted(contributions, key=lambda c: c.sender)
         weights = [c.weight for c in contributions]
         merged = merge_deltas(
@@ -148,6 +150,9 @@ class Synchronizer:
             rule=self.manifest.diloco.merge_rule,
             embedding_names=self.embedding_names,
         )
+        if self.manifest.diloco.outer_scaling == "contributors" and len(contributions) < live:
+            scale = torch.tensor(len(contributions) / live, dtype=torch.float32)
+            merged = {name: t * scale for name, t in merged.items()}
         wire = self.manifest.wire
         payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
         # Everyone applies the decoded (quantized) gradient, the holder included, so replicas agree.
