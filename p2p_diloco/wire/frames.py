@@ -1,0 +1,307 @@
+"""Message frames: delta, update, snapshot and request records as bytes, with a strict decoder.
+
+Every frame, integers little-endian::
+
+    magic (4 bytes, one per record kind) | version u8 | header length u32 | payload length u64 |
+    header (UTF-8 JSON object) | payload (opaque bytes: `wire.codec` frames)
+
+The JSON header is schema-checked on both sides: exact key set, exact types (bool is not an int),
+integer ranges, string lengths and characters, no NaN/inf, no duplicate keys. Decoders raise only
+`DecodeError` with the reason tags of `wire.codec`. Distinct magics mean a frame of one kind fed to
+another kind's decoder fails with "bad magic". A delta's `sender` never comes from the wire: the
+receiver fills it in from the authenticated connection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
+from p2p_diloco.wire.codec import (
+    BAD_HEADER,
+    OVERSIZED,
+    TRAILING_BYTES,
+    UNSUPPORTED_VERSION,
+    ByteReader,
+    byte_view,
+)
+
+DELTA_MAGIC = b"PDde"
+UPDATE_MAGIC = b"PDup"
+SNAPSHOT_MAGIC = b"PDsn"
+REQUEST_MAGIC = b"PDrq"
+FRAME_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 4096
+MAX_ID_CHARS = 128
+MAX_FRAGMENT = 65535
+MAX_COUNTER = 2**53 - 1  # exactly representable in every JSON reader
+MAX_CONTRIBUTORS = 10_000
+REQUEST_UPDATES = "updates"
+REQUEST_SNAPSHOT = "snapshot"
+
+_PREFIX = struct.Struct("<BIQ")
+_KIND_BY_MAGIC = {
+    DELTA_MAGIC: "delta",
+    UPDATE_MAGIC: "update",
+    SNAPSHOT_MAGIC: "snapshot",
+    REQUEST_MAGIC: "request",
+}
+
+
+@dataclass(frozen=True)
+class FragmentSnapshot:
+    """Global state of one fragment at `version`: `params` and `momentum` are fp32 `wire.codec` frames;
+    `checksum` is the published checksum of the parameters at that version."""
+
+    run_id: str
+    manifest_hash: str
+    fragment: int
+    version: int
+    checksum: str
+    params: bytes
+    momentum: bytes
+
+
+@dataclass(frozen=True)
+class FragmentRequest:
+    """ "updates": the update records of `fragment` after `after_version`; "snapshot": its snapshot."""
+
+    kind: str
+    run_id: str
+    manifest_hash: str
+    fragment: int
+    after_version: int = 0
+
+
+# --- schema ------------------------------------------------------------------------------------------
+# A check returns None when the value is valid, otherwise what is wrong with it.
+Check = Callable[[Any], "str | None"]
+
+
+def _identifier(value: Any) -> str | None:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
+        return f"must be a string of 1-{MAX_ID_CHARS} characters"
+    if not all(c.isalnum() or c in "-_.:" for c in value):
+        return "may hold only letters, digits, '-', '_', '.', ':'"
+    return None
+
+
+def _integer(low: int, high: int) -> Check:
+    def check(value: Any) -> str | None:
+        if type(value) is not int or not low <= value <= high:
+            return f"must be an integer in {low}..{high}"
+        return None
+
+    return check
+
+
+def _one_of(*choices: str) -> Check:
+    def check(value: Any) -> str | None:
+        return None if value in choices and isinstance(value, str) else f"must be one of {choices}"
+
+    return check
+
+
+def _contributors(value: Any) -> str | None:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_CONTRIBUTORS:
+        return f"must be a list of 1-{MAX_CONTRIBUTORS} [peer, weight] pairs"
+    peers = set()
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            return "entries must be [peer, weight] pairs"
+        peer, weight = pair
+        if _identifier(peer) is not None:
+            return f"peer {str(peer)[:40]!r} {_identifier(peer)}"
+        if type(weight) is not float or not math.isfinite(weight) or weight < 0:
+            return f"weight of {peer!r} must be a finite float >= 0"
+        if peer in peers:
+            return f"peer {peer!r} listed twice"
+        peers.add(peer)
+    return None
+
+
+_COUNTER = _integer(0, MAX_COUNTER)
+_FRAGMENT = _integer(0, MAX_FRAGMENT)
+_IDS: dict[str, Check] = {"run_id": _identifier, "manifest_hash": _identifier, "fragment": _FRAGMENT}
+DELTA_SCHEMA: dict[str, Check] = {
+    **_IDS,
+    "anchor_version": _COUNTER,
+    "tokens": _COUNTER,
+    "steps": _integer(1, MAX_COUNTER),
+    "seq": _COUNTER,
+}
+UPDATE_SCHEMA: dict[str, Check] = {
+    **_IDS,
+    "from_version": _integer(0, MAX_COUNTER - 1),
+    "term": _COUNTER,
+    "leader": _identifier,
+    "contributors": _contributors,
+    "checksum": _identifier,
+}
+SNAPSHOT_SCHEMA: dict[str, Check] = {
+    **_IDS,
+    "version": _COUNTER,
+    "checksum": _identifier,
+    "params_len": _COUNTER,
+}
+REQUEST_SCHEMA: dict[str, Check] = {
+    **_IDS,
+    "kind": _one_of(REQUEST_UPDATES, REQUEST_SNAPSHOT),
+    "after_version": _COUNTER,
+}
+
+
+def _schema_problem(header: Any, schema: dict[str, Check]) -> str | None:
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    if set(header) != set(schema):
+        missing, extra = sorted(set(schema) - set(header)), sorted(set(header) - set(schema))
+        return f"header keys differ: missing {missing[:5]}, unexpected {[k[:40] for k in extra[:5]]}"
+    for key, check in schema.items():
+        problem = check(header[key])
+        if problem is not None:
+            return f"{key} {problem}"
+    return None
+
+
+# --- framing -----------------------------------------------------------------------------------------
+def _encode(magic: bytes, header: dict[str, Any], schema: dict[str, Check], payload: bytes = b"") -> bytes:
+    problem = _schema_problem(header, schema)
+    if problem is not None:
+        raise ValueError(f"cannot encode {_KIND_BY_MAGIC[magic]} frame: {problem}")
+    raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"{_KIND_BY_MAGIC[magic]} header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    return b"".join((magic, _PREFIX.pack(FRAME_VERSION, len(raw), len(payload)), raw, payload))
+
+
+def _reject_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"JSON constant {name} is not allowed")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
+
+
+def _decode(
+    frame: bytes, magic: bytes, schema: dict[str, Check], max_bytes: int
+) -> tuple[dict[str, Any], bytes]:
+    kind = _KIND_BY_MAGIC[magic]
+    view = byte_view(frame)
+    if len(view) > max_bytes:
+        raise DecodeError(OVERSIZED, f"{kind} frame of {len(view)} bytes exceeds the limit of {max_bytes}")
+    reader = ByteReader(view, max_bytes)
+    reader.expect_magic(magic, kind)
+    version, header_len, payload_len = reader.unpack(_PREFIX, f"{kind} frame prefix")
+    if version != FRAME_VERSION:
+        raise DecodeError(
+            UNSUPPORTED_VERSION, f"{kind} frame version {version}, this peer reads {FRAME_VERSION}"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise DecodeError(OVERSIZED, f"{kind} header claims {header_len} bytes, limit {MAX_HEADER_BYTES}")
+    raw_header = reader.take(header_len, f"{kind} header")
+    payload_at = reader.claim(payload_len, f"{kind} payload")
+    if reader.pos != len(view):
+        raise DecodeError(TRAILING_BYTES, f"{len(view) - reader.pos} bytes after the {kind} payload")
+    try:
+        header = json.loads(
+            raw_header.decode("utf-8"),
+            object_pairs_hook=_reject_pairs,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+        )
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(BAD_HEADER, f"{kind} header is not valid JSON: {str(exc)[:120]}") from exc
+    problem = _schema_problem(header, schema)
+    if problem is not None:
+        raise DecodeError(BAD_HEADER, f"{kind} header: {problem}")
+    return header, bytes(view[payload_at : payload_at + payload_len])
+
+
+# --- records -----------------------------------------------------------------------------------------
+def encode_delta(header: DeltaHeader, payload: bytes) -> bytes:
+    """`payload` is the sender's int8 `wire.codec` frame; `header.sender` is not sent."""
+    fields = {key: getattr(header, key) for key in DELTA_SCHEMA}
+    return _encode(DELTA_MAGIC, fields, DELTA_SCHEMA, payload)
+
+
+def decode_delta(frame: bytes, *, max_bytes: int) -> tuple[DeltaHeader, bytes]:
+    """(header with sender "", codec payload). The caller sets the sender from the connection."""
+    header, payload = _decode(frame, DELTA_MAGIC, DELTA_SCHEMA, max_bytes)
+    return DeltaHeader(**header, sender=""), payload
+
+
+def encode_update(record: UpdateRecord) -> bytes:
+    fields = {key: getattr(record, key) for key in UPDATE_SCHEMA}
+    fields["contributors"] = [[peer, float(weight)] for peer, weight in record.contributors]
+    return _encode(UPDATE_MAGIC, fields, UPDATE_SCHEMA, record.payload)
+
+
+def decode_update(frame: bytes, *, max_bytes: int) -> UpdateRecord:
+    header, payload = _decode(frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes)
+    contributors = tuple((peer, weight) for peer, weight in header.pop("contributors"))
+    return UpdateRecord(**header, contributors=contributors, payload=payload)
+
+
+def encode_snapshot(snapshot: FragmentSnapshot) -> bytes:
+    fields = {key: getattr(snapshot, key) for key in SNAPSHOT_SCHEMA if key != "params_len"}
+    fields["params_len"] = len(snapshot.params)
+    return _encode(SNAPSHOT_MAGIC, fields, SNAPSHOT_SCHEMA, snapshot.params + snapshot.momentum)
+
+
+def decode_snapshot(frame: bytes, *, max_bytes: int) -> FragmentSnapshot:
+    header, payload = _decode(frame, SNAPSHOT_MAGIC, SNAPSHOT_SCHEMA, max_bytes)
+    params_len = header.pop("params_len")
+    if params_len > len(payload):
+        raise DecodeError(
+            BAD_HEADER, f"snapshot params_len {params_len} exceeds its payload of {len(payload)}"
+        )
+    return FragmentSnapshot(**header, params=payload[:params_len], momentum=payload[params_len:])
+
+
+def encode_request(
+    kind: str, run_id: str, manifest_hash: str, fragment: int, after_version: int = 0
+) -> bytes:
+    """`kind` is REQUEST_UPDATES (records after `after_version`) or REQUEST_SNAPSHOT (after_version 0)."""
+    if kind == REQUEST_SNAPSHOT and after_version != 0:
+        raise ValueError("a snapshot request takes no after_version")
+    fields = {
+        "kind": kind,
+        "run_id": run_id,
+        "manifest_hash": manifest_hash,
+        "fragment": fragment,
+        "after_version": after_version,
+    }
+    return _encode(REQUEST_MAGIC, fields, REQUEST_SCHEMA)
+
+
+def decode_request(frame: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> FragmentRequest:
+    header, payload = _decode(frame, REQUEST_MAGIC, REQUEST_SCHEMA, max_bytes)
+    if payload:
+        raise DecodeError(BAD_HEADER, f"request carries a payload of {len(payload)} bytes")
+    request = FragmentRequest(**header)
+    if request.kind == REQUEST_SNAPSHOT and request.after_version != 0:
+        raise DecodeError(BAD_HEADER, f"snapshot request with after_version {request.after_version}")
+    return request
+
+
+def with_sender(header: DeltaHeader, sender: str) -> DeltaHeader:
+    """The decoded header with the sender taken from the authenticated connection."""
+    return replace(header, sender=sender)
