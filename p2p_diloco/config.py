@@ -41,7 +41,9 @@ class DilocoConfig:
     # M times more (one full outer step per learner). "none": apply every merge at full size.
     outer_scaling: Literal["contributors", "none"] = "contributors"
     fragment_pattern: Literal["balanced", "strided"] = "balanced"
-    adoption: Literal["overwrite", "blend"] = "overwrite"
+    # How a learner takes a merged fragment that included its delta (see swarm/learner.py):
+    # "carry" = new global plus progress made since sending, "overwrite" = exactly the new global, "blend".
+    adoption: Literal["carry", "overwrite", "blend"] = "carry"
     blend_alpha: float = 0.5
     inner_lr: float = 3e-3
     inner_weight_decay: float = 0.1
@@ -74,8 +76,8 @@ class DilocoConfig:
             f"fragment_pattern must be 'balanced' or 'strided', got {self.fragment_pattern!r}",
         )
         _require(
-            self.adoption in ("overwrite", "blend"),
-            f"adoption must be 'overwrite' or 'blend', got {self.adoption!r}",
+            self.adoption in ("carry", "overwrite", "blend"),
+            f"adoption must be 'carry', 'overwrite' or 'blend', got {self.adoption!r}",
         )
         _require(0.0 < self.blend_alpha <= 1.0, f"blend_alpha must be in (0, 1], got {self.blend_alpha}")
         _require(self.inner_lr > 0, f"inner_lr must be > 0, got {self.inner_lr}")
