@@ -58,7 +58,7 @@ def _load(raw: bytes) -> dict:
         raise RecordError("record is not bytes or too large")
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise RecordError(f"not JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise RecordError("not a JSON object")

@@ -1,0 +1,71 @@
+"""DHT record encodings: round trips, strict schema, garbage never raises anything but RecordError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
+
+INFO = HeartbeatInfo(
+    role="learner", may_sync=True, reachable=True, versions=(1, 2, 3), term_seen=4, digest="ab"
+)
+
+
+def test_heartbeat_round_trip_and_election_view():
+    assert decode_heartbeat(INFO.to_bytes(), 3) == INFO
+    hb = INFO.as_election_record("peer", expires_at=9.0)
+    assert (hb.peer_id, hb.versions, hb.term_seen, hb.expires_at) == ("peer", (1, 2, 3), 4, 9.0)
+
+
+def test_lease_round_trip():
+    lease = LeaseRecord("peer", 3, 12.5, rounds_done=7, released=True)
+    assert decode_lease("peer", encode_lease(lease)) == lease
+
+
+@pytest.mark.parametrize(
+    "change, fragment_count",
+    [
+        ({"role": "king"}, 3),
+        ({"may_sync": 1}, 3),
+        ({"versions": [1, 2]}, 3),
+        ({"versions": [1, -2, 3]}, 3),
+        ({"step": 1.5}, 3),
+        ({"loss": float("nan")}, 3),
+        ({"addresses": ["a"] * 17}, 3),
+        ({"extra": 1}, 3),
+    ],
+)
+def test_heartbeat_schema_violations_are_rejected(change, fragment_count):
+    d = json.loads(INFO.to_bytes())
+    d.update(change)
+    with pytest.raises(RecordError):
+        decode_heartbeat(json.dumps(d).encode(), fragment_count)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"{}",
+        b'{"term": 0, "expires_at": 1, "rounds_done": 0, "released": false}',
+        b'{"term": 1, "expires_at": 1, "rounds_done": 0, "released": "no"}',
+        b'{"term": true, "expires_at": 1, "rounds_done": 0, "released": false}',
+    ],
+)
+def test_bad_leases_are_rejected(value):
+    with pytest.raises(RecordError):
+        decode_lease("peer", value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=256) | st.text(max_size=128).map(str.encode))
+def test_garbage_only_raises_record_error(raw):
+    for decode in (lambda r: decode_heartbeat(r, 3), lambda r: decode_lease("p", r)):
+        try:
+            decode(raw)
+        except RecordError:
+            pass
