@@ -107,6 +107,10 @@ def plot(report: SwarmReport, path: Path) -> None:
     for t, who, term in report.terms:
         b.axvline(t, color="red", alpha=0.4)
         b.text(t, 0, f" term {term}\n {who}", fontsize=7, color="red")
+    for t, who in report.crashes:
+        for ax in (a, b):
+            ax.axvline(t, color="black", linestyle=":", alpha=0.6)
+        b.text(t, b.get_ylim()[1] * 0.9, f" kill learner-{who}", fontsize=7)
     b.set_xlabel("fake seconds")
     b.set_ylabel("sum of fragment versions")
     fig.tight_layout()
