@@ -1,0 +1,102 @@
+"""`p2p-diloco bootstrap`: a DHT-only node with a stable peer ID that new peers join through.
+
+It trains nothing and knows no run: it stores and serves owner-signed records (signature checks
+only), relays for peers behind NAT (libp2p circuit relay v2: p2pd's relay service is on whenever
+relaying is enabled), and prints one ``bootstrap address: <multiaddr>/p2p/<id>`` line per address
+once it is ready. SIGINT or SIGTERM shuts it down cleanly with exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from p2p_diloco.net.dht_store import create_dht
+
+log = logging.getLogger(__name__)
+
+# p2pd here always has QUIC; listening on it too helps peers behind NAT (UDP hole punching)
+DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1")
+ADDRESS_LINE_PREFIX = "bootstrap address: "
+
+
+def _install_stop_handlers(stop: threading.Event) -> dict[int, object]:
+    """SIGINT/SIGTERM set `stop` in this process; forked children (the DHT) get the default action back.
+
+    The DHT process is forked after this and inherits Python-level handlers; without the pid check it
+    would swallow the SIGTERM that hivemind uses as its last resort to stop it.
+    """
+    main_pid = os.getpid()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop.set()
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def run_bootstrap(
+    *,
+    identity: str | None,
+    listen: Sequence[str],
+    announce: Sequence[str],
+    initial_peers: Sequence[str],
+    stop: threading.Event,
+    out=sys.stdout,
+) -> int:
+    """Serve until `stop` is set; the CLI wires `stop` to SIGINT/SIGTERM."""
+    if identity is None:
+        print(
+            "warning: no --identity given: the peer ID (and so the bootstrap address) changes on every start; "
+            "create a key with `p2p-diloco keygen --out bootstrap.key`",
+            file=sys.stderr,
+        )
+    peer = create_dht(
+        initial_peers=initial_peers,
+        identity_path=identity,
+        host_maddrs=listen,
+        announce_maddrs=announce,
+        client_mode=False,
+        use_relay=True,
+    )
+    try:
+        addresses = peer.visible_addresses()
+        for address in addresses:
+            print(f"{ADDRESS_LINE_PREFIX}{address}", file=out)
+        out.flush()
+        print(f"bootstrap {peer.peer_id} ready; stop with Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        peer.shutdown()
+    print("bootstrap stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def cli_bootstrap(args: argparse.Namespace) -> int:
+    """`p2p-diloco bootstrap [--identity KEY] [--listen MA]... [--announce MA]... [--initial-peers MA...]`."""
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    try:
+        return run_bootstrap(
+            identity=args.identity,
+            listen=args.listen or DEFAULT_LISTEN,
+            announce=args.announce or (),
+            initial_peers=args.initial_peers or (),
+            stop=stop,
+        )
+    except ConnectionError as exc:  # e.g. --initial-peers unreachable, port already taken
+        print(f"p2p-diloco bootstrap: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,418 @@
+"""`P2PTransport`: the project's `Transport` over hivemind's libp2p streams, on its own event loop thread.
+
+One libp2p protocol per operation (`keys.protocol_id`, so other runs and manifests cannot reach these
+handlers). Every payload goes over a stream (no 4 MiB unary cap) in the `streams` envelope. The
+inbound side answers with an `InboundHandlers`; the sender's ID is the authenticated connection's
+peer ID (`stream_info.peer_id`), never anything in the payload. Inbound requests are checked against
+the allowlist, a concurrency limit and a size cap before their bodies are read; a handler that raises
+is logged and answered with a ``handler error`` rejection, and the peer keeps serving.
+
+Outbound: `send_delta`/`push_update` return at once and deliver in the background (optional
+`on_reply(reason)` callback, called on a worker thread); `fetch_updates`/`fetch_snapshot` block up to a
+timeout and raise `TimeoutError`, `ConnectionError` or `RemoteRejected` (a `ConnectionError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Collection
+from typing import Any
+
+import hivemind
+import uvloop
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+
+from p2p_diloco.net import keys, streams
+from p2p_diloco.net.addresses import parse_peer_id
+from p2p_diloco.swarm.interfaces import InboundHandlers
+
+log = logging.getLogger(__name__)
+
+# reasons: inbound rejections (sent back to the caller) and local delivery failures (to on_reply)
+REJECT_TOO_LARGE = "frame too large"
+REJECT_NOT_ALLOWED = "peer not allowed"
+REJECT_BUSY = "busy"
+REJECT_BAD_REQUEST = "bad request"
+REJECT_HANDLER_ERROR = "handler error"
+REPLY_TIMEOUT = "transport timeout"
+REPLY_UNREACHABLE = "transport unreachable"
+REPLY_CLOSED = "transport closed"
+
+OnReply = Callable[[str], None]
+LINGER_SECONDS = 5.0  # how long a rejecting receiver drains a sender that is still writing
+
+
+class RemoteRejected(ConnectionError):
+    """The remote peer answered with a rejection; `reason` is its reason string."""
+
+    def __init__(self, peer: str, op: str, reason: str):
+        self.reason = reason
+        super().__init__(f"{peer} rejected {op}: {reason}")
+
+
+async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
+    return node.p2p.daemon_listen_maddr
+
+
+class P2PTransport:
+    """Transport for one run over the p2pd of `dht` (module docstring). Close it before the DHT.
+
+    `handlers` run on worker threads (one by default, so calls never overlap; with
+    `handler_threads > 1` they must be thread-safe). Create DHTs before transports where possible:
+    hivemind forks the DHT process, and forking while this class's threads run is best avoided.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        run_id: str,
+        manifest_hash: str,
+        handlers: InboundHandlers | None = None,
+        max_frame_bytes: int = 256 * 1024 * 1024,
+        max_reply_bytes: int = 1024 * 1024 * 1024,
+        send_timeout: float = 120.0,
+        fetch_timeout: float = 120.0,
+        inbound_timeout: float = 120.0,
+        max_inbound: int = 8,
+        allowed_peers: Collection[str] | None = None,
+        handler_threads: int = 1,
+    ):
+        self.max_frame_bytes = max_frame_bytes
+        self.max_reply_bytes = max_reply_bytes
+        self.send_timeout = send_timeout
+        self.fetch_timeout = fetch_timeout
+        self.inbound_timeout = inbound_timeout
+        self.max_inbound = max_inbound
+        self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
+        self.rejected: Counter[str] = Counter()  # inbound rejections by tag
+        self.served: Counter[str] = Counter()  # inbound requests answered, by op
+        self._handlers = handlers
+        self._protocols = {op: keys.protocol_id(run_id, manifest_hash, op) for op in keys.TRANSPORT_OPS}
+        self._inbound_active = 0
+        self._pending: set[concurrent.futures.Future[str]] = set()
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            handler_threads, thread_name_prefix="p2p-handler"
+        )
+        self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2p-on-reply")
+        daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="p2p-transport", daemon=True)
+        self._thread.start()
+        try:
+            self._p2p: P2P = self._submit(self._start(daemon_maddr)).result(timeout=30)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.peer_id: str = self._p2p.peer_id.to_base58()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("P2PTransport's blocking methods cannot be called from its own event loop")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _start(self, daemon_maddr: Any) -> P2P:
+        p2p = await P2P.replicate(daemon_maddr)
+        if self._handlers is not None:
+            for op, proto in self._protocols.items():
+                await p2p.add_binary_stream_handler(proto, self._make_stream_handler(op))
+        return p2p
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving, drop undelivered background sends, stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._submit(self._async_close()).result(timeout=timeout)
+        except Exception as exc:  # a dead daemon must not keep us from stopping the thread
+            log.debug("transport close: %r", exc)
+        self._stop_loop()
+
+    async def _async_close(self) -> None:
+        if self._handlers is not None:
+            for proto in self._protocols.values():
+                try:
+                    await asyncio.wait_for(self._p2p.remove_binary_stream_handler(proto), 2.0)
+                except Exception as exc:
+                    log.debug("removing handler %s: %r", proto, exc)
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._p2p.shutdown()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._callbacks.shutdown(wait=True, cancel_futures=False)
+
+    def __enter__(self) -> P2PTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- outbound --------------------------------------------------------------------------
+
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: OnReply | None = None) -> None:
+        """Deliver a delta frame in the background; `on_reply` gets the receiver's reason or a local one."""
+        self._send_background(keys.OP_DELTA, to_peer, frame, on_reply)
+
+    def push_update(self, to_peer: str, frame: bytes, on_reply: OnReply | None = None) -> None:
+        self._send_background(keys.OP_UPDATE, to_peer, frame, on_reply)
+
+    def send_and_wait(self, op: str, to_peer: str, frame: bytes, timeout: float | None = None) -> str:
+        """Blocking delivery of a delta/update frame; returns the reason `on_reply` would receive."""
+        if op not in (keys.OP_DELTA, keys.OP_UPDATE):
+            raise ValueError(f"op must be {keys.OP_DELTA!r} or {keys.OP_UPDATE!r}, got {op!r}")
+        parse_peer_id(to_peer, what="to_peer")
+        return self._submit(self._deliver(op, to_peer, frame, timeout or self.send_timeout)).result()
+
+    def _send_background(self, op: str, to_peer: str, frame: bytes, on_reply: OnReply | None) -> None:
+        parse_peer_id(to_peer, what="to_peer")
+        if self._closed:
+            self._notify(on_reply, f"{REPLY_CLOSED}: transport is closed")
+            return
+        future = self._submit(self._deliver(op, to_peer, frame, self.send_timeout))
+        with self._pending_lock:
+            self._pending.add(future)
+
+        def done(fut: concurrent.futures.Future[str]) -> None:
+            with self._pending_lock:
+                self._pending.discard(fut)
+            if fut.cancelled():
+                reason = f"{REPLY_CLOSED}: {op} to {to_peer} dropped at shutdown"
+            elif fut.exception() is not None:
+                reason = f"{REPLY_UNREACHABLE}: {fut.exception()!r}"
+            else:
+                reason = fut.result()
+            if not reason.startswith("accepted"):
+                log.info("%s to %s: %s", op, to_peer, reason)
+            self._notify(on_reply, reason)
+
+        future.add_done_callback(done)
+
+    def _notify(self, on_reply: OnReply | None, reason: str) -> None:
+        if on_reply is None:
+            return
+
+        def call() -> None:
+            try:
+                on_reply(reason)
+            except Exception:
+                log.exception("on_reply callback failed")
+
+        try:
+            self._callbacks.submit(call)
+        except RuntimeError:  # executor already shut down
+            call()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every background send has finished; False if some are still pending."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        return not not_done
+
+    async def _deliver(self, op: str, to_peer: str, frame: bytes, timeout: float) -> str:
+        """A delta/update round trip turned into one reason string (never raises)."""
+        try:
+            status, items = await asyncio.wait_for(self._call(op, to_peer, frame, 4096, 4096), timeout)
+        except TimeoutError:
+            return f"{REPLY_TIMEOUT}: no answer from {to_peer} within {timeout:.1f} s"
+        except (ConnectionError, OSError, ValueError) as exc:
+            return f"{REPLY_UNREACHABLE}: {exc}"
+        reason = items[0].decode("utf-8", "replace") if len(items) == 1 else ""
+        if status == streams.STATUS_OK and reason:
+            return reason
+        return reason or f"{REJECT_BAD_REQUEST}: malformed reply from {to_peer}"
+
+    def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
+        body = streams.encode_fetch(fragment, after_version)
+        return self._fetch(keys.OP_FETCH_UPDATES, from_peer, body)
+
+    def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes:
+        items = self._fetch(keys.OP_FETCH_SNAPSHOT, from_peer, streams.encode_fragment(fragment))
+        if len(items) != 1:
+            raise ConnectionError(
+                f"{from_peer} answered a snapshot request with {len(items)} items, expected 1"
+            )
+        return items[0]
+
+    def _fetch(self, op: str, from_peer: str, body: bytes) -> list[bytes]:
+        parse_peer_id(from_peer, what="from_peer")
+        if self._closed:
+            raise ConnectionError(f"{REPLY_CLOSED}: transport is closed")
+        call = self._call(op, from_peer, body, self.max_frame_bytes, self.max_reply_bytes)
+        future = self._submit(asyncio.wait_for(call, self.fetch_timeout))
+        try:
+            status, items = future.result(timeout=self.fetch_timeout + 5)
+        except TimeoutError as exc:
+            future.cancel()
+            raise TimeoutError(f"{op} from {from_peer}: no answer within {self.fetch_timeout:.1f} s") from exc
+        except streams.FrameTooLarge as exc:
+            raise ConnectionError(f"{op} from {from_peer}: {exc}") from exc
+        if status != streams.STATUS_OK:
+            reason = items[0].decode("utf-8", "replace") if items else "no reason given"
+            raise RemoteRejected(from_peer, op, reason)
+        return items
+
+    async def _call(
+        self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
+    ) -> tuple[int, list[bytes]]:
+        if to_peer == self.peer_id:
+            return await self._answer_local(op, body)
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(
+                PeerID.from_base58(to_peer), self._protocols[op]
+            )
+        except Exception as exc:
+            raise ConnectionError(f"cannot open a {op} stream to {to_peer}: {exc}") from exc
+        writing = asyncio.create_task(streams.write_request(writer, body))
+        reading = asyncio.create_task(
+            streams.read_reply(reader, max_item_bytes=max_item, max_total_bytes=max_total)
+        )
+        try:
+            # the reply may come before we finish writing (an early rejection): stop writing then
+            await asyncio.wait({writing, reading}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                return await reading
+            except asyncio.IncompleteReadError as exc:
+                detail = (
+                    f" (while sending: {writing.exception()!r})"
+                    if writing.done() and writing.exception()
+                    else ""
+                )
+                raise ConnectionError(f"{to_peer} closed the {op} stream without an answer{detail}") from exc
+            except streams.BadEnvelope as exc:
+                raise ConnectionError(f"{to_peer} sent a malformed {op} reply: {exc}") from exc
+        finally:
+            for task in (writing, reading):
+                task.cancel()
+            await asyncio.gather(writing, reading, return_exceptions=True)
+            writer.close()
+
+    # ---- inbound ---------------------------------------------------------------------------
+
+    def _make_stream_handler(self, op: str) -> Callable[..., Any]:
+        async def handle(
+            stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            sender = stream_info.peer_id.to_base58()
+            try:
+                status, items = await asyncio.wait_for(self._answer(op, sender, reader), self.inbound_timeout)
+                await asyncio.wait_for(streams.write_reply(writer, status, items), self.inbound_timeout)
+                if status != streams.STATUS_OK:
+                    await self._linger(reader, writer)
+            except Exception as exc:  # a broken or slow stream must never take the peer down
+                log.info("%s from %s: stream dropped: %r", op, sender, exc)
+            finally:
+                writer.close()
+
+        return handle
+
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """After an early rejection: end our side, then discard what the sender still sends until it closes.
+
+        Closing with unread input makes the daemons reset the stream, and a reset can overtake the
+        rejection we just wrote; the sender stops writing and closes as soon as it reads our reply.
+        """
+        if writer.can_write_eof():
+            writer.write_eof()
+        deadline = asyncio.get_running_loop().time() + LINGER_SECONDS
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            if not await asyncio.wait_for(reader.read(streams.WRITE_CHUNK), left):
+                return
+
+    def _reject(self, op: str, sender: str, tag: str, detail: str) -> tuple[int, list[bytes]]:
+        self.rejected[tag] += 1
+        reason = f"{tag}: {detail}"
+        log.info("rejected %s from %s: %s", op, sender, reason)
+        return streams.STATUS_REJECTED, [reason.encode()]
+
+    async def _answer(self, op: str, sender: str, reader: asyncio.StreamReader) -> tuple[int, list[bytes]]:
+        if self.allowed_peers is not None and sender not in self.allowed_peers:
+            return self._reject(op, sender, REJECT_NOT_ALLOWED, f"{sender} is not on this run's allowlist")
+        if self._inbound_active >= self.max_inbound:
+            return self._reject(op, sender, REJECT_BUSY, f"{self.max_inbound} requests already in progress")
+        self._inbound_active += 1
+        try:
+            limit = self._request_limit(op)
+            try:
+                length = await streams.read_request_header(reader, limit)
+            except streams.FrameTooLarge as exc:
+                return self._reject(op, sender, REJECT_TOO_LARGE, str(exc))
+            except streams.BadEnvelope as exc:
+                return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
+            body = await reader.readexactly(length)
+            return await self._dispatch(op, sender, body)
+        finally:
+            self._inbound_active -= 1
+
+    def _request_limit(self, op: str) -> int:
+        if op in (keys.OP_DELTA, keys.OP_UPDATE):
+            return self.max_frame_bytes
+        return streams.FETCH_BODY_BYTES
+
+    async def _answer_local(self, op: str, body: bytes) -> tuple[int, list[bytes]]:
+        """A call to ourselves (the synchronizer is also a learner): same checks, no network."""
+        if self._handlers is None:
+            raise ConnectionError(f"{op} to self: this transport serves no handlers")
+        if len(body) > self._request_limit(op):
+            limit_error = streams.FrameTooLarge(len(body), self._request_limit(op), "frame")
+            return self._reject(op, self.peer_id, REJECT_TOO_LARGE, str(limit_error))
+        return await self._dispatch(op, self.peer_id, body)
+
+    async def _dispatch(self, op: str, sender: str, body: bytes) -> tuple[int, list[bytes]]:
+        handlers = self._handlers
+        assert handlers is not None
+        try:
+            if op == keys.OP_FETCH_UPDATES:
+                fragment, after = streams.decode_fetch(body)
+                call: Callable[[], Any] = lambda: handlers.serve_updates(sender, fragment, after)  # noqa: E731
+            elif op == keys.OP_FETCH_SNAPSHOT:
+                fragment = streams.decode_fragment(body)
+                call = lambda: handlers.serve_snapshot(sender, fragment)  # noqa: E731
+            elif op == keys.OP_DELTA:
+                call = lambda: handlers.handle_delta(sender, body)  # noqa: E731
+            else:
+                call = lambda: handlers.handle_update(sender, body)  # noqa: E731
+        except streams.BadEnvelope as exc:
+            return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
+        try:
+            result = await self._loop.run_in_executor(self._workers, call)
+            items = self._reply_items(op, result)
+        except Exception as exc:
+            log.warning("%s handler failed on a request from %s", op, sender, exc_info=True)
+            return self._reject(op, sender, REJECT_HANDLER_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
+        self.served[op] += 1
+        return streams.STATUS_OK, items
+
+    @staticmethod
+    def _reply_items(op: str, result: Any) -> list[bytes]:
+        if op in (keys.OP_DELTA, keys.OP_UPDATE):
+            if not isinstance(result, str):
+                raise TypeError(f"{op} handler returned {type(result).__name__}, expected a reason str")
+            return [result.encode()]
+        if op == keys.OP_FETCH_SNAPSHOT:
+            if not isinstance(result, bytes | bytearray):
+                raise TypeError(f"serve_snapshot returned {type(result).__name__}, expected bytes")
+            return [bytes(result)]
+        if not isinstance(result, list) or not all(isinstance(item, bytes | bytearray) for item in result):
+            raise TypeError("serve_updates must return a list of bytes")
+        return [bytes(item) for item in result]
