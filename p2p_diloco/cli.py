@@ -90,6 +90,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
     p.set_defaults(func=_lazy("p2p_diloco.net.bootstrap:cli_bootstrap"))
 
+    p = sub.add_parser("join", help="run a learner (and synchronizer candidate) in a real swarm")
+    p.add_argument("manifest", help="run manifest TOML, e.g. peers/demo.toml")
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MULTIADDR",
+        help="peer addresses to join through (default: the manifest's bootstrap list)",
+    )
+    p.add_argument("--identity", required=True, help="key file from `p2p-diloco keygen` (stable peer ID)")
+    p.add_argument("--state-dir", required=True, help="directory for the replica, peer state and event log")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--no-sync", action="store_true", help="never take the synchronizer role")
+    p.add_argument(
+        "--listen", action="append", default=None, metavar="MULTIADDR", help="default /ip4/0.0.0.0/tcp/0"
+    )
+    p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop training after N steps (keeps serving until stopped)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--persist-every", type=float, default=30.0, help="seconds between replica saves")
+    p.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
+    p.add_argument(
+        "--min-step-time", type=float, default=0.0, help="pace inner steps to at least this many seconds"
+    )
+    p.add_argument("--verbose", action="store_true", help="print every decision to stderr")
+    p.set_defaults(func=_lazy("p2p_diloco.node.join:cli_join"))
+
+    p = sub.add_parser("status", help="print the swarm of a run: synchronizer, versions, peers")
+    p.add_argument("manifest", help="run manifest TOML")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--wait", type=float, default=5.0, help="seconds to keep looking while no peer is seen")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds for one DHT lookup")
+    p.set_defaults(func=_lazy("p2p_diloco.node.status:cli_status"))
+
     return parser
 
 

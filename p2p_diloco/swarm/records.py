@@ -15,6 +15,9 @@ from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
 
 MAX_RECORD_BYTES = 16 * 1024
 ROLES = ("learner", "synchronizer", "bootstrap", "observer")
+MAX_COUNTERS = 16
+MAX_DECISIONS = 8
+MAX_TEXT = 240  # characters of one tag, peer ID or decision line
 
 
 class RecordError(ValueError):
@@ -37,9 +40,16 @@ class HeartbeatInfo:
     digest: str = ""
     ranks: int = 1
     addresses: tuple[str, ...] = field(default=())
+    # what `status` shows; the real node fills these, the in-process swarm leaves them empty
+    tokens: int = 0
+    updates_applied: int = 0
+    last_contribution: float = 0.0  # DHT time when an update last merged this peer's delta (0: never)
+    rejections: tuple[tuple[str, int], ...] = ()  # (reason tag, count), at most MAX_COUNTERS
+    rejections_by_sender: tuple[tuple[str, str, int], ...] = ()  # (sender, tag, count), at most MAX_COUNTERS
+    decisions: tuple[str, ...] = ()  # the last few decision lines, at most MAX_DECISIONS
 
     def to_bytes(self) -> bytes:
-        d = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        d = {k: _plain(v) for k, v in self.__dict__.items()}
         return json.dumps(d, separators=(",", ":")).encode()
 
     def as_election_record(self, peer_id: str, expires_at: float) -> PeerHeartbeat:
@@ -51,6 +61,32 @@ class HeartbeatInfo:
             expires_at=expires_at,
             term_seen=self.term_seen,
         )
+
+
+def _plain(value):
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise RecordError(f"{name} must be a string of at most {MAX_TEXT} characters")
+    return value
+
+
+def _rows(value, name: str, kinds: tuple[str, ...], limit: int) -> tuple:
+    """A list of at most `limit` rows, each a list of len(kinds) items: "s" a short string, "i" a count."""
+    if not isinstance(value, list) or len(value) > limit:
+        raise RecordError(f"{name} must be a list of at most {limit} entries")
+    rows = []
+    for row in value:
+        if not isinstance(row, list) or len(row) != len(kinds):
+            raise RecordError(f"{name} entries must be lists of {len(kinds)} items")
+        rows.append(
+            tuple(
+                _text(v, name) if k == "s" else int(_num(v, name, integer=True)) for v, k in zip(row, kinds)
+            )
+        )
+    return tuple(rows)
 
 
 def _load(raw: bytes) -> dict:
@@ -87,10 +123,18 @@ def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
         raise RecordError(f"versions must list {num_fragments} fragment versions")
     for v in versions:
         _num(v, "versions[]", integer=True)
-    for name in ("term_seen", "step", "ranks"):
+    for name in ("term_seen", "step", "ranks", "tokens", "updates_applied"):
         _num(d[name], name, integer=True)
-    for name in ("tokens_per_s", "step_time", "loss"):
+    for name in ("tokens_per_s", "step_time", "loss", "last_contribution"):
         _num(d[name], name)
+    d["rejections"] = _rows(d["rejections"], "rejections", ("s", "i"), MAX_COUNTERS)
+    d["rejections_by_sender"] = _rows(
+        d["rejections_by_sender"], "rejections_by_sender", ("s", "s", "i"), MAX_COUNTERS
+    )
+    decisions = d["decisions"]
+    if not isinstance(decisions, list) or len(decisions) > MAX_DECISIONS:
+        raise RecordError(f"decisions must be a list of at most {MAX_DECISIONS} strings")
+    d["decisions"] = tuple(_text(line, "decisions[]") for line in decisions)
     addresses = d["addresses"]
     if not isinstance(d["digest"], str) or len(d["digest"]) > 128:
         raise RecordError("digest must be a short string")

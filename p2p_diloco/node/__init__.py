@@ -1,0 +1,1 @@
+"""The real peer: `PeerNode` (runtime), its thread guard, state directory, and the `join`/`status` commands."""

@@ -1,0 +1,88 @@
+"""`p2p-diloco join`: parse and check the command line, wire SIGINT/SIGTERM to a stop event, run a `PeerNode`.
+
+Every address is parsed with `net.addresses` before anything starts, so a bad one is refused with a
+message naming the bad part (exit status 2). SIGINT/SIGTERM stop the peer after its current step; it
+then releases its lease if it holds one, flushes its sends, persists its replica and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
+from p2p_diloco.net.bootstrap import _install_stop_handlers
+from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
+from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.node.runtime import NodeOptions, PeerNode, check_device
+
+
+def options_from_args(args: argparse.Namespace) -> NodeOptions:
+    """`NodeOptions` from parsed `join` arguments; `ConfigError` naming the bad argument."""
+    manifest = RunManifest.load(args.manifest)
+    initial = parse_peer_addresses(args.initial_peers or manifest.bootstrap, what="--initial-peers")
+    listen = parse_listen_addresses(args.listen or DEFAULT_HOST_MADDRS, what="--listen")
+    announce = parse_listen_addresses(args.announce or (), what="--announce")
+    peer_id_of(args.identity)  # a missing or corrupt key file is refused before anything starts
+    check_device(args.device)
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise ConfigError(f"--max-steps must be >= 0, got {args.max_steps}")
+    for name in ("persist_every", "progress_every"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if args.min_step_time < 0:
+        raise ConfigError("--min-step-time must be >= 0 seconds")
+    return NodeOptions(
+        manifest=manifest,
+        identity=Path(args.identity),
+        state_dir=Path(args.state_dir),
+        initial_peers=tuple(initial),
+        device=args.device,
+        may_sync=not args.no_sync,
+        listen=tuple(listen),
+        announce=tuple(announce),
+        max_steps=args.max_steps,
+        threads=args.threads,
+        persist_every=args.persist_every,
+        progress_every=args.progress_every,
+        min_step_time=args.min_step_time,
+        verbose=args.verbose,
+    )
+
+
+def _configure_logging(verbose: bool) -> None:
+    """The project's own log lines to stderr (hivemind configures its loggers itself)."""
+    logger = logging.getLogger("p2p_diloco")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.propagate = False
+
+
+def cli_join(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    _configure_logging(options.verbose)
+    if not options.initial_peers:
+        print(
+            "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
+            file=sys.stderr,
+        )
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    try:
+        return PeerNode(options, stop=stop).run()
+    except ConnectionError as exc:
+        print(f"p2p-diloco join: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,546 @@
+"""`PeerNode`: the real peer process behind `p2p-diloco join`, one `Peer` on hivemind's DHT and libp2p.
+
+Lifecycle (`run`):
+
+1. start: check the device, open the state directory, build model, plan and replica (the persisted one
+   if there is one), start the DHT node and the transport, build learner and `Peer`; then catch up:
+   a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
+   (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
+2. loop: the main thread trains: one inner step, `after_train_step`, `sync_tick`, and periodically
+   persists the replica and prints a progress line. After `--max-steps` it stops training but keeps
+   polling rounds and serving the swarm. The swarm thread runs `heartbeat`, `election_tick` and
+   `repair_tick` every heartbeat period, so lease renewals never wait for a long training step.
+3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
+   release the lease if held, flush in-flight sends (bounded), persist, stop the transport and the DHT.
+
+Threads: every call into the `Peer` holds one `PeerLock`; inbound requests and send replies reach it
+only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`). The clock is
+hivemind's DHT time, since DHT records expire at absolute times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.data import BatchSampler, load_corpus
+from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
+from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS, DhtKeyValueStore, DhtPeer, create_dht
+from p2p_diloco.net.transport import P2PTransport
+from p2p_diloco.node.guard import DhtClock, GuardedHandlers, LockedTransport, PeerLock, UnlockedKeyValueStore
+from p2p_diloco.node.state import StateDir
+from p2p_diloco.protocol import election
+from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.swarm.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT, encode_lease
+from p2p_diloco.wire.frames import decode_update
+
+log = logging.getLogger(__name__)
+
+STEP_TIME_EMA = 0.1
+IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) polls its rounds
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    manifest: RunManifest
+    identity: Path
+    state_dir: Path
+    initial_peers: tuple[str, ...] = ()
+    device: str = "cpu"
+    may_sync: bool = True
+    listen: tuple[str, ...] = DEFAULT_HOST_MADDRS
+    announce: tuple[str, ...] = ()
+    max_steps: int | None = None
+    threads: int = 1
+    persist_every: float = 30.0
+    progress_every: float = 5.0
+    min_step_time: float = 0.0  # pace training (slow devices, tests); 0 trains flat out
+    flush_timeout: float = 5.0
+    fetch_timeout: float = 30.0
+    dht_timeout: float = 5.0
+    verbose: bool = False
+
+
+def check_device(device: str) -> None:
+    """`ConfigError` unless torch can use `device` here (cpu, cuda, cuda:N or mps)."""
+    if device == "cpu":
+        return
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {device}: no CUDA device is available to this torch {torch.__version__} "
+                f"(built with CUDA {torch.version.cuda or 'none'}); use --device cpu"
+            )
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ConfigError(
+                f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0..)"
+            )
+        return
+    if device == "mps":
+        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise ConfigError("--device mps: Apple's MPS backend is not available here; use --device cpu")
+        return
+    raise ConfigError(f"--device must be cpu, cuda, cuda:N or mps, got {device!r}")
+
+
+def _top(counter: Counter, limit: int) -> list:
+    return sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+
+
+def _short(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class PeerNode:
+    """One swarm peer in this process (module docstring). `stop` ends `run` after the current step."""
+
+    def __init__(
+        self, options: NodeOptions, *, stop: threading.Event | None = None, out: TextIO = sys.stdout
+    ):
+        self.options = options
+        self.manifest = options.manifest
+        self.stop = stop or threading.Event()
+        self.out = out
+        self.lock = PeerLock()
+        self.clock = DhtClock()
+        self.state: StateDir | None = None
+        self.dht_peer: DhtPeer | None = None
+        self.p2p: P2PTransport | None = None
+        self.guard: GuardedHandlers | None = None
+        self.peer: Peer | None = None
+        self.learner: Learner | None = None
+        self.training = True
+        self.tick_errors: Counter[str] = Counter()
+        self.step_time = 0.0
+        self.sync_seconds = 0.0
+        self.last_in_sync = 0.0
+        self.last_connected = 0.0
+        self.last_contribution = 0.0
+        self._steps_merged_seen = 0.0
+        self._last_step_end: float | None = None
+        self._swarm_thread: threading.Thread | None = None
+        self._swarm_stop = threading.Event()
+
+    # ---- start -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        opts, manifest = self.options, self.manifest
+        check_device(opts.device)
+        torch.set_num_threads(opts.threads)
+        self.state = StateDir(opts.state_dir, manifest)
+        saved = self.state.read_peer_state()
+        corpus = load_corpus(manifest.data)
+        model = build_model(manifest.model)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        plan = plan_fragments(
+            list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern
+        )
+        replica = self.state.load_replica(plan)
+        restored = replica is not None
+        if replica is None:
+            replica = GlobalReplica(plan, {name: p.detach().clone() for name, p in model.named_parameters()})
+        self.last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
+
+        self.dht_peer = create_dht(
+            initial_peers=opts.initial_peers,
+            identity_path=opts.identity,
+            host_maddrs=opts.listen,
+            announce_maddrs=opts.announce,
+        )
+        peer_id = self.dht_peer.peer_id
+        self.guard = GuardedHandlers(self.lock, on_applied=self._on_update_applied)
+        self.p2p = P2PTransport(
+            self.dht_peer.dht,
+            run_id=manifest.run_id,
+            manifest_hash=manifest.manifest_hash,
+            handlers=self.guard,
+            max_frame_bytes=manifest.wire.max_message_bytes,
+            allowed_peers=manifest.allowlist or None,
+            fetch_timeout=opts.fetch_timeout,
+            send_timeout=opts.fetch_timeout,
+        )
+        model.to(opts.device)
+        optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
+        seed = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
+        sampler = BatchSampler(
+            corpus.train,
+            block_size=manifest.model.block_size,
+            batch_size=manifest.diloco.batch_size,
+            shard=0,
+            num_shards=1,
+            seed=seed,
+        )
+        self.learner = Learner(
+            peer_id, manifest, plan, replica, model, optimizer, sampler, device=opts.device
+        )
+        with self.lock:
+            self.peer = Peer(
+                peer_id,
+                manifest,
+                plan,
+                replica,
+                kv=UnlockedKeyValueStore(
+                    DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout), self.lock
+                ),
+                transport=LockedTransport(self.p2p, self.lock, self.guard),
+                clock=self.clock,
+                shapes=shapes,
+                embedding_names=embedding_parameter_names(model),
+                learner=self.learner,
+                may_sync=opts.may_sync,
+                log=self._on_note,
+            )
+        now = self.clock.now()
+        self.event(
+            "start",
+            peer_id=peer_id,
+            run_id=manifest.run_id,
+            manifest_hash=manifest.manifest_hash,
+            restored=restored,
+            versions=list(replica.versions()),
+            addresses=self.dht_peer.visible_addresses(),
+        )
+        self.say(f"peer id: {peer_id}")
+        for address in self.dht_peer.visible_addresses():
+            self.say(f"address: {address}")
+        self.say(
+            f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), {plan.num_fragments} fragments, "
+            f"{sum(plan.sizes())} parameters, device {opts.device}"
+        )
+        self._catch_up(now, restored)
+
+    def _catch_up(self, now: float, restored: bool) -> None:
+        assert self.peer is not None
+        away = now - self.last_in_sync if restored and self.last_in_sync > 0 else math.inf
+        replay = away < self.manifest.timing.rejoin_grace
+        before = self.peer.replica.versions()
+        started = time.monotonic()
+        with self.lock:
+            stats = self.peer.catch_up(now, replay=replay)
+        seconds = time.monotonic() - started
+        after = self.peer.replica.versions()
+        mode = "replay" if replay else "snapshot"
+        self.event(
+            "catch_up",
+            mode=mode,
+            away=None if math.isinf(away) else away,
+            seconds=seconds,
+            before=list(before),
+            after=list(after),
+            **stats,
+        )
+        how = f"away {away:.1f} s" if not math.isinf(away) else "fresh state"
+        self.say(
+            f"caught up by {mode} ({how}): versions {list(before)} -> {list(after)} in {seconds:.1f} s, {stats}"
+        )
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """start, loop until `stop`, shut down; returns the exit status (0)."""
+        try:
+            self.start()
+            self.loop()
+        finally:
+            self.shutdown()
+        return 0
+
+    def loop(self) -> None:
+        opts = self.options
+        self._swarm_tick()  # announce ourselves and learn the holder before the first step
+        self._swarm_thread = threading.Thread(target=self._swarm_loop, name="swarm-ticks", daemon=True)
+        self._swarm_thread.start()
+        next_persist = time.monotonic() + opts.persist_every
+        next_progress = time.monotonic() + opts.progress_every
+        while not self.stop.is_set():
+            started = time.monotonic()
+            if self.training:
+                self._train_step()
+            self._sync_tick()
+            if time.monotonic() >= next_persist:
+                next_persist = time.monotonic() + opts.persist_every
+                self.persist()
+            if time.monotonic() >= next_progress:
+                next_progress = time.monotonic() + opts.progress_every
+                self.progress()
+            self.lock.yield_to_waiters()
+            if not self.training:
+                self.stop.wait(IDLE_POLL_SECONDS)
+            elif opts.min_step_time > 0:
+                self.stop.wait(max(0.0, opts.min_step_time - (time.monotonic() - started)))
+
+    def _swarm_loop(self) -> None:
+        """Heartbeat, election and repair every heartbeat period until stopped (the swarm thread)."""
+        period = self.manifest.timing.heartbeat_period
+        next_tick = time.monotonic() + period
+        while not (self.stop.is_set() or self._swarm_stop.is_set()):
+            if self._swarm_stop.wait(max(0.0, next_tick - time.monotonic())) or self.stop.is_set():
+                return
+            next_tick = max(next_tick + period, time.monotonic())
+            try:
+                self._swarm_tick()
+            except Exception:  # never let the thread die: the lease would lapse silently
+                log.exception("swarm tick failed")
+                self.tick_errors["unexpected"] += 1
+
+    def _train_step(self) -> None:
+        assert self.peer is not None and self.learner is not None
+        with self.lock:
+            self.learner.train_step()
+            self.peer.after_train_step(self.clock.now())
+        end = time.monotonic()
+        if self._last_step_end is not None:
+            seconds = end - self._last_step_end
+            self.step_time = (
+                seconds
+                if self.step_time == 0
+                else ((1 - STEP_TIME_EMA) * self.step_time + STEP_TIME_EMA * seconds)
+            )
+        self._last_step_end = end
+        max_steps = self.options.max_steps
+        if max_steps is not None and self.learner.step >= max_steps:
+            self.training = False
+            self.event("training_stopped", step=self.learner.step)
+            self.say(
+                f"reached --max-steps {max_steps}: training stopped; still serving the swarm until stopped"
+            )
+
+    def _swarm_tick(self) -> None:
+        """Heartbeat, election and anti-entropy; a failing DHT call is counted and retried next period."""
+        peer = self.peer
+        assert peer is not None
+        with self.lock:
+            now = self.clock.now()
+            try:
+                peer.heartbeat(now, **self._heartbeat_extra(now))
+                decision = peer.election_tick(now)
+                self.last_connected = now
+                if decision.action == election.CLAIM:
+                    self.event("claim", term=decision.term, reason=decision.reason)
+                if decision.action == election.HOLD and peer.sync is not None:
+                    # Peer.election_tick forgets the holder on "hold" (it sets holder = None), which would
+                    # keep the holder's own learner from sending deltas between renewals.
+                    peer.holder = peer.peer_id
+                peer.repair_tick(now)
+            except Exception as exc:  # DHT timeouts, unreachable peers: the next tick tries again
+                self.tick_errors[type(exc).__name__] += 1
+                self.event("tick_error", error=f"{type(exc).__name__}: {exc}")
+                log.warning("swarm tick failed: %r", exc)
+            if peer.sync is not None:
+                for info in peer.live_peers.values():
+                    if info.step_time > 0:
+                        peer.sync.observe_step_time(info.step_time)
+
+    def _sync_tick(self) -> None:
+        peer = self.peer
+        assert peer is not None
+        with self.lock:
+            if peer.sync is None:
+                return
+            started = time.monotonic()
+            try:
+                published = peer.sync_tick(self.clock.now(), sync_seconds=self.sync_seconds)
+            except Exception as exc:
+                self.tick_errors[type(exc).__name__] += 1
+                self.event("sync_error", error=f"{type(exc).__name__}: {exc}")
+                log.exception("sync tick failed")
+                return
+            if published:
+                self.sync_seconds = (time.monotonic() - started) / len(published)
+        for record in published:
+            self.event(
+                "published",
+                fragment=record.fragment,
+                version=record.to_version,
+                term=record.term,
+                leader=record.leader,
+                contributors=[peer_id for peer_id, _ in record.contributors],
+            )
+
+    # ---- heartbeat contents ------------------------------------------------------------------------
+
+    def _heartbeat_extra(self, now: float) -> dict:
+        peer, learner = self.peer, self.learner
+        assert peer is not None and learner is not None
+        if learner.steps_merged > self._steps_merged_seen:
+            self._steps_merged_seen = learner.steps_merged
+            self.last_contribution = now
+        tokens_per_step = self.manifest.diloco.batch_size * self.manifest.model.block_size
+        training = self.training and self.step_time > 0
+        return {
+            "step_time": self.step_time if training else 0.0,
+            "tokens_per_s": tokens_per_step / self.step_time if training else 0.0,
+            "tokens": learner.tokens_trained,
+            "updates_applied": peer.updates_applied,
+            "last_contribution": self.last_contribution,
+            "rejections": tuple(
+                (_short(tag, 64), n) for tag, n in _top(self.rejection_counts(), MAX_COUNTERS)
+            ),
+            "rejections_by_sender": tuple(
+                (sender, _short(tag, 64), n)
+                for (sender, tag), n in _top(self._rejections_by_sender(), MAX_COUNTERS)
+            ),
+            "decisions": tuple(_short(line) for line in list(peer.decisions)[-MAX_DECISIONS:]),
+        }
+
+    def rejection_counts(self) -> Counter[str]:
+        """Every rejection this peer answered or dropped, by reason tag (peer, synchronizer, guard, transport)."""
+        total: Counter[str] = Counter()
+        if self.peer is not None:
+            total.update(self.peer.rejections)
+            if self.peer.sync is not None:
+                total.update(self.peer.sync.rejections)
+        if self.guard is not None:
+            total.update(self.guard.rejections)
+        if self.p2p is not None:
+            try:
+                total.update(self.p2p.rejected.copy())
+            except RuntimeError:  # changed by the transport thread while copying; next time
+                pass
+        return total
+
+    def _rejections_by_sender(self) -> Counter[tuple[str, str]]:
+        total: Counter[tuple[str, str]] = Counter()
+        if self.peer is not None:
+            total.update(self.peer.rejections_by_sender)
+            if self.peer.sync is not None:
+                total.update(self.peer.sync.rejections_by_sender)
+        return total
+
+    # ---- events, progress, persistence -------------------------------------------------------------
+
+    def event(self, kind: str, **fields) -> None:
+        if self.state is not None:
+            self.state.event(kind, t=self.clock.now(), **fields)
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def _on_note(self, line: str) -> None:
+        prefix = f"[{self.peer.peer_id}] " if self.peer is not None else ""
+        text = line.removeprefix(prefix) if prefix else line.split("] ", 1)[-1]
+        self.event("note", line=text)
+        if self.options.verbose:
+            print(text, file=sys.stderr, flush=True)
+
+    def _on_update_applied(self, sender: str, frame: bytes, reply: str) -> None:
+        try:
+            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except Exception:  # it was applied, so it decoded; never let logging break the handler
+            return
+        self.event(
+            "applied",
+            fragment=record.fragment,
+            version=record.to_version,
+            term=record.term,
+            leader=record.leader,
+            source=sender,
+        )
+
+    def progress(self) -> None:
+        peer, learner = self.peer, self.learner
+        assert peer is not None and learner is not None
+        with self.lock:
+            versions = ",".join(str(v) for v in peer.replica.versions())
+            role = "synchronizer" if peer.sync else "learner"
+            holder = peer.holder or "none"
+            line = (
+                f"step {learner.step} loss {learner.last_loss:.3f} "
+                f"tok/s {self._heartbeat_extra(self.clock.now())['tokens_per_s']:.0f} role {role} "
+                f"sync {holder[:12]} term {peer.term_seen} versions {versions} applied {peer.updates_applied} "
+                f"digest {peer.replica.digest()[:12]} rejected {sum(self.rejection_counts().values())}"
+            )
+        self.event("progress", step=learner.step, loss=learner.last_loss, role=role, versions=versions)
+        self.say(line)
+
+    def persist(self) -> None:
+        """Save replica and peer state (under the lock, so the files match one moment of the replica)."""
+        peer, state = self.peer, self.state
+        if peer is None or state is None:
+            return
+        with self.lock:
+            now = self.clock.now()
+            connected = now - self.last_connected < 2 * self.manifest.timing.heartbeat_period
+            try:
+                state.save(peer.replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
+            except OSError as exc:
+                self.event("persist_failed", error=str(exc))
+                log.error("could not persist the replica: %s", exc)
+                return
+            if connected:
+                self.last_in_sync = now
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release the lease, flush sends, persist, stop transport and DHT; safe after a failed start."""
+        peer = self.peer
+        released = False
+        self._swarm_stop.set()
+        if self._swarm_thread is not None:
+            self._swarm_thread.join(timeout=2 * self.options.dht_timeout + 5)
+        if peer is not None:
+            with self.lock:
+                released = self._release_lease()
+        flushed = self.p2p.flush(self.options.flush_timeout) if self.p2p is not None else True
+        if peer is not None and self.guard is not None:
+            with self.lock:
+                self.guard.detach()
+            self.persist()
+            self.event(
+                "stopped",
+                step=self.learner.step if self.learner else 0,
+                versions=list(peer.replica.versions()),
+                digest=peer.replica.digest(),
+                released_lease=released,
+                flushed=flushed,
+            )
+        if self.p2p is not None:
+            self.p2p.close()
+        if self.dht_peer is not None:
+            self.dht_peer.shutdown()
+        if self.state is not None:
+            self.state.close()
+        if peer is not None:
+            self.say(
+                f"stopped: versions {list(peer.replica.versions())}, digest {peer.replica.digest()[:16]}"
+                f"{', lease released' if released else ''}"
+            )
+
+    def _release_lease(self) -> bool:
+        peer = self.peer
+        assert peer is not None
+        lease, sync = peer.my_lease, peer.sync
+        peer.sync, peer.my_lease, peer.holder = None, None, None
+        if lease is None or sync is None:
+            return False
+        timing = self.manifest.timing
+        released = election.release_lease(lease, self.clock.now(), timing, sync.rounds_done)
+        try:
+            peer.kv.store(
+                peer.lease_key,
+                peer.peer_id,
+                encode_lease(released),
+                election.dht_expiration(released, timing),
+            )
+        except Exception as exc:
+            self.event("release_failed", error=str(exc))
+            return False
+        self.event("released_lease", term=lease.term, rounds=sync.rounds_done)
+        return True

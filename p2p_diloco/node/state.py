@@ -1,0 +1,169 @@
+"""A peer's state directory: its persisted replica, when it was last in sync, and its event log.
+
+Layout of ``--state-dir``:
+
+* ``replica.pt``: the `GlobalReplica` (written atomically by `GlobalReplica.save`);
+* ``peer_state.json``: run, manifest hash, peer ID, versions, digest and ``last_in_sync`` (DHT time of
+  the last save while the peer was live in the swarm); written atomically after the replica;
+* ``events.jsonl``: one JSON object per line, ``{"t": dht_time, "event": kind, ...}``: every decision
+  the `Peer` notes, updates applied, progress, start and stop;
+* ``.lock``: an exclusive `flock` so two processes never share one state directory.
+
+A state directory belongs to one run and manifest: reusing it for another is refused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.replica import GlobalReplica, ReplicaFileError
+
+REPLICA_FILE = "replica.pt"
+PEER_STATE_FILE = "peer_state.json"
+EVENTS_FILE = "events.jsonl"
+LOCK_FILE = ".lock"
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What `peer_state.json` holds."""
+
+    run_id: str
+    manifest_hash: str
+    peer_id: str
+    versions: tuple[int, ...]
+    digest: str
+    last_in_sync: float
+    saved_at: float
+
+
+class StateDir:
+    """Owns one state directory for the lifetime of a node (it holds the directory's lock)."""
+
+    def __init__(self, path: str | os.PathLike[str], manifest: RunManifest):
+        self.path = Path(path)
+        self.manifest = manifest
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--state-dir {self.path}: cannot create it: {exc.strerror}") from exc
+        self._lock_file = open(self.path / LOCK_FILE, "w")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            self._lock_file.close()
+            raise ConfigError(
+                f"--state-dir {self.path} is in use by another running peer; give each peer its own"
+            ) from exc
+        self._events: TextIO = open(self.path / EVENTS_FILE, "a", buffering=1)  # noqa: SIM115
+        self._events_lock = threading.Lock()
+
+    @property
+    def replica_path(self) -> Path:
+        return self.path / REPLICA_FILE
+
+    # ---- peer state and replica --------------------------------------------------------------------
+
+    def read_peer_state(self) -> PeerState | None:
+        """The saved peer state, None for a fresh directory; `ConfigError` if it belongs to another run."""
+        file = self.path / PEER_STATE_FILE
+        if not file.exists():
+            return None
+        try:
+            raw = json.loads(file.read_text())
+            state = PeerState(**{**raw, "versions": tuple(raw["versions"])})
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(
+                f"{file} is unreadable ({exc}); remove it (the peer then rejoins by snapshot)"
+            ) from exc
+        if (state.run_id, state.manifest_hash) != (self.manifest.run_id, self.manifest.manifest_hash):
+            raise ConfigError(
+                f"--state-dir {self.path} belongs to run {state.run_id!r} with manifest {state.manifest_hash}, "
+                f"not run {self.manifest.run_id!r} with manifest {self.manifest.manifest_hash}; "
+                "give this run its own state directory"
+            )
+        return state
+
+    def load_replica(self, plan: FragmentPlan) -> GlobalReplica | None:
+        """The persisted replica, or None if there is none or it is unusable (noted in the event log)."""
+        if not self.replica_path.exists():
+            return None
+        try:
+            return GlobalReplica.load(self.replica_path, plan)
+        except ReplicaFileError as exc:
+            self.event("replica_unusable", reason=str(exc))
+            return None
+
+    def save(
+        self, replica: GlobalReplica, peer_id: str, *, now: float, in_sync: bool, previous: float
+    ) -> None:
+        """Persist the replica, then the peer state (so the state never claims a replica not on disk)."""
+        replica.save(self.replica_path)
+        state = PeerState(
+            run_id=self.manifest.run_id,
+            manifest_hash=self.manifest.manifest_hash,
+            peer_id=peer_id,
+            versions=replica.versions(),
+            digest=replica.digest(),
+            last_in_sync=now if in_sync else previous,
+            saved_at=now,
+        )
+        _write_atomic(self.path / PEER_STATE_FILE, json.dumps(asdict(state), indent=1).encode())
+
+    # ---- events ------------------------------------------------------------------------------------
+
+    def event(self, kind: str, *, t: float | None = None, **fields: Any) -> None:
+        """Append one event line (thread-safe; never raises for a full disk, which only loses the line)."""
+        line = json.dumps({"t": t, "event": kind, **fields}, default=str)
+        with self._events_lock:
+            try:
+                self._events.write(line + "\n")
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        with self._events_lock:
+            self._events.close()
+        self._lock_file.close()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete event lines of a state directory's `events.jsonl` (for tests and tools)."""
+    file = Path(path) / EVENTS_FILE
+    if not file.exists():
+        return []
+    events = []
+    for line in file.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written right now
+    return events
+
+
+def read_peer_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """`peer_state.json` of a state directory as a dict, None if absent (for tests and tools)."""
+    file = Path(path) / PEER_STATE_FILE
+    return json.loads(file.read_text()) if file.exists() else None

@@ -1,0 +1,163 @@
+"""`p2p-diloco status`: a passive DHT client that reads the swarm's heartbeats and leases and prints them.
+
+It writes nothing (no heartbeat, no lease) and serves nothing, so it never takes part in elections or
+receives updates. `swarm_status` turns what it reads into one JSON-ready dict; tests use it directly
+on an in-process DHT peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
+from p2p_diloco.net.keys import heartbeat_key, lease_key
+from p2p_diloco.protocol import election
+from p2p_diloco.swarm.interfaces import KeyValueStore
+from p2p_diloco.swarm.records import RecordError, decode_heartbeat, decode_lease
+
+
+def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[str, Any]:
+    """The swarm as seen in the DHT at `now`: synchronizer, per-fragment versions, live peers, leases.
+
+    ``synchronizer`` is the holder of the live lease with the highest term (None if no lease is live);
+    a fragment's version is the highest any live peer reports; ``ignored`` counts records that failed
+    their schema check.
+    """
+    num_fragments = manifest.diloco.fragments
+    ignored: Counter[str] = Counter()
+    peers = []
+    for peer_id, stored in sorted(
+        kv.get(heartbeat_key(manifest.run_id, manifest.manifest_hash), now).items()
+    ):
+        try:
+            info = decode_heartbeat(stored.value, num_fragments)
+        except RecordError:
+            ignored["bad heartbeat"] += 1
+            continue
+        peers.append(
+            {
+                "peer_id": peer_id,
+                "role": info.role,
+                "may_sync": info.may_sync,
+                "digest": info.digest,
+                "versions": list(info.versions),
+                "step": info.step,
+                "loss": info.loss,
+                "tokens": info.tokens,
+                "tokens_per_s": info.tokens_per_s,
+                "step_time": info.step_time,
+                "updates_applied": info.updates_applied,
+                "term_seen": info.term_seen,
+                "last_contribution_age": now - info.last_contribution if info.last_contribution > 0 else None,
+                "rejections": dict(info.rejections),
+                "rejections_by_sender": [list(row) for row in info.rejections_by_sender],
+                "decisions": list(info.decisions),
+                "expires_in": stored.expiration - now,
+            }
+        )
+    leases = []
+    for holder, stored in kv.get(lease_key(manifest.run_id, manifest.manifest_hash), now).items():
+        try:
+            leases.append(decode_lease(holder, stored.value))
+        except RecordError:
+            ignored["bad lease"] += 1
+    current = election.current_holder(leases, now)
+    versions = [
+        max((p["versions"][i] for p in peers if p["versions"]), default=0) for i in range(num_fragments)
+    ]
+    return {
+        "run_id": manifest.run_id,
+        "manifest_hash": manifest.manifest_hash,
+        "time": now,
+        "synchronizer": (
+            {"peer_id": current.holder, "term": current.term, "expires_in": current.expires_at - now}
+            if current is not None
+            else None
+        ),
+        "highest_term": election.highest_term(leases),
+        "fragments": [{"index": i, "version": v} for i, v in enumerate(versions)],
+        "peers": peers,
+        "leases": [
+            {
+                "peer_id": lease.holder,
+                "term": lease.term,
+                "expires_in": lease.expires_at - now,
+                "rounds_done": lease.rounds_done,
+                "released": lease.released,
+            }
+            for lease in sorted(leases, key=lambda x: (x.term, x.holder))
+        ],
+        "ignored": dict(ignored),
+    }
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"run {status['run_id']} (manifest {status['manifest_hash']}): {len(status['peers'])} live peers"
+    ]
+    sync = status["synchronizer"]
+    if sync:
+        lines.append(
+            f"synchronizer: {sync['peer_id']} term {sync['term']} (lease expires in {sync['expires_in']:.1f} s)"
+        )
+    else:
+        lines.append(f"synchronizer: none (highest term seen {status['highest_term']})")
+    lines.append("fragments: " + "  ".join(f"{f['index']}:v{f['version']}" for f in status["fragments"]))
+    if status["peers"]:
+        lines.append(
+            f"{'peer':<48} {'role':<12} {'step':>7} {'loss':>6} {'tok/s':>8} {'applied':>7} "
+            f"{'contrib':>8} {'digest':<16} versions"
+        )
+    for p in status["peers"]:
+        age = p["last_contribution_age"]
+        lines.append(
+            f"{p['peer_id']:<48} {p['role']:<12} {p['step']:>7} {p['loss']:>6.3f} {p['tokens_per_s']:>8.0f} "
+            f"{p['updates_applied']:>7} {(f'{age:.1f}s ago' if age is not None else 'never'):>8} "
+            f"{p['digest']:<16} {','.join(str(v) for v in p['versions'])}"
+        )
+    for p in status["peers"]:
+        if p["rejections"]:
+            counts = ", ".join(f"{tag}: {n}" for tag, n in p["rejections"].items())
+            lines.append(f"rejections at {p['peer_id'][:16]}: {counts}")
+        for sender, tag, n in p["rejections_by_sender"]:
+            lines.append(f"  from {sender[:16]}: {tag}: {n}")
+    for p in status["peers"]:
+        for line in p["decisions"][-3:]:
+            lines.append(f"{p['peer_id'][:16]}: {line}")
+    if status["ignored"]:
+        lines.append(f"ignored records: {status['ignored']}")
+    return "\n".join(lines)
+
+
+def cli_status(args: argparse.Namespace) -> int:
+    """`p2p-diloco status MANIFEST --initial-peers ADDR... [--json] [--wait S]`."""
+    manifest = RunManifest.load(args.manifest)
+    initial = list(args.initial_peers or manifest.bootstrap)
+    try:
+        dht_peer = create_dht(initial_peers=initial, client_mode=True)
+    except ConnectionError as exc:
+        print(f"p2p-diloco status: {exc}", file=sys.stderr)
+        return 1
+    try:
+        kv = DhtKeyValueStore(dht_peer, timeout=args.timeout)
+        deadline = time.monotonic() + args.wait
+        while True:  # right after joining the DHT a lookup can come back empty: retry until --wait
+            status = swarm_status(kv, manifest, get_dht_time())
+            if status["peers"] or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+    except TimeoutError as exc:
+        print(f"p2p-diloco status: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        dht_peer.shutdown()
+    print(json.dumps(status) if args.json else format_status(status), flush=True)
+    return 0

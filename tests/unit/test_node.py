@@ -1,0 +1,207 @@
+"""The real peer's local pieces: lock guard, state directory, extended heartbeat records, join arguments."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from p2p_diloco.cli import build_parser
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.node.guard import (
+    REJECT_BUSY,
+    REJECT_HANDLER_ERROR,
+    REJECT_NOT_READY,
+    GuardedHandlers,
+    LockedTransport,
+    PeerLock,
+    ServeRefused,
+    UnlockedKeyValueStore,
+)
+from p2p_diloco.node.join import options_from_args
+from p2p_diloco.node.runtime import check_device
+from p2p_diloco.node.state import StateDir, read_events
+from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat
+
+MANIFEST = RunManifest(run_id="unit-node")
+
+
+class FakePeer:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def handle_delta(self, sender: str, frame: bytes) -> str:
+        if frame == b"boom":
+            raise RuntimeError("bug")
+        self.calls.append(f"delta {sender}")
+        return "accepted"
+
+    def handle_update(self, sender: str, frame: bytes) -> str:
+        return "applied: fragment 0 v0 -> v1"
+
+    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
+        return [b"u"]
+
+    def serve_snapshot(self, requester: str, fragment: int) -> bytes:
+        raise ValueError("no such fragment")
+
+
+def _held_elsewhere(lock: PeerLock) -> tuple[threading.Event, threading.Thread]:
+    release, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(5)
+    return release, thread
+
+
+def test_guard_answers_with_reasons_and_never_raises_from_handle():
+    lock = PeerLock()
+    applied: list[tuple[str, str]] = []
+    guard = GuardedHandlers(lock, on_applied=lambda s, f, r: applied.append((s, r)), handle_timeout=0.1)
+    assert guard.handle_delta("a", b"x").startswith(REJECT_NOT_READY)  # before attach
+    guard.attach(FakePeer())
+    assert guard.handle_delta("a", b"x") == "accepted"
+    reply = guard.handle_delta("a", b"boom")
+    assert reply.startswith(REJECT_HANDLER_ERROR) and "RuntimeError: bug" in reply
+    assert guard.handle_update("s", b"f").startswith("applied") and applied == [
+        ("s", "applied: fragment 0 v0 -> v1")
+    ]
+    assert guard.serve_updates("r", 0, 0) == [b"u"]
+    with pytest.raises(ServeRefused, match="ValueError: no such fragment"):
+        guard.serve_snapshot("r", 0)
+    release, thread = _held_elsewhere(lock)
+    try:
+        assert guard.handle_delta("a", b"x").startswith(REJECT_BUSY)
+        guard.serve_timeout = 0.1
+        assert guard.serve_updates("r", 0, 0) == []  # the requester asks another peer
+    finally:
+        release.set()
+        thread.join()
+    guard.detach()
+    assert guard.handle_update("s", b"f").startswith(REJECT_NOT_READY)
+    assert guard.rejections == {REJECT_NOT_READY: 2, REJECT_HANDLER_ERROR: 2, REJECT_BUSY: 2}
+
+
+def test_io_wrappers_release_the_lock_and_callbacks_take_it():
+    lock = PeerLock()
+    seen: list[bool] = []
+
+    class Inner:
+        def store(self, *args) -> bool:
+            seen.append(lock._lock._is_owned())
+            return True
+
+        def get(self, key, now):
+            seen.append(lock._lock._is_owned())
+            return {}
+
+        def fetch_updates(self, *args):
+            seen.append(lock._lock._is_owned())
+            return []
+
+        def send_delta(self, to_peer, frame, on_reply):
+            on_reply("accepted")
+
+    kv = UnlockedKeyValueStore(Inner(), lock)
+    transport = LockedTransport(Inner(), lock, GuardedHandlers(lock))
+    with lock, lock:  # held twice: released fully, restored to depth 2
+        kv.store("k", "s", b"v", 1.0)
+        kv.get("k", 0.0)
+        transport.fetch_updates("p", 0, 0)
+        assert lock._lock._is_owned()
+    assert seen == [False, False, False]
+    assert not lock._lock._is_owned()
+    transport.send_delta("p", b"d", lambda reason: seen.append(lock._lock._is_owned()))
+    assert seen[-1] is True
+
+
+def test_state_dir_round_trip_lock_and_foreign_manifest(tmp_path):
+    plan = plan_fragments([("a", (4,)), ("b", (3,))], 2)
+    replica = GlobalReplica(plan, {"a": torch.ones(4), "b": torch.zeros(3)})
+    state = StateDir(tmp_path, MANIFEST)
+    assert state.read_peer_state() is None and state.load_replica(plan) is None
+    with pytest.raises(ConfigError, match="in use by another running peer"):
+        StateDir(tmp_path, MANIFEST)
+    state.save(replica, "QmPeer", now=100.0, in_sync=True, previous=0.0)
+    state.save(replica, "QmPeer", now=130.0, in_sync=False, previous=100.0)
+    state.event("note", t=1.0, line="hello")
+    saved = state.read_peer_state()
+    assert (saved.last_in_sync, saved.saved_at, saved.versions) == (100.0, 130.0, (0, 0))
+    assert state.load_replica(plan).digest() == replica.digest()
+    state.close()
+    assert read_events(tmp_path) == [{"t": 1.0, "event": "note", "line": "hello"}]
+    with pytest.raises(ConfigError, match="belongs to run 'unit-node'"):
+        StateDir(tmp_path, RunManifest(run_id="other")).read_peer_state()
+
+
+def test_heartbeat_status_fields_round_trip_and_are_schema_checked():
+    info = HeartbeatInfo(
+        role="learner",
+        may_sync=True,
+        reachable=True,
+        versions=(1, 2),
+        tokens=512,
+        updates_applied=3,
+        last_contribution=12.5,
+        rejections=(("stale anchor", 2),),
+        rejections_by_sender=(("QmA", "stale anchor", 2),),
+        decisions=("election: follow",),
+    )
+    assert decode_heartbeat(info.to_bytes(), 2) == info
+    for change in (
+        {"rejections": [["tag", -1]]},
+        {"rejections": [["tag"]]},
+        {"rejections_by_sender": [["a", "b", "c"]]},
+        {"decisions": ["x" * 1000]},
+        {"decisions": ["a"] * 50},
+    ):
+        d = json.loads(info.to_bytes())
+        d.update(change)
+        with pytest.raises(RecordError):
+            decode_heartbeat(json.dumps(d).encode(), 2)
+
+
+def _join_args(tmp_path, *extra: str):
+    manifest = tmp_path / "run.toml"
+    manifest.write_text('run_id = "t"\n')
+    key = tmp_path / "peer.key"
+    from p2p_diloco.net.identity import write_identity
+
+    if not key.exists():
+        write_identity(key)
+    argv = ["join", str(manifest), "--identity", str(key), "--state-dir", str(tmp_path / "s"), *extra]
+    return build_parser().parse_args(argv)
+
+
+def test_join_refuses_bad_addresses_naming_the_bad_part(tmp_path):
+    good = "/ip4/127.0.0.1/tcp/5/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    options = options_from_args(
+        _join_args(tmp_path, "--initial-peers", good, "--no-sync", "--max-steps", "3")
+    )
+    assert options.initial_peers == (good,) and not options.may_sync and options.max_steps == 3
+    with pytest.raises(ConfigError, match=r"--initial-peers.*invalid IPv4 address '1\.2\.3'"):
+        options_from_args(_join_args(tmp_path, "--initial-peers", "/ip4/1.2.3/tcp/5/p2p/x"))
+    with pytest.raises(ConfigError, match=r"--listen.*invalid tcp port '99999'"):
+        options_from_args(_join_args(tmp_path, "--listen", "/ip4/127.0.0.1/tcp/99999"))
+    with pytest.raises(ConfigError, match="--threads"):
+        options_from_args(_join_args(tmp_path, "--threads", "0"))
+
+
+def test_device_check_names_the_problem():
+    check_device("cpu")
+    with pytest.raises(ConfigError, match="--device must be"):
+        check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            check_device("cuda")
