@@ -48,7 +48,9 @@ def test_swarm_trains_and_replicas_agree(manifest, corpus):
     assert report.digests_equal
     assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
     assert report.rejections == {}
-    assert len(report.terms) == 1
+    # Terms follow each other without gaps; with term_rounds = 50 the role rotates during the run.
+    assert [term for _, _, term in report.terms] == list(range(1, len(report.terms) + 1))
+    assert len(report.terms) >= 2 and report.terms[0][1] != report.terms[1][1]
 
 
 def test_learner_crash_others_never_wait_and_versions_advance(manifest, corpus):
