@@ -3,16 +3,19 @@
 Every address is parsed with `net.addresses` before anything starts, so a bad one is refused with a
 message naming the bad part (exit status 2). SIGINT/SIGTERM stop the peer after its current step; it
 then releases its lease if it holds one, flushes its sends, persists its replica and exits 0.
+SIGUSR1 ends training but keeps the peer in the swarm (serving, synchronizing), like `--max-steps`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
@@ -78,8 +81,16 @@ def cli_join(args: argparse.Namespace) -> int:
         )
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
+    node = PeerNode(options, stop=stop)
+    main_pid = os.getpid()
+
+    def on_usr1(signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() == main_pid:  # forked children (the DHT) inherit this handler: ignore it there
+            node.finish_training.set()
+
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     try:
-        return PeerNode(options, stop=stop).run()
+        return node.run()
     except ConnectionError as exc:
         print(f"p2p-diloco join: {exc}", file=sys.stderr)
         return 1
