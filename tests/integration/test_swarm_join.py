@@ -153,6 +153,40 @@ class Swarm:
 
         return self.wait_status(settled, timeout, f"{count} peers stopped training with identical replicas")
 
+    def kill_synchronizer(self, status: dict) -> tuple[Joined, float]:
+        """SIGKILL the holder named in `status`; wait for a higher term and its first merged update.
+
+        Returns the victim and the failover time (kill -> first update of the new term, from event logs).
+        """
+        timing = self.manifest.timing
+        old = status["synchronizer"]
+        assert old is not None, status
+        victim = self.by_id(old["peer_id"])
+        killed_at = time.time()
+        victim.handle.kill_group()
+        after = self.wait_status(
+            lambda s: s["synchronizer"] is not None and s["synchronizer"]["term"] > old["term"],
+            timing.lease_ttl + timing.lease_margin + timing.claim_grace + 10,
+            "a new synchronizer with a higher term",
+        )
+        assert after["synchronizer"]["peer_id"] != old["peer_id"]
+        survivors = self.live()
+
+        def first_new_term_update() -> dict | None:
+            events = [
+                e
+                for j in survivors
+                for e in read_events(j.state_dir)
+                if e["event"] in ("published", "applied") and e["term"] > old["term"]
+            ]
+            return min(events, key=lambda e: e["t"]) if events else None
+
+        first = self.wait_for(first_new_term_update, 15, "the first update of the new term")
+        failover = first["t"] - killed_at
+        print(f"measured: failover (SIGKILL of the synchronizer -> first merged update of term {first['term']}): "
+              f"{failover:.2f} s")  # fmt: skip
+        return victim, failover
+
     def stop_all(self) -> None:
         live = self.live()
         for joined in live:
@@ -226,6 +260,7 @@ def test_three_peers_train_and_end_with_identical_replicas(swarm):
     assert all(v >= 4 for v in final["peers"][0]["versions"])
     for peer in final["peers"]:  # every peer's work reached the global model at least once
         assert peer["tokens"] > 0 and peer["last_contribution_age"] is not None, peer
+        assert not {"busy", "handler error"} & set(peer["rejections"]), peer["rejections"]
 
     out = subprocess.run(
         swarm.cli("status", str(swarm.manifest_path), "--initial-peers", *swarm.bootstrap.addresses, "--json"),
@@ -250,8 +285,9 @@ def test_three_peers_train_and_end_with_identical_replicas(swarm):
 
 
 @pytest.mark.slow
-def test_synchronizer_failover_then_rejoin_by_replay_and_late_snapshot_joiner(swarm):
+def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     timing = swarm.manifest.timing
+    bound = timing.lease_ttl + timing.lease_margin + timing.claim_grace
     for i in range(3):
         swarm.join(f"p{i}")
     before = swarm.wait_status(
@@ -261,35 +297,8 @@ def test_synchronizer_failover_then_rejoin_by_replay_and_late_snapshot_joiner(sw
         START_TIMEOUT,
         "3 live peers, a synchronizer and every fragment at v3 or later",
     )
-    old = before["synchronizer"]
-    victim = swarm.by_id(old["peer_id"])
-    killed_at = time.time()
-    victim.handle.kill_group()
+    victim, failover = swarm.kill_synchronizer(before)
     version_at_kill = max(f["version"] for f in before["fragments"])
-
-    bound = timing.lease_ttl + timing.lease_margin + timing.claim_grace
-    after = swarm.wait_status(
-        lambda s: s["synchronizer"] is not None and s["synchronizer"]["term"] > old["term"],
-        bound + 10,
-        "a new synchronizer with a higher term",
-    )
-    assert after["synchronizer"]["peer_id"] != old["peer_id"]
-    survivors = [j for j in swarm.live()]
-
-    def first_new_term_update() -> dict | None:
-        events = [
-            e
-            for j in survivors
-            for e in read_events(j.state_dir)
-            if e["event"] in ("published", "applied") and e["term"] > old["term"]
-        ]
-        return min(events, key=lambda e: e["t"]) if events else None
-
-    first = swarm.wait_for(first_new_term_update, 15, "the first update of the new term")
-    failover = first["t"] - killed_at
-    print(
-        f"measured: failover (SIGKILL of the synchronizer -> first merged update of the new term): {failover:.2f} s"
-    )
     assert failover <= bound + 3.0, f"failover took {failover:.1f} s, bound {bound:.1f} s + 3 s slack"
     swarm.wait_status(
         lambda s: min(f["version"] for f in s["fragments"]) >= version_at_kill + 3,
@@ -330,9 +339,14 @@ def test_synchronizer_failover_then_rejoin_by_replay_and_late_snapshot_joiner(sw
         60,
         "an update that merged the late joiner's delta",
     )
-    final = swarm.quiesce(4)
+    # a second failover in a row: kill whoever holds the lease now
+    _, failover = swarm.kill_synchronizer(swarm.status())
+    assert failover <= bound + 3.0, f"second failover took {failover:.1f} s, bound {bound:.1f} s + 3 s slack"
+    final = swarm.quiesce(3)
     assert all(v > version_at_kill for v in final["peers"][0]["versions"])
+    stopped = swarm.live()
     swarm.stop_all()
-    saved = {j.name: read_peer_state(j.state_dir)["digest"] for j in swarm.peers.values()}
+    saved = {j.name: read_peer_state(j.state_dir)["digest"] for j in stopped}
     assert len(set(saved.values())) == 1, saved
+    assert saved[stopped[0].name][:16] == final["peers"][0]["digest"]
     assert_no_update_applied_twice(swarm)
