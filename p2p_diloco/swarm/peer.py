@@ -85,6 +85,7 @@ class Peer:
         self.failovers_seen = 0
         self.live_peers: dict[str, HeartbeatInfo] = {}
         self.behind_since: dict[int, float] = {}
+        self.lease_holders: dict[int, str] = {}  # term -> holder, from every lease record seen
         transport.bind(self)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -132,7 +133,9 @@ class Peer:
             heartbeats.append(info.as_election_record(peer, stored.expiration))
         for holder, stored in self.kv.get(self.lease_key, now).items():
             try:
-                leases.append(decode_lease(holder, stored.value))
+                lease = decode_lease(holder, stored.value)
+                leases.append(lease)
+                self.lease_holders.setdefault(lease.term, lease.holder)
             except RecordError as exc:
                 self.rejections["bad lease"] += 1
                 self.note(f"ignored lease of {holder}: {exc}")
@@ -300,6 +303,12 @@ class Peer:
         fencing = election.should_accept_update(record.term, self.term_seen)
         if fencing.action != election.ACCEPT:
             return self._reject(sender, election.TAG_LOWER_TERM, fencing.reason)
+        if record.leader != sender:
+            return self._reject(
+                sender, "not the leader", f"update of term {record.term} names {record.leader}"
+            )
+        if not self._held_lease(record.leader, record.term):
+            return self._reject(sender, "no lease", f"{sender} never held the lease of term {record.term}")
         self.term_seen = max(self.term_seen, record.term)
         reply = self._apply_update(record, frame, source=sender)
         tag = reply.split(":")[0]
@@ -311,6 +320,12 @@ class Peer:
             if tag == "checksum mismatch":
                 self.fetch_fragment(record.fragment, [sender])
         return reply
+
+    def _held_lease(self, leader: str, term: int) -> bool:
+        """Whether `leader` held the lease of `term`, by the lease records seen (re-read once if unknown)."""
+        if self.lease_holders.get(term) != leader:
+            self.read_swarm(self.clock.now())
+        return self.lease_holders.get(term) == leader
 
     def _check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         if run_id != self.manifest.run_id:
@@ -378,6 +393,9 @@ class Peer:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except DecodeError as exc:
             self._reject(source, exc.reason, f"replayed update: {exc}")
+            return
+        if not self._held_lease(record.leader, record.term):
+            self._reject(source, "no lease", f"replayed update of term {record.term} by {record.leader}")
             return
         if self._check_record(record.run_id, record.manifest_hash, record.fragment) is None:
             if record.from_version == self.replica.versions()[record.fragment]:

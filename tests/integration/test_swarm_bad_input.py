@@ -149,12 +149,6 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known hole: Peer.handle_update applies a well-formed update from ANY sender whose term is not "
-    "below the highest seen; it must check that the sender holds the lease of record.term",
-)
 def test_a_correctly_checksummed_update_from_a_peer_without_the_lease_is_refused(lone_peer, wait_for):
     """Everything an attacker needs is public: the snapshot (served to anyone) and the current term."""
     manifest, target, transport, kv = lone_peer
