@@ -201,7 +201,7 @@ class InProcessSwarm:
             return
         peer, stats = self.peers[i], self.stats[i]
         now = self.clock.now()
-        peer.learner.train_step()
+        peer.learner.train_step(compute_seconds=stats.step_time)
         stats.steps += 1
         tokens = self.manifest.diloco.batch_size * self.manifest.model.block_size
         stats.tokens += tokens

@@ -15,6 +15,7 @@ Theta_p the learner last adopted (the replica's current value). When an update f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class FragmentWork:
 
     tokens: int = 0
     steps: int = 0
+    seconds: float = 0.0  # compute time of those steps
 
 
 @dataclass
@@ -48,6 +50,7 @@ class SentDelta:
     anchor_version: int
     tokens: int
     steps: int
+    seconds: float
     theta_at_send: dict[str, torch.Tensor]
 
 
@@ -84,7 +87,11 @@ class Learner:
         self.step = 0
         self.seq = 0
         self.tokens_trained = 0
-        self.steps_merged = 0.0  # inner steps whose work reached the global model, counted per fragment / P
+        # Inner steps (and their compute seconds) whose work reached the global model, counted per
+        # fragment: a step counts 1/P each time one of its fragments' deltas is merged.
+        self.steps_merged = 0.0
+        self.compute_seconds = 0.0
+        self.compute_merged = 0.0
         self.deltas_sent = 0
         self.deltas_rejected = 0
         self.last_loss = float("nan")
@@ -92,8 +99,11 @@ class Learner:
 
     # ---- training -------------------------------------------------------------------------------
 
-    def train_step(self) -> float:
-        """One inner AdamW step on this learner's shard; counts tokens and steps for every fragment."""
+    def train_step(self, compute_seconds: float | None = None) -> float:
+        """One inner AdamW step on this learner's shard; counts tokens, steps and compute time for every
+        fragment. `compute_seconds` is the step's duration when the driver knows it (fake clock);
+        otherwise it is measured."""
+        started = time.perf_counter()
         x, y = self.sampler.next_batch()
         x, y = x.to(self.device), y.to(self.device)
         self.model.train()
@@ -102,9 +112,12 @@ class Learner:
         loss.backward()
         self.optimizer.step()
         tokens = int(x.numel())
+        seconds = time.perf_counter() - started if compute_seconds is None else compute_seconds
+        self.compute_seconds += seconds
         for work in self.work:
             work.tokens += tokens
             work.steps += 1
+            work.seconds += seconds
         self.step += 1
         self.tokens_trained += tokens
         self.last_loss = float(loss.detach())
@@ -144,6 +157,7 @@ class Learner:
             anchor_version=header.anchor_version,
             tokens=work.tokens,
             steps=work.steps,
+            seconds=work.seconds,
             theta_at_send={k: v.clone() for k, v in theta.items()},
         )
         self.work[p] = FragmentWork()
@@ -173,6 +187,7 @@ class Learner:
         sent = self.sent.pop(fragment)
         self.work[fragment].tokens += sent.tokens
         self.work[fragment].steps += sent.steps
+        self.work[fragment].seconds += sent.seconds
         self.feedback.reset(fragment)
 
     # ---- adoption -------------------------------------------------------------------------------
@@ -205,6 +220,7 @@ class Learner:
         if contributed:
             del self.sent[p]
             self.steps_merged += sent.steps / self.plan.num_fragments
+            self.compute_merged += sent.seconds / self.plan.num_fragments
             if mode == "overwrite":
                 self.work[p] = FragmentWork()
             return "adopted own merge"
