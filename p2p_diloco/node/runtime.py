@@ -277,6 +277,8 @@ class PeerNode:
         next_progress = time.monotonic() + opts.progress_every
         while not self.stop.is_set():
             started = time.monotonic()
+            if self.training and self._training_done():
+                self.training = False
             if self.training:
                 self._train_step()
             self._sync_tick()
@@ -306,6 +308,17 @@ class PeerNode:
                 log.exception("swarm tick failed")
                 self.tick_errors["unexpected"] += 1
 
+    def _training_done(self) -> bool:
+        assert self.learner is not None
+        max_steps = self.options.max_steps
+        reached = max_steps is not None and self.learner.step >= max_steps
+        if reached or self.finish_training.is_set():
+            why = f"reached --max-steps {max_steps}" if reached else "asked to finish training"
+            self.event("training_stopped", step=self.learner.step, why=why)
+            self.say(f"{why}: training stopped at step {self.learner.step}; still serving the swarm")
+            return True
+        return False
+
     def _train_step(self) -> None:
         assert self.peer is not None and self.learner is not None
         with self.lock:
@@ -320,13 +333,6 @@ class PeerNode:
                 else ((1 - STEP_TIME_EMA) * self.step_time + STEP_TIME_EMA * seconds)
             )
         self._last_step_end = end
-        max_steps = self.options.max_steps
-        reached = max_steps is not None and self.learner.step >= max_steps
-        if reached or self.finish_training.is_set():
-            self.training = False
-            why = f"reached --max-steps {max_steps}" if reached else "asked to finish training"
-            self.event("training_stopped", step=self.learner.step, why=why)
-            self.say(f"{why}: training stopped at step {self.learner.step}; still serving the swarm")
 
     def _swarm_tick(self) -> None:
         """Heartbeat, election and anti-entropy; a failing DHT call is counted and retried next period."""

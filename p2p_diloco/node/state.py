@@ -6,7 +6,8 @@ Layout of ``--state-dir``:
 * ``peer_state.json``: run, manifest hash, peer ID, versions, digest and ``last_in_sync`` (DHT time of
   the last save while the peer was live in the swarm); written atomically after the replica;
 * ``events.jsonl``: one JSON object per line, ``{"t": dht_time, "event": kind, ...}``: every decision
-  the `Peer` notes, updates applied, progress, start and stop;
+  the `Peer` notes, updates applied, progress, start and stop; past `MAX_EVENTS_BYTES` it is renamed
+  to ``events.jsonl.1`` (replacing the previous one) and a new file is started;
 * ``.lock``: an exclusive `flock` so two processes never share one state directory.
 
 A state directory belongs to one run and manifest: reusing it for another is refused.
@@ -31,6 +32,7 @@ REPLICA_FILE = "replica.pt"
 PEER_STATE_FILE = "peer_state.json"
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = ".lock"
+MAX_EVENTS_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class StateDir:
             ) from exc
         self._events: TextIO = open(self.path / EVENTS_FILE, "a", buffering=1)  # noqa: SIM115
         self._events_lock = threading.Lock()
+        self._events_bytes = self._events.tell()
 
     @property
     def replica_path(self) -> Path:
@@ -123,10 +126,16 @@ class StateDir:
 
     def event(self, kind: str, *, t: float | None = None, **fields: Any) -> None:
         """Append one event line (thread-safe; never raises for a full disk, which only loses the line)."""
-        line = json.dumps({"t": t, "event": kind, **fields}, default=str)
+        line = json.dumps({"t": t, "event": kind, **fields}, default=str) + "\n"
         with self._events_lock:
             try:
-                self._events.write(line + "\n")
+                if self._events_bytes + len(line) > MAX_EVENTS_BYTES:
+                    self._events.close()
+                    os.replace(self.path / EVENTS_FILE, self.path / f"{EVENTS_FILE}.1")
+                    self._events = open(self.path / EVENTS_FILE, "a", buffering=1)  # noqa: SIM115
+                    self._events_bytes = 0
+                self._events.write(line)
+                self._events_bytes += len(line)
             except (OSError, ValueError):
                 pass
 

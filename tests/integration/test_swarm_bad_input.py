@@ -8,6 +8,8 @@ answers deltas as the synchronizer would.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
@@ -51,14 +53,14 @@ claim_grace = 1.0
 
 @pytest.fixture
 def lone_peer(spawn, cli, wait_for, start_bootstrap, dht_peers, tmp_path):
-    """(manifest, peer id, attacker transport, observer kv) with one training `join` process."""
+    """(manifest, peer id, attacker transport, observer kv, process) with one training `join` process."""
     bootstrap = start_bootstrap()
     path = tmp_path / "run.toml"
     path.write_text(MANIFEST)
     manifest = RunManifest.load(path)
     key = tmp_path / "peer.key"
     peer_id = write_identity(key)
-    spawn(cli("join", str(path), "--initial-peers", *bootstrap.addresses, "--identity", str(key),
+    handle = spawn(cli("join", str(path), "--initial-peers", *bootstrap.addresses, "--identity", str(key),
               "--state-dir", str(tmp_path / "state"), "--listen", "/ip4/127.0.0.1/tcp/0",
               "--min-step-time", "0.05"))  # fmt: skip
     attacker = dht_peers(initial_peers=bootstrap.addresses)
@@ -69,14 +71,14 @@ def lone_peer(spawn, cli, wait_for, start_bootstrap, dht_peers, tmp_path):
         send_timeout=20,
         fetch_timeout=20,
     )
-    yield manifest, peer_id, transport, DhtKeyValueStore(attacker, timeout=5)
+    yield manifest, peer_id, transport, DhtKeyValueStore(attacker, timeout=5), handle
     transport.close()
 
 
 def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_training_goes_on(
     lone_peer, wait_for
 ):
-    manifest, target, transport, kv = lone_peer
+    manifest, target, transport, kv, _ = lone_peer
 
     def me(status: dict) -> dict | None:
         return next((p for p in status["peers"] if p["peer_id"] == target), None)
@@ -124,6 +126,10 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
     }
     for tag, frame in cases.items():
         reason = transport.send_and_wait(OP_DELTA, target, frame, timeout=20)
+        if tag == "frame too large" and reason.startswith("transport unreachable"):
+            # P2PTransport race: the receiver's early rejection can lose to the stream reset while the
+            # sender is still writing (net/transport.py); the receiver's counter is checked below
+            continue
         assert reason.startswith(tag), f"{tag}: got {reason!r}"
 
     lower_term = UpdateRecord(
@@ -151,10 +157,15 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
 @pytest.mark.slow
 def test_a_correctly_checksummed_update_from_a_peer_without_the_lease_is_refused(lone_peer, wait_for):
     """Everything an attacker needs is public: the snapshot (served to anyone) and the current term."""
-    manifest, target, transport, kv = lone_peer
+    manifest, target, transport, kv, handle = lone_peer
     ready = wait_for(
         lambda: (s := swarm_status(kv, manifest, get_dht_time()))["synchronizer"] and s["peers"] and s,
         90, "the peer to hold the lease",
+    )  # fmt: skip
+    handle.signal(signal.SIGUSR1)  # stop training: the fragment's version then stays put while we forge
+    wait_for(
+        lambda: (s := swarm_status(kv, manifest, get_dht_time()))["peers"] and s["peers"][0]["tokens_per_s"] == 0,
+        30, "the peer to stop training",
     )  # fmt: skip
     term = ready["synchronizer"]["term"]
     model = build_model(manifest.model)

@@ -205,3 +205,20 @@ def test_device_check_names_the_problem():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             check_device("cuda")
+
+
+def test_event_log_rotates_past_its_size_cap(tmp_path, monkeypatch):
+    import p2p_diloco.node.state as state_module
+
+    monkeypatch.setattr(state_module, "MAX_EVENTS_BYTES", 200)
+    state = StateDir(tmp_path, MANIFEST)
+    for i in range(10):
+        state.event("note", t=float(i), line="x" * 40)
+    state.close()
+    current = read_events(tmp_path)
+    previous = [json.loads(line) for line in (tmp_path / "events.jsonl.1").read_text().splitlines()]
+    assert current and previous and current[-1]["t"] == 9.0
+    assert (tmp_path / "events.jsonl").stat().st_size <= 200
+    assert [e["t"] for e in previous + current] == [
+        float(i) for i in range(10 - len(previous) - len(current), 10)
+    ]
