@@ -23,7 +23,8 @@ from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresse
 from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
-from p2p_diloco.node.runtime import NodeOptions, PeerNode, check_device
+from p2p_diloco.node.options import NodeOptions, check_device
+from p2p_diloco.node.runtime import PeerNode
 
 
 def options_from_args(args: argparse.Namespace) -> NodeOptions:

@@ -27,84 +27,29 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TextIO
 
 import torch
 
-from p2p_diloco.config import RunManifest
-from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
-from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS, DhtKeyValueStore, DhtPeer, create_dht
+from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, create_dht
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.guard import DhtClock, GuardedHandlers, LockedTransport, PeerLock, UnlockedKeyValueStore
+from p2p_diloco.node.options import NodeOptions, check_device
+from p2p_diloco.node.reporting import Telemetry, rejection_counts
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT, encode_lease
+from p2p_diloco.swarm.records import encode_lease
 from p2p_diloco.wire.frames import decode_update
 
 log = logging.getLogger(__name__)
 
-STEP_TIME_EMA = 0.1
 IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) polls its rounds
-
-
-@dataclass(frozen=True)
-class NodeOptions:
-    manifest: RunManifest
-    identity: Path
-    state_dir: Path
-    initial_peers: tuple[str, ...] = ()
-    device: str = "cpu"
-    may_sync: bool = True
-    listen: tuple[str, ...] = DEFAULT_HOST_MADDRS
-    announce: tuple[str, ...] = ()
-    max_steps: int | None = None
-    threads: int = 1
-    persist_every: float = 30.0
-    progress_every: float = 5.0
-    min_step_time: float = 0.0  # pace training (slow devices, tests); 0 trains flat out
-    flush_timeout: float = 5.0
-    fetch_timeout: float = 30.0
-    dht_timeout: float = 5.0
-    verbose: bool = False
-
-
-def check_device(device: str) -> None:
-    """`ConfigError` unless torch can use `device` here (cpu, cuda, cuda:N or mps)."""
-    if device == "cpu":
-        return
-    if device == "cuda" or device.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"--device {device}: no CUDA device is available to this torch {torch.__version__} "
-                f"(built with CUDA {torch.version.cuda or 'none'}); use --device cpu"
-            )
-        index = device.partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            raise ConfigError(
-                f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0..)"
-            )
-        return
-    if device == "mps":
-        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            raise ConfigError("--device mps: Apple's MPS backend is not available here; use --device cpu")
-        return
-    raise ConfigError(f"--device must be cpu, cuda, cuda:N or mps, got {device!r}")
-
-
-def _top(counter: Counter, limit: int) -> list:
-    return sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
-
-
-def _short(text: str, limit: int = MAX_TEXT) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class PeerNode:
@@ -128,13 +73,10 @@ class PeerNode:
         self.training = True
         self.finish_training = threading.Event()  # set (e.g. by SIGUSR1) to stop training, keep serving
         self.tick_errors: Counter[str] = Counter()
-        self.step_time = 0.0
+        self.telemetry = Telemetry(self.manifest)
         self.sync_seconds = 0.0
         self.last_in_sync = 0.0
         self.last_connected = 0.0
-        self.last_contribution = 0.0
-        self._steps_merged_seen = 0.0
-        self._last_step_end: float | None = None
         self._swarm_thread: threading.Thread | None = None
         self._swarm_stop = threading.Event()
 
@@ -324,15 +266,7 @@ class PeerNode:
         with self.lock:
             self.learner.train_step()
             self.peer.after_train_step(self.clock.now())
-        end = time.monotonic()
-        if self._last_step_end is not None:
-            seconds = end - self._last_step_end
-            self.step_time = (
-                seconds
-                if self.step_time == 0
-                else ((1 - STEP_TIME_EMA) * self.step_time + STEP_TIME_EMA * seconds)
-            )
-        self._last_step_end = end
+        self.telemetry.step_finished(time.monotonic())
 
     def _swarm_tick(self) -> None:
         """Heartbeat, election and anti-entropy; a failing DHT call is counted and retried next period."""
@@ -341,9 +275,12 @@ class PeerNode:
         with self.lock:
             now = self.clock.now()
             try:
-                peer.heartbeat(now, **self._heartbeat_extra(now))
+                fields = self.telemetry.heartbeat_fields(
+                    now, peer, self.learner, self.guard, self.p2p, training=self.training
+                )
+                peer.heartbeat(now, **fields)
                 decision = peer.election_tick(now)
-                self.last_connected = now
+                self.last_connected = self.clock.now()  # heartbeat stored and swarm read just now
                 if decision.action == election.CLAIM:
                     self.event("claim", term=decision.term, reason=decision.reason)
                 if decision.action == election.HOLD and peer.sync is not None:
@@ -386,56 +323,6 @@ class PeerNode:
                 contributors=[peer_id for peer_id, _ in record.contributors],
             )
 
-    # ---- heartbeat contents ------------------------------------------------------------------------
-
-    def _heartbeat_extra(self, now: float) -> dict:
-        peer, learner = self.peer, self.learner
-        assert peer is not None and learner is not None
-        if learner.steps_merged > self._steps_merged_seen:
-            self._steps_merged_seen = learner.steps_merged
-            self.last_contribution = now
-        tokens_per_step = self.manifest.diloco.batch_size * self.manifest.model.block_size
-        training = self.training and self.step_time > 0
-        return {
-            "step_time": self.step_time if training else 0.0,
-            "tokens_per_s": tokens_per_step / self.step_time if training else 0.0,
-            "tokens": learner.tokens_trained,
-            "updates_applied": peer.updates_applied,
-            "last_contribution": self.last_contribution,
-            "rejections": tuple(
-                (_short(tag, 64), n) for tag, n in _top(self.rejection_counts(), MAX_COUNTERS)
-            ),
-            "rejections_by_sender": tuple(
-                (sender, _short(tag, 64), n)
-                for (sender, tag), n in _top(self._rejections_by_sender(), MAX_COUNTERS)
-            ),
-            "decisions": tuple(_short(line) for line in list(peer.decisions)[-MAX_DECISIONS:]),
-        }
-
-    def rejection_counts(self) -> Counter[str]:
-        """Every rejection this peer answered or dropped, by reason tag (peer, synchronizer, guard, transport)."""
-        total: Counter[str] = Counter()
-        if self.peer is not None:
-            total.update(self.peer.rejections)
-            if self.peer.sync is not None:
-                total.update(self.peer.sync.rejections)
-        if self.guard is not None:
-            total.update(self.guard.rejections)
-        if self.p2p is not None:
-            try:
-                total.update(self.p2p.rejected.copy())
-            except RuntimeError:  # changed by the transport thread while copying; next time
-                pass
-        return total
-
-    def _rejections_by_sender(self) -> Counter[tuple[str, str]]:
-        total: Counter[tuple[str, str]] = Counter()
-        if self.peer is not None:
-            total.update(self.peer.rejections_by_sender)
-            if self.peer.sync is not None:
-                total.update(self.peer.sync.rejections_by_sender)
-        return total
-
     # ---- events, progress, persistence -------------------------------------------------------------
 
     def event(self, kind: str, **fields) -> None:
@@ -470,17 +357,13 @@ class PeerNode:
         peer, learner = self.peer, self.learner
         assert peer is not None and learner is not None
         with self.lock:
-            versions = ",".join(str(v) for v in peer.replica.versions())
-            role = "synchronizer" if peer.sync else "learner"
-            holder = peer.holder or "none"
-            line = (
-                f"step {learner.step} loss {learner.last_loss:.3f} "
-                f"tok/s {self._heartbeat_extra(self.clock.now())['tokens_per_s']:.0f} role {role} "
-                f"sync {holder[:12]} term {peer.term_seen} versions {versions} applied {peer.updates_applied} "
-                f"digest {peer.replica.digest()[:12]} rejected {sum(self.rejection_counts().values())}"
-            )
-        self.event("progress", step=learner.step, loss=learner.last_loss, role=role, versions=versions)
+            line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
+            versions = list(peer.replica.versions())
+        self.event("progress", step=learner.step, loss=learner.last_loss, versions=versions)
         self.say(line)
+
+    def rejection_counts(self) -> Counter[str]:
+        return rejection_counts(self.peer, self.guard, self.p2p)
 
     def persist(self) -> None:
         """Save replica and peer state (under the lock, so the files match one moment of the replica)."""
@@ -489,7 +372,8 @@ class PeerNode:
             return
         with self.lock:
             now = self.clock.now()
-            connected = now - self.last_connected < 2 * self.manifest.timing.heartbeat_period
+            # in sync while the swarm still sees our last heartbeat as live
+            connected = now - self.last_connected < self.manifest.timing.heartbeat_ttl
             try:
                 state.save(peer.replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
             except OSError as exc:
@@ -546,14 +430,18 @@ class PeerNode:
         timing = self.manifest.timing
         released = election.release_lease(lease, self.clock.now(), timing, sync.rounds_done)
         try:
-            peer.kv.store(
+            stored = peer.kv.store(
                 peer.lease_key,
                 peer.peer_id,
                 encode_lease(released),
                 election.dht_expiration(released, timing),
             )
         except Exception as exc:
-            self.event("release_failed", error=str(exc))
+            stored, error = False, f"{type(exc).__name__}: {exc}"
+        else:
+            error = "" if stored else "the DHT did not confirm the store"
+        if not stored:  # the lease then simply lapses after its TTL
+            self.event("release_failed", term=lease.term, error=error)
             return False
         self.event("released_lease", term=lease.term, rounds=sync.rounds_done)
         return True

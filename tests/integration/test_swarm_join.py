@@ -290,15 +290,21 @@ def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     bound = timing.lease_ttl + timing.lease_margin + timing.claim_grace
     for i in range(3):
         swarm.join(f"p{i}")
-    before = swarm.wait_status(
+    swarm.wait_status(
         lambda s: (
             len(s["peers"]) == 3 and s["synchronizer"] and min(f["version"] for f in s["fragments"]) >= 3
         ),
         START_TIMEOUT,
         "3 live peers, a synchronizer and every fragment at v3 or later",
     )
-    victim, failover = swarm.kill_synchronizer(before)
-    version_at_kill = max(f["version"] for f in before["fragments"])
+    # rejoin by replay presumes the victim was once persisted while in sync
+    swarm.wait_for(
+        lambda: all((read_peer_state(j.state_dir) or {}).get("last_in_sync", 0) > 0 for j in swarm.live()),
+        30, "every peer to persist its replica while in sync",
+    )  # fmt: skip
+    at_kill = swarm.wait_status(lambda s: s["synchronizer"] and len(s["peers"]) == 3, 10, "a synchronizer")
+    victim, failover = swarm.kill_synchronizer(at_kill)
+    version_at_kill = max(f["version"] for f in at_kill["fragments"])
     assert failover <= bound + 3.0, f"failover took {failover:.1f} s, bound {bound:.1f} s + 3 s slack"
     swarm.wait_status(
         lambda s: min(f["version"] for f in s["fragments"]) >= version_at_kill + 3,
@@ -340,7 +346,9 @@ def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
         "an update that merged the late joiner's delta",
     )
     # a second failover in a row: kill whoever holds the lease now
-    _, failover = swarm.kill_synchronizer(swarm.status())
+    _, failover = swarm.kill_synchronizer(
+        swarm.wait_status(lambda s: s["synchronizer"], 10, "a synchronizer")
+    )
     assert failover <= bound + 3.0, f"second failover took {failover:.1f} s, bound {bound:.1f} s + 3 s slack"
     final = swarm.quiesce(3)
     assert all(v > version_at_kill for v in final["peers"][0]["versions"])

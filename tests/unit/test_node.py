@@ -22,7 +22,7 @@ from p2p_diloco.node.guard import (
     UnlockedKeyValueStore,
 )
 from p2p_diloco.node.join import options_from_args
-from p2p_diloco.node.runtime import check_device
+from p2p_diloco.node.options import check_device
 from p2p_diloco.node.state import StateDir, read_events
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
