@@ -176,8 +176,13 @@ class PeerNode:
         replay = away < self.manifest.timing.rejoin_grace
         before = self.peer.replica.versions()
         started = time.monotonic()
-        with self.lock:
-            stats = self.peer.catch_up(now, replay=replay)
+        try:
+            with self.lock:
+                stats = self.peer.catch_up(now, replay=replay)
+        except (TimeoutError, ConnectionError) as exc:  # anti-entropy (repair_tick) catches up later
+            self.event("catch_up_failed", error=f"{type(exc).__name__}: {exc}")
+            self.say(f"catch-up failed ({exc}); training from versions {list(before)}, repairing as we go")
+            return
         seconds = time.monotonic() - started
         after = self.peer.replica.versions()
         mode = "replay" if replay else "snapshot"
