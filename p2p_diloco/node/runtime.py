@@ -288,10 +288,6 @@ class PeerNode:
                 self.last_connected = self.clock.now()  # heartbeat stored and swarm read just now
                 if decision.action == election.CLAIM:
                     self.event("claim", term=decision.term, reason=decision.reason)
-                if decision.action == election.HOLD and peer.sync is not None:
-                    # Peer.election_tick forgets the holder on "hold" (it sets holder = None), which would
-                    # keep the holder's own learner from sending deltas between renewals.
-                    peer.holder = peer.peer_id
                 peer.repair_tick(now)
             except Exception as exc:  # DHT timeouts, unreachable peers: the next tick tries again
                 self.tick_errors[type(exc).__name__] += 1

@@ -154,6 +154,8 @@ class InProcessSwarm:
         self.polling: set[tuple[int, int]] = set()
         self.training = True
         self.crash_log: list[tuple[float, int]] = []
+        self.crashed_at: dict[int, float] = {}
+        self.catch_ups: list[tuple[float, int, dict[str, int]]] = []
 
     # ---- peers ----------------------------------------------------------------------------------
 
@@ -256,6 +258,7 @@ class InProcessSwarm:
         if peer is None:
             return
         self.persisted[i] = copy.deepcopy(peer.replica)
+        self.crashed_at[i] = self.clock.now()
         for tag, n in peer.rejections.items():
             self.retired_rejections[tag] = self.retired_rejections.get(tag, 0) + n
         peer.transport.close()
@@ -265,10 +268,13 @@ class InProcessSwarm:
         self.stats[i].deltas_rejected += peer.learner.deltas_rejected
 
     def restart(self, i: int) -> Peer:
+        """Back from its persisted replica: replays the log within `rejoin_grace`, else downloads snapshots."""
         replica = self.persisted.pop(i)
+        away = self.clock.now() - self.crashed_at.pop(i)
         peer = self._start_peer(i, replica, incarnation=self.stats[i].crashes)
         peer.learner.load_global_into_model()
-        peer.catch_up(self.clock.now(), replay=True)
+        stats = peer.catch_up(self.clock.now(), replay=away <= self.manifest.timing.rejoin_grace)
+        self.catch_ups.append((self.clock.now(), i, stats))
         return peer
 
     # ---- evaluation and the run -----------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
@@ -34,6 +35,7 @@ from p2p_diloco.wire.frames import (
 )
 
 UPDATE_LOG_LENGTH = 256
+MAX_PARALLEL_DOWNLOADS = 4
 REJECT_NOT_SYNCHRONIZER = "not synchronizer"
 
 
@@ -193,6 +195,8 @@ class Peer:
             if self.sync is not None:
                 self.sync = None
                 self.my_lease = None
+        elif decision.action == election.HOLD and self.sync is not None:
+            self.holder = self.peer_id
         else:
             self.holder = None
         return decision
@@ -401,36 +405,64 @@ class Peer:
             if record.from_version == self.replica.versions()[record.fragment]:
                 self._apply_update(record, frame, source=source)
 
+    def _download_snapshot(self, fragment: int, source: str) -> tuple[FragmentSnapshot, dict, dict]:
+        """Fetch and decode one fragment snapshot (network and parsing only; raises on any problem)."""
+        max_bytes = self.manifest.wire.max_message_bytes
+        snap = decode_snapshot(self.transport.fetch_snapshot(source, fragment), max_bytes=max_bytes)
+        bad = self._check_record(snap.run_id, snap.manifest_hash, snap.fragment)
+        if bad or snap.fragment != fragment:
+            raise DecodeError(
+                bad[0] if bad else "wrong fragment", f"snapshot of fragment {fragment} from {source}"
+            )
+        shapes = self.replica.shapes(fragment)
+        params = decode_tensors(snap.params, expected_shapes=shapes, max_bytes=max_bytes)
+        momentum = decode_tensors(snap.momentum, expected_shapes=shapes, max_bytes=max_bytes)
+        return snap, params, momentum
+
+    def _install_snapshot(self, fragment: int, source: str, downloaded) -> bool:
+        snap, params, momentum = downloaded
+        decision = self.replica.load_fragment(fragment, snap.version, params, momentum, snap.checksum)
+        self.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
+        if decision.action != "load":
+            return False
+        self.update_log[fragment].clear()
+        if self.learner is not None:
+            self.learner.load_global_into_model([fragment])
+        return True
+
     def fetch_fragment(self, fragment: int, sources: list[str]) -> bool:
         """Download a checked snapshot of one fragment; the learner's copy of it is reset to the global one."""
         for source in sources:
             try:
-                snap = decode_snapshot(
-                    self.transport.fetch_snapshot(source, fragment),
-                    max_bytes=self.manifest.wire.max_message_bytes,
-                )
-                bad = self._check_record(snap.run_id, snap.manifest_hash, snap.fragment)
-                if bad or snap.fragment != fragment:
-                    self._reject(source, bad[0] if bad else "wrong fragment", "snapshot")
-                    continue
-                shapes = self.replica.shapes(fragment)
-                params = decode_tensors(
-                    snap.params, expected_shapes=shapes, max_bytes=self.manifest.wire.max_message_bytes
-                )
-                momentum = decode_tensors(
-                    snap.momentum, expected_shapes=shapes, max_bytes=self.manifest.wire.max_message_bytes
-                )
+                downloaded = self._download_snapshot(fragment, source)
             except (ConnectionError, TimeoutError, DecodeError) as exc:
+                if isinstance(exc, DecodeError):
+                    self._reject(source, exc.reason, "snapshot")
                 self.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
                 continue
-            decision = self.replica.load_fragment(fragment, snap.version, params, momentum, snap.checksum)
-            self.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
-            if decision.action == "load":
-                self.update_log[fragment].clear()
-                if self.learner is not None:
-                    self.learner.load_global_into_model([fragment])
+            if self._install_snapshot(fragment, source, downloaded):
                 return True
         return False
+
+    def fetch_fragments(self, wanted: dict[int, list[str]]) -> int:
+        """Download several fragments in parallel, each from its first source (so a newcomer's load is
+        spread over the peers), then install them in fragment order; a failed one falls back to
+        `fetch_fragment` over its other sources. Returns how many fragments were installed."""
+        if not wanted:
+            return 0
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_DOWNLOADS, len(wanted))) as pool:
+            futures = {
+                p: pool.submit(self._download_snapshot, p, sources[0]) for p, sources in wanted.items()
+            }
+        installed = 0
+        for p in sorted(wanted):
+            try:
+                ok = self._install_snapshot(p, wanted[p][0], futures[p].result())
+            except (ConnectionError, TimeoutError, DecodeError) as exc:
+                self.note(f"snapshot of fragment {p} from {wanted[p][0]} failed: {exc}")
+                ok = False
+            installed += ok or self.fetch_fragment(p, wanted[p][1:])
+        return installed
 
     def repair_tick(self, now: float) -> list[int]:
         """Anti-entropy: a fragment that stayed behind a live peer's version for a whole heartbeat period
@@ -461,6 +493,7 @@ class Peer:
         self.read_swarm(now)
         others = {p: i for p, i in self.live_peers.items() if p != self.peer_id and i.versions}
         stats = {"replayed": 0, "snapshots": 0}
+        wanted: dict[int, list[str]] = {}
         if not others:
             return stats
         for p in range(self.plan.num_fragments):
@@ -473,6 +506,7 @@ class Peer:
                 before = self.replica.versions()[p]
                 self.catch_up_fragment(p, sources, target=target)
                 stats["replayed"] += self.replica.versions()[p] - before
-            elif self.fetch_fragment(p, sources):
-                stats["snapshots"] += 1
+            else:
+                wanted[p] = sources
+        stats["snapshots"] = self.fetch_fragments(wanted)
         return stats

@@ -43,12 +43,13 @@ def first_holder(manifest, corpus) -> int:
 
 
 def test_swarm_trains_and_replicas_agree(manifest, corpus):
-    _, report = run(manifest, corpus, learners=3, duration=90.0, eval_every=30)
+    rotating = dataclasses.replace(manifest, timing=dataclasses.replace(manifest.timing, term_rounds=20))
+    _, report = run(rotating, corpus, learners=3, duration=90.0, eval_every=30)
     assert all(v >= 5 for v in report.versions), report.versions
     assert report.digests_equal
     assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
     assert report.rejections == {}
-    # Terms follow each other without gaps; with term_rounds = 50 the role rotates during the run.
+    # Terms follow each other without gaps; with term_rounds = 20 the role rotates during the run.
     assert [term for _, _, term in report.terms] == list(range(1, len(report.terms) + 1))
     assert len(report.terms) >= 2 and report.terms[0][1] != report.terms[1][1]
 
@@ -125,3 +126,17 @@ def test_same_seed_same_result(manifest, corpus):
     _, b = run(manifest, corpus, learners=2, duration=25.0, eval_every=100)
     assert a.final_eval_loss == b.final_eval_loss
     assert a.versions == b.versions
+
+
+def test_learner_away_longer_than_rejoin_grace_catches_up_by_snapshot(manifest, corpus):
+    short = dataclasses.replace(manifest, timing=dataclasses.replace(manifest.timing, rejoin_grace=10.0))
+    holder = first_holder(short, corpus)
+    victim = (holder + 1) % 3
+    swarm, report = run(
+        short, corpus, learners=3, duration=80.0, eval_every=80, crashes=(Crash(victim, 20.0, 25.0),)
+    )
+    ((_, who, stats),) = swarm.catch_ups
+    assert who == victim and stats["snapshots"] >= 1 and stats["replayed"] == 0
+    assert any("snapshot of fragment" in line and "loaded" in line for line in swarm.peers[victim].decisions)
+    assert report.digests_equal
+    assert report.learners[victim].steps_merged > 0
