@@ -74,6 +74,8 @@ class PeerNode:
         self.finish_training = threading.Event()  # set (e.g. by SIGUSR1) to stop training, keep serving
         self.tick_errors: Counter[str] = Counter()
         self.telemetry = Telemetry(self.manifest)
+        self.bytes = ByteCounter("")
+        self.loop_started = 0.0  # monotonic start of the training loop (demo accounting)
         self.sync_seconds = 0.0
         self.last_in_sync = 0.0
         self.last_connected = 0.0
@@ -110,11 +112,12 @@ class PeerNode:
 
         peer_id = self.dht_peer.peer_id
         self.guard = GuardedHandlers(self.lock, on_applied=self._on_update_applied)
+        self.bytes = ByteCounter(peer_id)
         self.p2p = P2PTransport(
             self.dht_peer.dht,
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
-            handlers=self.guard,
+            handlers=self.bytes.counting_handlers(self.guard),
             max_frame_bytes=manifest.wire.max_message_bytes,
             allowed_peers=manifest.allowlist or None,
             fetch_timeout=opts.fetch_timeout,
@@ -143,7 +146,7 @@ class PeerNode:
                 kv=UnlockedKeyValueStore(
                     DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout), self.lock
                 ),
-                transport=LockedTransport(self.p2p, self.lock, self.guard),
+                transport=LockedTransport(self.bytes.counting_transport(self.p2p), self.lock, self.guard),
                 clock=self.clock,
                 shapes=shapes,
                 embedding_names=embedding_parameter_names(model),
@@ -218,6 +221,7 @@ class PeerNode:
     def loop(self) -> None:
         opts = self.options
         self._swarm_tick()  # announce ourselves and learn the holder before the first step
+        self.loop_started = time.monotonic()
         self._swarm_thread = threading.Thread(target=self._swarm_loop, name="swarm-ticks", daemon=True)
         self._swarm_thread.start()
         next_persist = time.monotonic() + opts.persist_every
@@ -268,8 +272,12 @@ class PeerNode:
 
     def _train_step(self) -> None:
         assert self.peer is not None and self.learner is not None
+        # a paced (--min-step-time) learner emulates a slower device: its step counts as that long
+        paced = (
+            max(self.options.min_step_time, self.telemetry.step_time) if self.options.min_step_time else None
+        )
         with self.lock:
-            self.learner.train_step()
+            self.learner.train_step(compute_seconds=paced)
             self.peer.after_train_step(self.clock.now())
         self.telemetry.step_finished(time.monotonic())
 
@@ -360,8 +368,27 @@ class PeerNode:
         with self.lock:
             line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
             versions = list(peer.replica.versions())
-        self.event("progress", step=learner.step, loss=learner.last_loss, versions=versions)
+        self.event(
+            "progress", step=learner.step, loss=learner.last_loss, versions=versions, **self._counters()
+        )
         self.say(line)
+
+    def _counters(self) -> dict[str, object]:
+        """Cumulative goodput counters of this process lifetime (read by `p2p_diloco.demo.accounting`)."""
+        learner, peer = self.learner, self.peer
+        assert learner is not None and peer is not None
+        alive = time.monotonic() - self.loop_started if self.loop_started else 0.0
+        return {
+            "tokens": learner.tokens_trained,
+            "compute_seconds": learner.compute_seconds,
+            "compute_merged": learner.compute_merged,
+            "blocked_seconds": max(0.0, alive - learner.compute_seconds) if self.training else 0.0,
+            "bytes_sent": self.bytes.sent,
+            "bytes_received": self.bytes.received,
+            "role": "synchronizer" if peer.sync is not None else "learner",
+            "term": peer.term_seen,
+            "tokens_per_s": self.telemetry.tokens_per_s(self.training),
+        }
 
     def rejection_counts(self) -> Counter[str]:
         return rejection_counts(self.peer, self.guard, self.p2p)
@@ -446,3 +473,75 @@ class PeerNode:
             return False
         self.event("released_lease", term=lease.term, rounds=sync.rounds_done)
         return True
+
+
+# ---- demo accounting: payload bytes through the transport -----------------------------------------
+
+
+class ByteCounter:
+    """Counts frame bytes this peer sends and receives over the transport (deltas, updates, fetches and
+    what it serves); calls to itself and DHT traffic are not counted. Read by the progress events."""
+
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+        self.sent = 0
+        self.received = 0
+
+    def _count(self, other: str, sent: int = 0, received: int = 0) -> None:
+        if other != self.peer_id:
+            self.sent += sent
+            self.received += received
+
+    def counting_transport(self, inner):  # noqa: ANN001, ANN201 - same interface as `inner`
+        counter = self
+
+        class Counting:
+            def __getattr__(self, name: str):  # noqa: ANN204
+                return getattr(inner, name)
+
+            def send_delta(self, to_peer: str, frame: bytes, on_reply=None) -> None:  # noqa: ANN001
+                counter._count(to_peer, sent=len(frame))
+                inner.send_delta(to_peer, frame, on_reply)
+
+            def push_update(self, to_peer: str, frame: bytes, on_reply=None) -> None:  # noqa: ANN001
+                counter._count(to_peer, sent=len(frame))
+                inner.push_update(to_peer, frame, on_reply)
+
+            def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
+                frames = inner.fetch_updates(from_peer, fragment, after_version)
+                counter._count(from_peer, received=sum(len(f) for f in frames))
+                return frames
+
+            def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes:
+                frame = inner.fetch_snapshot(from_peer, fragment)
+                counter._count(from_peer, received=len(frame))
+                return frame
+
+        return Counting()
+
+    def counting_handlers(self, inner):  # noqa: ANN001, ANN201 - same interface as `inner`
+        counter = self
+
+        class Counting:
+            def __getattr__(self, name: str):  # noqa: ANN204
+                return getattr(inner, name)
+
+            def handle_delta(self, sender: str, frame: bytes) -> str:
+                counter._count(sender, received=len(frame))
+                return inner.handle_delta(sender, frame)
+
+            def handle_update(self, sender: str, frame: bytes) -> str:
+                counter._count(sender, received=len(frame))
+                return inner.handle_update(sender, frame)
+
+            def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
+                frames = inner.serve_updates(requester, fragment, after_version)
+                counter._count(requester, sent=sum(len(f) for f in frames))
+                return frames
+
+            def serve_snapshot(self, requester: str, fragment: int) -> bytes:
+                frame = inner.serve_snapshot(requester, fragment)
+                counter._count(requester, sent=len(frame))
+                return frame
+
+        return Counting()
