@@ -7,7 +7,8 @@ Frame layout, all integers little-endian::
                 block size u32 | int8: absmax f32 * ceil(numel / block) then codes u8 * numel
                                  fp32: values f32 * numel (block size 0)
 
-Encoding uses `bitsandbytes.functional.quantize_blockwise` (CPU or CUDA). Decoding never calls a fused
+Encoding uses `bitsandbytes.functional.quantize_blockwise` on accelerators and the same algorithm in
+plain torch on the CPU (`quantize_blockwise_cpu`). Decoding never calls a fused
 kernel: every replica applies the same decoded update and compares checksums, so dequantization is a
 table lookup in `CODE_TABLE` followed by exactly one float32 multiply by the block's absmax, in plain
 torch on CPU, identical bit for bit on every machine. The decoder checks every field before it allocates
@@ -173,6 +174,24 @@ def _entry_head(name: str, tensor: torch.Tensor, block: int) -> bytes:
     )
 
 
+_CODE_BOUNDS = (CODE_TABLE[:-1] + CODE_TABLE[1:]) / 2
+
+
+def quantize_blockwise_cpu(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' blockwise quantization (its pure-torch reference kernel: absmax per block, nearest
+    code by the midpoints of the sorted table) for CPU tensors. Used instead of bitsandbytes on the CPU:
+    importing bitsandbytes costs 4-7 s and ~115 MiB per peer, and its CPU call ~12 ms whatever the size.
+    tests/unit/test_codec.py checks it against bitsandbytes' CPU kernel."""
+    n = flat.numel()
+    n_blocks = -(-n // block_size)
+    padded = torch.cat([flat, flat.new_zeros(n_blocks * block_size - n)]) if n % block_size else flat
+    blocks = padded.reshape(n_blocks, block_size)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), -1, 1).reshape(-1)[:n]
+    codes = torch.bucketize(scaled, _CODE_BOUNDS, out_int32=True).to(torch.uint8)
+    return codes, absmax
+
+
 def _quantize_int8(tensors: list[torch.Tensor], block_size: int) -> list[tuple[bytes, bytes]]:
     """(absmax bytes, code bytes) per tensor; a tensor holding NaN/inf gets NaN absmax so receivers reject it.
 
@@ -190,10 +209,14 @@ def _quantize_int8(tensors: list[torch.Tensor], block_size: int) -> list[tuple[b
         if i < len(flats) - 1 and n_blocks * block_size > flat.numel():  # the last block may stay short
             pieces.append(flat.new_zeros(n_blocks * block_size - flat.numel(), device=device))
     buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-    from bitsandbytes.functional import quantize_blockwise  # imported lazily: decoding never needs it
+    if device.type == "cpu":
+        codes, absmax_t = quantize_blockwise_cpu(buffer, block_size)
+    else:
+        from bitsandbytes.functional import quantize_blockwise  # imported lazily: only for accelerators
 
-    codes, state = quantize_blockwise(buffer, code=CODE_TABLE.to(device), blocksize=block_size)
-    codes_np, absmax_np = codes.cpu().numpy(), state.absmax.cpu().numpy().astype("<f4")
+        codes, state = quantize_blockwise(buffer, code=CODE_TABLE.to(device), blocksize=block_size)
+        absmax_t = state.absmax
+    codes_np, absmax_np = codes.cpu().numpy(), absmax_t.cpu().numpy().astype("<f4")
     out, block = [], 0
     for flat, n_blocks in zip(flats, padded_blocks):
         absmax = absmax_np[block : block + n_blocks]
