@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-step-time", type=float, default=0.0, help="pace inner steps to at least this many seconds"
     )
     p.add_argument("--verbose", action="store_true", help="print every decision to stderr")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="run this learner as an island of N local ranks (execs torchrun --standalone; docs/island.md)",
+    )
     p.set_defaults(func=_lazy("p2p_diloco.node.join:cli_join"))
 
     p = sub.add_parser("status", help="print the swarm of a run: synchronizer, versions, peers")

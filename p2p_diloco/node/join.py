@@ -4,6 +4,8 @@ Every address is parsed with `net.addresses` before anything starts, so a bad on
 message naming the bad part (exit status 2). SIGINT/SIGTERM stop the peer after its current step; it
 then releases its lease if it holds one, flushes its sends, persists its replica and exits 0.
 SIGUSR1 ends training but keeps the peer in the swarm (serving, synchronizing), like `--max-steps`.
+Under torchrun (or with `--nproc N`, which execs torchrun) the ranks form one island learner
+(`node.island`): rank 0 runs the `PeerNode`, the other ranks only the inner loop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresse
 from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.node.island import island_env, prepare_island, run_follower, torchrun_argv
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
 
@@ -74,7 +77,20 @@ def _configure_logging(verbose: bool) -> None:
 
 def cli_join(args: argparse.Namespace) -> int:
     options = options_from_args(args)
+    nproc = getattr(args, "nproc", 1)
+    env = island_env()
+    if nproc > 1 and env is None:  # checked the arguments above: now run them on nproc torchrun ranks
+        if "join" not in sys.argv[1:]:
+            raise ConfigError("--nproc needs the `join` command line in sys.argv; run torchrun yourself")
+        argv = torchrun_argv(nproc, sys.argv[1:])
+        sys.stdout.flush()
+        os.execv(argv[0], argv)
+    if env is not None and nproc not in (1, env.world_size):
+        raise ConfigError(f"--nproc {nproc} but torchrun started {env.world_size} ranks")
     _configure_logging(options.verbose)
+    options, island = prepare_island(options)
+    if island is not None and island.rank != 0:
+        return run_follower(options, island)
     if not options.initial_peers:
         print(
             "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
@@ -82,7 +98,7 @@ def cli_join(args: argparse.Namespace) -> int:
         )
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
-    node = PeerNode(options, stop=stop)
+    node = PeerNode(options, stop=stop, island=island)
     main_pid = os.getpid()
 
     def on_usr1(signum: int, _frame: FrameType | None) -> None:
@@ -98,3 +114,5 @@ def cli_join(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if island is not None:
+            island.close()

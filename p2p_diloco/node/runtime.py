@@ -36,6 +36,7 @@ from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_in
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, create_dht
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.guard import DhtClock, GuardedHandlers, LockedTransport, PeerLock, UnlockedKeyValueStore
+from p2p_diloco.node.island import Island, IslandLearner, finish_island, island_sampler
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.reporting import Telemetry, rejection_counts
 from p2p_diloco.node.state import StateDir
@@ -56,9 +57,15 @@ class PeerNode:
     """One swarm peer in this process (module docstring). `stop` ends `run` after the current step."""
 
     def __init__(
-        self, options: NodeOptions, *, stop: threading.Event | None = None, out: TextIO = sys.stdout
+        self,
+        options: NodeOptions,
+        *,
+        stop: threading.Event | None = None,
+        out: TextIO = sys.stdout,
+        island: Island | None = None,
     ):
         self.options = options
+        self.island = island  # set: this process is rank 0 of an island (node/island.py)
         self.manifest = options.manifest
         self.stop = stop or threading.Event()
         self.out = out
@@ -134,9 +141,17 @@ class PeerNode:
             num_shards=1,
             seed=seed,
         )
-        self.learner = Learner(
-            peer_id, manifest, plan, replica, model, optimizer, sampler, device=opts.device
-        )
+        if self.island is None:
+            self.learner = Learner(
+                peer_id, manifest, plan, replica, model, optimizer, sampler, device=opts.device
+            )
+        else:  # the island's ranks sample shards of one seed and step together
+            sampler = island_sampler(corpus.train, opts, self.island, self.island.share_seed(seed))
+            self.learner = IslandLearner(
+                self.island, peer_id, manifest, plan, replica, model, optimizer, sampler,
+                device=opts.device, state_dir=opts.state_dir,
+            )  # fmt: skip
+            self.telemetry.tokens_per_step *= self.island.world_size
         with self.lock:
             self.peer = Peer(
                 peer_id,
@@ -230,6 +245,8 @@ class PeerNode:
             started = time.monotonic()
             if self.training and self._training_done():
                 self.training = False
+                with self.lock:
+                    finish_island(self.learner)  # an island's other ranks stop with the training
             if self.training:
                 self._train_step()
             self._sync_tick()
@@ -291,6 +308,8 @@ class PeerNode:
                 fields = self.telemetry.heartbeat_fields(
                     now, peer, self.learner, self.guard, self.p2p, training=self.training
                 )
+                if self.island is not None:
+                    fields["ranks"] = self.island.world_size
                 peer.heartbeat(now, **fields)
                 decision = peer.election_tick(now)
                 self.last_connected = self.clock.now()  # heartbeat stored and swarm read just now
@@ -422,6 +441,7 @@ class PeerNode:
             self._swarm_thread.join(timeout=2 * self.options.dht_timeout + 5)
         if peer is not None:
             with self.lock:
+                finish_island(self.learner)
                 released = self._release_lease()
         flushed = self.p2p.flush(self.options.flush_timeout) if self.p2p is not None else True
         if peer is not None and self.guard is not None:

@@ -47,6 +47,7 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
                 "peer_id": peer_id,
                 "role": info.role,
                 "may_sync": info.may_sync,
+                "ranks": info.ranks,
                 "digest": info.digest,
                 "versions": list(info.versions),
                 "step": info.step,
