@@ -15,11 +15,21 @@ from concurrent.futures import ThreadPoolExecutor
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net.keys import heartbeat_key, lease_key
-from p2p_diloco.protocol import election
+from p2p_diloco.protocol import election, reconcile
+from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import APPLY, DUPLICATE_UPDATE, OUT_OF_ORDER, GlobalReplica
+from p2p_diloco.protocol.reconcile import BranchTip
+from p2p_diloco.protocol.replica import (
+    APPLY,
+    CHECKSUM_MISMATCH,
+    DUPLICATE_UPDATE,
+    LOAD,
+    OUT_OF_ORDER,
+    GlobalReplica,
+)
+from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.interfaces import Clock, KeyValueStore, Transport
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
@@ -37,6 +47,7 @@ from p2p_diloco.wire.frames import (
 UPDATE_LOG_LENGTH = 256
 MAX_PARALLEL_DOWNLOADS = 4
 REJECT_NOT_SYNCHRONIZER = "not synchronizer"
+REJECT_NOT_ALLOWED = "not allowed"
 
 
 class Peer:
@@ -88,6 +99,12 @@ class Peer:
         self.live_peers: dict[str, HeartbeatInfo] = {}
         self.behind_since: dict[int, float] = {}
         self.lease_holders: dict[int, str] = {}  # term -> holder, from every lease record seen
+        # Per fragment, the term of the update that produced the replica's version (0: initial or unknown,
+        # e.g. restored from disk); see protocol/reconcile.py.
+        self.tip_terms: list[int] = [0] * plan.num_fragments
+        self.reconciliations: list[str] = []  # every `reconciled` line, in order
+        # Robust-aggregation state, shared by every synchronizer term of this peer (protocol/robust.py).
+        self.robust = RobustGuard.from_manifest(manifest)
         transport.bind(self)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -95,6 +112,19 @@ class Peer:
     def note(self, line: str) -> None:
         self.decisions.append(line)
         self._log(f"[{self.peer_id}] {line}")
+
+    def allowed(self, peer: str) -> bool:
+        """False for peers outside the manifest's allowlist (an empty allowlist allows everyone)."""
+        return not self.manifest.allowlist or peer in self.manifest.allowlist
+
+    def tip(self, fragment: int) -> BranchTip:
+        """This replica's branch tip of `fragment` (protocol/reconcile.py)."""
+        return BranchTip(
+            self.tip_terms[fragment], self.replica.version(fragment), self.replica.checksum(fragment)
+        )
+
+    def tips(self) -> list[BranchTip]:
+        return [self.tip(p) for p in range(self.plan.num_fragments)]
 
     def _reject(self, sender: str, tag: str, detail: str) -> str:
         self.rejections[tag] += 1
@@ -115,6 +145,7 @@ class Peer:
             step=learner.step if learner else 0,
             loss=learner.last_loss if learner and learner.last_loss == learner.last_loss else 0.0,
             digest=self.replica.digest()[:16],
+            tips=tuple((tip.term, tip.checksum) for tip in self.tips()),
             **extra,
         )
         self.kv.store(self.hb_key, self.peer_id, info.to_bytes(), now + self.manifest.timing.heartbeat_ttl)
@@ -123,17 +154,23 @@ class Peer:
         heartbeats, leases = [], []
         live: dict[str, HeartbeatInfo] = {}
         for peer, stored in self.kv.get(self.hb_key, now).items():
+            if not self.allowed(peer):
+                continue
             try:
                 info = decode_heartbeat(stored.value, self.plan.num_fragments)
             except RecordError as exc:
                 self.rejections["bad heartbeat"] += 1
                 self.note(f"ignored heartbeat of {peer}: {exc}")
                 continue
-            if self.manifest.allowlist and peer not in self.manifest.allowlist:
-                continue
             live[peer] = info
             heartbeats.append(info.as_election_record(peer, stored.expiration))
+            if info.role == "synchronizer" and info.term_seen > 0:
+                # A holder's own heartbeat names its term: a second source when the lease record has
+                # not reached this peer's DHT view yet (fast rotations), so its updates are not refused.
+                self.lease_holders.setdefault(info.term_seen, peer)
         for holder, stored in self.kv.get(self.lease_key, now).items():
+            if not self.allowed(holder):
+                continue
             try:
                 lease = decode_lease(holder, stored.value)
                 leases.append(lease)
@@ -210,6 +247,7 @@ class Peer:
             term=term,
             embedding_names=self.embedding_names,
             shapes=self.shapes,
+            guard=self.robust,
         )
         self.term_seen = max(self.term_seen, term)
         self.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
@@ -290,6 +328,8 @@ class Peer:
         )
         if decision.action != APPLY:
             return decision.reason
+        self.robust.observe_update(p, grad)
+        self.tip_terms[p] = record.term
         self.update_log[p].append(frame)
         self.updates_applied += 1
         if self.learner is not None:
@@ -297,6 +337,8 @@ class Peer:
         return decision.reason
 
     def handle_update(self, sender: str, frame: bytes) -> str:
+        if not self.allowed(sender):
+            return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
         try:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except DecodeError as exc:
@@ -314,14 +356,26 @@ class Peer:
         if not self._held_lease(record.leader, record.term):
             return self._reject(sender, "no lease", f"{sender} never held the lease of term {record.term}")
         self.term_seen = max(self.term_seen, record.term)
+        before = self.tip(record.fragment)
         reply = self._apply_update(record, frame, source=sender)
         tag = reply.split(":")[0]
+        if record.term > before.term and tag in (DUPLICATE_UPDATE, OUT_OF_ORDER, CHECKSUM_MISMATCH):
+            # An update of a newer term that does not follow my state: maybe a branch from a partition.
+            theirs = BranchTip(record.term, record.to_version, record.checksum)
+            if tag == CHECKSUM_MISMATCH:
+                proof = reconcile.fork_proven(
+                    before, theirs, update_term=record.term, from_version=record.from_version
+                )
+                self.reconcile_fragment(record.fragment, theirs, [sender], proof)
+            else:
+                self.reconcile_fragment(record.fragment, theirs, [sender])
+            return reply
         if tag == OUT_OF_ORDER:
             self.catch_up_fragment(record.fragment, [sender], target=record.to_version)
             return reply
         if tag not in ("applied", DUPLICATE_UPDATE):
             self.note(f"update from {sender} refused: {reply}")
-            if tag == "checksum mismatch":
+            if tag == CHECKSUM_MISMATCH:
                 self.fetch_fragment(record.fragment, [sender])
         return reply
 
@@ -341,6 +395,8 @@ class Peer:
         return None
 
     def handle_delta(self, sender: str, frame: bytes) -> str:
+        if not self.allowed(sender):
+            return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
         if self.sync is None:
             try:
                 decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
@@ -353,6 +409,9 @@ class Peer:
     # ---- catch-up: replay and snapshots ---------------------------------------------------------
 
     def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
+        if not self.allowed(requester):
+            self._reject(requester, REJECT_NOT_ALLOWED, "update replay refused: not in the allowlist")
+            return []
         if not 0 <= fragment < self.plan.num_fragments:
             return []
         frames = []
@@ -363,6 +422,13 @@ class Peer:
         return frames
 
     def serve_snapshot(self, requester: str, fragment: int) -> bytes:
+        """The fragment's snapshot frame; b"" (which no requester can decode) for a refused request."""
+        if not self.allowed(requester):
+            self._reject(requester, REJECT_NOT_ALLOWED, "snapshot refused: not in the allowlist")
+            return b""
+        if not 0 <= fragment < self.plan.num_fragments:
+            self._reject(requester, "unknown fragment", f"snapshot of {fragment}")
+            return b""
         version, params, momentum = self.replica.snapshot(fragment)
         return encode_snapshot(
             FragmentSnapshot(
@@ -387,23 +453,32 @@ class Peer:
                 self.note(f"replay of fragment {fragment} from {source} failed: {exc}")
                 continue
             for frame in frames:
-                self._replay_one(source, frame)
+                before = self.tip(fragment)
+                record, reply = self._replay_one(source, frame)
+                if record is not None and reply.startswith(CHECKSUM_MISMATCH):
+                    # The source's history does not pass through my state: a fork, not a gap.
+                    theirs = BranchTip(record.term, record.to_version, record.checksum)
+                    proof = reconcile.fork_proven(
+                        before, theirs, update_term=record.term, from_version=record.from_version
+                    )
+                    return self.reconcile_fragment(fragment, theirs, [source], proof)
         if self.replica.versions()[fragment] >= target:
             return True
         return self.fetch_fragment(fragment, sources)
 
-    def _replay_one(self, source: str, frame: bytes) -> None:
+    def _replay_one(self, source: str, frame: bytes) -> tuple[UpdateRecord | None, str]:
+        """Apply one replayed frame if it is the next update of its fragment; (record, apply reply)."""
         try:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except DecodeError as exc:
-            self._reject(source, exc.reason, f"replayed update: {exc}")
-            return
+            return None, self._reject(source, exc.reason, f"replayed update: {exc}")
         if not self._held_lease(record.leader, record.term):
-            self._reject(source, "no lease", f"replayed update of term {record.term} by {record.leader}")
-            return
+            reason = f"replayed update of term {record.term} by {record.leader}"
+            return None, self._reject(source, "no lease", reason)
         if self._check_record(record.run_id, record.manifest_hash, record.fragment) is None:
             if record.from_version == self.replica.versions()[record.fragment]:
-                self._apply_update(record, frame, source=source)
+                return record, self._apply_update(record, frame, source=source)
+        return record, "skipped"
 
     def _download_snapshot(self, fragment: int, source: str) -> tuple[FragmentSnapshot, dict, dict]:
         """Fetch and decode one fragment snapshot (network and parsing only; raises on any problem)."""
@@ -419,16 +494,94 @@ class Peer:
         momentum = decode_tensors(snap.momentum, expected_shapes=shapes, max_bytes=max_bytes)
         return snap, params, momentum
 
-    def _install_snapshot(self, fragment: int, source: str, downloaded) -> bool:
+    def _install_snapshot(
+        self, fragment: int, source: str, downloaded, *, force: bool = False, term: int | None = None
+    ) -> bool:
         snap, params, momentum = downloaded
-        decision = self.replica.load_fragment(fragment, snap.version, params, momentum, snap.checksum)
+        decision = self.replica.load_fragment(
+            fragment, snap.version, params, momentum, snap.checksum, force=force
+        )
         self.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
-        if decision.action != "load":
+        if decision.action != LOAD:
             return False
+        self.tip_terms[fragment] = term if term is not None else self._snapshot_term(fragment, source, snap)
         self.update_log[fragment].clear()
         if self.learner is not None:
             self.learner.load_global_into_model([fragment])
         return True
+
+    def _snapshot_term(self, fragment: int, source: str, snap: FragmentSnapshot) -> int:
+        """The term of the update that produced a loaded snapshot: from the source's published tip if it
+        matches, else from the update in the source's log that produced it; 0 (unknown) otherwise. An
+        unknown term only makes this replica's tip rank lower, never win wrongly."""
+        info = self.live_peers.get(source)
+        tip = info.tip(fragment) if info is not None else None
+        loaded = BranchTip(0, snap.version, snap.checksum)
+        if tip is not None and tip.same_state(loaded):
+            return tip.term
+        if snap.version == 0:
+            return 0
+        try:
+            frames = self.transport.fetch_updates(source, fragment, snap.version - 1)
+        except (ConnectionError, TimeoutError):
+            return 0
+        for frame in frames:
+            try:
+                record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+            except DecodeError:
+                continue
+            if (record.fragment, record.to_version, record.checksum) == (
+                fragment,
+                snap.version,
+                snap.checksum,
+            ):
+                return record.term if self._held_lease(record.leader, record.term) else 0
+        return 0
+
+    def reconcile_fragment(
+        self,
+        fragment: int,
+        winner: BranchTip,
+        sources: list[str],
+        decision: Decision | None = None,
+    ) -> bool:
+        """Bring `fragment` onto the branch whose tip is `winner` (protocol/reconcile.py): nothing if in
+        sync or ahead, replay (verified by checksums, a mismatch proves a fork) if behind, else replace it
+        by a snapshot of a source on the winning branch, older than mine if need be, and log `reconciled`."""
+        mine = self.tip(fragment)
+        decision = decision or reconcile.classify(mine, winner)
+        if decision.action == reconcile.IN_SYNC:
+            self.tip_terms[fragment] = max(mine.term, winner.term)
+            return True
+        if decision.action == reconcile.KEEP:
+            return True
+        if decision.action == reconcile.CATCH_UP:
+            return self.catch_up_fragment(fragment, sources, target=winner.version)
+        for source in sources:
+            try:
+                downloaded = self._download_snapshot(fragment, source)
+            except (ConnectionError, TimeoutError, DecodeError) as exc:
+                self.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
+                continue
+            snap = downloaded[0]
+            got = BranchTip(winner.term, snap.version, snap.checksum)
+            if snap.version < winner.version or (
+                snap.version == winner.version and not got.same_state(winner)
+            ):
+                self.note(
+                    f"snapshot of fragment {fragment} from {source} ({got}) is not on the branch {winner}"
+                )
+                continue
+            term = winner.term if got.same_state(winner) else None
+            if self._install_snapshot(fragment, source, downloaded, force=True, term=term):
+                line = reconcile.reconciled_line(fragment, mine, self.tip(fragment), source, decision.reason)
+                self.reconciliations.append(line)
+                self.note(line)
+                return True
+        self.note(
+            f"fragment {fragment} not reconciled yet: no source on the winning branch ({decision.reason})"
+        )
+        return False
 
     def fetch_fragment(self, fragment: int, sources: list[str]) -> bool:
         """Download a checked snapshot of one fragment; the learner's copy of it is reset to the global one."""
@@ -465,24 +618,30 @@ class Peer:
         return installed
 
     def repair_tick(self, now: float) -> list[int]:
-        """Anti-entropy: a fragment that stayed behind a live peer's version for a whole heartbeat period
-        (a missed push, not one still in flight) is replayed from the peers that have it."""
+        """Anti-entropy and partition reconciliation, per fragment: my branch tip against the live peers'
+        published tips (protocol/reconcile.py). A fragment that stays off the winning tip for a whole
+        heartbeat period (not a push still in flight) is replayed from the peers on that tip, or, if my
+        branch lost, replaced by their snapshot (`reconcile_fragment`)."""
         repaired = []
         period = self.manifest.timing.heartbeat_period
         for p in range(self.plan.num_fragments):
-            ahead = sorted(
-                peer
+            mine = self.tip(p)
+            theirs = {
+                peer: tip
                 for peer, info in self.live_peers.items()
-                if peer != self.peer_id and info.versions and info.versions[p] > self.replica.versions()[p]
-            )
-            if not ahead:
+                if peer != self.peer_id and (tip := info.tip(p)) is not None
+            }
+            winner = reconcile.winning_tip([mine, *theirs.values()])
+            decision = reconcile.classify(mine, winner)
+            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):
+                self.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
                 self.behind_since.pop(p, None)
                 continue
             since = self.behind_since.setdefault(p, now)
             if now - since >= period:
-                target = max(self.live_peers[peer].versions[p] for peer in ahead)
-                self.note(f"fragment {p} behind (v{self.replica.versions()[p]} < v{target}); repairing")
-                self.catch_up_fragment(p, ahead, target=target)
+                sources = sorted(peer for peer, tip in theirs.items() if tip.same_state(winner))
+                self.note(f"fragment {p}: {decision}; repairing from {len(sources)} peers")
+                self.reconcile_fragment(p, winner, sources, decision)
                 self.behind_since.pop(p, None)
                 repaired.append(p)
         return repaired
