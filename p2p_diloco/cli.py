@@ -121,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose", action="store_true", help="print every decision to stderr")
     p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default 0: off)"
+    )
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--display",
+        choices=["auto", "live", "plain"],
+        default="auto",
+        help="progress output: a live panel (rich) or plain lines; auto: live when stdout is a terminal",
+    )
+    p.add_argument(
         "--nproc",
         type=int,
         default=1,
@@ -134,7 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--wait", type=float, default=5.0, help="seconds to keep looking while no peer is seen")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds for one DHT lookup")
+    p.add_argument("--state-dir", default=None, help="a peer's state directory: add its contribution ledger")
+    p.add_argument(
+        "--ledger", action="store_true", help="print only the ledger of --state-dir (local files, no DHT)"
+    )
+    p.add_argument(
+        "--last", type=int, default=0, metavar="N", help="with a ledger: also list its last N updates"
+    )
     p.set_defaults(func=_lazy("p2p_diloco.node.status:cli_status"))
+
+    p = sub.add_parser("export", help="write the global model of a peer's state directory as safetensors")
+    p.add_argument("manifest", help="the run manifest TOML that peer joined with")
+    p.add_argument("--state-dir", required=True, help="the peer's state directory (holds replica.pt)")
+    p.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=_lazy("p2p_diloco.node.export:cli_export"))
 
     return parser
 

@@ -47,6 +47,10 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
     if args.min_step_time < 0:
         raise ConfigError("--min-step-time must be >= 0 seconds")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(
+            f"--metrics-port must be a TCP port (1-65535) or 0 for none, got {args.metrics_port}"
+        )
     return NodeOptions(
         manifest=manifest,
         identity=Path(args.identity),
@@ -62,6 +66,9 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
         progress_every=args.progress_every,
         min_step_time=args.min_step_time,
         verbose=args.verbose,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        display=args.display,
     )
 
 

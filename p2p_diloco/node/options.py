@@ -31,6 +31,11 @@ class NodeOptions:
     fetch_timeout: float = 30.0
     dht_timeout: float = 5.0
     verbose: bool = False
+    metrics_port: int = 0  # Prometheus /metrics port; 0: no endpoint
+    metrics_host: str = "127.0.0.1"
+    display: str = (
+        "auto"  # progress output: "live" (rich panel), "plain" (lines), "auto" (live on a terminal)
+    )
 
 
 def check_device(device: str) -> None:

@@ -2,14 +2,21 @@
 
 `Telemetry` keeps the step-time average and when this peer's work last reached the global model, and
 builds the status fields of its heartbeat (`HeartbeatInfo`: tokens/s, rejection counters by reason
-and by sender, last decisions; what `p2p-diloco status` shows) and the progress line `join` prints.
-Callers hold the peer's lock.
+and by sender, last decisions; what `p2p-diloco status` shows), the progress line `join` prints, and
+`NodeSnapshot`s: everything the operator sees at one moment (the live display and the Prometheus
+metrics both render snapshots). Callers hold the peer's lock.
+
+`ProgressDisplay` prints progress lines (stdout not a terminal); `LiveProgressDisplay` redraws a rich
+panel in place instead (stdout a terminal), with other lines printed above it.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.node.guard import GuardedHandlers
@@ -19,6 +26,8 @@ from p2p_diloco.swarm.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT
 
 STEP_TIME_EMA = 0.1
 MAX_TAG_CHARS = 64
+ROLES = ("learner", "synchronizer", "observer")
+LIVE_PERIOD = 1.0  # seconds between redraws of the live display (at most --progress-every)
 
 
 def _top(counter: Counter, limit: int) -> list:
@@ -51,6 +60,48 @@ def rejections_by_sender(peer: Peer) -> Counter[tuple[str, str]]:
     if peer.sync is not None:
         total.update(peer.sync.rejections_by_sender)
     return total
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """What one node knows about itself and the swarm at one moment (rendered by display and metrics).
+
+    Counters count since this process started, except ``deltas_merged`` and ``ledger``, which come from
+    the state directory's contribution ledger and so include earlier runs of the peer.
+    """
+
+    peer_id: str
+    role: str
+    training: bool
+    step: int
+    tokens: int
+    loss: float
+    tokens_per_s: float
+    holder: str | None
+    term: int
+    versions: tuple[int, ...]
+    digest: str
+    live_peers: int
+    updates_applied: int
+    deltas_sent: int
+    deltas_rejected: int
+    deltas_merged: int
+    failovers_seen: int
+    rounds_merged: int
+    rejections: dict[str, int] = field(default_factory=dict)
+    rejections_by_sender: dict[tuple[str, str], int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tick_errors: dict[str, int] = field(default_factory=dict)
+    ledger: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer -> tokens, weight, share, updates
+
+    def event_fields(self) -> dict[str, Any]:
+        """What a ``progress`` event adds to the runtime's own counters."""
+        return {
+            "deltas_sent": self.deltas_sent,
+            "deltas_merged": self.deltas_merged,
+            "rejected": sum(self.rejections.values()),
+        }
 
 
 class Telemetry:
@@ -116,3 +167,163 @@ class Telemetry:
             f"role {role} sync {(peer.holder or 'none')[:12]} term {peer.term_seen} versions {versions} "
             f"applied {peer.updates_applied} digest {peer.replica.digest()[:12]} rejected {rejected}"
         )
+
+    def snapshot(
+        self,
+        peer: Peer,
+        learner: Learner | None,
+        guard: GuardedHandlers | None,
+        transport: Any,
+        *,
+        training: bool,
+        bytes_sent: int = 0,
+        bytes_received: int = 0,
+        ledger: dict[str, Any] | None = None,
+        tick_errors: Counter[str] | None = None,
+    ) -> NodeSnapshot:
+        """A `NodeSnapshot`; `ledger` maps peer ID -> `ledger.PeerContribution`."""
+        ledger_rows = {p: c.as_dict() for p, c in (ledger or {}).items()}
+        mine = ledger_rows.get(peer.peer_id, {})
+        return NodeSnapshot(
+            peer_id=peer.peer_id,
+            role="synchronizer" if peer.sync else ("learner" if learner else "observer"),
+            training=training,
+            step=learner.step if learner else 0,
+            tokens=learner.tokens_trained if learner else 0,
+            loss=learner.last_loss if learner else math.nan,
+            tokens_per_s=self.tokens_per_s(training),
+            holder=peer.holder,
+            term=peer.term_seen,
+            versions=peer.replica.versions(),
+            digest=peer.replica.digest()[:16],
+            live_peers=len(peer.live_peers),
+            updates_applied=peer.updates_applied,
+            deltas_sent=learner.deltas_sent if learner else 0,
+            deltas_rejected=learner.deltas_rejected if learner else 0,
+            deltas_merged=int(mine.get("updates", 0)),
+            failovers_seen=peer.failovers_seen,
+            rounds_merged=peer.sync.rounds_done if peer.sync else 0,
+            rejections=dict(rejection_counts(peer, guard, transport)),
+            rejections_by_sender=dict(rejections_by_sender(peer)),
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+            tick_errors=dict(tick_errors or {}),
+            ledger=ledger_rows,
+        )
+
+
+# ---- what the operator sees ------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def snapshot_rows(s: NodeSnapshot, run_id: str) -> list[tuple[str, str]]:
+    """(label, text) rows of the live display."""
+    loss = "-" if math.isnan(s.loss) else f"{s.loss:.3f}"
+    top = sorted(s.rejections.items(), key=lambda kv: (-kv[1], kv[0]))[:4]
+    total_share = sum(row["share"] for row in s.ledger.values()) or 1.0
+    contributors = sorted(s.ledger.items(), key=lambda kv: -kv[1]["share"])[:4]
+    return [
+        ("peer", f"{s.peer_id}  run {run_id}"),
+        ("role", f"{s.role}{'' if s.training else ' (training finished, serving)'}"),
+        ("step", f"{s.step}   loss {loss}   tok/s {s.tokens_per_s:,.0f}   tokens {s.tokens:,}"),
+        (
+            "synchronizer",
+            f"{s.holder or 'none'}   term {s.term}   live peers {s.live_peers}   failovers seen {s.failovers_seen}",
+        ),
+        ("versions", "  ".join(f"{p}:v{v}" for p, v in enumerate(s.versions)) + f"   digest {s.digest}"),
+        (
+            "updates",
+            f"applied {s.updates_applied}   my deltas sent {s.deltas_sent}, merged {s.deltas_merged}, "
+            f"refused {s.deltas_rejected}"
+            + (f"   rounds merged {s.rounds_merged}" if s.role == "synchronizer" else ""),
+        ),
+        ("traffic", f"sent {human_bytes(s.bytes_sent)}   received {human_bytes(s.bytes_received)}"),
+        (
+            "rejections",
+            f"{sum(s.rejections.values())}" + (": " + ", ".join(f"{t} {n}" for t, n in top) if top else ""),
+        ),
+        (
+            "contributions",
+            ", ".join(f"{peer[:12]} {row['share'] / total_share:.0%}" for peer, row in contributors)
+            or "none yet",
+        ),
+    ]
+
+
+class ProgressDisplay:
+    """Plain output: every line printed as is (stdout is a file or a pipe)."""
+
+    live = False
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def period(self, progress_every: float) -> float:
+        return progress_every
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def show(self, snapshot: NodeSnapshot, line: str) -> None:
+        self.say(line)
+
+    def stop(self) -> None:
+        pass
+
+
+class LiveProgressDisplay(ProgressDisplay):
+    """A rich panel redrawn in place (stdout is a terminal); `say` lines scroll above it."""
+
+    live = True
+
+    def __init__(self, out: TextIO, run_id: str):
+        super().__init__(out)
+        from rich.console import Console
+        from rich.live import Live
+
+        self.run_id = run_id
+        self.console = Console(file=out)
+        self._live = Live(
+            console=self.console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False
+        )
+        self._started = False
+
+    def period(self, progress_every: float) -> float:
+        return min(progress_every, LIVE_PERIOD)
+
+    def say(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False)
+
+    def show(self, snapshot: NodeSnapshot, line: str) -> None:
+        from rich.panel import Panel
+        from rich.table import Table
+
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold cyan", no_wrap=True)
+        grid.add_column()
+        for label, text in snapshot_rows(snapshot, self.run_id):
+            grid.add_row(label, text)
+        if not self._started:
+            self._live.start()
+            self._started = True
+        self._live.update(Panel(grid, title="p2p-diloco join", expand=False), refresh=True)
+
+    def stop(self) -> None:
+        if self._started:
+            self._live.stop()
+            self._started = False
+
+
+def make_display(out: TextIO, run_id: str, mode: str = "auto") -> ProgressDisplay:
+    """`mode`: "live" (rich panel), "plain" (lines), "auto" (live when `out` is a terminal)."""
+    if mode == "auto":
+        is_tty = hasattr(out, "isatty") and out.isatty()
+        mode = "live" if is_tty and os.environ.get("TERM") != "dumb" else "plain"
+    return LiveProgressDisplay(out, run_id) if mode == "live" else ProgressDisplay(out)

@@ -37,8 +37,10 @@ from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, create_dht
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.guard import DhtClock, GuardedHandlers, LockedTransport, PeerLock, UnlockedKeyValueStore
 from p2p_diloco.node.island import Island, IslandLearner, finish_island, island_sampler
+from p2p_diloco.node.ledger import ContributionLedger
+from p2p_diloco.node.metrics import MetricsServer, make_registry
 from p2p_diloco.node.options import NodeOptions, check_device
-from p2p_diloco.node.reporting import Telemetry, rejection_counts
+from p2p_diloco.node.reporting import NodeSnapshot, Telemetry, make_display, rejection_counts
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.fragments import plan_fragments
@@ -81,6 +83,10 @@ class PeerNode:
         self.finish_training = threading.Event()  # set (e.g. by SIGUSR1) to stop training, keep serving
         self.tick_errors: Counter[str] = Counter()
         self.telemetry = Telemetry(self.manifest)
+        self.ledger: ContributionLedger | None = None
+        self.metrics: MetricsServer | None = None
+        self.display = make_display(out, self.manifest.run_id, options.display)
+        self._last_snapshot: NodeSnapshot | None = None
         self.bytes = ByteCounter("")
         self.loop_started = 0.0  # monotonic start of the training loop (demo accounting)
         self.sync_seconds = 0.0
@@ -97,6 +103,7 @@ class PeerNode:
         torch.set_num_threads(opts.threads)
         self.state = StateDir(opts.state_dir, manifest)
         saved = self.state.read_peer_state()
+        self.ledger = ContributionLedger(self.state.path, manifest)
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
         self.dht_peer = create_dht(
@@ -182,6 +189,9 @@ class PeerNode:
         self.say(f"peer id: {peer_id}")
         for address in self.dht_peer.visible_addresses():
             self.say(f"address: {address}")
+        if opts.metrics_port:
+            self.metrics = MetricsServer(make_registry(self.snapshot), opts.metrics_host, opts.metrics_port)
+            self.say(f"metrics: {self.metrics.url}")
         self.say(
             f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), {plan.num_fragments} fragments, "
             f"{sum(plan.sizes())} parameters, device {opts.device}"
@@ -240,7 +250,8 @@ class PeerNode:
         self._swarm_thread = threading.Thread(target=self._swarm_loop, name="swarm-ticks", daemon=True)
         self._swarm_thread.start()
         next_persist = time.monotonic() + opts.persist_every
-        next_progress = time.monotonic() + opts.progress_every
+        progress_every = self.display.period(opts.progress_every)
+        next_progress = time.monotonic() + progress_every
         while not self.stop.is_set():
             started = time.monotonic()
             if self.training and self._training_done():
@@ -250,11 +261,12 @@ class PeerNode:
             if self.training:
                 self._train_step()
             self._sync_tick()
+            self._follow_ledger()
             if time.monotonic() >= next_persist:
                 next_persist = time.monotonic() + opts.persist_every
                 self.persist()
             if time.monotonic() >= next_progress:
-                next_progress = time.monotonic() + opts.progress_every
+                next_progress = time.monotonic() + progress_every
                 self.progress()
             self.lock.yield_to_waiters()
             if not self.training:
@@ -358,7 +370,7 @@ class PeerNode:
             self.state.event(kind, t=self.clock.now(), **fields)
 
     def say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        self.display.say(line)
 
     def _on_note(self, line: str) -> None:
         prefix = f"[{self.peer.peer_id}] " if self.peer is not None else ""
@@ -387,10 +399,47 @@ class PeerNode:
         with self.lock:
             line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
             versions = list(peer.replica.versions())
+            snapshot = self._snapshot_locked()
         self.event(
-            "progress", step=learner.step, loss=learner.last_loss, versions=versions, **self._counters()
+            "progress",
+            step=learner.step,
+            loss=learner.last_loss,
+            versions=versions,
+            **self._counters(),
+            **snapshot.event_fields(),
         )
-        self.say(line)
+        self.display.show(snapshot, line)
+
+    def _snapshot_locked(self) -> NodeSnapshot:
+        assert self.peer is not None
+        self._last_snapshot = self.telemetry.snapshot(
+            self.peer,
+            self.learner,
+            self.guard,
+            self.p2p,
+            training=self.training,
+            bytes_sent=self.bytes.sent,
+            bytes_received=self.bytes.received,
+            ledger=self.ledger.totals if self.ledger is not None else None,
+            tick_errors=self.tick_errors,
+        )
+        return self._last_snapshot
+
+    def snapshot(self) -> NodeSnapshot | None:
+        """A fresh `NodeSnapshot` (metrics scrapes); the last one if the peer stays busy for a second."""
+        if self.peer is None or not self.lock.acquire(timeout=1.0):
+            return self._last_snapshot
+        try:
+            return self._snapshot_locked()
+        finally:
+            self.lock.release()
+
+    def _follow_ledger(self) -> None:
+        """Record updates applied since the last call (pushed, replayed or our own) in the ledger."""
+        if self.peer is None or self.ledger is None:
+            return
+        with self.lock:
+            self.ledger.follow(self.peer.replica.versions(), self.peer.update_log, self.clock.now())
 
     def _counters(self) -> dict[str, object]:
         """Cumulative goodput counters of this process lifetime (read by `p2p_diloco.demo.accounting`)."""
@@ -401,13 +450,19 @@ class PeerNode:
             "tokens": learner.tokens_trained,
             "compute_seconds": learner.compute_seconds,
             "compute_merged": learner.compute_merged,
-            "blocked_seconds": max(0.0, alive - learner.compute_seconds) if self.training else 0.0,
+            "blocked_seconds": self._blocked_seconds(alive - learner.compute_seconds),
             "bytes_sent": self.bytes.sent,
             "bytes_received": self.bytes.received,
             "role": "synchronizer" if peer.sync is not None else "learner",
             "term": peer.term_seen,
             "tokens_per_s": self.telemetry.tokens_per_s(self.training),
         }
+
+    def _blocked_seconds(self, not_computing: float) -> float:
+        """Loop time not spent in inner steps, kept monotone (paced steps may count more than wall)."""
+        if self.training:
+            self._blocked = max(getattr(self, "_blocked", 0.0), not_computing)
+        return getattr(self, "_blocked", 0.0)
 
     def rejection_counts(self) -> Counter[str]:
         return rejection_counts(self.peer, self.guard, self.p2p)
@@ -444,9 +499,13 @@ class PeerNode:
                 finish_island(self.learner)
                 released = self._release_lease()
         flushed = self.p2p.flush(self.options.flush_timeout) if self.p2p is not None else True
+        if self.metrics is not None:
+            self.metrics.close()
+        self.display.stop()
         if peer is not None and self.guard is not None:
             with self.lock:
                 self.guard.detach()
+            self._follow_ledger()
             self.persist()
             self.event(
                 "stopped",
@@ -460,6 +519,8 @@ class PeerNode:
             self.p2p.close()
         if self.dht_peer is not None:
             self.dht_peer.shutdown()
+        if self.ledger is not None:
+            self.ledger.close()
         if self.state is not None:
             self.state.close()
         if peer is not None:

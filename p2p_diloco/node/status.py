@@ -3,6 +3,10 @@
 It writes nothing (no heartbeat, no lease) and serves nothing, so it never takes part in elections or
 receives updates. `swarm_status` turns what it reads into one JSON-ready dict; tests use it directly
 on an in-process DHT peer.
+
+With ``--state-dir DIR`` it adds the contribution ledger of that peer (`node.ledger`: accepted tokens,
+merge weight and share per contributing peer, over every update that peer applied; key ``ledger`` in
+``--json``). ``--ledger`` prints only that ledger, from the local files, without joining the DHT.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import json
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
 from p2p_diloco.net.keys import heartbeat_key, lease_key
+from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
 from p2p_diloco.protocol import election
 from p2p_diloco.swarm.interfaces import KeyValueStore
 from p2p_diloco.swarm.records import RecordError, decode_heartbeat, decode_lease
@@ -135,12 +142,30 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"{p['peer_id'][:16]}: {line}")
     if status["ignored"]:
         lines.append(f"ignored records: {status['ignored']}")
+    if status.get("ledger") is not None:
+        lines.append(format_ledger(status["ledger"]))
     return "\n".join(lines)
+
+
+def local_ledger(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ledger report of ``--state-dir`` (None without one); `ConfigError` if the folder is missing."""
+    state_dir = getattr(args, "state_dir", None)
+    if state_dir is None:
+        if getattr(args, "ledger", False):
+            raise ConfigError("--ledger reads a peer's ledger: pass that peer's --state-dir")
+        return None
+    if not Path(state_dir).is_dir():
+        raise ConfigError(f"--state-dir {state_dir} does not exist or is not a directory")
+    return ledger_report(read_ledger(state_dir), last=getattr(args, "last", 0))
 
 
 def cli_status(args: argparse.Namespace) -> int:
     """`p2p-diloco status MANIFEST --initial-peers ADDR... [--json] [--wait S]`."""
     manifest = RunManifest.load(args.manifest)
+    ledger = local_ledger(args)
+    if getattr(args, "ledger", False):
+        print(json.dumps(ledger) if args.json else format_ledger(ledger), flush=True)
+        return 0
     initial = list(args.initial_peers or manifest.bootstrap)
     try:
         dht_peer = create_dht(initial_peers=initial, client_mode=True)
@@ -160,5 +185,7 @@ def cli_status(args: argparse.Namespace) -> int:
         return 1
     finally:
         dht_peer.shutdown()
+    if ledger is not None:
+        status["ledger"] = ledger
     print(json.dumps(status) if args.json else format_status(status), flush=True)
     return 0
