@@ -62,8 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
     p.add_argument("--chaos", action="store_true", help="inject failures from a seeded schedule")
     p.add_argument("--compare", action="store_true", help="also run the lock-step baseline")
+    p.add_argument(
+        "--baseline", choices=["hivemind"], default=None, help="the baseline for --compare (implies it)"
+    )
     p.add_argument("--out", default="demo-out", help="directory for report.json and PNGs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--manifest", default=None, help="run manifest TOML (default: peers/demo.toml)")
+    p.add_argument(
+        "--slow-step-time", type=float, default=0.3, help="--min-step-time of the throttled learner (--chaos)"
+    )
     p.set_defaults(func=_lazy("p2p_diloco.demo:cli_demo"))
 
     p = sub.add_parser("keygen", help="write a private key file; prints the peer ID it gives")

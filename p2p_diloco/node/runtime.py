@@ -89,6 +89,7 @@ class PeerNode:
         self._last_snapshot: NodeSnapshot | None = None
         self.bytes = ByteCounter("")
         self.loop_started = 0.0  # monotonic start of the training loop (demo accounting)
+        self._blocked = 0.0
         self.sync_seconds = 0.0
         self.last_in_sync = 0.0
         self.last_connected = 0.0
@@ -461,8 +462,8 @@ class PeerNode:
     def _blocked_seconds(self, not_computing: float) -> float:
         """Loop time not spent in inner steps, kept monotone (paced steps may count more than wall)."""
         if self.training:
-            self._blocked = max(getattr(self, "_blocked", 0.0), not_computing)
-        return getattr(self, "_blocked", 0.0)
+            self._blocked = max(self._blocked, not_computing)
+        return self._blocked
 
     def rejection_counts(self) -> Counter[str]:
         return rejection_counts(self.peer, self.guard, self.p2p)

@@ -1,0 +1,105 @@
+"""`p2p-diloco demo`: the main job. Real processes on 127.0.0.1: a bootstrap node and N `join` learners
+from `peers/demo.toml` train the tiny GPT; `--chaos` SIGKILLs the synchronizer (twice) and a learner
+from a seeded schedule and restarts them, with one throttled learner; `--compare` then runs the
+lock-step baseline (`p2p-diloco baseline-worker`, elastic data-parallel on `hivemind.Optimizer`) under
+the same schedule and time budget. Writes ``report.json`` and PNGs to ``--out``.
+
+Modules: `chaos` (the schedule), `orchestrator` (processes), `accounting` (goodput, uptime: pure),
+`report` (numbers, plots), `live` (progress view). The in-process swarm is `p2p-diloco swarm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.demo.chaos import Schedule, calm_schedule, chaos_schedule
+from p2p_diloco.errors import ConfigError
+
+DEMO_MANIFEST = Path(__file__).resolve().parents[2] / "peers" / "demo.toml"
+
+
+def baseline_available() -> bool:
+    from p2p_diloco.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return "baseline-worker" in sub.choices
+
+
+def run_system(
+    system: str, args: argparse.Namespace, schedule: Schedule, out: Path, period: float | None = None
+) -> dict[str, Any]:
+    from p2p_diloco.config import RunManifest
+    from p2p_diloco.demo.live import LiveView
+    from p2p_diloco.demo.orchestrator import SwarmRun
+    from p2p_diloco.demo.report import summarize_record
+
+    manifest_path = Path(args.manifest) if getattr(args, "manifest", None) else DEMO_MANIFEST
+    workdir = out / f"work-{system}"
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    view = LiveView(system)
+    run = SwarmRun(
+        system,
+        manifest_path,
+        args.learners,
+        schedule,
+        workdir,
+        on_tick=view.update,
+        eval_every=max(10.0, args.duration / 8),
+    )
+    print(f"{system}: starting a bootstrap node and {args.learners} workers (logs in {workdir})", flush=True)
+    try:
+        record = run.run()
+    finally:
+        view.close()
+    return summarize_record(record, RunManifest.load(manifest_path), period)
+
+
+def build_schedule(args: argparse.Namespace) -> Schedule:
+    if args.chaos:
+        return chaos_schedule(args.learners, args.duration, args.seed, slow_step_time=args.slow_step_time)
+    return calm_schedule(args.duration, args.seed)
+
+
+def cli_demo(args: argparse.Namespace) -> int:
+    if args.learners < 2:
+        raise ConfigError("--learners must be at least 2 for a swarm")
+    if args.duration <= 0:
+        raise ConfigError("--duration must be > 0 seconds")
+    baseline = getattr(args, "baseline", None) or ("hivemind" if args.compare else None)
+    if baseline is not None and baseline != "hivemind":
+        raise ConfigError(f"--baseline {baseline}: the only baseline is 'hivemind'")
+    if baseline and not baseline_available():
+        raise ConfigError(
+            "--compare/--baseline hivemind needs `p2p-diloco baseline-worker`, which this install lacks"
+        )
+    schedule = build_schedule(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for fault in schedule.faults:
+        print(f"chaos: {fault.action} at {fault.at:.0f} s, back after {fault.down:.0f} s", flush=True)
+    if schedule.slow_learner is not None:
+        print(
+            f"chaos: learner-{schedule.slow_learner} throttled to {schedule.slow_step_time} s/step",
+            flush=True,
+        )
+    started = time.time()
+    report: dict[str, Any] = {"schedule": schedule.to_dict()}
+    if not getattr(args, "baseline_only", False):
+        report["decoupled"] = run_system("decoupled", args, schedule, out)
+    if baseline:
+        period = report["decoupled"]["nominal_round_seconds"] if "decoupled" in report else None
+        report["baseline"] = run_system("baseline", args, schedule, out, period)
+    report["wall_seconds"] = time.time() - started
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    from p2p_diloco.demo.report import plot_all, print_summary
+
+    plot_all(report, out)
+    print_summary(report, out)
+    return 0

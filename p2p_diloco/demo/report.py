@@ -1,0 +1,161 @@
+"""Turns `RunRecord`s into the demo's report: numbers (`summarize_record`), `report.json`, PNGs, text.
+
+Plots (one PNG each): ``eval_loss.png`` (eval loss of the global model vs seconds and vs tokens),
+``versions.png`` (global-model advances over time with kill marks), ``timeline.png`` (per learner:
+busy, restarting, down).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.demo import accounting
+from p2p_diloco.demo.orchestrator import BASELINE, RunRecord
+
+
+def summarize_record(record: RunRecord, manifest: RunManifest, period: float | None = None) -> dict[str, Any]:
+    """The report section of one system: goodput, uptime, final loss, tokens, bytes, failovers, timeline.
+
+    `period` is the nominal round period for uptime; by default H inner steps at the median step time
+    of this run (the interval at which each fragment gets a round). Compare systems with one period.
+    """
+    books = accounting.summarize(
+        record.events,
+        start=record.start,
+        end=record.end,
+        learners=record.learners,
+        paced_as_compute=record.system == BASELINE,
+    )
+    all_events = [e for events in record.events.values() for e in events]
+    if period is None:
+        period = accounting.nominal_period(record.events, manifest.diloco.inner_steps) or 1.0
+    advances = [
+        a - record.start for a in accounting.version_advances(all_events) if record.start <= a <= record.end
+    ]
+    names = {peer_id: name for name, peer_id in record.peer_ids.items()}
+    changes = [
+        {
+            **c,
+            "t": c["t"] - record.start,
+            "from": names.get(c["from"], c["from"]),
+            "to": names.get(c["to"], c["to"]),
+        }
+        for c in accounting.failovers(all_events)
+        if record.start <= c["t"] <= record.end
+    ]
+    return {
+        "goodput": books["goodput"],
+        "uptime": accounting.uptime(advances, start=0.0, end=record.end - record.start, period=period),
+        "final_eval_loss": record.final_eval_loss,
+        "tokens": books["tokens"],
+        "bytes_per_learner": books["bytes_per_learner"],
+        "bytes_mean": books["bytes_mean"],
+        "failovers": len(changes),
+        "failover_log": changes,
+        "compute_fraction": books["compute_fraction"],
+        "blocked_fraction": books["blocked_fraction"],
+        "nominal_round_seconds": period,
+        "wall_seconds": record.end - record.start,
+        "learners": record.learners,
+        "kills": record.kills,
+        "eval_curve": [{"t": t, "tokens": n, "loss": loss} for t, n, loss in record.eval_curve],
+        "advances": advances,
+        "timeline": {
+            name: [(t - record.start, what) for t, what in marks] for name, marks in record.marks.items()
+        },
+        "per_peer": books["per_peer"],
+    }
+
+
+def print_summary(report: dict[str, Any], out: Path) -> None:
+    for system in ("decoupled", "baseline"):
+        r = report.get(system)
+        if not r:
+            continue
+        loss = r["final_eval_loss"]
+        sent = r["bytes_mean"]["sent"] / 1e6
+        received = r["bytes_mean"]["received"] / 1e6
+        print(
+            f"{system:9s}: goodput {r['goodput']:.3f}  uptime {r['uptime']:.3f}  final eval loss "
+            f"{'n/a' if loss is None else f'{loss:.3f}'}  tokens {r['tokens']:.0f}  failovers {r['failovers']}  "
+            f"MB/learner sent {sent:.1f} received {received:.1f}  kills {len([k for k in r['kills'] if 'skipped' not in k])}"
+        )
+    print(f"report: {out / 'report.json'}; plots: {', '.join(sorted(p.name for p in out.glob('*.png')))}")
+
+
+def plot_all(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in ("decoupled", "baseline") if report.get(s)]
+    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4))
+    for system in systems:
+        curve = report[system]["eval_curve"]
+        if curve:
+            by_time.plot([c["t"] for c in curve], [c["loss"] for c in curve], marker="o", label=system)
+            by_tokens.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o", label=system)
+    for system in systems:
+        for kill in report[system]["kills"]:
+            if "skipped" not in kill:
+                by_time.axvline(kill["t"], color="red", alpha=0.3, linestyle=":")
+    by_time.set_xlabel("seconds")
+    by_tokens.set_xlabel("tokens trained (all learners)")
+    for ax in (by_time, by_tokens):
+        ax.set_ylabel("global model eval loss")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "eval_loss.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    for system in systems:
+        advances = report[system]["advances"]
+        ax.step(advances, range(1, len(advances) + 1), where="post", label=f"{system} global advances")
+        for kill in report[system]["kills"]:
+            if "skipped" not in kill:
+                color = "red" if "synchronizer" in kill.get("why", "") else "black"
+                ax.axvline(kill["t"], color=color, alpha=0.5, linestyle=":")
+                ax.text(kill["t"], 0, f" kill {kill['learner']}", fontsize=7, rotation=90, color=color)
+        for change in report[system]["failover_log"]:
+            ax.axvline(change["t"], color="green", alpha=0.4)
+    ax.set_xlabel("seconds (red: synchronizer killed, black: learner killed, green: new synchronizer)")
+    ax.set_ylabel("global updates")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "versions.png", dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(
+        len(systems), 1, figsize=(11, 1 + 0.5 * report[systems[0]]["learners"] * len(systems))
+    )
+    axes = axes if len(systems) > 1 else [axes]
+    for ax, system in zip(axes, systems, strict=True):
+        r = report[system]
+        wall = r["wall_seconds"]
+        for row, (_name, marks) in enumerate(sorted(r["timeline"].items())):
+            for lo, hi, color in _segments(marks, wall):
+                ax.broken_barh([(lo, hi - lo)], (row - 0.4, 0.8), color=color)
+        ax.set_yticks(range(len(r["timeline"])), sorted(r["timeline"]))
+        ax.set_xlim(0, wall)
+        ax.set_title(f"{system}: green busy, orange starting/catching up, red down", fontsize=9)
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=100)
+    plt.close(fig)
+
+
+def _segments(marks: list[tuple[float, str]], wall: float) -> list[tuple[float, float, str]]:
+    color_after = {"launch": "orange", "up": "green", "kill": "red", "stop": None}
+    segments, state, since = [], None, 0.0
+    for t, what in sorted(marks):
+        t = min(max(t, 0.0), wall)
+        if state is not None and t > since:
+            segments.append((since, t, state))
+        state, since = color_after.get(what), t
+    if state is not None and wall > since:
+        segments.append((since, wall, state))
+    return segments
