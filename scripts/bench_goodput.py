@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Goodput benchmark: `p2p-diloco demo --chaos --compare` over several seeds, one table.
+
+    scripts/bench_goodput.py --out DIR [--seeds 0 1 2] [--duration 180] [--learners 4] [--no-baseline]
+
+Each seed runs the decoupled swarm and (unless --no-baseline or the baseline is missing) the
+hivemind.Optimizer baseline under the same seeded chaos schedule and time budget, in DIR/seed-S/.
+Writes DIR/goodput.json (rows per seed and system, means, the goals and whether they were met) and
+DIR/goodput.png. The timing goals live here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+GOALS = {"decoupled_goodput_min": 0.9}  # with the synchronizer SIGKILLed twice per run
+FIELDS = ("goodput", "uptime", "final_eval_loss", "tokens", "failovers")
+
+
+def run_seed(seed: int, args: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "p2p_diloco", "demo", "--chaos", "--learners", str(args.learners),
+           "--duration", str(args.duration), "--seed", str(seed), "--out", str(out)]  # fmt: skip
+    if not args.no_baseline:
+        cmd.append("--compare")
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads((out / "report.json").read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--duration", type=float, default=180.0)
+    parser.add_argument("--learners", type=int, default=4)
+    parser.add_argument("--no-baseline", action="store_true", help="decoupled only")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in args.seeds:
+        report = run_seed(seed, args, out / f"seed-{seed}")
+        for system in ("decoupled", "baseline"):
+            if system in report:
+                r = report[system]
+                row = {"seed": seed, "system": system, **{f: r[f] for f in FIELDS}}
+                row["mb_sent_per_learner"] = r["bytes_mean"]["sent"] / 1e6
+                row["mb_received_per_learner"] = r["bytes_mean"]["received"] / 1e6
+                row["kills"] = len([k for k in r["kills"] if "skipped" not in k])
+                rows.append(row)
+    means = {}
+    for system in sorted({r["system"] for r in rows}):
+        mine = [r for r in rows if r["system"] == system]
+        means[system] = {
+            f: statistics.mean(r[f] for r in mine if r[f] is not None)
+            for f in ("goodput", "uptime", "final_eval_loss", "mb_sent_per_learner")
+            if any(r[f] is not None for r in mine)
+        }
+    met = {
+        "decoupled_goodput_min": all(
+            r["goodput"] >= GOALS["decoupled_goodput_min"] for r in rows if r["system"] == "decoupled"
+        )
+    }
+    result = {"args": vars(args), "goals": GOALS, "goals_met": met, "rows": rows, "means": means}
+    (out / "goodput.json").write_text(json.dumps(result, indent=1))
+    print(
+        f"{'seed':>4} {'system':10} {'goodput':>8} {'uptime':>7} {'loss':>6} {'failovers':>9} {'MB sent':>8}"
+    )
+    for r in rows:
+        loss = "n/a" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.3f}"
+        print(f"{r['seed']:>4} {r['system']:10} {r['goodput']:8.3f} {r['uptime']:7.3f} {loss:>6} "
+              f"{r['failovers']:9d} {r['mb_sent_per_learner']:8.1f}")  # fmt: skip
+    print(f"means: {json.dumps(means)}\ngoals: {GOALS} met: {met}")
+    plot(rows, out / "goodput.png")
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    systems = sorted({r["system"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    width = 0.8 / max(1, len(systems))
+    for ax, field in zip(axes, ("goodput", "uptime"), strict=True):
+        for k, system in enumerate(systems):
+            values = [
+                next((r[field] for r in rows if r["seed"] == s and r["system"] == system), 0) for s in seeds
+            ]
+            ax.bar([i + k * width for i in range(len(seeds))], values, width, label=system)
+        ax.set_xticks(
+            [i + width * (len(systems) - 1) / 2 for i in range(len(seeds))], [f"seed {s}" for s in seeds]
+        )
+        ax.set_ylim(0, 1)
+        ax.set_title(field)
+        ax.legend()
+    axes[0].axhline(GOALS["decoupled_goodput_min"], color="red", linestyle=":")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
