@@ -3,7 +3,8 @@
 Every peer is a `Peer` (the class the real network drives) on an `InMemoryKeyValueStore` and a
 `SimNetwork`. Inner steps take a configurable amount of fake time per learner (heterogeneous speeds),
 so the run is deterministic for a seed whatever the machine, and faults happen at exact fake times:
-crashes with restarts (`Crash`), dropped or delayed links (`LinkRule`).
+crashes with restarts (`Crash`), dropped or delayed links (`LinkRule`), network partitions that also
+split the key-value store (`Partition`, see docs/partitions.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from p2p_diloco.swarm.memory import (
     InMemoryKeyValueStore,
     InMemoryTransport,
     LinkRule,
+    PartitionedKeyValueStore,
     SimNetwork,
 )
 from p2p_diloco.swarm.peer import Peer
@@ -55,6 +57,18 @@ class Crash:
             ) from exc
 
 
+@dataclass(frozen=True)
+class Partition:
+    """From fake time `start` to `end` the learners in different `groups` (learner indices) cannot reach
+    each other: frames between them are dropped, fetches fail, and each group reads and writes only its
+    own side of the key-value store, which merges again at `end` (hivemind's rule, see
+    `PartitionedKeyValueStore`). Learners in no group form one more group together."""
+
+    groups: tuple[tuple[int, ...], ...]
+    start: float
+    end: float
+
+
 @dataclass
 class SwarmSpec:
     manifest: RunManifest
@@ -68,6 +82,7 @@ class SwarmSpec:
     eval_every: float = 30.0
     eval_batches: int = 8
     seed: int = 0
+    partitions: tuple[Partition, ...] = ()
 
     def __post_init__(self) -> None:
         if self.learners < 1:
@@ -78,6 +93,14 @@ class SwarmSpec:
             raise ConfigError("step_times must be > 0")
         if self.total_tokens is None and self.duration is None:
             raise ConfigError("give total_tokens or duration")
+        for part in self.partitions:
+            members = [i for g in part.groups for i in g]
+            if len(set(members)) != len(members) or not all(0 <= i < self.learners for i in members):
+                raise ConfigError(
+                    f"partition groups {part.groups}: distinct learners in 0..{self.learners - 1}"
+                )
+            if not 0 <= part.start < part.end:
+                raise ConfigError(f"partition from {part.start} to {part.end}: need 0 <= start < end")
         for c in self.crashes:
             if not -1 <= c.learner < self.learners:
                 raise ConfigError(f"crash of learner {c.learner}: there are {self.learners} learners")
@@ -141,7 +164,7 @@ class InProcessSwarm:
         self.clock = FakeClock()
         self.loop = EventLoop(self.clock)
         self.network = SimNetwork(self.loop, base_delay=spec.base_delay, rules=list(spec.link_rules))
-        self.kv = InMemoryKeyValueStore()
+        self.kv = PartitionedKeyValueStore() if spec.partitions else InMemoryKeyValueStore()
         self.peers: dict[int, Peer] = {}
         self.generation: dict[int, int] = {}
         self.persisted: dict[int, GlobalReplica] = {}
@@ -156,6 +179,7 @@ class InProcessSwarm:
         self.crash_log: list[tuple[float, int]] = []
         self.crashed_at: dict[int, float] = {}
         self.catch_ups: list[tuple[float, int, dict[str, int]]] = []
+        self.partition_log: list[tuple[float, str]] = []
 
     # ---- peers ----------------------------------------------------------------------------------
 
@@ -178,7 +202,7 @@ class InProcessSwarm:
             cfg,
             self.plan,
             replica,
-            kv=self.kv,
+            kv=self.kv.view(peer_id) if isinstance(self.kv, PartitionedKeyValueStore) else self.kv,
             transport=InMemoryTransport(self.network, peer_id),
             clock=self.clock,
             shapes=self.shapes,
@@ -253,6 +277,22 @@ class InProcessSwarm:
             self.stats[i].down_seconds += crash.down
             self.loop.call_later(crash.down, lambda: self.restart(i))
 
+    def _split(self, part: Partition) -> None:
+        assert isinstance(self.kv, PartitionedKeyValueStore)
+        names = [[self.stats[i].peer_id for i in group] for group in part.groups]
+        self.kv.split([set(g) for g in names])
+        everyone = [s.peer_id for s in self.stats]
+        for a in everyone:
+            for b in everyone:
+                if a != b and not self.kv.reachable(a, b):
+                    self.network.rules.append(LinkRule(src=a, dst=b, drop=True, until=part.end))
+        self.partition_log.append((self.clock.now(), "split"))
+
+    def _heal(self) -> None:
+        assert isinstance(self.kv, PartitionedKeyValueStore)
+        self.kv.heal()
+        self.partition_log.append((self.clock.now(), "heal"))
+
     def crash(self, i: int) -> None:
         peer = self.peers.pop(i, None)
         if peer is None:
@@ -304,6 +344,9 @@ class InProcessSwarm:
             self._start_peer(i, GlobalReplica(self.plan, self.initial), incarnation=0)
         for c in spec.crashes:
             self.loop.call_at(c.at, lambda c=c: self._crash_event(c))
+        for part in spec.partitions:
+            self.loop.call_at(part.start, lambda part=part: self._split(part))
+            self.loop.call_at(part.end, self._heal)
         self.loop.call_at(0.0, self._eval_tick)
         end = spec.duration if spec.duration is not None else float("inf")
         budget = spec.total_tokens if spec.total_tokens is not None else float("inf")

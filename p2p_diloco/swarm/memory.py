@@ -1,8 +1,10 @@
 """In-memory versions of the project's interfaces, for tests and the in-process swarm.
 
 `FakeClock` and `EventLoop` give a deterministic discrete-event world; `InMemoryKeyValueStore` keeps
-hivemind's rule (per key/subkey the later expiration wins, first writer on a tie); `SimNetwork` routes
-frames between `InMemoryTransport`s with per-link delays and fault rules, delivering them as events.
+hivemind's rule (per key/subkey the later expiration wins, first writer on a tie);
+`PartitionedKeyValueStore` is a store that can be split like a DHT cut in two (one replica per peer,
+merged by the same rule on heal); `SimNetwork` routes frames between `InMemoryTransport`s with per-link
+delays and fault rules, delivering them as events (fetches across a dropped link fail).
 """
 
 from __future__ import annotations
@@ -71,6 +73,89 @@ class InMemoryKeyValueStore:
         return {sk: v for sk, v in self._data.get(key, {}).items() if v.expiration > now}
 
 
+class PartitionedKeyValueStore:
+    """A `KeyValueStore` per peer (`view(peer_id)`) over one replica of the data per peer, like a split DHT.
+
+    Unsplit, every write reaches every replica, so all views read the same. After `split(groups)` a write
+    reaches only the replicas of the writer's group (peers in no group form one more group together);
+    `heal()` merges all replicas by hivemind's rule (per key/subkey the later expiration wins; on a tie
+    the replica of the first peer in sorted order) and makes them identical again. A peer first seen
+    while split starts from a merge of its own group's replicas.
+    """
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, InMemoryKeyValueStore] = {}
+        self._groups: list[frozenset[str]] | None = None
+
+    @property
+    def split_groups(self) -> list[frozenset[str]] | None:
+        return self._groups
+
+    def view(self, peer_id: str) -> PeerKeyValueView:
+        if peer_id not in self._replicas:
+            replica = InMemoryKeyValueStore()
+            _merge_into(replica, [self._replicas[p] for p in sorted(self._reachable(peer_id))])
+            self._replicas[peer_id] = replica
+        return PeerKeyValueView(self, peer_id)
+
+    def split(self, groups: list[set[str]] | list[frozenset[str]]) -> None:
+        groups = [frozenset(g) for g in groups]
+        if any(a & b for i, a in enumerate(groups) for b in groups[i + 1 :]):
+            raise ValueError(f"partition groups overlap: {groups}")
+        self._groups = groups
+
+    def heal(self) -> None:
+        merged = InMemoryKeyValueStore()
+        _merge_into(merged, [self._replicas[p] for p in sorted(self._replicas)])
+        for p in self._replicas:
+            replica = InMemoryKeyValueStore()
+            _merge_into(replica, [merged])
+            self._replicas[p] = replica
+        self._groups = None
+
+    def reachable(self, a: str, b: str) -> bool:
+        if self._groups is None:
+            return True
+        return self._group_of(a) == self._group_of(b)
+
+    def _group_of(self, peer: str) -> int:
+        assert self._groups is not None
+        return next((i for i, g in enumerate(self._groups) if peer in g), -1)
+
+    def _reachable(self, writer: str) -> list[str]:
+        return [p for p in self._replicas if self.reachable(writer, p)]
+
+    def store_from(self, writer: str, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+        stored = False
+        for p in self._reachable(writer):
+            stored |= self._replicas[p].store(key, subkey, value, expiration) and p == writer
+        return stored
+
+    def get_for(self, reader: str, key: str, now: float) -> dict[str, StoredValue]:
+        return self._replicas[reader].get(key, now)
+
+
+class PeerKeyValueView:
+    """One peer's `KeyValueStore` on a `PartitionedKeyValueStore`."""
+
+    def __init__(self, store: PartitionedKeyValueStore, peer_id: str):
+        self._store = store
+        self.peer_id = peer_id
+
+    def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+        return self._store.store_from(self.peer_id, key, subkey, value, expiration)
+
+    def get(self, key: str, now: float) -> dict[str, StoredValue]:
+        return self._store.get_for(self.peer_id, key, now)
+
+
+def _merge_into(target: InMemoryKeyValueStore, sources: list[InMemoryKeyValueStore]) -> None:
+    for source in sources:
+        for key, records in source._data.items():
+            for subkey, stored in records.items():
+                target.store(key, subkey, stored.value, stored.expiration)
+
+
 @dataclass
 class LinkRule:
     """Fault injection on frames from `src` to `dst` ("*" matches any): drop or add delay."""
@@ -106,6 +191,14 @@ class SimNetwork:
 
     def is_up(self, peer_id: str) -> bool:
         return peer_id in self.handlers
+
+    def blocked(self, src: str, dst: str) -> bool:
+        """Whether a drop rule cuts the link between `src` and `dst` in either direction (a request
+        needs both)."""
+        now = self.loop.clock.now()
+        return any(
+            rule.drop and (rule.matches(src, dst, now) or rule.matches(dst, src, now)) for rule in self.rules
+        )
 
     def _delay(self, src: str, dst: str, size: int) -> float | None:
         now = self.loop.clock.now()
@@ -161,7 +254,7 @@ class InMemoryTransport:
 
     def _remote(self, peer: str) -> InboundHandlers:
         handlers = self.network.handlers.get(peer)
-        if handlers is None:
+        if handlers is None or self.network.blocked(self.peer_id, peer):
             raise ConnectionError(f"peer {peer} is not reachable")
         return handlers
 

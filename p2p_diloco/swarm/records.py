@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
+from p2p_diloco.protocol.reconcile import TIP_CHECKSUM_CHARS, BranchTip
 
 MAX_RECORD_BYTES = 16 * 1024
 ROLES = ("learner", "synchronizer", "bootstrap", "observer")
@@ -47,6 +48,16 @@ class HeartbeatInfo:
     rejections: tuple[tuple[str, int], ...] = ()  # (reason tag, count), at most MAX_COUNTERS
     rejections_by_sender: tuple[tuple[str, str, int], ...] = ()  # (sender, tag, count), at most MAX_COUNTERS
     decisions: tuple[str, ...] = ()  # the last few decision lines, at most MAX_DECISIONS
+    # per fragment (term, checksum prefix) of the replica's branch tip; with `versions` it gives the
+    # `BranchTip` that partition reconciliation compares (`protocol.reconcile`). Empty, or one per fragment.
+    tips: tuple[tuple[int, str], ...] = ()
+
+    def tip(self, fragment: int) -> BranchTip | None:
+        """The branch tip this peer published for `fragment` (None if it published no tips)."""
+        if not self.tips or not self.versions:
+            return None
+        term, checksum = self.tips[fragment]
+        return BranchTip(term, self.versions[fragment], checksum)
 
     def to_bytes(self) -> bytes:
         d = {k: _plain(v) for k, v in self.__dict__.items()}
@@ -108,6 +119,26 @@ def _num(value, name: str, *, integer: bool = False, lo: float = 0.0) -> float:
     return value
 
 
+def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
+    """Empty, or one [term >= 0, lowercase hex of TIP_CHECKSUM_CHARS] pair per fragment version."""
+    if not isinstance(value, list) or len(value) not in (0, fragments):
+        raise RecordError(f"tips must be empty or list one (term, checksum) pair per fragment ({fragments})")
+    tips = []
+    for row in value:
+        if not isinstance(row, list) or len(row) != 2:
+            raise RecordError("tips entries must be [term, checksum] pairs")
+        term = int(_num(row[0], "tips[].term", integer=True))
+        checksum = row[1]
+        if (
+            not isinstance(checksum, str)
+            or len(checksum) != TIP_CHECKSUM_CHARS
+            or checksum.strip("0123456789abcdef")
+        ):
+            raise RecordError(f"tips[].checksum must be {TIP_CHECKSUM_CHARS} lowercase hex characters")
+        tips.append((term, checksum))
+    return tuple(tips)
+
+
 def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
     d = _load(raw)
     expected = set(HeartbeatInfo.__dataclass_fields__)
@@ -144,6 +175,7 @@ def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
         or not all(isinstance(a, str) for a in addresses)
     ):
         raise RecordError("addresses must be a list of at most 16 strings")
+    d["tips"] = _tips(d["tips"], len(versions))
     d["versions"] = tuple(versions)
     d["addresses"] = tuple(addresses)
     return HeartbeatInfo(**d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,10 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
 INFO = HeartbeatInfo(
-    role="learner", may_sync=True, reachable=True, versions=(1, 2, 3), term_seen=4, digest="ab"
+    role="learner",
+    may_sync=True,
+    reachable=True,
+    versions=(1, 2, 3),
+    term_seen=4,
+    digest="ab",
+    tips=((0, "0" * 16), (4, "0123456789abcdef"), (2, "f" * 16)),
 )
 
 
@@ -20,6 +28,12 @@ def test_heartbeat_round_trip_and_election_view():
     assert decode_heartbeat(INFO.to_bytes(), 3) == INFO
     hb = INFO.as_election_record("peer", expires_at=9.0)
     assert (hb.peer_id, hb.versions, hb.term_seen, hb.expires_at) == ("peer", (1, 2, 3), 4, 9.0)
+
+
+def test_heartbeat_tips_give_branch_tips_per_fragment():
+    assert INFO.tip(1) == BranchTip(4, 2, "0123456789abcdef")
+    assert dataclasses.replace(INFO, tips=()).tip(1) is None
+    assert decode_heartbeat(dataclasses.replace(INFO, tips=()).to_bytes(), 3).tips == ()
 
 
 def test_lease_round_trip():
@@ -38,6 +52,12 @@ def test_lease_round_trip():
         ({"loss": float("nan")}, 3),
         ({"addresses": ["a"] * 17}, 3),
         ({"extra": 1}, 3),
+        ({"tips": [[1, "0" * 16]]}, 3),
+        ({"tips": [[1, "0" * 16]] * 2 + [[-1, "0" * 16]]}, 3),
+        ({"tips": [[1, "0" * 15]] * 3}, 3),
+        ({"tips": [[1, "G" * 16]] * 3}, 3),
+        ({"tips": [[1.0, "0" * 16]] * 3}, 3),
+        ({"tips": [[1, "0" * 16, 2]] * 3}, 3),
     ],
 )
 def test_heartbeat_schema_violations_are_rejected(change, fragment_count):

@@ -1,0 +1,117 @@
+"""Reconciling replicas after a partition: which branch of a fragment wins, and what a replica must do.
+
+During a partition both sides may elect a synchronizer and publish updates (availability first), so one
+fragment can grow two histories. Every replica tracks, per fragment, its **branch tip**
+`BranchTip(term, version, checksum)`: the term of the outer update that produced its current version of
+the fragment (0 for the initial state), that version, and the first `TIP_CHECKSUM_CHARS` hex characters
+of the fragment checksum (which covers Θ, m and the version, see `protocol.replica`). Heartbeats publish
+every tip. Per fragment, independently:
+
+1. **Winner**: among the live tips (the replica's own included), the highest `(term, version, checksum)`
+   in that order (`winning_tip`): the highest term wins, ties go to the higher version, then to the
+   larger checksum string. Every peer reading the same tips picks the same winner.
+2. **What a replica does** (`classify(mine, winner)`):
+   - `in_sync` ("same state"): same version and checksum (only the recorded term differs, e.g. after a
+     snapshot whose term was a lower bound; the caller raises its term to the winner's);
+   - `keep` ("winning branch"): my tip ranks at or above the winner (I am on the winning branch's tip);
+   - `catch_up` ("behind"): my version is lower and my term is not higher, so my state may lie on the
+     winner's history: replay the winner's updates from my version, each checked against the checksum it
+     carries. A replayed update whose result does not match proves a fork (`fork_proven`), which turns
+     into `reconcile`;
+   - `reconcile` ("diverged"): anything else: the same version with another checksum, or a version at or
+     above the winner's with a lower term. Terms never decrease along one history (replicas ignore
+     updates of a term below the highest they have seen), so such a state cannot be on the winner's
+     history. The replica fetches the fragment's snapshot from a peer on the winning branch, loads it
+     even if it is older than its own (`GlobalReplica.load_fragment(force=True)`), logs a `reconciled`
+     line with both tips, and its learner reloads the fragment. The losing branch's updates are dropped,
+     and with them the learners' local progress that went only into them.
+
+Pure: no clock, no I/O. Actions and reason tags are module constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from p2p_diloco.protocol.decisions import Decision
+
+TIP_CHECKSUM_CHARS = 16  # hex characters of the fragment checksum carried in a tip (64 bits)
+
+# classify(): actions
+IN_SYNC, KEEP, CATCH_UP, RECONCILE = "in_sync", "keep", "catch_up", "reconcile"
+# classify() / fork_proven(): reason tags
+TAG_SAME_STATE = "same state"  # in_sync
+TAG_WINNING = "winning branch"  # keep
+TAG_BEHIND = "behind"  # catch_up: maybe an ancestor of the winner; replay verifies it
+TAG_DIVERGED = "diverged"  # reconcile: cannot be on the winner's history
+TAG_FORK_PROVEN = "fork proven"  # reconcile: a replayed update of the winner did not match my state
+# The event-log line a peer writes when it replaced a fragment by the winning branch's snapshot.
+LOG_RECONCILED = "reconciled"
+
+
+@dataclass(frozen=True, order=True)
+class BranchTip:
+    """One replica's state of one fragment: the term of the update that produced it, version, checksum.
+
+    Ordering (dataclass field order) is the winner order: term, then version, then checksum."""
+
+    term: int
+    version: int
+    checksum: str
+
+    def __post_init__(self) -> None:
+        if self.term < 0 or self.version < 0:
+            raise ValueError(f"tip term and version must be >= 0, got term {self.term} v{self.version}")
+        object.__setattr__(self, "checksum", self.checksum[:TIP_CHECKSUM_CHARS])
+
+    def same_state(self, other: BranchTip) -> bool:
+        return self.version == other.version and self.checksum == other.checksum
+
+    def __str__(self) -> str:
+        return f"t{self.term} v{self.version} {self.checksum}"
+
+
+def winning_tip(tips: Iterable[BranchTip]) -> BranchTip:
+    """The highest tip by (term, version, checksum). Raises ValueError on no tips."""
+    tips = list(tips)
+    if not tips:
+        raise ValueError("winning_tip needs at least one tip")
+    return max(tips)
+
+
+def classify(mine: BranchTip, winner: BranchTip) -> Decision:
+    """What a replica with tip `mine` does about a fragment whose winning tip is `winner` (rules above)."""
+    if mine.same_state(winner):
+        return Decision(IN_SYNC, f"{TAG_SAME_STATE}: {mine} matches the winner {winner}")
+    if mine >= winner:
+        return Decision(KEEP, f"{TAG_WINNING}: {mine} ranks at or above {winner}")
+    if mine.version < winner.version and mine.term <= winner.term:
+        return Decision(
+            CATCH_UP,
+            f"{TAG_BEHIND}: {mine} is {winner.version - mine.version} versions behind {winner}; "
+            "replay and verify each checksum",
+        )
+    if mine.version == winner.version:
+        why = "same version, different state"
+    else:
+        why = f"version {mine.version} >= {winner.version} with the lower term {mine.term} < {winner.term}"
+    return Decision(RECONCILE, f"{TAG_DIVERGED}: {mine} lost to {winner} ({why})")
+
+
+def fork_proven(mine: BranchTip, winner: BranchTip, *, update_term: int, from_version: int) -> Decision:
+    """A replayed update of the winner's history (term `update_term`, from `from_version` = my version)
+    did not reproduce its checksum on my state: my state is not on that history, so reconcile."""
+    return Decision(
+        RECONCILE,
+        f"{TAG_FORK_PROVEN}: {mine} lost to {winner} (the term {update_term} update from v{from_version} "
+        "does not match my state)",
+    )
+
+
+def reconciled_line(fragment: int, old: BranchTip, new: BranchTip, source: str, why: str) -> str:
+    """The event-log line for a fragment replaced by the winning branch (starts with `LOG_RECONCILED`)."""
+    return (
+        f"{LOG_RECONCILED}: fragment {fragment} {old} -> {new} from {source} ({why}); "
+        "the losing branch's updates and local progress on this fragment are dropped"
+    )

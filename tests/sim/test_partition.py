@@ -1,0 +1,131 @@
+"""Sim tier: a 2 | 2 partition longer than the lease TTL; both sides train, then every replica converges.
+
+Rule under test: protocol/reconcile.py (docs/partitions.md). The run is deterministic (fake clock, seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from p2p_diloco.config import ModelConfig, RunManifest
+from p2p_diloco.model.data import load_corpus
+from p2p_diloco.protocol.reconcile import LOG_RECONCILED
+from p2p_diloco.swarm.inprocess import InProcessSwarm, Partition, SwarmSpec
+
+pytestmark = pytest.mark.sim
+
+SPLIT, HEAL, END = 15.0, 45.0, 80.0
+GROUPS = ((0, 1), (2, 3))
+RECOVERY_BOUND = 10.0  # fake seconds from heal to identical digests
+
+
+@pytest.fixture(scope="module")
+def manifest() -> RunManifest:
+    base = RunManifest.load("peers/demo.toml")
+    # No rotation during the run, so the side that keeps the first holder stays on term 1.
+    return dataclasses.replace(
+        base,
+        model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
+        timing=dataclasses.replace(base.timing, term_rounds=10_000),
+    )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+class Probe:
+    """Samples every replica's digest and versions on the fake clock."""
+
+    def __init__(self, swarm: InProcessSwarm, every: float = 0.25):
+        self.swarm, self.every = swarm, every
+        self.samples: list[tuple[float, dict[int, str], dict[int, tuple[int, ...]]]] = []
+        swarm.loop.call_at(0.0, self.sample)
+
+    def sample(self) -> None:
+        peers = self.swarm.peers
+        self.samples.append(
+            (
+                self.swarm.clock.now(),
+                {i: p.replica.digest() for i, p in peers.items()},
+                {i: p.replica.versions() for i, p in peers.items()},
+            )
+        )
+        self.swarm.loop.call_later(self.every, self.sample)
+
+    def at(self, t: float):
+        return max((s for s in self.samples if s[0] <= t), key=lambda s: s[0])
+
+    def first_converged_after(self, t: float) -> float | None:
+        for now, digests, _ in self.samples:
+            if now >= t and len(digests) == 4 and len(set(digests.values())) == 1:
+                return now
+        return None
+
+
+@pytest.fixture(scope="module")
+def partitioned(manifest):
+    corpus = load_corpus(manifest.data)
+    spec = SwarmSpec(
+        manifest=manifest,
+        learners=4,
+        duration=END,
+        eval_every=END,
+        partitions=(Partition(GROUPS, SPLIT, HEAL),),
+    )
+    lines: list[str] = []
+    swarm = InProcessSwarm(spec, corpus=corpus, log=lines.append)
+    probe = Probe(swarm)
+    report = swarm.run()
+    return swarm, probe, report, lines
+
+
+def side_of(swarm: InProcessSwarm, peer_id: str) -> int:
+    index = int(peer_id.split("-")[1])
+    return next(g for g, members in enumerate(GROUPS) if index in members)
+
+
+def test_partition_longer_than_lease_both_sides_progress(partitioned, manifest):
+    swarm, probe, report, _ = partitioned
+    assert HEAL - SPLIT > 2 * manifest.timing.lease_ttl
+    first_holder = report.terms[0][1]
+    # The side without the holder elected a new term during the split.
+    split_claims = [(t, who, term) for t, who, term in report.terms if SPLIT < t < HEAL]
+    assert split_claims and all(
+        side_of(swarm, who) != side_of(swarm, first_holder) for _, who, _ in split_claims
+    )
+    # Availability first: on both sides every replica's versions advanced during the split.
+    _, _, before = probe.at(SPLIT)
+    _, digests, after = probe.at(HEAL - 0.01)
+    for i in range(4):
+        assert sum(after[i]) > sum(before[i]) + 5, (i, before[i], after[i])
+    # ... and the two sides really are two histories.
+    assert digests[GROUPS[0][0]] != digests[GROUPS[1][0]]
+
+
+def test_after_heal_every_replica_converges_to_the_winning_branch(partitioned):
+    swarm, probe, report, lines = partitioned
+    converged = probe.first_converged_after(HEAL)
+    assert converged is not None and converged - HEAL <= RECOVERY_BOUND, converged
+    print(f"recovery: identical digests {converged - HEAL:.2f} fake s after the heal")
+    # The higher term won: the first holder's side lost and each of its peers logged a reconciliation.
+    loser = side_of(swarm, report.terms[0][1])
+    for peer in swarm.peers.values():
+        logged = [line for line in lines if line.startswith(f"[{peer.peer_id}] {LOG_RECONCILED}:")]
+        if side_of(swarm, peer.peer_id) == loser:
+            assert logged and peer.reconciliations, peer.peer_id
+        else:
+            assert not logged and not peer.reconciliations, (peer.peer_id, logged)
+    # The old holder stepped down; exactly one synchronizer remains, of the highest term.
+    holders = [p for p in swarm.peers.values() if p.sync is not None]
+    assert len(holders) <= 1
+    assert all(p.term_seen == max(term for _, _, term in report.terms) for p in swarm.peers.values())
+    # Training goes on after the heal, and the run ends with identical replicas.
+    _, _, at_heal = probe.at(converged)
+    _, _, at_end = probe.at(END)
+    assert all(sum(at_end[i]) > sum(at_heal[i]) + 5 for i in range(4)), (at_heal, at_end)
+    assert report.digests_equal

@@ -1,0 +1,137 @@
+"""Partition reconciliation rule (protocol/reconcile.py) and the partitionable in-memory store."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.protocol import reconcile
+from p2p_diloco.protocol.reconcile import (
+    CATCH_UP,
+    IN_SYNC,
+    KEEP,
+    RECONCILE,
+    TAG_BEHIND,
+    TAG_DIVERGED,
+    TAG_FORK_PROVEN,
+    TAG_SAME_STATE,
+    TAG_WINNING,
+    BranchTip,
+    classify,
+    winning_tip,
+)
+from p2p_diloco.swarm.memory import InMemoryKeyValueStore, PartitionedKeyValueStore
+
+A, B, C = "a" * 16, "b" * 16, "c" * 16
+
+
+def test_highest_term_wins_even_with_fewer_versions():
+    old_branch, new_branch = BranchTip(1, 30, A), BranchTip(2, 20, B)
+    assert winning_tip([old_branch, new_branch]) == new_branch
+    assert winning_tip([new_branch, old_branch]) == new_branch
+
+
+def test_ties_go_to_higher_version_then_checksum_whatever_the_order():
+    tips = [BranchTip(2, 20, C), BranchTip(2, 21, A), BranchTip(2, 21, B)]
+    for rotation in range(3):
+        assert winning_tip(tips[rotation:] + tips[:rotation]) == BranchTip(2, 21, B)
+
+
+def test_no_tips_is_an_error():
+    with pytest.raises(ValueError):
+        winning_tip([])
+
+
+def test_tip_keeps_a_checksum_prefix_and_refuses_negative_numbers():
+    assert BranchTip(1, 2, "ab" * 32).checksum == "ab" * 8
+    with pytest.raises(ValueError):
+        BranchTip(-1, 0, A)
+
+
+def test_same_state_is_in_sync_whatever_the_recorded_term():
+    # A term of 0 is "unknown" (e.g. restored from disk): the same version and checksum is the same state.
+    decision = classify(BranchTip(0, 7, A), BranchTip(3, 7, A))
+    assert decision.action == IN_SYNC and decision.reason.startswith(TAG_SAME_STATE)
+
+
+def test_the_winner_itself_keeps_its_branch():
+    tip = BranchTip(2, 9, A)
+    assert classify(tip, tip).action == IN_SYNC
+    decision = classify(BranchTip(3, 4, A), BranchTip(2, 9, B))  # a winner that ranks below me
+    assert decision.action == KEEP and decision.reason.startswith(TAG_WINNING)
+
+
+@pytest.mark.parametrize(
+    "mine, winner",
+    [
+        (BranchTip(2, 5, A), BranchTip(2, 9, B)),  # same term, behind: most likely the same history
+        (BranchTip(1, 5, A), BranchTip(2, 9, B)),  # lower term, behind: an ancestor if the fork is later
+        (BranchTip(0, 0, A), BranchTip(4, 1, B)),  # the initial state is everyone's ancestor
+    ],
+)
+def test_behind_with_no_higher_term_catches_up_by_verified_replay(mine, winner):
+    decision = classify(mine, winner)
+    assert decision.action == CATCH_UP and decision.reason.startswith(TAG_BEHIND)
+
+
+@pytest.mark.parametrize(
+    "mine, winner",
+    [
+        (BranchTip(1, 30, A), BranchTip(2, 20, B)),  # the losing side went further: still lost
+        (BranchTip(1, 20, A), BranchTip(2, 20, B)),  # same version, other state
+        (BranchTip(2, 20, A), BranchTip(2, 20, B)),  # two holders of one term (both sides lost the holder)
+    ],
+)
+def test_not_an_ancestor_reconciles(mine, winner):
+    decision = classify(mine, winner)
+    assert decision.action == RECONCILE and decision.reason.startswith(TAG_DIVERGED)
+    assert str(mine) in decision.reason and str(winner) in decision.reason
+
+
+def test_fork_proven_by_a_mismatching_replay_reconciles():
+    decision = reconcile.fork_proven(BranchTip(1, 5, A), BranchTip(2, 9, B), update_term=2, from_version=5)
+    assert decision.action == RECONCILE and decision.reason.startswith(TAG_FORK_PROVEN)
+
+
+def test_reconciled_line_names_both_tips():
+    line = reconcile.reconciled_line(3, BranchTip(1, 30, A), BranchTip(2, 21, B), "peer-x", "diverged: ...")
+    assert line.startswith(reconcile.LOG_RECONCILED + ": fragment 3")
+    assert "t1 v30" in line and "t2 v21" in line and "peer-x" in line
+
+
+# ---- the partitionable store -----------------------------------------------------------------------
+
+
+def test_split_store_writes_reach_only_the_writers_side_and_heal_merges_by_later_expiration():
+    store = PartitionedKeyValueStore()
+    views = {p: store.view(p) for p in "wxyz"}
+    views["w"].store("k", "lease", b"before", 10.0)
+    assert all(v.get("k", 0.0)["lease"].value == b"before" for v in views.values())
+    store.split([{"w", "x"}, {"y", "z"}])
+    assert not store.reachable("w", "y") and store.reachable("y", "z")
+    views["w"].store("k", "lease", b"left", 20.0)
+    views["y"].store("k", "lease", b"right", 30.0)
+    views["y"].store("k", "only-right", b"r", 30.0)
+    assert views["x"].get("k", 0.0)["lease"].value == b"left"
+    assert views["z"].get("k", 0.0)["lease"].value == b"right"
+    assert "only-right" not in views["x"].get("k", 0.0)
+    store.heal()
+    for v in views.values():
+        got = v.get("k", 0.0)
+        assert got["lease"].value == b"right" and got["only-right"].value == b"r"
+    views["x"].store("k", "lease", b"after", 40.0)
+    assert views["z"].get("k", 0.0)["lease"].value == b"after"
+
+
+def test_split_store_refuses_overlapping_groups_and_newcomers_see_their_side():
+    store = PartitionedKeyValueStore()
+    store.view("w").store("k", "s", b"v", 5.0)
+    store.view("u")  # joins after the write: starts from a merge of the replicas it can reach
+    with pytest.raises(ValueError):
+        store.split([{"w", "x"}, {"x", "y"}])
+    store.split([{"w"}, {"n"}])
+    assert store.view("n").get("k", 0.0) == {}  # "n" joined on the other side of the cut
+    # "late" is in no group: it shares a side with the other ungrouped peer "u", not with "w".
+    assert store.view("late").get("k", 0.0)["s"].value == b"v"
+    store.view("w").store("k", "s", b"w only", 6.0)
+    assert store.view("late").get("k", 0.0)["s"].value == b"v"
+    assert isinstance(InMemoryKeyValueStore().get("k", 0.0), dict)
