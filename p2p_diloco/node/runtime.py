@@ -401,14 +401,8 @@ class PeerNode:
             line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
             versions = list(peer.replica.versions())
             snapshot = self._snapshot_locked()
-        self.event(
-            "progress",
-            step=learner.step,
-            loss=learner.last_loss,
-            versions=versions,
-            **self._counters(),
-            **snapshot.event_fields(),
-        )
+        fields = {**snapshot.event_fields(), **self._counters()}  # the demo's counters win a name clash
+        self.event("progress", step=learner.step, loss=learner.last_loss, versions=versions, **fields)
         self.display.show(snapshot, line)
 
     def _snapshot_locked(self) -> NodeSnapshot:
