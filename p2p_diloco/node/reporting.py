@@ -251,7 +251,10 @@ def snapshot_rows(s: NodeSnapshot, run_id: str) -> list[tuple[str, str]]:
         ),
         (
             "contributions",
-            ", ".join(f"{peer[:12]} {row['share'] / total_share:.0%}" for peer, row in contributors)
+            ", ".join(
+                f"{peer[:12]} {row['share'] / total_share:.0%} ({row['tokens']:,} tok)"
+                for peer, row in contributors
+            )
             or "none yet",
         ),
     ]
