@@ -134,6 +134,7 @@ def test_plain_display_prints_lines_and_live_display_draws_a_panel():
         "stale anchor 2",
         "123.5 kB",
         "failovers seen 2",
+        "QmSelf 100% (6,144 tok)",
     ):
         assert fragment in text, fragment
     assert "ignored in live mode" not in text
