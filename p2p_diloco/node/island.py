@@ -17,9 +17,13 @@ training or is shutting down) ends the followers after that last broadcast; ever
 ``island-rank{r}.json`` (step, parameter digest, checks) into the state dir, and each rank writes
 ``island-rank{r}.pid`` at start (tests and operators find the ranks there).
 
-Counting: one island step is one optimizer step over N local batches, so `step` counts island steps and
-token counters count the tokens of all ranks (batch x block x N). Data: rank r samples shard r of N of
-the corpus, with a seed rank 0 draws and broadcasts, so ranks never share a window.
+Counting: one island step is one optimizer step over N local batches. `Learner.step` counts island
+steps (the fragment schedule, `--max-steps` and the heartbeat's step use it), while the work counters a
+delta carries count every rank: N steps of batch x block tokens each per island step. A delta's
+tokens/steps thus stays the manifest's batch x block (what the synchronizer's token-claim check
+expects) and its merge weight tokens^2/steps equals that of one learner that made N times the steps.
+Data: rank r samples shard r of N of the corpus, with a seed rank 0 draws and broadcasts, so ranks
+never share a window.
 
 Failure: a rank that dies breaks the collectives; torchrun then stops the others (its default), rank 0
 persists on the way out, and a restarted island rejoins like any learner (replay or snapshot).
@@ -193,9 +197,7 @@ class Island:
     def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
         """DDP over the island; its construction broadcasts rank 0's parameters to every rank."""
         device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
-        return self._collective(
-            DistributedDataParallel, model, device_ids=device_ids, broadcast_buffers=False
-        )
+        return self._collective(DistributedDataParallel, model, device_ids=device_ids)
 
     def exchange_control(self, command: int, step: int, dirty: Sequence[int], num_fragments: int):
         """Rank 0 sends (command, step, dirty fragments); every rank returns what rank 0 sent."""
@@ -285,10 +287,12 @@ class IslandLearner(Learner):
             loss = super().train_step(compute_seconds)
         finally:
             self.model = raw
-        others = (self.tokens_trained - tokens_before) * (self.island.world_size - 1)
-        self.tokens_trained += others  # the other ranks' batches, same size as ours
+        others = self.island.world_size - 1  # ranks whose batches (the size of ours) went into this step
+        tokens = (self.tokens_trained - tokens_before) * others
+        self.tokens_trained += tokens
         for work in self.work:
-            work.tokens += others
+            work.tokens += tokens
+            work.steps += others
         return loss
 
     def finish(self) -> None:
