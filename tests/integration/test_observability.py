@@ -14,9 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 
+from p2p_diloco.config import RunManifest
 from p2p_diloco.net.identity import write_identity
-from p2p_diloco.node.ledger import read_ledger
-from p2p_diloco.node.state import read_peer_state
+from p2p_diloco.node.ledger import read_ledger, tokens_per_step
+from p2p_diloco.node.state import read_events, read_peer_state
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +122,10 @@ def test_metrics_ledger_status_and_export_of_a_live_swarm(spawn, cli, wait_for, 
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {row["peer_id"]: row for row in json.loads(out.stdout)["peers"]}
     assert set(rows) == ids and all(row["tokens"] > 0 and row["updates"] >= 1 for row in rows.values())
+    per_step = tokens_per_step(RunManifest.load(manifest))
+    for peer_id, peer_state_dir, _ in peers:  # merged tokens never exceed what the peer trained
+        stopped = [e for e in read_events(peer_state_dir) if e["event"] == "stopped"][-1]
+        assert rows[peer_id]["tokens"] <= stopped["step"] * per_step
 
     model = tmp_path / "model.safetensors"
     out = subprocess.run(
