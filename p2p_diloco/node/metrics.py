@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.exposition import generate_latest, start_http_server
 from prometheus_client.registry import Collector
 
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.node.reporting import ROLES, NodeSnapshot
 
 PREFIX = "p2p_diloco_"
@@ -144,7 +145,13 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
         self.registry = registry
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:  # port taken, address not local, ...
+            raise ConfigError(
+                f"--metrics-port {port}: cannot serve metrics on {host}: {exc.strerror or exc}; "
+                "pick a free port (or --metrics-host)"
+            ) from exc
         self.host = host
         self.port = int(self._server.server_port)
 

@@ -6,8 +6,10 @@ import io
 import math
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.node.metrics import MetricsServer, exposition, make_registry
 from p2p_diloco.node.reporting import LiveProgressDisplay, NodeSnapshot, ProgressDisplay, make_display
 
@@ -107,6 +109,8 @@ def test_http_endpoint_serves_a_fresh_snapshot_per_scrape_from_its_own_registry(
         assert got[("p2p_diloco_steps_total", ())] == 121
         # its own registry: none of the process-global default collectors (python_info, process_*)
         assert not any(name.startswith(("python_", "process_")) for name, _ in got)
+        with pytest.raises(ConfigError, match=f"--metrics-port {server.port}: cannot serve"):
+            MetricsServer(make_registry(lambda: SNAPSHOT), "127.0.0.1", server.port)  # taken
     finally:
         server.close()
 
