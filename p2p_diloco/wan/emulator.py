@@ -1,0 +1,562 @@
+"""The WAN emulator: peers in network namespaces behind one router, with per-link delay, rate and NAT.
+
+Topology (every name starts with the run's unique prefix, e.g. ``pdw3fa2c1``)::
+
+    <prefix>-<peer>  --veth-->  <prefix>-router  <--veth--  <prefix>-<nat peer>-gw  --veth--  <prefix>-<nat peer>
+      10.0.i.2/24            10.0.i.1 ... 10.0.k.1             10.0.k.2 | 192.168.k.1         192.168.k.2
+
+* **Delay**: the router routes every packet between peer subnets into a TUN device; the forwarder
+  (`wan.forwarder`, a process in the router namespace) holds it for the sender's uplink plus the
+  receiver's downlink one-way delay and writes it back, and the router forwards it to the receiver's
+  veth. RTT between peers i and j is ``up_i + down_j + up_j + down_i`` (``2 (d_i + d_j)`` for
+  symmetric links): a "100 ms RTT" between equal peers is ``delay_ms = 25`` on each link.
+* **Rate**: a `tbf` qdisc on the peer's (or its NAT gateway's) uplink veth and on the router's veth
+  towards it (this kernel has no netem; tbf works: FINDINGS.md).
+* **NAT**: a ``nat=True`` peer sits behind a gateway namespace that MASQUERADEs its outbound traffic and
+  drops inbound connections; the router has no route to the private subnet, so the peer can only dial out.
+
+Only namespaces this emulator created carry traffic; nothing is connected to the host's network.
+Teardown (idempotent) kills every process inside the run's namespaces and deletes them; it runs from
+`teardown()`, the context manager, at interpreter exit, and on SIGTERM/SIGINT. A registry record in
+`REGISTRY_DIR` names the owning process, so `cleanup_stale()` (and ``scripts/wan_emulator.py cleanup``)
+can remove what a SIGKILLed owner left behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from p2p_diloco.wan.forwarder import READY_LINE, ForwarderConfig
+
+FAMILY = "pdw"  # every run's prefix starts with this; `cleanup --prefix pdw` removes all runs
+REGISTRY_DIR = Path("/run/p2p-diloco-wan")
+PUBLIC_NET = "10.0"
+PRIVATE_NET = "192.168"
+MAX_PEERS = 250
+KILL_GRACE_S = 2.0
+
+
+class EmulatorError(RuntimeError):
+    """A setup command failed; the message names the command and its stderr."""
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One peer's access link: one-way delay each way (ms) and rate each way (Mbit/s, None = unlimited)."""
+
+    delay_ms: float = 0.0
+    rate_mbit: float | None = None
+    queue_ms: float = 100.0  # tbf queue length in time at the link rate
+
+    def __post_init__(self) -> None:
+        if self.delay_ms < 0 or (self.rate_mbit is not None and self.rate_mbit <= 0) or self.queue_ms <= 0:
+            raise ValueError(f"bad link {self}: delay must be >= 0, rate and queue > 0")
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str
+    link: LinkSpec = field(default_factory=LinkSpec)
+    nat: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name.replace("-", "").isalnum() or len(self.name) > 20 or self.name == "router":
+            raise ValueError(
+                f"peer name must be alphanumeric (dashes allowed), <= 20 chars, not 'router': {self.name!r}"
+            )
+
+
+def new_prefix() -> str:
+    return FAMILY + secrets.token_hex(3)
+
+
+def run_cmd(
+    argv: Sequence[str], *, check: bool = True, timeout: float = 30.0
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise EmulatorError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def environment_problem() -> str | None:
+    """Why the emulator cannot run here (None if it can): root, `ip`, `tc`, /dev/net/tun, `ip netns add`."""
+    if os.geteuid() != 0:
+        return "the WAN emulator needs root (network namespaces, veth, tc, TUN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    if not os.path.exists("/dev/net/tun"):
+        return "/dev/net/tun is missing (no TUN support)"
+    probe = f"{FAMILY}probe{os.getpid()}"
+    created = run_cmd(["ip", "netns", "add", probe], check=False)
+    if created.returncode != 0:
+        return f"`ip netns add` fails here: {created.stderr.strip()}"
+    run_cmd(["ip", "netns", "delete", probe], check=False)
+    return None
+
+
+def nat_problem() -> str | None:
+    """Why NAT peers cannot be emulated here (None if they can)."""
+    if shutil.which("iptables") is None:
+        return "`iptables` is not installed (Debian/Ubuntu package: iptables)"
+    return None
+
+
+# ---- cleanup (module level: also used for runs whose owner died) ------------------------------------
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    out = run_cmd(["ip", "netns", "list"], check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [name for name in names if name.startswith(prefix)]
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    out = run_cmd(["ip", "netns", "pids", namespace], check=False).stdout
+    return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def _kill_pids(pids: Sequence[int], grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after `grace_s`."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if pid_alive(pid)]
+        if alive:
+            time.sleep(0.05)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cleanup(prefix: str) -> list[str]:
+    """Kill every process in namespaces named `prefix`*, delete them and their registry files."""
+    if len(prefix) < len(FAMILY) or not prefix.startswith(FAMILY):
+        raise ValueError(
+            f"refusing to clean up namespaces with prefix {prefix!r}: it must start with {FAMILY!r}"
+        )
+    namespaces = list_namespaces(prefix)
+    pids = sorted({pid for ns in namespaces for pid in namespace_pids(ns)})
+    _kill_pids(pids)
+    for ns in namespaces:
+        run_cmd(["ip", "netns", "delete", ns], check=False)
+    if REGISTRY_DIR.is_dir():
+        for file in REGISTRY_DIR.glob(f"{prefix}*"):
+            file.unlink(missing_ok=True)
+    return namespaces
+
+
+def cleanup_stale() -> list[str]:
+    """Remove runs whose owning process is gone (and family namespaces without any registry record)."""
+    removed: list[str] = []
+    live_prefixes: set[str] = set()
+    if REGISTRY_DIR.is_dir():
+        for record_file in REGISTRY_DIR.glob(f"{FAMILY}*.json"):
+            try:
+                record = json.loads(record_file.read_text())
+                prefix, pid, ticks = record["prefix"], int(record["owner_pid"]), record["owner_start"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if pid_alive(pid) and _start_ticks(pid) == ticks:
+                live_prefixes.add(prefix)
+            else:
+                removed += cleanup(prefix)
+    orphans = [ns for ns in list_namespaces(FAMILY) if not any(ns.startswith(p) for p in live_prefixes)]
+    for ns in orphans:
+        removed += cleanup(ns.split("-", 1)[0])
+    return sorted(set(removed))
+
+
+# ---- teardown on exit and signals --------------------------------------------------------------------
+
+_LIVE: list[WanEmulator] = []
+_PREVIOUS_HANDLERS: dict[int, Any] = {}
+_MAIN_PID = os.getpid()
+
+
+def _teardown_all() -> None:
+    for emulator in list(_LIVE):
+        emulator.teardown()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if os.getpid() == _MAIN_PID:
+        _teardown_all()
+    previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_handlers() -> None:
+    if _PREVIOUS_HANDLERS or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        _PREVIOUS_HANDLERS[sig] = signal.signal(sig, _on_signal)
+    atexit.register(_teardown_all)
+
+
+# ---- the emulator --------------------------------------------------------------------------------
+
+
+class WanEmulator:
+    """Set up with `start()` (or ``with WanEmulator(peers) as wan:``), run commands in peers' namespaces."""
+
+    def __init__(
+        self,
+        peers: Sequence[PeerSpec],
+        *,
+        prefix: str | None = None,
+        mtu: int = 1500,
+        owner_pid: int | None = None,
+        handle_signals: bool = True,
+    ):
+        names = [p.name for p in peers]
+        if len(set(names)) != len(names) or not 1 <= len(names) <= MAX_PEERS:
+            raise ValueError(f"need 1..{MAX_PEERS} peers with distinct names, got {names}")
+        self.peers: dict[str, PeerSpec] = {p.name: p for p in peers}
+        self.index = {name: i + 1 for i, name in enumerate(names)}
+        self.prefix = prefix or new_prefix()
+        if not self.prefix.startswith(FAMILY) or len(self.prefix) > 10:
+            raise ValueError(f"prefix must start with {FAMILY!r} and have at most 10 chars: {self.prefix!r}")
+        self.mtu = mtu
+        self.owner_pid = owner_pid or os.getpid()
+        self.handle_signals = handle_signals
+        self.router = f"{self.prefix}-router"
+        self.forwarder: subprocess.Popen[str] | None = None
+        self.processes: list[subprocess.Popen[Any]] = []
+        self._forwarder_pid: int | None = None
+        self._started = False
+        self._torn_down = False
+        self._lock = threading.Lock()
+
+    # ---- names and addresses ----
+
+    def namespace(self, peer: str) -> str:
+        """The namespace an application of `peer` runs in (the private host for a NAT peer)."""
+        self._check(peer)
+        return f"{self.prefix}-{peer}"
+
+    def gateway_namespace(self, peer: str) -> str:
+        self._check(peer)
+        return f"{self.prefix}-{peer}-gw"
+
+    def address(self, peer: str) -> str:
+        """The IPv4 address of `peer`'s own interface (private, unroutable from others, for NAT peers)."""
+        i = self.index[peer]
+        return f"{PRIVATE_NET}.{i}.2" if self.peers[peer].nat else f"{PUBLIC_NET}.{i}.2"
+
+    def public_address(self, peer: str) -> str:
+        """Where `peer`'s traffic appears to come from (its NAT gateway's address for a NAT peer)."""
+        return f"{PUBLIC_NET}.{self.index[peer]}.2"
+
+    def namespaces(self) -> list[str]:
+        out = [self.router]
+        for name, spec in self.peers.items():
+            out.append(self.namespace(name))
+            if spec.nat:
+                out.append(self.gateway_namespace(name))
+        return out
+
+    def _check(self, peer: str) -> None:
+        if peer not in self.peers:
+            raise KeyError(f"no peer {peer!r} in this emulator (peers: {sorted(self.peers)})")
+
+    def _ifname(self, kind: str, i: int) -> str:
+        return f"{self.prefix}{kind}{i}"
+
+    @property
+    def tun_name(self) -> str:
+        return f"{self.prefix}tun"
+
+    @property
+    def _registry_file(self) -> Path:
+        return REGISTRY_DIR / f"{self.prefix}.json"
+
+    @property
+    def _forwarder_config_file(self) -> Path:
+        return REGISTRY_DIR / f"{self.prefix}.forwarder.json"
+
+    # ---- running things in namespaces ----
+
+    def command(self, peer: str, argv: Sequence[str]) -> list[str]:
+        """`argv` wrapped to run in `peer`'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(peer), *argv]
+
+    def spawn(self, peer: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` in `peer`'s namespace (own session); it is killed at teardown."""
+        popen_kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(self.command(peer, argv), **popen_kwargs)
+        self.processes.append(proc)
+        return proc
+
+    def _ns_sh(self, namespace: str, script: str) -> None:
+        run_cmd(["ip", "netns", "exec", namespace, "sh", "-ec", script])
+
+    # ---- lifecycle ----
+
+    def start(self) -> WanEmulator:
+        if self._started:
+            raise RuntimeError("emulator already started")
+        if any(spec.nat for spec in self.peers.values()) and (problem := nat_problem()):
+            raise EmulatorError(problem)
+        self._started = True
+        if self.handle_signals:
+            _install_handlers()
+        _LIVE.append(self)
+        REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
+        self._write_record()
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        self._write_record()
+        return self
+
+    def _write_record(self) -> None:
+        record = {
+            "prefix": self.prefix,
+            "owner_pid": self.owner_pid,
+            "owner_start": _start_ticks(self.owner_pid),
+            "forwarder_pid": self.forwarder.pid if self.forwarder else self._forwarder_pid,
+            "mtu": self.mtu,
+            "namespaces": self.namespaces(),
+            "peers": [{"name": s.name, "nat": s.nat, **asdict(s.link)} for s in self.peers.values()],
+        }
+        tmp = self._registry_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, self._registry_file)
+
+    def detach(self) -> None:
+        """Leave the emulation running after this process exits; the forwarder becomes its owner."""
+        if self.forwarder is None:
+            raise RuntimeError("not started")
+        self.owner_pid = self.forwarder.pid
+        self._write_record()
+        if self in _LIVE:
+            _LIVE.remove(self)
+        self._torn_down = True  # this object no longer tears it down; `cleanup(prefix)` does
+
+    @classmethod
+    def attach(cls, prefix: str) -> WanEmulator:
+        """An emulator object for a running (e.g. detached) run, for `shape` and `command`."""
+        file = REGISTRY_DIR / f"{prefix}.json"
+        try:
+            record = json.loads(file.read_text())
+        except OSError as exc:
+            raise EmulatorError(
+                f"no running emulation with prefix {prefix!r} ({file}: {exc.strerror})"
+            ) from exc
+        peers = [
+            PeerSpec(p["name"], LinkSpec(p["delay_ms"], p["rate_mbit"], p["queue_ms"]), p["nat"])
+            for p in record["peers"]
+        ]
+        emulator = cls(
+            peers, prefix=prefix, mtu=record["mtu"], owner_pid=record["owner_pid"], handle_signals=False
+        )
+        emulator._started = emulator._torn_down = True  # attached: never tears down on its own
+        emulator._forwarder_pid = record["forwarder_pid"]
+        return emulator
+
+    def _build(self) -> None:
+        for ns in self.namespaces():
+            run_cmd(["ip", "netns", "add", ns])
+            self._ns_sh(
+                ns,
+                "ip link set lo up; echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6;"
+                " echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6",
+            )
+        r = self.router
+        self._ns_sh(
+            r,
+            "echo 1 > /proc/sys/net/ipv4/ip_forward; echo 0 > /proc/sys/net/ipv4/conf/all/rp_filter;"
+            " echo 0 > /proc/sys/net/ipv4/conf/default/rp_filter",
+        )
+        run_cmd(["ip", "-n", r, "tuntap", "add", "dev", self.tun_name, "mode", "tun"])
+        run_cmd(["ip", "-n", r, "link", "set", self.tun_name, "mtu", str(self.mtu), "up"])
+        # delivered packets back from the TUN go by the main table; everything else between peers into it
+        run_cmd(["ip", "-n", r, "rule", "add", "pref", "100", "iif", self.tun_name, "lookup", "main"])
+        run_cmd(["ip", "-n", r, "rule", "add", "pref", "200", "to", f"{PUBLIC_NET}.0.0/16", "lookup", "100"])
+        run_cmd(["ip", "-n", r, "route", "add", f"{PUBLIC_NET}.0.0/16", "dev", self.tun_name, "table", "100"])
+        for name, spec in self.peers.items():
+            i = self.index[name]
+            edge = self.gateway_namespace(name) if spec.nat else self.namespace(name)
+            self._veth(edge, self._ifname("u", i), r, self._ifname("d", i))
+            run_cmd(["ip", "-n", edge, "addr", "add", f"{PUBLIC_NET}.{i}.2/24", "dev", self._ifname("u", i)])
+            run_cmd(["ip", "-n", r, "addr", "add", f"{PUBLIC_NET}.{i}.1/24", "dev", self._ifname("d", i)])
+            run_cmd(["ip", "-n", edge, "route", "add", "default", "via", f"{PUBLIC_NET}.{i}.1"])
+            if spec.nat:
+                self._build_nat(name, i)
+            self._apply_rate(name)
+        self._ns_sh(r, f"echo 0 > /proc/sys/net/ipv4/conf/{self.tun_name}/rp_filter")
+        self._write_forwarder_config()
+        self._start_forwarder()
+
+    def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
+        run_cmd(
+            ["ip", "link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b]
+        )
+        for ns, ifname in ((ns_a, if_a), (ns_b, if_b)):
+            run_cmd(["ip", "-n", ns, "link", "set", ifname, "mtu", str(self.mtu), "up"])
+
+    def _build_nat(self, name: str, i: int) -> None:
+        gw, host = self.gateway_namespace(name), self.namespace(name)
+        up, lan_gw, lan_host = self._ifname("u", i), self._ifname("g", i), self._ifname("h", i)
+        self._veth(gw, lan_gw, host, lan_host)
+        run_cmd(["ip", "-n", gw, "addr", "add", f"{PRIVATE_NET}.{i}.1/24", "dev", lan_gw])
+        run_cmd(["ip", "-n", host, "addr", "add", f"{PRIVATE_NET}.{i}.2/24", "dev", lan_host])
+        run_cmd(["ip", "-n", host, "route", "add", "default", "via", f"{PRIVATE_NET}.{i}.1"])
+        self._ns_sh(
+            gw,
+            "echo 1 > /proc/sys/net/ipv4/ip_forward;"
+            f" iptables -t nat -A POSTROUTING -o {up} -j MASQUERADE;"
+            f" iptables -A FORWARD -i {up} -o {lan_gw} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT;"
+            f" iptables -A FORWARD -i {up} -j DROP;"
+            f" iptables -A INPUT -i {up} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT;"
+            f" iptables -A INPUT -i {up} -j DROP",
+        )
+
+    def _apply_rate(self, name: str) -> None:
+        spec, i = self.peers[name], self.index[name]
+        edge = self.gateway_namespace(name) if spec.nat else self.namespace(name)
+        for ns, ifname in ((edge, self._ifname("u", i)), (self.router, self._ifname("d", i))):
+            run_cmd(["tc", "-n", ns, "qdisc", "del", "dev", ifname, "root"], check=False)
+            if spec.link.rate_mbit is None:
+                continue
+            rate_bytes = spec.link.rate_mbit * 1e6 / 8
+            burst = max(32 * 1024, int(rate_bytes / 100))  # >= rate/HZ for any HZ <= 100... 1000
+            limit = int(rate_bytes * spec.link.queue_ms / 1000) + burst
+            run_cmd(
+                ["tc", "-n", ns, "qdisc", "add", "dev", ifname, "root", "tbf", "rate",
+                 f"{spec.link.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
+            )  # fmt: skip
+
+    def _write_forwarder_config(self) -> None:
+        uplink, downlink = {}, {}
+        for name, spec in self.peers.items():
+            subnet = f"{PUBLIC_NET}.{self.index[name]}"
+            uplink[subnet] = downlink[subnet] = spec.link.delay_ms / 1000.0
+        tmp = self._forwarder_config_file.with_suffix(".tmp")
+        tmp.write_text(ForwarderConfig(uplink_s=uplink, downlink_s=downlink).to_json())
+        os.replace(tmp, self._forwarder_config_file)
+
+    def _start_forwarder(self) -> None:
+        argv = [
+            "ip", "netns", "exec", self.router, sys.executable, "-m", "p2p_diloco.wan.forwarder",
+            "--tun", self.tun_name, "--config", str(self._forwarder_config_file),
+        ]  # fmt: skip
+        log_file = REGISTRY_DIR / f"{self.prefix}.forwarder.log"
+        with open(log_file, "w") as log:
+            self.forwarder = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+            )
+        assert self.forwarder.stdout is not None
+        line = self.forwarder.stdout.readline().strip()  # blocks until ready or exit
+        if line != READY_LINE:
+            raise EmulatorError(f"forwarder did not start: {line!r} {log_file.read_text().strip()}")
+        self.forwarder.stdout.close()  # nothing more comes; a detached forwarder must not hit a dead pipe
+
+    def shape(
+        self, peer: str, *, delay_ms: float | None = None, rate_mbit: float | None | str = "keep"
+    ) -> None:
+        """Change `peer`'s link: a new one-way delay and/or rate (None removes the rate limit)."""
+        spec = self.peers[peer]
+        link = spec.link
+        if delay_ms is not None:
+            link = replace(link, delay_ms=delay_ms)
+        if rate_mbit != "keep":
+            link = replace(link, rate_mbit=rate_mbit)  # type: ignore[arg-type]
+        self.peers[peer] = replace(spec, link=link)
+        self._apply_rate(peer)
+        self._write_forwarder_config()
+        self._write_record()
+        pid = self.forwarder.pid if self.forwarder is not None else self._forwarder_pid
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGHUP)
+
+    def describe_peer(self, peer: str) -> dict[str, Any]:
+        spec = self.peers[peer]
+        return {
+            "namespace": self.namespace(peer),
+            "address": self.address(peer),
+            "public_address": self.public_address(peer),
+            "nat": spec.nat,
+            "delay_ms": spec.link.delay_ms,
+            "rate_mbit": spec.link.rate_mbit,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "prefix": self.prefix,
+            "router": self.router,
+            "forwarder_pid": self.forwarder.pid if self.forwarder else self._forwarder_pid,
+            "peers": {name: self.describe_peer(name) for name in self.peers},
+        }
+
+    def teardown(self) -> None:
+        """Kill this run's processes, delete its namespaces and registry files; safe to call twice."""
+        with self._lock:
+            if self._torn_down or not self._started:
+                return
+            self._torn_down = True
+        for proc in [*self.processes, *([self.forwarder] if self.forwarder else [])]:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        cleanup(self.prefix)
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def __enter__(self) -> WanEmulator:
+        return self.start() if not self._started else self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.teardown()
