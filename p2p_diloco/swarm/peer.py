@@ -656,10 +656,16 @@ class Peer:
         if not others:
             return stats
         for p in range(self.plan.num_fragments):
-            target = max(info.versions[p] for info in others.values())
+            tips = {peer: tip for peer, info in others.items() if (tip := info.tip(p)) is not None}
+            if tips:  # the winning branch's tip (protocol/reconcile.py), not merely the highest version
+                winner = reconcile.winning_tip(tips.values())
+                target = winner.version
+                ranked = sorted(peer for peer, tip in tips.items() if tip.same_state(winner))
+            else:
+                target = max(info.versions[p] for info in others.values())
+                ranked = sorted(peer for peer, i in others.items() if i.versions[p] >= target)
             if self.replica.versions()[p] >= target:
-                continue
-            ranked = sorted((peer for peer, i in others.items() if i.versions[p] >= target))
+                continue  # up to date, or ahead on a branch that `repair_tick` reconciles
             sources = ranked[p % len(ranked) :] + ranked[: p % len(ranked)]
             if replay:
                 before = self.replica.versions()[p]

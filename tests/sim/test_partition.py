@@ -1,6 +1,8 @@
 """Sim tier: a 2 | 2 partition longer than the lease TTL; both sides train, then every replica converges.
 
-Rule under test: protocol/reconcile.py (docs/partitions.md). The run is deterministic (fake clock, seed).
+Rule under test: protocol/reconcile.py (docs/partitions.md). The runs are deterministic (fake clock, seed).
+Two scenarios: equal speeds (the losing side ends at versions at or above the winner's: "diverged"), and a
+slower losing side (its versions end below the winner's, so replay finds the fork: "fork proven").
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.model.data import load_corpus
-from p2p_diloco.protocol.reconcile import LOG_RECONCILED
+from p2p_diloco.protocol.reconcile import LOG_RECONCILED, TAG_DIVERGED, TAG_FORK_PROVEN
 from p2p_diloco.swarm.inprocess import InProcessSwarm, Partition, SwarmSpec
 
 pytestmark = pytest.mark.sim
@@ -20,6 +22,10 @@ pytestmark = pytest.mark.sim
 SPLIT, HEAL, END = 15.0, 45.0, 80.0
 GROUPS = ((0, 1), (2, 3))
 RECOVERY_BOUND = 10.0  # fake seconds from heal to identical digests
+SCENARIOS = {
+    "equal speeds": ((1.0, 1.0, 1.0, 1.0), TAG_DIVERGED),
+    "slow losing side": ((2.0, 2.0, 1.0, 1.0), TAG_FORK_PROVEN),
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +73,14 @@ class Probe:
         return None
 
 
-@pytest.fixture(scope="module")
-def partitioned(manifest):
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def partitioned(manifest, request):
     corpus = load_corpus(manifest.data)
+    step_times, _ = SCENARIOS[request.param]
     spec = SwarmSpec(
         manifest=manifest,
         learners=4,
+        step_times=step_times,
         duration=END,
         eval_every=END,
         partitions=(Partition(GROUPS, SPLIT, HEAL),),
@@ -81,7 +89,7 @@ def partitioned(manifest):
     swarm = InProcessSwarm(spec, corpus=corpus, log=lines.append)
     probe = Probe(swarm)
     report = swarm.run()
-    return swarm, probe, report, lines
+    return swarm, probe, report, lines, request.param
 
 
 def side_of(swarm: InProcessSwarm, peer_id: str) -> int:
@@ -90,7 +98,7 @@ def side_of(swarm: InProcessSwarm, peer_id: str) -> int:
 
 
 def test_partition_longer_than_lease_both_sides_progress(partitioned, manifest):
-    swarm, probe, report, _ = partitioned
+    swarm, probe, report, _, _ = partitioned
     assert HEAL - SPLIT > 2 * manifest.timing.lease_ttl
     first_holder = report.terms[0][1]
     # The side without the holder elected a new term during the split.
@@ -108,16 +116,19 @@ def test_partition_longer_than_lease_both_sides_progress(partitioned, manifest):
 
 
 def test_after_heal_every_replica_converges_to_the_winning_branch(partitioned):
-    swarm, probe, report, lines = partitioned
+    swarm, probe, report, lines, scenario = partitioned
     converged = probe.first_converged_after(HEAL)
     assert converged is not None and converged - HEAL <= RECOVERY_BOUND, converged
-    print(f"recovery: identical digests {converged - HEAL:.2f} fake s after the heal")
+    print(f"{scenario}: identical digests {converged - HEAL:.2f} fake s after the heal")
     # The higher term won: the first holder's side lost and each of its peers logged a reconciliation.
     loser = side_of(swarm, report.terms[0][1])
     for peer in swarm.peers.values():
         logged = [line for line in lines if line.startswith(f"[{peer.peer_id}] {LOG_RECONCILED}:")]
         if side_of(swarm, peer.peer_id) == loser:
             assert logged and peer.reconciliations, peer.peer_id
+            # Each scenario exercises its path: a lost branch at or past the winner's version, or a
+            # replay of the winner's log that does not match (the losing side is behind).
+            assert any(f"({SCENARIOS[scenario][1]}:" in line for line in logged), logged
         else:
             assert not logged and not peer.reconciliations, (peer.peer_id, logged)
     # The old holder stepped down; exactly one synchronizer remains, of the highest term.
