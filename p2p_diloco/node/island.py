@@ -26,7 +26,9 @@ Data: rank r samples shard r of N of the corpus, with a seed rank 0 draws and br
 never share a window.
 
 Failure: a rank that dies breaks the collectives; torchrun then stops the others (its default), rank 0
-persists on the way out, and a restarted island rejoins like any learner (replay or snapshot).
+persists on the way out, and a restarted island rejoins like any learner (replay or snapshot). Followers
+ignore SIGTERM/SIGINT (rank 0 decides, and sends STOP) but watch rank 0's pid, shared at start, and
+leave at once when it is gone: gloo does not always wake a rank blocked on a dead peer.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -157,6 +161,7 @@ class Island:
         self.checks = 0  # parameter comparisons across ranks (one after each broadcast)
         self.mismatches = 0
         self.fragments_broadcast = 0
+        self.leader_pid: int | None = None  # rank 0's pid, shared at start (`prepare_island`)
 
     @property
     def rank(self) -> int:
@@ -189,10 +194,14 @@ class Island:
             raise
 
     def share_seed(self, seed: int) -> int:
-        """Rank 0's `seed` on every rank."""
+        """Rank 0's `seed` (a non-negative int below 2**62) on every rank."""
         t = torch.tensor([seed & (2**62 - 1)], dtype=torch.int64, device=self.device)
         self._collective(dist.broadcast, t, src=0)
         return int(t.item())
+
+    def one_host(self, environ: Mapping[str, str] = os.environ) -> bool:
+        """Every rank on this machine (torchrun --standalone), so rank 0's pid means something here."""
+        return int(environ.get("LOCAL_WORLD_SIZE", self.world_size)) == self.world_size
 
     def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
         """DDP over the island; its construction broadcasts rank 0's parameters to every rank."""
@@ -325,7 +334,35 @@ def prepare_island(options: NodeOptions) -> tuple[NodeOptions, Island | None]:
     island = Island(env, options.device)
     island.start()
     island.write_pid(options.state_dir)
+    island.leader_pid = island.share_seed(os.getpid())
     return options, island
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie waiting for torchrun to reap it counts as exited)."""
+    try:
+        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except ProcessLookupError:
+        return True
+    except OSError:  # no /proc (not Linux) or no permission: alive as far as we can tell
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def watch_leader(pid: int, period: float = 0.5) -> threading.Thread:
+    """Exit this process (status 1) as soon as rank 0 is gone: a follower blocked in a collective with
+    a dead rank 0 is not always woken by gloo, and torchrun would only SIGKILL it 30 s later."""
+
+    def watch() -> None:
+        while not process_gone(pid):
+            time.sleep(period)
+        print(f"island: rank 0 (pid {pid}) is gone; leaving", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="island-leader-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_follower(options: NodeOptions, island: Island) -> int:
@@ -340,6 +377,8 @@ def run_follower(options: NodeOptions, island: Island) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_stop)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # meant for rank 0 (finish training)
+    if island.leader_pid is not None and island.one_host():
+        watch_leader(island.leader_pid)
     manifest = options.manifest
     torch.set_num_threads(options.threads)
     corpus = load_corpus(manifest.data)

@@ -27,6 +27,7 @@ from p2p_diloco.node.island import (
     island_env,
     params_checksum,
     params_digest,
+    process_gone,
     rank_device,
     torchrun_argv,
 )
@@ -81,6 +82,16 @@ def test_checksum_sees_every_bit_and_the_order():
     assert int(params_checksum([swapped, b])) != base
     assert params_digest({"a": a, "b": b}) == params_digest({"b": b.clone(), "a": a.clone()})
     assert params_digest({"a": flipped, "b": b}) != params_digest({"a": a, "b": b})
+
+
+def test_process_gone_and_one_host():
+    assert not process_gone(os.getpid())
+    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    child.join()  # reaped: its pid no longer exists
+    assert process_gone(child.pid)
+    island = Island(IslandEnv(0, 2, 0), "cpu")
+    assert island.one_host({"LOCAL_WORLD_SIZE": "2"}) and not island.one_host({"LOCAL_WORLD_SIZE": "1"})
 
 
 # ---- rank 0's learner, with a recording stand-in for the process group ------------------------------
