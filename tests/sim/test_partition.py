@@ -132,8 +132,9 @@ def test_after_heal_every_replica_converges_to_the_winning_branch(partitioned):
         else:
             assert not logged and not peer.reconciliations, (peer.peer_id, logged)
     # The old holder stepped down; exactly one synchronizer remains, of the highest term.
-    holders = [p for p in swarm.peers.values() if p.sync is not None]
-    assert len(holders) <= 1
+    last_claim = report.terms[-1]
+    holders = [p.peer_id for p in swarm.peers.values() if p.sync is not None]
+    assert holders == [last_claim[1]] and last_claim[0] < HEAL, (holders, report.terms)
     assert all(p.term_seen == max(term for _, _, term in report.terms) for p in swarm.peers.values())
     # Training goes on after the heal, and the run ends with identical replicas.
     _, _, at_heal = probe.at(converged)
