@@ -516,6 +516,17 @@ class WanEmulator:
         if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGHUP)
 
+    def link_counters(self, peer: str) -> dict[str, int]:
+        """Bytes on `peer`'s access link since it was created: ``sent`` (uplink) and ``received`` (downlink).
+
+        Everything that crossed the link counts (IP headers, TCP, TLS, DHT traffic, retransmissions).
+        """
+        i = self.index[peer]
+        edge = self.gateway_namespace(peer) if self.peers[peer].nat else self.namespace(peer)
+        out = run_cmd(["ip", "-n", edge, "-j", "-s", "link", "show", "dev", self._ifname("u", i)]).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"sent": int(stats["tx"]["bytes"]), "received": int(stats["rx"]["bytes"])}
+
     def describe_peer(self, peer: str) -> dict[str, Any]:
         spec = self.peers[peer]
         return {
