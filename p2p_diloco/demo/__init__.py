@@ -91,8 +91,7 @@ def cli_demo(args: argparse.Namespace) -> int:
         )
     started = time.time()
     report: dict[str, Any] = {"schedule": schedule.to_dict()}
-    if not getattr(args, "baseline_only", False):
-        report["decoupled"] = run_system("decoupled", args, schedule, out)
+    report["decoupled"] = run_system("decoupled", args, schedule, out)
     if baseline:
         period = report["decoupled"]["nominal_round_seconds"] if "decoupled" in report else None
         report["baseline"] = run_system("baseline", args, schedule, out, period)

@@ -243,12 +243,11 @@ class SwarmRun:
         return None
 
     def _live_slot_from(self, index: int) -> Slot | None:
-        """Slot `index` if it is up, else the next live one (so a scheduled kill is never wasted)."""
-        for k in range(len(self.slots)):
-            slot = self.slots[(index + k) % len(self.slots)]
-            if slot.alive and slot.restart_at is None:
-                return slot
-        return None
+        """Slot `index` if it is up (training), else the next one that is, else the next live one."""
+        order = [self.slots[(index + k) % len(self.slots)] for k in range(len(self.slots))]
+        live = [slot for slot in order if slot.alive and slot.restart_at is None]
+        up = [slot for slot in live if slot.marks and slot.marks[-1][1] == "up"]
+        return (up or live or [None])[0]
 
     def _apply_faults(self, now: float) -> None:
         while self.pending and now - self.start_time >= self.pending[0].at:

@@ -14,13 +14,13 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DURATION = 50
+DURATION = 70  # restarts take 20-40 s on a loaded 2-core machine; 4 learners keep one alive
 
 
 @pytest.mark.timeout(420)
 def test_demo_chaos_report_is_complete_and_versions_advance_across_synchronizer_kills(tmp_path: Path):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "p2p_diloco", "demo", "--chaos", "--learners", "3",
+    cmd = [sys.executable, "-m", "p2p_diloco", "demo", "--chaos", "--learners", "4",
            "--duration", str(DURATION), "--seed", "1", "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"demo failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -31,7 +31,7 @@ def test_demo_chaos_report_is_complete_and_versions_advance_across_synchronizer_
     assert 0 < decoupled["goodput"] <= 1.0 + 1e-6
     assert 0 < decoupled["uptime"] <= 1.0
     assert decoupled["tokens"] > 0
-    assert set(decoupled["bytes_per_learner"]) == {"learner-0", "learner-1", "learner-2"}
+    assert set(decoupled["bytes_per_learner"]) == {f"learner-{i}" for i in range(4)}
     assert all(b["sent"] > 0 and b["received"] > 0 for b in decoupled["bytes_per_learner"].values())
     assert report["schedule"]["faults"], "chaos schedule is empty"
     for png in ("eval_loss.png", "versions.png", "timeline.png"):
