@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from p2p_diloco.wan.forwarder import raise_priority
+
 if TYPE_CHECKING:
     from p2p_diloco.wan.emulator import WanEmulator
 
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=PROBE_PORT)
     p.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
+    raise_priority()  # measure the link, not how starved the probe is on a loaded machine
     if args.cmd == "udp-echo":
         _udp_echo(args.port)
     elif args.cmd == "udp-ping":
