@@ -169,6 +169,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=_lazy("p2p_diloco.node.export:cli_export"))
 
+    p = sub.add_parser(
+        "baseline-worker",
+        help="one elastic data-parallel peer on hivemind.Optimizer (the lock-step baseline)",
+    )
+    p.add_argument("manifest", help="run manifest TOML (the same one the DiLoCo learners use)")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument("--identity", required=True, help="key file from `p2p-diloco keygen` (stable peer ID)")
+    p.add_argument("--state-dir", required=True, help="directory for the checkpoint and the event log")
+    p.add_argument(
+        "--listen", action="append", default=None, metavar="MULTIADDR", help="default /ip4/127.0.0.1/tcp/0"
+    )
+    p.add_argument("--learners", type=int, default=4, help="peers expected (sets the default target batch)")
+    p.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=None,
+        help="samples per global step across the swarm (default: learners x the manifest's batch_size)",
+    )
+    p.add_argument("--matchmaking-time", type=float, default=1.0, help="seconds to gather a group")
+    p.add_argument("--averaging-timeout", type=float, default=10.0, help="seconds before a round is given up")
+    p.add_argument(
+        "--average-state-every", type=int, default=1, help="global steps between parameter averaging"
+    )
+    p.add_argument(
+        "--peer-expiration",
+        type=float,
+        default=10.0,
+        help="seconds a silent peer still counts as a member (hivemind's default is 60)",
+    )
+    p.add_argument("--compression", choices=["fp16", "fp32"], default="fp32")
+    p.add_argument("--max-steps", type=int, default=None, help="leave the swarm after N local steps")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument(
+        "--min-step-time", type=float, default=0.0, help="pace steps to at least this many seconds"
+    )
+    p.add_argument("--progress-every", type=float, default=1.0, help="seconds between progress events")
+    p.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds between checkpoints")
+    p.add_argument("--verbose", action="store_true", help="hivemind logs every round to stderr")
+    p.set_defaults(func=_lazy("p2p_diloco.baseline.command:cli_baseline_worker"))
+
     return parser
 
 

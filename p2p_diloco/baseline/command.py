@@ -1,0 +1,97 @@
+"""`p2p-diloco baseline-worker`: checks of its arguments (parsed in `p2p_diloco.cli`) and the handler.
+
+Every address and the identity file are checked before anything starts (exit status 2 with a message
+naming the argument); SIGINT/SIGTERM stop the worker after its current step and it exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from p2p_diloco.baseline.elastic import ElasticSettings, hivemind_run_id
+from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
+from p2p_diloco.net.bootstrap import _install_stop_handlers
+from p2p_diloco.net.identity import peer_id_of
+
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def options_from_args(args: argparse.Namespace) -> BaselineOptions:
+    """`BaselineOptions` from parsed arguments; `ConfigError` naming the bad argument."""
+    manifest = RunManifest.load(args.manifest)
+    initial = parse_peer_addresses(args.initial_peers or manifest.bootstrap, what="--initial-peers")
+    listen = parse_listen_addresses(args.listen or DEFAULT_LISTEN, what="--listen")
+    peer_id_of(args.identity)  # a missing or corrupt key file is refused before anything starts
+    positive = {
+        "--learners": args.learners,
+        "--threads": args.threads,
+        "--average-state-every": args.average_state_every,
+        "--matchmaking-time": args.matchmaking_time,
+        "--averaging-timeout": args.averaging_timeout,
+        "--peer-expiration": args.peer_expiration,
+        "--progress-every": args.progress_every,
+        "--checkpoint-every": args.checkpoint_every,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+    if args.target_batch_size is not None and args.target_batch_size < 1:
+        raise ConfigError(f"--target-batch-size must be >= 1, got {args.target_batch_size}")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise ConfigError(f"--max-steps must be >= 0, got {args.max_steps}")
+    if args.min_step_time < 0:
+        raise ConfigError("--min-step-time must be >= 0 seconds")
+    batch = manifest.diloco.batch_size
+    elastic = ElasticSettings(
+        run_id=hivemind_run_id(manifest),
+        target_batch_size=args.target_batch_size or args.learners * batch,
+        batch_size_per_step=batch,
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        load_state_timeout=max(30.0, 3 * args.averaging_timeout),
+        average_state_every=args.average_state_every,
+        peer_expiration=args.peer_expiration,
+        compression=args.compression,
+        verbose=args.verbose,
+    )
+    return BaselineOptions(
+        manifest=manifest,
+        identity=Path(args.identity),
+        state_dir=Path(args.state_dir),
+        elastic=elastic,
+        initial_peers=tuple(initial),
+        listen=tuple(listen),
+        max_steps=args.max_steps,
+        threads=args.threads,
+        min_step_time=args.min_step_time,
+        progress_every=args.progress_every,
+        checkpoint_every=args.checkpoint_every,
+    )
+
+
+def cli_baseline_worker(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    worker = BaselineWorker(options, stop=stop)
+    try:
+        status = worker.run()
+    except ConnectionError as exc:
+        print(f"p2p-diloco baseline-worker: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not worker.teardown_complete:  # hivemind threads or children hang: state is saved, leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
