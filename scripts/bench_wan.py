@@ -157,6 +157,7 @@ def measure(runner: Runner, params: int, fragments: int, start: float, end: floa
             # sleep separately as paced_seconds (emulated device time too)
             "utilization": (c["compute_seconds"] + c["paced_seconds"]) / wall,
             "blocked_fraction": c["blocked_seconds"] / wall,
+            "merged_fraction": c["compute_merged"] / c["compute_seconds"] if c["compute_seconds"] > 0 else None,
             "tokens": c["tokens"],
             "payload_bytes_per_param_per_round": {"up": c["bytes_sent"] / per_round, "down": c["bytes_received"] / per_round},
             "wire_bytes_per_param_per_round": {"up": wire[name]["sent"] / per_round, "down": wire[name]["received"] / per_round},

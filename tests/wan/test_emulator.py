@@ -71,8 +71,11 @@ def test_nat_peer_dials_out_but_accepts_nothing(make_wan, ns_spawn):
 
 
 def _leftovers(prefix: str) -> list[str]:
+    """Namespaces, registry files and host-side interfaces (there should never be any) of a run."""
     files = [str(f) for f in REGISTRY_DIR.glob(f"{prefix}*")] if REGISTRY_DIR.is_dir() else []
-    return list_namespaces(prefix) + files
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    interfaces = [line.split(":")[1].strip() for line in links.splitlines() if prefix in line]
+    return list_namespaces(prefix) + files + interfaces
 
 
 def test_teardown_kills_processes_and_deletes_everything(make_wan):
