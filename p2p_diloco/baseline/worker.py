@@ -17,7 +17,8 @@ Events (``{"t": DHT time, "event": kind, ...}``): ``start``; ``progress`` with t
 `ledger.LedgerCounters` plus ``epoch`` (the global step this peer's model is at), ``global_epoch`` (the
 highest epoch in hivemind's progress records), ``loss`` and ``compute_pending``; ``global_step`` (epoch,
 outcome, group size, peers seen, parameter digest) after each global optimizer step; ``reloaded`` when
-hivemind replaced the state with a peer's; ``checkpoint_ignored``; ``stopped``.
+hivemind replaced the state with a peer's; ``checkpoint_ignored``; ``stopped`` (epoch, parameter digest);
+``final_averaging_timeout`` / ``teardown_timeout`` when hivemind did not stop in time.
 """
 
 from __future__ import annotations
