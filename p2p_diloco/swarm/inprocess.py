@@ -22,6 +22,7 @@ from p2p_diloco.model.data import BatchSampler, Corpus, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm.hostile import ATTACKS, hostile_transport
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import (
     EventLoop,
@@ -83,6 +84,7 @@ class SwarmSpec:
     eval_batches: int = 8
     seed: int = 0
     partitions: tuple[Partition, ...] = ()
+    hostile: dict[int, str] = field(default_factory=dict)  # learner -> swarm.hostile attack; never syncs
 
     def __post_init__(self) -> None:
         if self.learners < 1:
@@ -104,6 +106,11 @@ class SwarmSpec:
         for c in self.crashes:
             if not -1 <= c.learner < self.learners:
                 raise ConfigError(f"crash of learner {c.learner}: there are {self.learners} learners")
+        for i, kind in self.hostile.items():
+            if not 0 <= i < self.learners or kind not in ATTACKS:
+                raise ConfigError(
+                    f"hostile learner {i}: {kind!r} (attacks: {ATTACKS}, {self.learners} learners)"
+                )
 
     def step_time(self, i: int) -> float:
         return self.step_times[i] if self.step_times else 1.0
@@ -197,17 +204,29 @@ class InProcessSwarm:
         )
         peer_id = self.stats[i].peer_id
         learner = Learner(peer_id, cfg, self.plan, replica, model, optimizer, sampler)
+        transport = InMemoryTransport(self.network, peer_id)
+        attack = self.spec.hostile.get(i)
+        if attack is not None:
+            wire = cfg.wire
+            transport = hostile_transport(
+                transport,
+                attack,
+                seed=self.spec.seed * 1000 + i,
+                codec=wire.codec,
+                block_size=wire.block_size,
+            )
         peer = Peer(
             peer_id,
             cfg,
             self.plan,
             replica,
             kv=self.kv.view(peer_id) if isinstance(self.kv, PartitionedKeyValueStore) else self.kv,
-            transport=InMemoryTransport(self.network, peer_id),
+            transport=transport,
             clock=self.clock,
             shapes=self.shapes,
             embedding_names=self.embeddings,
             learner=learner,
+            may_sync=attack is None,
             log=self.log,
         )
         self.peers[i] = peer

@@ -3,6 +3,14 @@
 Sans-IO like the learner: `handle_delta` takes a frame and returns the reply reason, `poll` returns
 the update records to publish. It never mutates the replica: the peer applies its own updates through
 the same path as everyone else, which keeps the holder's replica identical to all others.
+
+Every delta goes through, in order: the allowlist, the sender's cool-down, frame decoding, run and
+manifest, fragment, tensor decoding, `merge.validate_delta`, then the robust checks of
+`protocol.robust` (token claim, replay, norm, direction) before it is offered to its round; rounds of
+three or more contributions are screened again against their coordinate-wise median when they close.
+Every rejection is counted in `rejections` and `rejections_by_sender`, logged in `decisions` and reported
+to the `RobustGuard`, which cools repeat offenders down; senders cooling down count neither as live
+learners (grace window, outer scaling) nor as contributors.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
@@ -46,6 +55,7 @@ class Synchronizer:
         term: int,
         embedding_names: Collection[str] = (),
         shapes: dict[str, tuple[int, ...]],
+        guard: RobustGuard | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -68,51 +78,77 @@ class Synchronizer:
         self.rejections_by_sender: Counter[tuple[str, str]] = Counter()
         self.decisions: deque[str] = deque(maxlen=64)
         self.accepted_tokens: Counter[str] = Counter()
+        self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
 
-    def _reject(self, sender: str, tag: str, detail: str = "") -> str:
+    def _reject(self, sender: str, tag: str, detail: str, now: float) -> str:
         self.rejections[tag] += 1
         self.rejections_by_sender[(sender, tag)] += 1
-        reason = f"{tag}: {detail}" if detail else tag
+        reason = detail if detail.startswith(tag) else f"{tag}: {detail}" if detail else tag
         self.decisions.append(f"reject delta from {sender}: {reason}")
+        started = self.guard.note_rejection(sender, tag, now)
+        if started is not None:
+            self.decisions.append(started.reason)
         return reason
 
     def handle_delta(self, sender: str, frame: bytes, now: float) -> str:
         """Validate and offer one delta frame; returns the reply for the sender. Never raises on bad input."""
+        if self.manifest.allowlist and sender not in self.manifest.allowlist:
+            return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist", now)
+        admitted = self.guard.admit(sender, now)
+        if admitted.action != ACCEPT:
+            return self._reject(sender, _tag(admitted.reason), admitted.reason, now)
         wire = self.manifest.wire
         try:
             header, payload = decode_delta(frame, max_bytes=wire.max_message_bytes)
         except DecodeError as exc:
-            return self._reject(sender, exc.reason, str(exc))
+            return self._reject(sender, exc.reason, str(exc), now)
         if header.run_id != self.manifest.run_id:
-            return self._reject(sender, REJECT_WRONG_RUN, f"{header.run_id!r} != {self.manifest.run_id!r}")
+            return self._reject(
+                sender, REJECT_WRONG_RUN, f"{header.run_id!r} != {self.manifest.run_id!r}", now
+            )
         if header.manifest_hash != self.manifest.manifest_hash:
-            return self._reject(sender, REJECT_WRONG_MANIFEST, "peer runs a different manifest; update it")
-        if self.manifest.allowlist and sender not in self.manifest.allowlist:
-            return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
+            return self._reject(
+                sender, REJECT_WRONG_MANIFEST, "peer runs a different manifest; update it", now
+            )
         p = header.fragment
         if not 0 <= p < self.plan.num_fragments:
-            return self._reject(sender, REJECT_UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})")
+            return self._reject(
+                sender, REJECT_UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
+            )
         try:
             tensors = decode_tensors(
                 payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes
             )
         except DecodeError as exc:
-            return self._reject(sender, exc.reason, str(exc))
+            return self._reject(sender, exc.reason, str(exc), now)
         check = validate_delta(tensors, self.expected[p], norm_bound=wire.norm_bound)
         if check.action != "accept":
-            return self._reject(sender, check.reason.split(":")[0], check.reason)
+            return self._reject(sender, _tag(check.reason), check.reason, now)
+        counters = self.guard.check_counters(header.tokens, header.steps)
+        if counters.decision.action not in (ACCEPT, CLIP):
+            return self._reject(sender, _tag(counters.decision.reason), counters.decision.reason, now)
+        replay = self.guard.check_replay(sender, payload)
+        if replay.action != ACCEPT:
+            return self._reject(sender, _tag(replay.reason), replay.reason, now)
+        screened = self.guard.screen(p, tensors, counters.steps, sender)
+        if screened.decision.action not in (ACCEPT, CLIP):
+            return self._reject(sender, _tag(screened.decision.reason), screened.decision.reason, now)
         contribution = Contribution(
             sender=sender,
             anchor_version=header.anchor_version,
-            tokens=header.tokens,
-            steps=header.steps,
+            tokens=counters.tokens,
+            steps=counters.steps,
             received_at=now,
-            payload=tensors,
+            payload=screened.tensors,
         )
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
-            return self._reject(sender, decision.reason.split(":")[0].split(" (")[0], decision.reason)
-        self.decisions.append(f"fragment {p}: {decision.reason} from {sender}")
+            return self._reject(sender, _tag(decision.reason), decision.reason, now)
+        self.guard.note_accepted(p, screened.tensors)
+        clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
+        self.decisions.append(
+            f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)
+        )
         return decision.reason
 
     def observe_step_time(self, seconds: float) -> None:
@@ -120,12 +156,14 @@ class Synchronizer:
 
     def poll(self, now: float, live_learners: frozenset[str], cap: float) -> list[MergeOutcome]:
         """Close every round whose quorum and grace allow it; returns the updates to publish."""
+        live_learners = live_learners - self.guard.cooling(now)
         outcomes = []
         for p, decision in self.rounds.ready(now, live_learners, cap):
             if decision.action != "close":
                 continue
-            contributions = self.rounds.close(p, now)
+            contributions = self._screen_round(p, self.rounds.close(p, now), now)
             if not contributions:
+                self.rounds.abort(p)
                 continue
             record = self._merge(
                 p, contributions, live=len(live_learners | {c.sender for c in contributions})
@@ -136,6 +174,16 @@ class Synchronizer:
             )
             outcomes.append(MergeOutcome(record=record, reason=decision.reason))
         return outcomes
+
+    def _screen_round(self, p: int, contributions: list[Contribution], now: float) -> list[Contribution]:
+        """Drop contributions of senders now cooling down, and direction outliers against the round median."""
+        cooling = self.guard.cooling(now)
+        kept = [c for c in contributions if c.sender not in cooling]
+        verdicts = self.guard.screen_round([c.payload for c in kept])
+        for c, verdict in zip(kept, verdicts):
+            if verdict.action != ACCEPT:
+                self._reject(c.sender, _tag(verdict.reason), f"{verdict.reason} (fragment {p})", now)
+        return [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
 
     def finish(self, fragment: int, sync_seconds: float) -> None:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
@@ -172,6 +220,11 @@ class Synchronizer:
             checksum=pending.checksum,
             payload=payload,
         )
+
+
+def _tag(reason: str) -> str:
+    """The fixed tag a reason starts with ("stale anchor: ..." -> "stale anchor")."""
+    return reason.split(":")[0].split(" (")[0]
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

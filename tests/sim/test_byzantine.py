@@ -1,0 +1,76 @@
+"""Sim tier: one hostile learner of four (swarm/hostile.py) against the robust checks of protocol/robust.py.
+
+Each attack must be rejected with its expected reason and its sender cooled down, while the three honest
+learners keep training (versions advance, eval loss drops, replicas agree) and are never cooled down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from p2p_diloco.config import ModelConfig, RunManifest
+from p2p_diloco.model.data import load_corpus
+from p2p_diloco.protocol.robust import NON_OFFENCES
+from p2p_diloco.swarm.hostile import ATTACKS
+from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
+
+pytestmark = pytest.mark.sim
+
+HOSTILE = "learner-3"
+EXPECTED = {
+    "scaled": "norm outlier",
+    "noise": "direction outlier",
+    "sign_flip": "direction outlier",
+    "nan": "non-finite",
+    "stale_replay": "replay",
+    "inflated_tokens": "token claim",
+}
+
+
+@pytest.fixture(scope="module")
+def manifest() -> RunManifest:
+    base = RunManifest.load("peers/demo.toml")
+    return dataclasses.replace(base, model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+
+
+@pytest.fixture(scope="module")
+def corpus(manifest):
+    return load_corpus(manifest.data)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+def test_every_attack_has_an_expected_reason():
+    assert set(EXPECTED) == set(ATTACKS)
+
+
+@pytest.mark.parametrize("kind", ATTACKS)
+def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manifest, corpus, kind):
+    spec = SwarmSpec(manifest=manifest, learners=4, duration=60.0, eval_every=30.0, hostile={3: kind})
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    report = swarm.run()
+    rejected: Counter[tuple[str, str]] = Counter()
+    cooled = set()
+    for peer in swarm.peers.values():
+        rejected.update(peer.robust.rejected)
+        cooled |= {sender for _, sender, _ in peer.robust.cooldowns}
+    assert rejected[(HOSTILE, EXPECTED[kind])] >= 2, rejected
+    assert cooled == {HOSTILE}, rejected
+    honest_offences = {
+        key: n for key, n in rejected.items() if key[0] != HOSTILE and key[1] not in NON_OFFENCES
+    }
+    assert honest_offences == {}
+    holder = next(p for p in swarm.peers.values() if p.sync is not None)
+    assert HOSTILE in holder.robust.cooling(swarm.clock.now())
+    assert HOSTILE not in holder.live_learners() - holder.robust.cooling(swarm.clock.now())
+    assert all(v >= 5 for v in report.versions), report.versions
+    assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
+    assert report.digests_equal
+    assert all(s.steps_merged > 0 for s in report.learners[:3])

@@ -1,0 +1,227 @@
+"""Robust aggregation: each rule of protocol/robust.py on hand-made tensors, then wired into Synchronizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.config import ConfigError, DilocoConfig, RunManifest
+from p2p_diloco.protocol import robust
+from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.messages import DeltaHeader
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.protocol.robust import RobustConfig, RobustGuard
+from p2p_diloco.swarm.synchronizer import Synchronizer
+from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire.frames import encode_delta
+
+LR, H, TPS = 1e-2, 8, 100
+N = 4096  # elements of the test tensor: random noise has cosine ~ 1/64 with anything
+
+
+def guard(**knobs) -> RobustGuard:
+    return RobustGuard(RobustConfig(**knobs), tokens_per_step=TPS, inner_steps=H, inner_lr=LR)
+
+
+def direction(seed: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed))
+
+
+def delta(d: torch.Tensor, rms: float = LR) -> dict[str, torch.Tensor]:
+    return {"w": d * (rms * math.sqrt(N) / float(d.norm()))}
+
+
+def tag(decision) -> str:
+    return decision.reason.split(":")[0]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"clip_factor": 0},
+        {"clip_factor": 5, "reject_factor": 4},
+        {"reference_decay": 1.0},
+        {"round_median_min": 2},
+    ],
+)
+def test_bad_config_is_refused(knobs):
+    with pytest.raises(ConfigError):
+        RobustConfig(**knobs)
+
+
+def test_token_claims_must_match_batch_times_block():
+    g = guard()
+    assert g.check_counters(8 * TPS, 8).decision.action == robust.ACCEPT
+    assert g.check_counters(8 * TPS + 5, 8).decision.action == robust.ACCEPT  # within 1 %
+    inflated = g.check_counters(800 * TPS, 8)
+    assert inflated.decision.action == robust.REJECT and tag(inflated.decision) == robust.TOKEN_CLAIM
+
+
+def test_step_claims_beyond_the_cap_are_clipped_with_their_tokens():
+    check = guard(max_steps_factor=4).check_counters(100 * TPS, 100)
+    assert check.decision.action == robust.CLIP and tag(check.decision) == robust.STEP_CLAIM
+    assert (check.steps, check.tokens) == (4 * H, 4 * H * TPS)
+
+
+def test_replayed_payload_is_refused_per_sender_and_forgotten_after_memory():
+    g = guard(replay_memory=2)
+    assert g.check_replay("a", b"one").action == robust.ACCEPT
+    assert tag(g.check_replay("a", b"one")) == robust.REPLAY
+    assert g.check_replay("b", b"one").action == robust.ACCEPT
+    g.check_replay("a", b"two")
+    g.check_replay("a", b"three")
+    assert g.check_replay("a", b"one").action == robust.ACCEPT
+
+
+def test_adamw_prior_rejects_scaled_delta_without_any_history():
+    g = guard()
+    assert g.screen(0, delta(direction(0), rms=LR * 8), steps=8).decision.action == robust.ACCEPT
+    scaled = g.screen(0, delta(direction(0), rms=LR * 8 * 100), steps=8).decision
+    assert scaled.action == robust.REJECT and tag(scaled) == robust.NORM_OUTLIER
+
+
+def test_norms_are_clipped_or_rejected_relative_to_the_median_of_the_history():
+    g = guard(min_history=3, clip_factor=4, reject_factor=10)
+    for seed in range(3):  # one contribution per round (K = 1): the history spans rounds
+        g.note_accepted(0, delta(direction(seed), rms=LR / 10))
+    median = LR / 10 * math.sqrt(N)
+    ok = g.screen(0, delta(direction(5), rms=LR / 5), steps=8)
+    assert ok.decision.action == robust.ACCEPT
+    clipped = g.screen(0, delta(direction(6), rms=LR / 10 * 6), steps=8)
+    assert clipped.decision.action == robust.CLIP and tag(clipped.decision) == robust.NORM_CLIPPED
+    assert float(clipped.tensors["w"].norm()) == pytest.approx(4 * median, rel=1e-4)
+    rejected = g.screen(0, delta(direction(7), rms=LR / 10 * 20), steps=8).decision
+    assert rejected.action == robust.REJECT and tag(rejected) == robust.NORM_OUTLIER
+    assert g.screen(1, delta(direction(7), rms=LR / 10 * 20), steps=8).decision.action == robust.ACCEPT
+
+
+def warm(g: RobustGuard, d: torch.Tensor, updates: int = 3) -> None:
+    for i in range(updates):
+        g.observe_update(0, delta(d + 0.3 * direction(100 + i)))
+
+
+def test_direction_needs_a_reference_then_drops_sign_flips_and_noise():
+    g = guard()
+    d = direction(1)
+    assert tag(g.screen(0, delta(-d), steps=8).decision) == robust.NO_REFERENCE
+    warm(g, d)
+    assert g.screen(0, delta(d + direction(2)), steps=8, sender="honest").decision.action == robust.ACCEPT
+    flipped = g.screen(0, delta(-d), steps=8, sender="flip").decision
+    assert flipped.action == robust.REJECT and tag(flipped) == robust.DIRECTION_OUTLIER
+    noise = g.screen(0, delta(direction(3)), steps=8, sender="noise").decision
+    assert tag(noise) == robust.DIRECTION_OUTLIER
+
+
+def test_one_off_direction_of_an_honest_sender_is_tolerated_by_the_window():
+    g = guard(direction_window=5)
+    d = direction(1)
+    warm(g, d)
+    for i in range(4):
+        assert g.screen(0, delta(d + direction(10 + i)), steps=8, sender="h").decision.action == robust.ACCEPT
+    assert g.screen(0, delta(direction(20)), steps=8, sender="h").decision.action == robust.ACCEPT
+    assert g.screen(0, delta(direction(21)), steps=8, sender="new").decision.action == robust.REJECT
+
+
+def test_reference_is_reset_when_two_senders_in_a_row_disagree():
+    g = guard()
+    warm(g, direction(1))
+    assert g.screen(0, delta(direction(2)), steps=8, sender="a").decision.action == robust.REJECT
+    assert g.screen(0, delta(direction(2)), steps=8, sender="b").decision.action == robust.REJECT
+    assert tag(g.screen(0, delta(direction(2)), steps=8, sender="c").decision) == robust.NO_REFERENCE
+
+
+def test_round_median_drops_the_outlier_among_three_or_more():
+    g = guard()
+    d = direction(1)
+    honest = [delta(d + 0.5 * direction(10 + i)) for i in range(3)]
+    verdicts = g.screen_round([*honest, delta(-d)])
+    assert [v.action for v in verdicts] == [robust.ACCEPT] * 3 + [robust.REJECT]
+    assert tag(verdicts[-1]) == robust.DIRECTION_OUTLIER
+    assert [v.action for v in g.screen_round([honest[0], delta(-d)])] == [robust.ACCEPT] * 2
+
+
+def test_coordinate_median_odd_and_even():
+    rows = [{"x": torch.tensor([1.0, 9.0])}, {"x": torch.tensor([3.0, 1.0])}, {"x": torch.tensor([2.0, 5.0])}]
+    assert robust.coordinate_median(rows)["x"].tolist() == [2.0, 5.0]
+    assert robust.coordinate_median(rows[:2])["x"].tolist() == [2.0, 5.0]
+
+
+def test_offences_within_the_window_start_a_cool_down_that_ends():
+    g = guard(offence_limit=3, offence_window=10.0, cooldown=60.0)
+    assert g.note_rejection("m", robust.NORM_OUTLIER, 0.0) is None
+    assert g.note_rejection("m", robust.NORM_OUTLIER, 20.0) is None  # the first one left the window
+    assert g.note_rejection("m", "stale anchor", 21.0) is None  # honest peers lag: not an offence
+    assert g.note_rejection("m", robust.REPLAY, 22.0) is None
+    started = g.note_rejection("m", "non-finite", 23.0)
+    assert started is not None and tag(started) == robust.COOL_DOWN_STARTED
+    assert g.cooling(24.0) == {"m"} and g.cooldowns == [(23.0, "m", "non-finite")]
+    assert tag(g.admit("m", 82.9)) == robust.COOL_DOWN
+    assert g.admit("m", 83.0).action == robust.ACCEPT and g.cooling(83.0) == frozenset()
+    assert g.admit("other", 30.0).action == robust.ACCEPT
+    assert g.rejected[("m", "stale anchor")] == 1
+
+
+def test_disabled_guard_accepts_everything_and_never_cools_down():
+    g = guard(enabled=False)
+    warm(g, direction(1))
+    assert g.screen(0, delta(direction(1), rms=1.0), steps=8).decision.action == robust.ACCEPT
+    assert g.check_counters(10**6, 1).decision.action == robust.ACCEPT
+    assert all(g.note_rejection("m", robust.NORM_OUTLIER, float(t)) is None for t in range(10))
+
+
+# ---- wired into the synchronizer ------------------------------------------------------------------
+
+SHAPES = {"w": (64, 64)}
+
+
+def make_sync(**manifest_kw) -> Synchronizer:
+    manifest = RunManifest(
+        run_id="r", diloco=DilocoConfig(inner_steps=8, fragments=1, batch_size=2, inner_lr=LR), **manifest_kw
+    )
+    plan = plan_fragments(list(SHAPES.items()), 1)
+    replica = GlobalReplica(plan, {"w": torch.zeros(64, 64)})
+    config = RobustConfig(offence_limit=2, offence_window=100.0, cooldown=50.0)
+    return Synchronizer(
+        "sync",
+        manifest,
+        plan,
+        replica,
+        term=1,
+        shapes=SHAPES,
+        guard=RobustGuard.from_manifest(manifest, config),
+    )
+
+
+def frame(sync: Synchronizer, scale: float, seq: int, tokens_per_step: int | None = None) -> bytes:
+    tps = tokens_per_step or sync.manifest.diloco.batch_size * sync.manifest.model.block_size
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(seq)) * LR * scale
+    m = sync.manifest
+    header = DeltaHeader(m.run_id, m.manifest_hash, 0, 0, tokens=8 * tps, steps=8, seq=seq)
+    return encode_delta(header, encode_tensors({"w": w}))
+
+
+def test_synchronizer_rejects_with_robust_reasons_and_cools_the_sender_down():
+    sync = make_sync()
+    assert sync.handle_delta("mallory", frame(sync, 1000, 1), 1.0).startswith(robust.NORM_OUTLIER)
+    assert sync.handle_delta("mallory", frame(sync, 1, 2, tokens_per_step=10**4), 2.0).startswith(
+        robust.TOKEN_CLAIM
+    )
+    assert sync.handle_delta("mallory", frame(sync, 1, 3), 3.0).startswith(robust.COOL_DOWN)
+    assert sync.rejections_by_sender[("mallory", robust.NORM_OUTLIER)] == 1
+    assert sync.rejections_by_sender[("mallory", robust.COOL_DOWN)] == 1
+    assert any(line.startswith(robust.COOL_DOWN_STARTED) for line in sync.decisions)
+    honest = sync.handle_delta("alice", frame(sync, 1, 4), 4.0)
+    assert honest.startswith("opened round")
+    assert sync.handle_delta("alice", frame(sync, 1, 4), 5.0).startswith(robust.REPLAY)
+    # A sender cooling down is neither a live learner nor a contributor: alice's merge is not scaled down.
+    (outcome,) = sync.poll(6.0, frozenset({"alice", "mallory"}), cap=0.0)
+    assert outcome.record.contributors[0][0] == "alice"
+    assert "mallory" not in {c for c, _ in outcome.record.contributors}
+
+
+def test_synchronizer_refuses_senders_outside_the_allowlist_before_decoding():
+    sync = make_sync(allowlist=("alice",))
+    assert sync.handle_delta("mallory", b"garbage", 1.0).startswith("not allowed")
+    assert sync.handle_delta("alice", b"garbage", 1.0).startswith("bad magic")
