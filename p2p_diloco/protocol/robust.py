@@ -25,8 +25,13 @@ with action ACCEPT, CLIP (usable after clipping) or REJECT and a reason starting
    exponential average (decay `reference_decay`) of the directions of applied updates
    (`observe_update`), used once it holds `reference_min_updates` of them; it is reset when two
    different senders in a row fail against it (an honest majority disagreeing means the reference, not
-   they, is off). In `screen_round`, with `round_median_min` or more contributions, each delta's own
-   cosine with the round's coordinate-wise median must reach the single-delta threshold.
+   they, is off). In `screen_round`, with `round_min` or more contributions, a delta whose cosine
+   with more than half of the other deltas of its round is below the single-delta threshold is
+   dropped. (A coordinate-wise median does worse here: random noise is the median of three in a third
+   of the coordinates, so it has a cosine of about 0.3 with a median that includes it, and the median
+   of the two others is their mean, which a sign flip among three cancels.) Until a fragment has a
+   reference, the synchronizer holds its rounds open for up to `warmup_wait` seconds to gather
+   `round_min` contributions, so the first updates are screened by the round.
 
 Pure: time comes in as `now`; no clock, no randomness.
 """
@@ -82,7 +87,8 @@ class RobustConfig:
     min_cosine: float = 0.0
     noise_z: float = 4.0
     direction_window: int = 5
-    round_median_min: int = 3
+    round_min: int = 3
+    warmup_wait: float = 10.0
     token_tolerance: float = 0.01
     max_steps_factor: float = 4.0
     replay_memory: int = 256
@@ -91,7 +97,14 @@ class RobustConfig:
     cooldown: float = 120.0
 
     def __post_init__(self) -> None:
-        positive = ("prior_factor", "clip_factor", "offence_window", "cooldown", "max_steps_factor")
+        positive = (
+            "prior_factor",
+            "clip_factor",
+            "offence_window",
+            "cooldown",
+            "max_steps_factor",
+            "warmup_wait",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"robust.{name} must be > 0, got {getattr(self, name)}")
@@ -111,8 +124,8 @@ class RobustConfig:
             raise ConfigError(f"robust.reference_decay must be in [0, 1), got {self.reference_decay}")
         if not -1.0 <= self.min_cosine < 1.0 or self.noise_z < 0:
             raise ConfigError("robust.min_cosine must be in [-1, 1) and robust.noise_z >= 0")
-        if self.round_median_min < 3:
-            raise ConfigError("robust.round_median_min must be >= 3 (a median of two is their mean)")
+        if self.round_min < 3:
+            raise ConfigError("robust.round_min must be >= 3 (with two deltas no majority can judge)")
         if self.token_tolerance < 0:
             raise ConfigError(f"robust.token_tolerance must be >= 0, got {self.token_tolerance}")
 
@@ -139,16 +152,6 @@ def cosine(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float | None:
     dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
     na, nb = fragment_norm(a), fragment_norm({n: b[n] for n in a})
     return dot / (na * nb) if na > 0 and nb > 0 else None
-
-
-def coordinate_median(deltas: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Element-wise median per tensor (mean of the two middle values for an even count)."""
-    out = {}
-    for name in deltas[0]:
-        ordered = torch.stack([d[name].double() for d in deltas]).sort(dim=0).values
-        k = len(deltas) // 2
-        out[name] = ordered[k] if len(deltas) % 2 else (ordered[k - 1] + ordered[k]) / 2
-    return out
 
 
 class RobustGuard:
@@ -338,23 +341,34 @@ class RobustGuard:
             "with recent updates",
         )
 
+    def has_reference(self, fragment: int) -> bool:
+        """Whether `screen` checks directions of `fragment` (False also when the checks are disabled)."""
+        ready = self._reference_updates[fragment] >= self.config.reference_min_updates
+        return self.config.enabled and fragment in self._reference and ready
+
     def screen_round(self, deltas: Sequence[Mapping[str, Tensor]]) -> list[Decision]:
-        """Direction of each delta against the coordinate-wise median of all (round_median_min or more)."""
-        if not self.config.enabled or len(deltas) < self.config.round_median_min:
-            return [
-                Decision(ACCEPT, f"{NO_REFERENCE}: fewer than {self.config.round_median_min} deltas")
-            ] * len(deltas)
-        median = coordinate_median(deltas)
+        """Drop each delta whose cosine with more than half of the others is below the threshold."""
+        if not self.config.enabled or len(deltas) < self.config.round_min:
+            return [Decision(ACCEPT, f"{NO_REFERENCE}: fewer than {self.config.round_min} deltas")] * len(
+                deltas
+            )
+        cosines = [[cosine(a, b) for b in deltas] for a in deltas]
         decisions = []
-        for delta in deltas:
-            cos, threshold = cosine(delta, median), self._threshold(delta)
-            if cos is not None and cos >= threshold:
-                decisions.append(Decision(ACCEPT, f"{PLAUSIBLE}: cosine {cos:.3f} with the round median"))
-            else:
-                shown = "zero delta" if cos is None else f"cosine {cos:.3f}"
+        for i, delta in enumerate(deltas):
+            threshold = self._threshold(delta)
+            others = [c for j, c in enumerate(cosines[i]) if j != i]
+            below = sum(1 for c in others if c is None or c < threshold)
+            shown = ", ".join("none" if c is None else f"{c:.3f}" for c in others)
+            if 2 * below > len(others):
                 decisions.append(
-                    Decision(REJECT, f"{DIRECTION_OUTLIER}: {shown} < {threshold:.3f} with the round median")
+                    Decision(
+                        REJECT,
+                        f"{DIRECTION_OUTLIER}: cosine below {threshold:.3f} with {below} of the "
+                        f"{len(others)} other deltas of the round ({shown})",
+                    )
                 )
+            else:
+                decisions.append(Decision(ACCEPT, f"{PLAUSIBLE}: cosines with the round's others {shown}"))
         return decisions
 
     def note_accepted(self, fragment: int, tensors: Mapping[str, Tensor]) -> None:

@@ -7,7 +7,8 @@ the same path as everyone else, which keeps the holder's replica identical to al
 Every delta goes through, in order: the allowlist, the sender's cool-down, frame decoding, run and
 manifest, fragment, tensor decoding, `merge.validate_delta`, then the robust checks of
 `protocol.robust` (token claim, replay, norm, direction) before it is offered to its round; rounds of
-three or more contributions are screened again against their coordinate-wise median when they close.
+three or more contributions are screened again when they close (pairwise cosines, majority rule),
+and until a fragment has a direction reference its rounds wait (briefly) for three contributions.
 Every rejection is counted in `rejections` and `rejections_by_sender`, logged in `decisions` and reported
 to the `RobustGuard`, which cools repeat offenders down; senders cooling down count neither as live
 learners (grace window, outer scaling) nor as contributors.
@@ -159,7 +160,7 @@ class Synchronizer:
         live_learners = live_learners - self.guard.cooling(now)
         outcomes = []
         for p, decision in self.rounds.ready(now, live_learners, cap):
-            if decision.action != "close":
+            if decision.action != "close" or self._gathering(p, now, live_learners):
                 continue
             contributions = self._screen_round(p, self.rounds.close(p, now), now)
             if not contributions:
@@ -175,8 +176,17 @@ class Synchronizer:
             outcomes.append(MergeOutcome(record=record, reason=decision.reason))
         return outcomes
 
+    def _gathering(self, p: int, now: float, live_learners: frozenset[str]) -> bool:
+        """While `p` has no direction reference, hold its round for a first update screened by the round."""
+        cfg = self.guard.config
+        current = self.rounds.round(p)
+        if current is None or self.guard.has_reference(p) or not cfg.enabled:
+            return False
+        wanted = min(cfg.round_min, len(live_learners))
+        return len(current) < wanted and now - current.opened_at < cfg.warmup_wait
+
     def _screen_round(self, p: int, contributions: list[Contribution], now: float) -> list[Contribution]:
-        """Drop contributions of senders now cooling down, and direction outliers against the round median."""
+        """Drop contributions of senders now cooling down, and deltas most of their round disagrees with."""
         cooling = self.guard.cooling(now)
         kept = [c for c in contributions if c.sender not in cooling]
         verdicts = self.guard.screen_round([c.payload for c in kept])

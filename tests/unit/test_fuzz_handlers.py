@@ -175,7 +175,6 @@ def clean(reply) -> bool:
     return isinstance(reply, str) and bool(REASON.match(reply))
 
 
-@pytest.mark.slow
 @FUZZ
 @given(frame=mutated(UPDATE), sender=PEERS)
 def test_handle_update_answers_a_reason_and_garbage_never_changes_the_replica(frame, sender):
@@ -193,7 +192,6 @@ def test_the_unmutated_update_is_applied_only_from_its_leader():
     assert make_peer().handle_update("mallory", UPDATE).startswith("not the leader")
 
 
-@pytest.mark.slow
 @FUZZ
 @given(frame=mutated(DELTA), sender=PEERS)
 def test_peer_handle_delta_without_the_role_refuses_cleanly(frame, sender):
@@ -204,7 +202,6 @@ def test_peer_handle_delta_without_the_role_refuses_cleanly(frame, sender):
     assert peer.replica.digest() == before
 
 
-@pytest.mark.slow
 @FUZZ
 @given(frames=st.lists(mutated(DELTA), min_size=1, max_size=4), sender=PEERS)
 def test_synchronizer_handles_mutated_deltas_and_still_merges_cleanly(frames, sender):
@@ -218,7 +215,6 @@ def test_synchronizer_handles_mutated_deltas_and_still_merges_cleanly(frames, se
     assert peer.replica.digest() == before  # the synchronizer never touches the replica itself
 
 
-@pytest.mark.slow
 @FUZZ
 @given(requester=PEERS, fragment=st.integers(-(2**70), 2**70), after=st.integers(-(2**70), 2**70))
 def test_serve_requests_with_garbage_indexes_answer_cleanly(requester, fragment, after):
@@ -250,7 +246,6 @@ def test_allowlist_is_enforced_at_every_handler_and_on_records():
     assert 7 not in peer.lease_holders and peer.lease_holders[1] == "leader"
 
 
-@pytest.mark.slow
 @FUZZ
 @given(snapshot=mutated(SNAPSHOT), fragment=st.integers(0, 1))
 def test_fetched_snapshot_garbage_is_refused_without_touching_the_replica(snapshot, fragment):
@@ -263,7 +258,6 @@ def test_fetched_snapshot_garbage_is_refused_without_touching_the_replica(snapsh
         assert peer.replica.digest() == before
 
 
-@pytest.mark.slow
 @FUZZ
 @given(frames=st.lists(mutated(UPDATE), max_size=3))
 def test_replayed_update_garbage_is_refused_without_touching_the_replica(frames):
@@ -294,7 +288,6 @@ def record_values(draw) -> bytes:
     return json.dumps(d).encode()
 
 
-@pytest.mark.slow
 @FUZZ
 @given(
     heartbeats=st.lists(st.tuples(PEERS, record_values()), max_size=3),
