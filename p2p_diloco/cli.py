@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--no-sync", action="store_true", help="never take the synchronizer role")
     p.add_argument(
+        "--behind-nat",
+        action="store_true",
+        help="this peer cannot accept connections: relay through the initial peers, never synchronize",
+    )
+    p.add_argument(
         "--listen", action="append", default=None, metavar="MULTIADDR", help="default /ip4/0.0.0.0/tcp/0"
     )
     p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR")

@@ -20,6 +20,9 @@ class NodeOptions:
     initial_peers: tuple[str, ...] = ()
     device: str = "cpu"
     may_sync: bool = True
+    behind_nat: bool = (
+        False  # unreachable: DHT client mode, relayed through the initial peers, never synchronizer
+    )
     listen: tuple[str, ...] = DEFAULT_HOST_MADDRS
     announce: tuple[str, ...] = ()
     max_steps: int | None = None

@@ -5,7 +5,7 @@ inbound connection), every access link 25 ms one-way (100 ms RTT between any two
 20 Mbit/s. They train a tiny manifest; the test waits until every fragment version has advanced, the
 NAT'ed learner's deltas were merged (its peer ID among the contributors of published updates, its own
 ``deltas_merged`` counter > 0) and ``p2p-diloco status --json`` lists all three peers, then stops every
-peer with SIGTERM (exit status 0). The NAT'ed learner runs with ``--no-sync``: a peer nobody can dial
+peer with SIGTERM (exit status 0). The NAT'ed learner runs with ``--behind-nat``: a peer nobody can dial
 must never hold the synchronizer role.
 """
 
@@ -95,7 +95,7 @@ def test_join_learners_train_across_wan_with_a_nat_learner(make_wan, ns_spawn, w
             sys.executable, "-m", "p2p_diloco", "join", str(manifest), "--initial-peers", bootstrap,
             "--identity", str(identity), "--state-dir", str(state_dirs[name]),
             "--listen", f"/ip4/{wan.address(name)}/tcp/0", "--min-step-time", "0.05",
-            "--persist-every", "5", "--progress-every", "2", *(["--no-sync"] if nat else []),
+            "--persist-every", "5", "--progress-every", "2", *(["--behind-nat"] if nat else []),
         ]  # fmt: skip
         procs[name] = ns_spawn(wan, name, argv, name=name)
     for proc in procs.values():
