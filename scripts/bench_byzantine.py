@@ -8,13 +8,17 @@ The in-process swarm of `scripts/bench_quality.py` (4 learners, 1 / 1 / 1.5 / 2 
 with the grace window, the demo manifest) runs once all honest, then once per attack of
 `p2p_diloco.swarm.hostile` with learner 0 (one of the two fastest) hostile, all at the same total
 token budget (the hostile learner's tokens count: its compute is lost). Also run:
-  honest3       the three honest learners alone for the same fake time: what a perfect defence reaches;
+  honest3       the three honest learners alone for the same fake time: what a perfect defence reaches,
+                since the hostile learner's compute is lost whatever the defence does (with learner 0,
+                one of the two fastest, that is 32 % of the tokens: the floor of the ratio below);
   <kind>-undefended  an attack with the robust checks disabled (`--undefended`, none by default).
 Every run is repeated per seed (data order and initial weights); a run's ratio is its loss over the
 all-honest loss of the same seed, averaged over seeds (runs differ by about 2 % between seeds).
 Writes DIR/byzantine.json (per run and seed: final eval loss, ratio to all-honest, versions, the hostile
 learner's merged and trained steps, rejections and cool-downs by sender) and DIR/byzantine.png.
-Target reported, not asserted: every attack within 5 % of the all-honest eval loss.
+Target reported, not asserted: every attack within 5 % of the all-honest eval loss. Also reported:
+`vs_honest3`, each run's loss over the honest3 loss (1.0 = the defence costs nothing beyond the
+attacker's own compute). `--hostile-learner 3` makes the slowest learner (16 % of the tokens) hostile.
 The default (1M tokens, 8 runs) takes about 6-8 minutes on 2 free cores.
 """
 
@@ -36,7 +40,6 @@ from p2p_diloco.swarm.hostile import ATTACKS
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 
 SPEEDS = (1.0, 1.0, 1.5, 2.0)
-HOSTILE = 0
 TARGET = 0.05
 
 
@@ -78,8 +81,8 @@ def run(
         "cooldowns": sorted(cooldowns),
         "curve": [(tok, loss) for _, tok, loss in report.eval_curve],
     }
-    if hostile:
-        stats = report.learners[HOSTILE]
+    for i in hostile:
+        stats = report.learners[i]
         result["hostile_merged_steps"] = stats.steps_merged
         result["hostile_steps"] = stats.steps
     return result
@@ -95,6 +98,7 @@ def main() -> int:
     parser.add_argument("--undefended", default="", help="attacks to rerun with the robust checks off")
     parser.add_argument("--manifest", default="peers/demo.toml")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; ratios are averaged over them")
+    parser.add_argument("--hostile-learner", type=int, default=0, choices=range(len(SPEEDS)))
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -104,16 +108,17 @@ def main() -> int:
     defended = ManifestWithRobust(**fields)
     undefended = ManifestWithRobust(**fields, robust=RobustConfig(enabled=False))
     corpus = load_corpus(base.data)
-    honest3_speeds = SPEEDS[:HOSTILE] + SPEEDS[HOSTILE + 1 :]
+    bad = args.hostile_learner
+    honest3_speeds = SPEEDS[:bad] + SPEEDS[bad + 1 :]
     honest3_tokens = round(args.tokens * sum(1 / s for s in honest3_speeds) / sum(1 / s for s in SPEEDS))
     plan: list[tuple[str, RunManifest, dict, tuple[float, ...], int]] = [
         ("honest", defended, {}, SPEEDS, args.tokens),
         ("honest3", defended, {}, honest3_speeds, honest3_tokens),
     ]
     for kind in filter(None, args.kinds.split(",")):
-        plan.append((kind, defended, {HOSTILE: kind}, SPEEDS, args.tokens))
+        plan.append((kind, defended, {bad: kind}, SPEEDS, args.tokens))
     for kind in filter(None, args.undefended.split(",")):
-        plan.append((f"{kind}-undefended", undefended, {HOSTILE: kind}, SPEEDS, args.tokens))
+        plan.append((f"{kind}-undefended", undefended, {bad: kind}, SPEEDS, args.tokens))
     for name, _, hostile, _, _ in plan:
         if any(kind not in ATTACKS for kind in hostile.values()):
             parser.error(f"unknown attack in {name!r}; attacks are {ATTACKS}")
@@ -136,15 +141,22 @@ def main() -> int:
         entry["final_eval_loss"] = sum(r["final_eval_loss"] for r in runs) / len(seeds)
         entry["ratio_vs_honest"] = sum(r["ratio_vs_honest"] for r in runs) / len(seeds)
         entry["curve"] = entry["seeds"][seeds[0]]["curve"]
+    for entry in results.values():
+        entry["vs_honest3"] = sum(
+            r["final_eval_loss"] / results["honest3"]["seeds"][seed]["final_eval_loss"]
+            for seed, r in entry["seeds"].items()
+        ) / len(seeds)
     attacks = {k: v["ratio_vs_honest"] for k, v in results.items() if k in ATTACKS}
     summary = {
         "learners": len(SPEEDS),
         "speeds": SPEEDS,
-        "hostile_learner": HOSTILE,
+        "hostile_learner": bad,
+        "hostile_token_share": (1 / SPEEDS[bad]) / sum(1 / s for s in SPEEDS),
         "tokens": args.tokens,
         "seeds": seeds,
         "target": TARGET,
         "ratio_vs_honest": {k: v["ratio_vs_honest"] for k, v in results.items()},
+        "vs_honest3": {k: v["vs_honest3"] for k, v in results.items()},
         "worst_attack": max(attacks, key=attacks.get) if attacks else None,
         "all_within_target": all(r <= 1 + TARGET for r in attacks.values()),
         "runs": results,

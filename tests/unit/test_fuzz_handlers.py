@@ -322,3 +322,24 @@ def test_snapshot_of_an_unknown_fragment_is_an_empty_answer_and_a_counted_reject
     peer = make_peer()
     assert peer.serve_snapshot("leader", fragment) == b""
     assert peer.rejections["unknown fragment"] == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="peer.read_swarm trusts role=synchronizer + term_seen from any heartbeat as the term's holder "
+    "(lease_holders.setdefault), so a peer can name itself leader of a term and push forged updates",
+)
+def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates():
+    peer = make_peer()
+    claim = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(0, 0), term_seen=5)
+    peer.kv.store(peer.hb_key, "mallory", claim.to_bytes(), 100.0)
+    peer.read_swarm(10.0)
+    replica = GlobalReplica(PLAN, INITIAL)
+    payload = encode_tensors({n: torch.full(s, 50.0) for n, s in replica.shapes(0).items()})
+    pending = replica.compute_update(0, decode_tensors(payload), lr=0.7, momentum=0.9)
+    forged = UpdateRecord(
+        "fz", MANIFEST.manifest_hash, 0, 0, 5, "mallory", (("mallory", 1.0),), pending.checksum, payload
+    )
+    before = peer.replica.digest()
+    assert not peer.handle_update("mallory", encode_update(forged)).startswith("applied")
+    assert peer.replica.digest() == before
