@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol.robust import RobustConfig
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -192,6 +193,7 @@ class RunManifest:
     data: DataConfig = field(default_factory=DataConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     timing: SwarmTiming = field(default_factory=SwarmTiming)
+    robust: RobustConfig = field(default_factory=RobustConfig)
     allowlist: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
 
@@ -222,6 +224,7 @@ class RunManifest:
             "data": DataConfig,
             "wire": WireConfig,
             "timing": SwarmTiming,
+            "robust": RobustConfig,
         }
         raw = dict(raw)
         known = set(sections) | {"run_id", "allowlist", "bootstrap"}
