@@ -164,10 +164,6 @@ class Peer:
                 continue
             live[peer] = info
             heartbeats.append(info.as_election_record(peer, stored.expiration))
-            if info.role == "synchronizer" and info.term_seen > 0:
-                # A holder's own heartbeat names its term: a second source when the lease record has
-                # not reached this peer's DHT view yet (fast rotations), so its updates are not refused.
-                self.lease_holders.setdefault(info.term_seen, peer)
         for holder, stored in self.kv.get(self.lease_key, now).items():
             if not self.allowed(holder):
                 continue

@@ -324,11 +324,6 @@ def test_snapshot_of_an_unknown_fragment_is_an_empty_answer_and_a_counted_reject
     assert peer.rejections["unknown fragment"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="peer.read_swarm trusts role=synchronizer + term_seen from any heartbeat as the term's holder "
-    "(lease_holders.setdefault), so a peer can name itself leader of a term and push forged updates",
-)
 def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates():
     peer = make_peer()
     claim = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(0, 0), term_seen=5)
