@@ -19,7 +19,7 @@ from p2p_diloco.model.gpt import build_model
 from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.net.keys import OP_DELTA, OP_UPDATE
-from p2p_diloco.net.transport import P2PTransport, RemoteRejected
+from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.status import swarm_status
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
@@ -48,6 +48,11 @@ heartbeat_period = 0.5
 heartbeat_ttl = 2.0
 lease_ttl = 3.0
 claim_grace = 1.0
+[robust]
+# This file checks the validation every handler does on its own. The robust screen (direction, norm
+# history, cool-downs) would answer first, e.g. "cool-down" after the attacker's fifth rejection; it has
+# its own tests (tests/unit/test_robust.py, tests/sim/test_byzantine.py).
+enabled = false
 """
 
 
@@ -139,11 +144,10 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
     )  # fmt: skip
     reason = transport.send_and_wait(OP_UPDATE, target, encode_update(lower_term), timeout=20)
     assert reason.startswith("lower term"), reason
-    with pytest.raises(RemoteRejected, match="handler error: .*IndexError"):
-        transport.fetch_snapshot(target, 9)  # answered with a reason; the peer keeps serving
-    assert transport.fetch_snapshot(target, 1)
+    assert transport.fetch_snapshot(target, 9) == b""  # unknown fragment: nothing, a counted rejection
+    assert transport.fetch_snapshot(target, 1)  # and the peer keeps serving
 
-    counted = set(cases) | {"lower term"}
+    counted = set(cases) | {"lower term", "unknown fragment"}
     after = wait_for(
         lambda: (p := me(status())) and counted <= set(p["rejections"]) and min(p["versions"]) > max(versions_before)
         and p,
