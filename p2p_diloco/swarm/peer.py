@@ -98,7 +98,9 @@ class Peer:
         self.failovers_seen = 0
         self.live_peers: dict[str, HeartbeatInfo] = {}
         self.behind_since: dict[int, float] = {}
-        self.lease_holders: dict[int, str] = {}  # term -> holder, from every lease record seen
+        # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
+        # steps down, but either may have published updates of that term)
+        self.lease_holders: dict[int, set[str]] = {}
         # Per fragment, the term of the update that produced the replica's version (0: initial or unknown,
         # e.g. restored from disk); see protocol/reconcile.py.
         self.tip_terms: list[int] = [0] * plan.num_fragments
@@ -170,7 +172,7 @@ class Peer:
             try:
                 lease = decode_lease(holder, stored.value)
                 leases.append(lease)
-                self.lease_holders.setdefault(lease.term, lease.holder)
+                self.lease_holders.setdefault(lease.term, set()).add(lease.holder)
             except RecordError as exc:
                 self.rejections["bad lease"] += 1
                 self.note(f"ignored lease of {holder}: {exc}")
@@ -377,9 +379,9 @@ class Peer:
 
     def _held_lease(self, leader: str, term: int) -> bool:
         """Whether `leader` held the lease of `term`, by the lease records seen (re-read once if unknown)."""
-        if self.lease_holders.get(term) != leader:
+        if leader not in self.lease_holders.get(term, ()):
             self.read_swarm(self.clock.now())
-        return self.lease_holders.get(term) == leader
+        return leader in self.lease_holders.get(term, ())
 
     def _check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         if run_id != self.manifest.run_id:

@@ -243,7 +243,7 @@ def test_allowlist_is_enforced_at_every_handler_and_on_records():
     peer.kv.store(peer.lease_key, "mallory", encode_lease(LeaseRecord("mallory", 7, expires_at=1e9)), 1e9)
     peer.read_swarm(now)
     assert set(peer.live_peers) == {"leader"}
-    assert 7 not in peer.lease_holders and peer.lease_holders[1] == "leader"
+    assert 7 not in peer.lease_holders and peer.lease_holders[1] == {"leader"}
 
 
 @FUZZ
