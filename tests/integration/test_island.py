@@ -203,6 +203,18 @@ def test_island_of_two_ranks_contributes_survives_a_rank_kill_and_keeps_ranks_id
         "the restarted island applying updates",
     )
     assert {p["peer_id"]: p["ranks"] for p in again["peers"]}[peer_ids["island"]] == 2
+    # an adopted fragment reaches rank 1 at rank 0's next step: wait for updates applied while training
+    # (not only replayed at the restart), then a few more steps, before stopping
+    then = {p["peer_id"]: p for p in again["peers"]}[peer_ids["island"]]
+    wait_status(
+        lambda peers: (
+            peer_ids["island"] in peers
+            and peers[peer_ids["island"]]["updates_applied"] >= then["updates_applied"] + 2
+            and peers[peer_ids["island"]]["step"] >= then["step"] + 8
+        ),
+        60,
+        "the island adopting updates while it trains",
+    )
 
     # 4. finish training: both ranks write their parameter digests at the same step
     os.kill(rank0, signal.SIGUSR1)
