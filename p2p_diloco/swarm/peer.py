@@ -46,6 +46,7 @@ from p2p_diloco.wire.frames import (
 
 UPDATE_LOG_LENGTH = 256
 MAX_PARALLEL_DOWNLOADS = 4
+IN_FLIGHT_TIMEOUT_LEASES = 4
 REJECT_NOT_SYNCHRONIZER = "not synchronizer"
 REJECT_NOT_ALLOWED = "not allowed"
 
@@ -98,6 +99,7 @@ class Peer:
         self.failovers_seen = 0
         self.live_peers: dict[str, HeartbeatInfo] = {}
         self.behind_since: dict[int, float] = {}
+        self.sent_to: str | None = None  # the holder this peer last sent a delta to
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
         self.lease_holders: dict[int, set[str]] = {}
@@ -226,6 +228,12 @@ class Peer:
         elif decision.action == election.FOLLOW:
             if decision.holder != self.holder and self.holder is not None:
                 self.failovers_seen += 1
+                if self.learner is not None and self.learner.sent:
+                    # Deltas sent to the previous holder will not be merged: their work is resent now.
+                    released = self.learner.expire_in_flight(now, timeout=-1.0)
+                    self.note(
+                        f"new synchronizer {decision.holder}: resending the work of fragments {released}"
+                    )
             self.holder = decision.holder
             if self.sync is not None:
                 self.sync = None
@@ -276,13 +284,28 @@ class Peer:
 
     # ---- learner side ---------------------------------------------------------------------------
 
+    def _release_if_holder_changed(self) -> None:
+        """Deltas sent to a previous holder will not be merged: their work goes back and is resent."""
+        learner = self.learner
+        if learner is None or not learner.sent or self.sent_to in (None, self.holder):
+            return
+        released = learner.expire_in_flight(float("inf"), timeout=0.0)
+        self.note(
+            f"synchronizer changed from {self.sent_to} to {self.holder}: resending fragments {released}"
+        )
+        self.sent_to = self.holder
+
     def after_train_step(self, now: float) -> int | None:
         """Send the due fragment's delta to the synchronizer, if one is due and a holder is known."""
         learner = self.learner
         if learner is None or self.holder is None:
             return None
+        self._release_if_holder_changed()
         if learner.sent:
-            timeout = self.manifest.timing.lease_ttl + self.manifest.timing.claim_grace
+            # Backstop only: a failover already released deltas sent to the old holder. Releasing one that
+            # is merely slow would count its work twice once both copies are merged.
+            timing = self.manifest.timing
+            timeout = IN_FLIGHT_TIMEOUT_LEASES * (timing.lease_ttl + timing.claim_grace)
             for p in learner.expire_in_flight(now, timeout):
                 self.note(f"delta for fragment {p} timed out; its work will be resent")
         due = learner.take_due_delta(now)
@@ -290,6 +313,7 @@ class Peer:
             return None
         fragment, frame = due
         seq = learner.seq
+        self.sent_to = self.holder
         if self.holder == self.peer_id:
             reply = self.handle_delta(self.peer_id, frame)
             learner.on_delta_reply(fragment, seq, reply)
