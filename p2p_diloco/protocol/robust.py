@@ -23,7 +23,10 @@ with action ACCEPT, CLIP (usable after clipping) or REJECT and a reason starting
    (each learner trains on its own shard), so a single low cosine is not enough (measured on the demo
    run: 2 % of honest deltas below 4 sigma of noise, no window of 5 below 0.055). The reference is an
    exponential average (decay `reference_decay`) of the directions of applied updates
-   (`observe_update`), used once it holds `reference_min_updates` of them; it is reset when two
+   (`observe_update`), used once it holds `reference_min_updates` of them. A long memory matters: when
+   the outer step overshoots (3 learners at the demo's outer lr) the last few updates point past the
+   optimum and honest deltas point back; with decay 0.8 an honest learner was cooled down there, with
+   0.95 none of 9 honest 1M-token runs had a single rejection. The reference is reset when two
    different senders in a row fail against it (an honest majority disagreeing means the reference, not
    they, is off). In `screen_round`, with `round_min` or more contributions, a delta whose cosine
    with more than half of the other deltas of its round is below the single-delta threshold is
@@ -82,7 +85,7 @@ class RobustConfig:
     min_history: int = 4
     clip_factor: float = 4.0
     reject_factor: float = 10.0
-    reference_decay: float = 0.8
+    reference_decay: float = 0.95
     reference_min_updates: int = 3
     min_cosine: float = 0.0
     noise_z: float = 4.0
