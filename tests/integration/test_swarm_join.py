@@ -54,7 +54,7 @@ term_rounds = 1000
 rejoin_grace = 30.0
 """
 START_TIMEOUT = 90.0  # process start on a loaded 2-core machine: imports, DHT, catch-up
-STOP_TIMEOUT = 30.0
+STOP_TIMEOUT = 60.0
 
 
 @dataclass
