@@ -35,19 +35,11 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import load_corpus
-from p2p_diloco.protocol.robust import RobustConfig
 from p2p_diloco.swarm.hostile import ATTACKS
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 
 SPEEDS = (1.0, 1.0, 1.5, 2.0)
 TARGET = 0.05
-
-
-@dataclasses.dataclass(frozen=True)
-class ManifestWithRobust(RunManifest):
-    """The manifest with a `robust` section (until RunManifest has one), so a run can disable the checks."""
-
-    robust: RobustConfig = dataclasses.field(default_factory=RobustConfig)
 
 
 def run(
@@ -104,9 +96,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = RunManifest.load(args.manifest)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(RunManifest)}
-    defended = ManifestWithRobust(**fields)
-    undefended = ManifestWithRobust(**fields, robust=RobustConfig(enabled=False))
+    defended = base
+    undefended = dataclasses.replace(base, robust=dataclasses.replace(base.robust, enabled=False))
     corpus = load_corpus(base.data)
     bad = args.hostile_learner
     honest3_speeds = SPEEDS[:bad] + SPEEDS[bad + 1 :]
