@@ -175,7 +175,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
     bars.axhline(1 + TARGET, color="black", linestyle="--", label=f"target: +{TARGET:.0%}")
     bars.set_xticks(range(len(names)), names, rotation=35, ha="right")
     bars.set_ylabel("final eval loss / all-honest")
-    bars.set_ylim(min(0.95, min(ratios) - 0.02), max(1.1, max(ratios) + 0.02))
+    top = min(1.5, max(1.1, max(ratios) + 0.03))  # a diverged run would flatten every other bar
+    bars.set_ylim(min(0.95, min(ratios) - 0.02), top)
+    for x, ratio in enumerate(ratios):
+        bars.text(x, min(ratio, top - 0.02), f"{ratio:.3f}", ha="center", va="bottom", fontsize=7)
     bars.set_title("one hostile learner of four, equal tokens")
     bars.legend()
     for name in names:
