@@ -8,6 +8,7 @@ peers with a different manifest never mix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import tomllib
@@ -208,7 +209,7 @@ class RunManifest:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
+    @functools.cached_property
     def manifest_hash(self) -> str:
         """16 hex digits over everything peers must agree on (bootstrap addresses excluded)."""
         d = self.to_dict()
