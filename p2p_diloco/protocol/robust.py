@@ -13,9 +13,15 @@ with action ACCEPT, CLIP (usable after clipping) or REJECT and a reason starting
 3. replay (`check_replay`): a payload this sender already sent is refused (REPLAY).
 4. norm, per tensor (`screen`): an RMS above `prior_factor` x inner_lr x steps is refused (AdamW moves a
    coordinate by about lr per step at most; measured honest RMS <= 0.94 lr/step); once `min_history`
-   accepted norms of the tensor are known, a norm above `reject_factor` x their median is refused and one
-   above `clip_factor` x median is scaled down to it (NORM_OUTLIER, NORM_CLIPPED). The history is kept
-   across rounds, so the bound works with one contribution per round (K = 1).
+   accepted norms of the tensor are known, a norm per claimed step above `reject_factor` x their median
+   is refused and one above `clip_factor` x median is scaled down to it (NORM_OUTLIER, NORM_CLIPPED).
+   Norms are compared per step (steps capped at `max_steps_factor` x H) because honest deltas differ in
+   steps: a throttled learner sends 8-step deltas while a fast one, whose fragment was still in flight,
+   sends 100-step ones; compared as raw norms the fast honest learners were refused and cooled down in
+   the demo. An AdamW delta grows at most linearly with its steps, so per step a longer honest delta is
+   never larger; a sender can widen its own bound only by claiming steps, which also must match its
+   token claim and are capped. The history is kept across rounds, so the bound works with one
+   contribution per round (K = 1).
 5. direction, per fragment (DIRECTION_OUTLIER): in `screen`, the mean cosine of the sender's last
    `direction_window` deltas (this one included) with their fragments' references must reach
    `min_cosine` + min(0.1, `noise_z` / sqrt(numel x n)) for a mean of n cosines: a random delta's
@@ -272,7 +278,8 @@ class RobustGuard:
         tensors = dict(tensors)
         if not cfg.enabled:
             return Screened(Decision(ACCEPT, f"{PLAUSIBLE}: robust checks disabled"), tensors)
-        prior_rms = cfg.prior_factor * self.inner_lr * min(max(steps, 1), self.max_steps)
+        counted = self._counted_steps(steps)
+        prior_rms = cfg.prior_factor * self.inner_lr * counted
         clipped = []
         for name, t in tensors.items():
             norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
@@ -282,25 +289,27 @@ class RobustGuard:
                     Decision(
                         REJECT,
                         f"{NORM_OUTLIER}: {name} RMS {rms:.3g} > {prior_rms:.3g} "
-                        f"({cfg.prior_factor} x lr x {min(steps, self.max_steps)} steps)",
+                        f"({cfg.prior_factor} x lr x {counted} steps)",
                     ),
                     tensors,
                 )
             history = self._norms.get((fragment, name))
             if history is None or len(history) < cfg.min_history:
                 continue
-            median = statistics.median(history)
-            if norm > cfg.reject_factor * median:
+            median = statistics.median(history)  # of norms per step
+            per_step = norm / counted
+            if per_step > cfg.reject_factor * median:
                 return Screened(
                     Decision(
                         REJECT,
-                        f"{NORM_OUTLIER}: {name} norm {norm:.3g} > {cfg.reject_factor} x median {median:.3g}",
+                        f"{NORM_OUTLIER}: {name} norm {norm:.3g} in {counted} steps is {per_step:.3g} per "
+                        f"step > {cfg.reject_factor} x median {median:.3g}",
                     ),
                     tensors,
                 )
-            if norm > cfg.clip_factor * median:
-                tensors[name] = t * (cfg.clip_factor * median / norm)
-                clipped.append(f"{name} {norm / median:.1f}x")
+            if per_step > cfg.clip_factor * median:
+                tensors[name] = t * (cfg.clip_factor * median / per_step)
+                clipped.append(f"{name} {per_step / median:.1f}x")
         direction = self._check_direction(fragment, tensors, sender)
         if direction.action != ACCEPT:
             return Screened(direction, tensors)
@@ -374,11 +383,15 @@ class RobustGuard:
                 decisions.append(Decision(ACCEPT, f"{PLAUSIBLE}: cosines with the round's others {shown}"))
         return decisions
 
-    def note_accepted(self, fragment: int, tensors: Mapping[str, Tensor]) -> None:
-        """Add an accepted (possibly clipped) delta's tensor norms to the fragment's histories."""
+    def _counted_steps(self, steps: int) -> int:
+        return min(max(steps, 1), self.max_steps)
+
+    def note_accepted(self, fragment: int, tensors: Mapping[str, Tensor], steps: int = 1) -> None:
+        """Add an accepted (possibly clipped) delta's tensor norms per step to the fragment's histories."""
+        counted = self._counted_steps(steps)
         for name, t in tensors.items():
             history = self._norms.setdefault((fragment, name), deque(maxlen=self.config.norm_history))
-            history.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)))
+            history.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)) / counted)
 
     def observe_update(self, fragment: int, outer_grad: Mapping[str, Tensor]) -> None:
         """Fold the direction of an applied outer update into the fragment's reference (kept in bfloat16)."""

@@ -8,6 +8,7 @@ and `Transport` interfaces, so the in-process swarm (fake clock, in-memory netwo
 
 from __future__ import annotations
 
+import re
 from collections import Counter, deque
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net.keys import heartbeat_key, lease_key
-from p2p_diloco.protocol import election, reconcile
+from p2p_diloco.protocol import election, reconcile, robust
 from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.fragments import FragmentPlan
@@ -49,6 +50,25 @@ MAX_PARALLEL_DOWNLOADS = 4
 IN_FLIGHT_TIMEOUT_LEASES = 4
 REJECT_NOT_SYNCHRONIZER = "not synchronizer"
 REJECT_NOT_ALLOWED = "not allowed"
+# Refusals that say nothing about the delta, only that the synchronizer cannot take deltas right now
+# (net.transport.REPLY_UNREACHABLE, node.guard.REJECT_BUSY and REJECT_NOT_READY): wait a heartbeat period.
+TRANSIENT_REFUSALS = frozenset({"transport unreachable", "busy", "not ready"})
+MAX_DELTA_HOLD = 300.0
+_COOL_DOWN_LEFT = re.compile(r"ignored for ([0-9.]+)s more")
+
+
+def delta_hold_seconds(reply: str, heartbeat_period: float) -> float:
+    """How long to hold further deltas for the synchronizer that refused one with `reply` (0: not at all).
+
+    Without a hold a learner resends the refused work after its next inner step: at tens of steps per
+    second a cooled-down or unreachable learner sent the same refused fragment ~10 times a second.
+    Held work keeps accumulating and goes out in one delta when the hold ends or the holder changes.
+    """
+    tag = reply.split(":", 1)[0]
+    if tag == robust.COOL_DOWN:
+        match = _COOL_DOWN_LEFT.search(reply)
+        return min(float(match.group(1)), MAX_DELTA_HOLD) if match else heartbeat_period
+    return heartbeat_period if tag in TRANSIENT_REFUSALS else 0.0
 
 
 class Peer:
@@ -100,6 +120,7 @@ class Peer:
         self.live_peers: dict[str, HeartbeatInfo] = {}
         self.behind_since: dict[int, float] = {}
         self.sent_to: str | None = None  # the holder this peer last sent a delta to
+        self.delta_hold: tuple[str, float] | None = None  # (holder, until): see `delta_hold_seconds`
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
         self.lease_holders: dict[int, set[str]] = {}
@@ -308,24 +329,35 @@ class Peer:
             timeout = IN_FLIGHT_TIMEOUT_LEASES * (timing.lease_ttl + timing.claim_grace)
             for p in learner.expire_in_flight(now, timeout):
                 self.note(f"delta for fragment {p} timed out; its work will be resent")
+        if self.delta_hold is not None:
+            held_for, until = self.delta_hold
+            if held_for == self.holder and now < until:
+                return None
+            self.delta_hold = None
         due = learner.take_due_delta(now)
         if due is None:
             return None
         fragment, frame = due
         seq = learner.seq
-        self.sent_to = self.holder
-        if self.holder == self.peer_id:
-            reply = self.handle_delta(self.peer_id, frame)
-            learner.on_delta_reply(fragment, seq, reply)
+        holder = self.sent_to = self.holder
+        if holder == self.peer_id:
+            self._on_delta_reply(holder, fragment, seq, self.handle_delta(self.peer_id, frame))
         else:
             self.transport.send_delta(
-                self.holder, frame, on_reply=lambda reply: self._on_delta_reply(fragment, seq, reply)
+                holder, frame, on_reply=lambda reply: self._on_delta_reply(holder, fragment, seq, reply)
             )
         return fragment
 
-    def _on_delta_reply(self, fragment: int, seq: int, reply: str) -> None:
-        if self.learner is not None and self.learner.on_delta_reply(fragment, seq, reply):
-            self.note(f"delta for fragment {fragment} refused: {reply}")
+    def _on_delta_reply(self, holder: str, fragment: int, seq: int, reply: str) -> None:
+        if self.learner is None or not self.learner.on_delta_reply(fragment, seq, reply):
+            return
+        hold = delta_hold_seconds(reply, self.manifest.timing.heartbeat_period)
+        if hold > 0:
+            self.delta_hold = (holder, self.clock.now() + hold)
+        self.note(
+            f"delta for fragment {fragment} refused: {reply}"
+            + (f"; holding deltas {hold:.1f}s" if hold else "")
+        )
 
     # ---- updates --------------------------------------------------------------------------------
 

@@ -147,7 +147,7 @@ class Synchronizer:
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
             return self._reject(sender, _tag(decision.reason), decision.reason, now)
-        self.guard.note_accepted(p, screened.tensors)
+        self.guard.note_accepted(p, screened.tensors, counters.steps)
         clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
         self.decisions.append(
             f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)

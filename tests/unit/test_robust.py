@@ -85,8 +85,8 @@ def test_adamw_prior_rejects_scaled_delta_without_any_history():
 def test_norms_are_clipped_or_rejected_relative_to_the_median_of_the_history():
     g = guard(min_history=3, clip_factor=4, reject_factor=10)
     for seed in range(3):  # one contribution per round (K = 1): the history spans rounds
-        g.note_accepted(0, delta(direction(seed), rms=LR / 10))
-    median = LR / 10 * math.sqrt(N)
+        g.note_accepted(0, delta(direction(seed), rms=LR / 10), steps=8)
+    median = LR / 10 * math.sqrt(N)  # of 8-step deltas
     ok = g.screen(0, delta(direction(5), rms=LR / 5), steps=8)
     assert ok.decision.action == robust.ACCEPT
     clipped = g.screen(0, delta(direction(6), rms=LR / 10 * 6), steps=8)
@@ -95,6 +95,21 @@ def test_norms_are_clipped_or_rejected_relative_to_the_median_of_the_history():
     rejected = g.screen(0, delta(direction(7), rms=LR / 10 * 20), steps=8).decision
     assert rejected.action == robust.REJECT and tag(rejected) == robust.NORM_OUTLIER
     assert g.screen(1, delta(direction(7), rms=LR / 10 * 20), steps=8).decision.action == robust.ACCEPT
+
+
+def test_norms_are_compared_per_step_so_long_honest_deltas_pass():
+    g = guard(min_history=3, clip_factor=4, reject_factor=10)
+    small = LR / 10
+    for seed in range(3):  # a throttled learner's 2-step deltas set the history
+        g.note_accepted(0, delta(direction(seed), rms=small), steps=2)
+    # a fast learner's 30-step delta at the same rate per step: 15x the norm, per step the same
+    assert g.screen(0, delta(direction(5), rms=small * 15), steps=30).decision.action == robust.ACCEPT
+    # the same norm claimed as 2 steps is 15x the median per step: refused
+    short = g.screen(0, delta(direction(5), rms=small * 15), steps=2).decision
+    assert short.action == robust.REJECT and "per step" in short.reason
+    # claiming more steps than max_steps_factor x H widens nothing: counted as 32 steps
+    huge = g.screen(0, delta(direction(6), rms=small * 200), steps=10_000).decision
+    assert huge.action == robust.REJECT and "in 32 steps" in huge.reason
 
 
 def warm(g: RobustGuard, d: torch.Tensor, updates: int = 3) -> None:
