@@ -26,11 +26,12 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard
+from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
@@ -98,7 +99,7 @@ class Synchronizer:
         if self.manifest.allowlist and sender not in self.manifest.allowlist:
             return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist", now)
         admitted = self.guard.admit(sender, now)
-        if admitted.action != ACCEPT:
+        if admitted.action != ACCEPT and sender != self.peer_id:
             return self._reject(sender, _tag(admitted.reason), admitted.reason, now)
         wire = self.manifest.wire
         try:
@@ -133,7 +134,12 @@ class Synchronizer:
         replay = self.guard.check_replay(sender, payload)
         if replay.action != ACCEPT:
             return self._reject(sender, _tag(replay.reason), replay.reason, now)
-        screened = self.guard.screen(p, tensors, counters.steps, sender)
+        if (
+            sender == self.peer_id
+        ):  # its own work: the holder applies the merge anyway, screening gains nothing
+            screened = Screened(Decision(ACCEPT, "own delta"), dict(tensors))
+        else:
+            screened = self.guard.screen(p, tensors, counters.steps, sender)
         if screened.decision.action not in (ACCEPT, CLIP):
             return self._reject(sender, _tag(screened.decision.reason), screened.decision.reason, now)
         contribution = Contribution(

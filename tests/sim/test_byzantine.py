@@ -1,6 +1,7 @@
 """Sim tier: one hostile learner of four (swarm/hostile.py) against the robust checks of protocol/robust.py.
 
-Each attack must be rejected with its expected reason and its sender cooled down, while the three honest
+Each attack must be rejected with its expected reason and its sender cooled down (except for direction
+outliers, which honest learners hit too: those deltas are refused one by one), while the three honest
 learners keep training (versions advance, eval loss drops, replicas agree) and are never cooled down.
 """
 
@@ -62,14 +63,18 @@ def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manif
         rejected.update(peer.robust.rejected)
         cooled |= {sender for _, sender, _ in peer.robust.cooldowns}
     assert rejected[(HOSTILE, EXPECTED[kind])] >= 2, rejected
-    assert cooled == {HOSTILE}, rejected
+    if EXPECTED[kind] in NON_OFFENCES:  # direction outliers: each delta refused, honest ones hit it too
+        assert cooled <= {HOSTILE}, rejected
+    else:
+        assert cooled == {HOSTILE}, rejected
     honest_offences = {
         key: n for key, n in rejected.items() if key[0] != HOSTILE and key[1] not in NON_OFFENCES
     }
     assert honest_offences == {}
     holder = next(p for p in swarm.peers.values() if p.sync is not None)
-    assert HOSTILE in holder.robust.cooling(swarm.clock.now())
-    assert HOSTILE not in holder.live_learners() - holder.robust.cooling(swarm.clock.now())
+    if EXPECTED[kind] not in NON_OFFENCES:
+        assert HOSTILE in holder.robust.cooling(swarm.clock.now())
+        assert HOSTILE not in holder.live_learners() - holder.robust.cooling(swarm.clock.now())
     assert all(v >= 5 for v in report.versions), report.versions
     assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
     assert report.digests_equal

@@ -260,3 +260,19 @@ def test_synchronizer_refuses_senders_outside_the_allowlist_before_decoding():
     sync = make_sync(allowlist=("alice",))
     assert sync.handle_delta("mallory", b"garbage", 1.0).startswith("not allowed")
     assert sync.handle_delta("alice", b"garbage", 1.0).startswith("bad magic")
+
+
+def test_synchronizer_never_screens_or_cools_down_its_own_deltas():
+    sync = make_sync()
+    for t in range(3):  # an offence record against itself (e.g. from an earlier term) changes nothing
+        sync.guard.note_rejection("sync", robust.NORM_OUTLIER, float(t))
+    assert "sync" in sync.guard.cooling(3.0)
+    # 30 x the honest scale: a norm another sender could not get accepted
+    assert sync.handle_delta("sync", frame(sync, 30, 1), 4.0).startswith("opened round")
+    assert sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0).startswith(robust.NORM_OUTLIER)
+
+
+def test_direction_outliers_are_refused_but_never_start_a_cool_down():
+    g = guard(offence_limit=2)
+    assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, float(t)) is None for t in range(10))
+    assert g.cooling(10.0) == frozenset()
