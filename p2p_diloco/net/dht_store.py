@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 64 * 1024
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+DHT_SHUTDOWN_TIMEOUT = 3.0  # hivemind's default grace period before it terminates the DHT process
 
 _OWNER_TAG_RE = re.compile(b"^" + RSASignatureValidator.PUBLIC_KEY_REGEX + b"$", re.DOTALL)
 
@@ -71,12 +73,167 @@ class DhtPeer:
         """This peer's full multiaddrs (with /p2p/ID) as other peers should dial them."""
         return [str(addr) for addr in self.dht.get_visible_maddrs(latest=latest)]
 
-    def shutdown(self) -> None:
-        if self.dht.is_alive():
-            self.dht.shutdown()
+    def shutdown(self, timeout: float = DHT_SHUTDOWN_TIMEOUT) -> None:
+        """Stop the DHT process; it is gone (killed if need be) within about `timeout` + 2 seconds."""
+        _stop_dht(self.dht, timeout)
         if self._tempdir is not None:
             self._tempdir.cleanup()
             self._tempdir = None
+
+
+def identity_check_needed(key_peer_id: str, *, previous_peer_id: str | None, holds_state_dir: bool) -> bool:
+    """Whether hivemind must check that the identity `key_peer_id` is not in use by a live peer.
+
+    hivemind's check (`P2P.is_identity_taken`) starts a whole extra anonymous p2pd, bootstraps it and
+    dials the peer ID: on a loaded machine that costs seconds of every restart. It is skipped only
+    when we know who used the key last: this process holds the exclusive lock of a state directory
+    (`holds_state_dir`) whose ``peer_state.json`` says this same peer ID ran from it before
+    (`previous_peer_id`). Then the previous user of the key was our own predecessor on this host,
+    and it is gone: a live predecessor, or the DHT child it forked (which inherits the lock), would
+    still hold the lock. A key whose state directory has no record of it (a fresh state directory,
+    or one that another key wrote) is still checked, so a key copied to a second machine while its
+    first peer runs gets hivemind's clear error. Not covered: copying a key *and* its state directory
+    to another machine while the original still runs, which this rule treats as a restart.
+    """
+    return not (holds_state_dir and previous_peer_id is not None and previous_peer_id == key_peer_id)
+
+
+class PendingDht:
+    """A DHT node whose process is starting (`start_dht`); `wait` returns the running `DhtPeer`.
+
+    Between `start_dht` and `wait` the caller may do unrelated work (build its model) while p2pd
+    starts and bootstraps in the DHT process; `abort` stops the node if that work fails.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        signer: RSASignatureValidator,
+        key_file: Path,
+        expected_peer_id: str,
+        initial: Sequence[str],
+        startup_timeout: float,
+        tempdir: tempfile.TemporaryDirectory[str] | None,
+    ):
+        self.dht = dht
+        self.signer = signer
+        self.key_file = key_file
+        self.expected_peer_id = expected_peer_id
+        self.initial = list(initial)
+        self.startup_timeout = startup_timeout
+        self._tempdir = tempdir
+        self._started = time.monotonic()
+
+    @property
+    def peer_id(self) -> str:
+        """The peer ID the node will have (known from the key before the node is up)."""
+        return self.expected_peer_id
+
+    def wait(self) -> DhtPeer:
+        """The running node; `ConnectionError` if it failed or did not start within `startup_timeout`
+        (counted from `start_dht`)."""
+        dht, tempdir = self.dht, self._tempdir
+        left = max(0.0, self.startup_timeout - (time.monotonic() - self._started))
+        try:
+            dht.wait_until_ready(timeout=left)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, TimeoutError):
+                raise ConnectionError(f"DHT node did not start within {self.startup_timeout:.0f} s") from exc
+            if isinstance(exc, Exception):
+                peers = ", ".join(self.initial) or "none"
+                raise ConnectionError(f"DHT node failed to start (initial peers: {peers}): {exc}") from exc
+            raise
+        peer_id = dht.peer_id.to_base58()
+        if peer_id != self.expected_peer_id:  # would break the owner-tag <-> peer ID binding
+            self.abort()
+            raise RuntimeError(f"p2pd reports peer id {peer_id}, identity file gives {self.expected_peer_id}")
+        if tempdir is not None:
+            self.key_file.unlink()  # p2pd has read it; an ephemeral key never needs to touch disk again
+        self._tempdir = None
+        return DhtPeer(
+            dht=dht,
+            peer_id=peer_id,
+            signer=self.signer,
+            identity_path=None if tempdir else self.key_file,
+            _tempdir=tempdir,
+        )
+
+    def abort(self, timeout: float = DHT_SHUTDOWN_TIMEOUT) -> None:
+        """Stop the node (if its process runs) and drop an ephemeral key; idempotent."""
+        _stop_dht(self.dht, timeout)
+        if self._tempdir is not None:
+            self._tempdir.cleanup()
+            self._tempdir = None
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str] = (),
+    identity_path: str | Path | None = None,
+    host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+    announce_maddrs: Sequence[str] = (),
+    client_mode: bool = False,
+    use_relay: bool = True,
+    use_auto_relay: bool = False,
+    extra_validators: Sequence[RecordValidatorBase] = (),
+    startup_timeout: float = 30.0,
+    check_identity: bool = True,
+    **dht_kwargs: Any,
+) -> PendingDht:
+    """Fork the DHT process of `create_dht` and return at once; `PendingDht.wait` gets the node.
+
+    `check_identity=False` skips hivemind's check that no live peer uses the identity (see
+    `identity_check_needed` for when that is sound); an ephemeral key is never checked.
+    Raises `ConfigError` for bad addresses or identity files.
+    """
+    initial = parse_peer_addresses(initial_peers, what="--initial-peers")
+    hosts = parse_listen_addresses(host_maddrs, what="--listen")
+    announce = parse_listen_addresses(announce_maddrs, what="--announce")
+    tempdir = None
+    if identity_path is None:
+        tempdir = tempfile.TemporaryDirectory(prefix="p2p-diloco-id-")
+        key_file = Path(tempdir.name) / "ephemeral.key"
+        write_identity(key_file)
+    else:
+        key_file = Path(identity_path)
+    try:
+        expected_peer_id = peer_id_of(key_file)  # ConfigError for a missing or corrupt file
+        signer = RSASignatureValidator(signing_key(key_file))
+    except BaseException:
+        if tempdir is not None:
+            tempdir.cleanup()
+        raise
+    validators: list[RecordValidatorBase] = [signer, *extra_validators]
+    dht = hivemind.DHT(
+        initial_peers=initial or None,
+        start=False,
+        record_validators=validators,
+        identity_path=str(key_file.resolve()),
+        host_maddrs=hosts,
+        announce_maddrs=announce or None,
+        client_mode=client_mode,
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
+        check_if_identity_free=check_identity and tempdir is None,  # a fresh key cannot be in use elsewhere
+        **dht_kwargs,
+    )
+    pending = PendingDht(
+        dht,
+        signer=signer,
+        key_file=key_file,
+        expected_peer_id=expected_peer_id,
+        initial=initial,
+        startup_timeout=startup_timeout,
+        tempdir=tempdir,
+    )
+    try:
+        dht.run_in_background(await_ready=False)
+    except BaseException:
+        pending.abort()
+        raise
+    return pending
 
 
 def create_dht(
@@ -90,63 +247,48 @@ def create_dht(
     use_auto_relay: bool = False,
     extra_validators: Sequence[RecordValidatorBase] = (),
     startup_timeout: float = 30.0,
+    check_identity: bool = True,
     **dht_kwargs: Any,
 ) -> DhtPeer:
     """Start a DHT node whose peer ID and record-signing key come from `identity_path` (ephemeral if None).
 
     `client_mode=True` for peers that cannot accept connections (they still read and write);
     `use_auto_relay=True` lets a peer behind NAT become reachable through relays (e.g. the bootstrap).
+    `check_identity`: as in `start_dht`.
     Raises `ConfigError` for bad addresses or identity files, `ConnectionError` if the node cannot start
     or reach its initial peers.
     """
-    initial = parse_peer_addresses(initial_peers, what="--initial-peers")
-    hosts = parse_listen_addresses(host_maddrs, what="--listen")
-    announce = parse_listen_addresses(announce_maddrs, what="--announce")
-    tempdir = None
-    if identity_path is None:
-        tempdir = tempfile.TemporaryDirectory(prefix="p2p-diloco-id-")
-        key_file = Path(tempdir.name) / "ephemeral.key"
-        write_identity(key_file)
-    else:
-        key_file = Path(identity_path)
-    expected_peer_id = peer_id_of(key_file)  # ConfigError for a missing or corrupt file
-    signer = RSASignatureValidator(signing_key(key_file))
-    validators: list[RecordValidatorBase] = [signer, *extra_validators]
-    dht = hivemind.DHT(
-        initial_peers=initial or None,
-        start=False,
-        record_validators=validators,
-        identity_path=str(key_file.resolve()),
-        host_maddrs=hosts,
-        announce_maddrs=announce or None,
+    return start_dht(
+        initial_peers=initial_peers,
+        identity_path=identity_path,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
         client_mode=client_mode,
         use_relay=use_relay,
         use_auto_relay=use_auto_relay,
-        check_if_identity_free=tempdir is None,  # a fresh key cannot be in use elsewhere
+        extra_validators=extra_validators,
+        startup_timeout=startup_timeout,
+        check_identity=check_identity,
         **dht_kwargs,
-    )
+    ).wait()
+
+
+def _stop_dht(dht: hivemind.DHT, timeout: float) -> None:
+    """Shut the DHT process down within about `timeout` seconds: ask it politely, then SIGTERM, then
+    SIGKILL. hivemind's own `shutdown` only sends SIGTERM after its grace period and does not wait."""
+    if not dht.is_alive():
+        return
+    dht.shutdown_timeout = max(0.1, timeout)
     try:
-        dht.run_in_background(await_ready=True, timeout=startup_timeout)
-    except BaseException as exc:
-        if dht.is_alive():
-            dht.shutdown()
-        if tempdir is not None:
-            tempdir.cleanup()
-        if isinstance(exc, TimeoutError):
-            raise ConnectionError(f"DHT node did not start within {startup_timeout:.0f} s") from exc
-        if isinstance(exc, Exception):
-            peers = ", ".join(initial) or "none"
-            raise ConnectionError(f"DHT node failed to start (initial peers: {peers}): {exc}") from exc
-        raise
-    peer_id = dht.peer_id.to_base58()
-    if peer_id != expected_peer_id:  # would break the owner-tag <-> peer ID binding
-        dht.shutdown()
-        raise RuntimeError(f"p2pd reports peer id {peer_id}, identity file gives {expected_peer_id}")
-    if tempdir is not None:
-        key_file.unlink()  # p2pd has read it; an ephemeral key never needs to touch disk again
-    return DhtPeer(
-        dht=dht, peer_id=peer_id, signer=signer, identity_path=None if tempdir else key_file, _tempdir=tempdir
-    )
+        dht.shutdown()  # asks, waits up to shutdown_timeout, then SIGTERM
+    except (OSError, ValueError) as exc:  # a broken pipe to a dying process
+        log.debug("DHT shutdown request: %r", exc)
+        dht.terminate()
+    dht.join(1.0)
+    if dht.is_alive():
+        log.warning("DHT process did not exit after SIGTERM; killing it")
+        dht.kill()
+        dht.join(1.0)
 
 
 class DhtKeyValueStore:

@@ -2,8 +2,10 @@
 
 Lifecycle (`run`):
 
-1. start: check the device, open the state directory, build model, plan and replica (the persisted one
-   if there is one), start the DHT node and the transport, build learner and `Peer`; then catch up:
+1. start: check the device, open the state directory, fork the DHT node, build model, plan, replica
+   (the persisted one if there is one) and optimizer while p2pd starts, wait for the DHT node (a restart
+   of this peer from its own state directory skips hivemind's identity check: `identity_check_needed`),
+   start the transport, build learner and `Peer`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
 2. loop: the main thread trains: one inner step, `after_train_step`, `sync_tick`, and periodically
@@ -11,7 +13,8 @@ Lifecycle (`run`):
    polling rounds and serving the swarm. The swarm thread runs `heartbeat`, `election_tick` and
    `repair_tick` every heartbeat period, so lease renewals never wait for a long training step.
 3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
-   release the lease if held, flush in-flight sends (bounded), persist, stop the transport and the DHT.
+   release the lease if held, flush in-flight sends, persist, stop the transport and the DHT; each
+   step bounded so SIGTERM -> exit stays near `SHUTDOWN_SECONDS` (`PeerNode.shutdown`).
 
 Threads: every call into the `Peer` holds one `PeerLock`; inbound requests and send replies reach it
 only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`). The clock is
@@ -33,7 +36,8 @@ import torch
 
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
-from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, create_dht
+from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, PendingDht, identity_check_needed, start_dht
+from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.guard import DhtClock, GuardedHandlers, LockedTransport, PeerLock, UnlockedKeyValueStore
 from p2p_diloco.node.island import Island, IslandLearner, finish_island, island_sampler
@@ -53,6 +57,8 @@ from p2p_diloco.wire.frames import decode_update
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) polls its rounds
+SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
+TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
 
 
 class PeerNode:
@@ -107,34 +113,29 @@ class PeerNode:
         self.ledger = ContributionLedger(self.state.path, manifest)
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
-        nat = (
-            # Nobody can dial this peer: serve no DHT requests, reserve relay slots on the initial peers.
-            dict(
-                client_mode=True,
-                use_auto_relay=True,
-                force_reachability="private",
-                trusted_relays=opts.initial_peers,
+        # The child also inherits the state directory's lock, so while it lives no successor starts.
+        pending = self._start_dht(saved.peer_id if saved is not None else None)
+        try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
+            corpus = load_corpus(manifest.data)
+            model = build_model(manifest.model)
+            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            plan = plan_fragments(
+                list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern
             )
-            if opts.behind_nat
-            else {}
-        )
-        self.dht_peer = create_dht(
-            initial_peers=opts.initial_peers,
-            identity_path=opts.identity,
-            host_maddrs=opts.listen,
-            announce_maddrs=opts.announce,
-            **nat,
-        )
-        corpus = load_corpus(manifest.data)
-        model = build_model(manifest.model)
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        plan = plan_fragments(
-            list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern
-        )
-        replica = self.state.load_replica(plan)
-        restored = replica is not None
-        if replica is None:
-            replica = GlobalReplica(plan, {name: p.detach().clone() for name, p in model.named_parameters()})
+            replica = self.state.load_replica(plan)
+            restored = replica is not None
+            if replica is None:
+                replica = GlobalReplica(
+                    plan, {name: p.detach().clone() for name, p in model.named_parameters()}
+                )
+            model.to(opts.device)
+            optimizer = make_inner_optimizer(
+                model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay
+            )
+        except BaseException:
+            pending.abort()
+            raise
+        self.dht_peer = pending.wait()
         self.last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
 
         peer_id = self.dht_peer.peer_id
@@ -150,8 +151,6 @@ class PeerNode:
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
-        model.to(opts.device)
-        optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
         seed = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
         sampler = BatchSampler(
             corpus.train,
@@ -211,6 +210,39 @@ class PeerNode:
             f"{sum(plan.sizes())} parameters, device {opts.device}"
         )
         self._catch_up(now, restored)
+
+    def _start_dht(self, previous_peer_id: str | None) -> PendingDht:
+        """Fork the DHT node (`start_dht`); hivemind's identity check only where it is needed.
+
+        A restart of this peer (the state directory we hold the lock of says this key ran here
+        before) skips the check: it would spend seconds dialing our own dead predecessor
+        (`identity_check_needed`). A key new to this state directory is still checked.
+        """
+        opts = self.options
+        check = identity_check_needed(
+            peer_id_of(opts.identity),
+            previous_peer_id=previous_peer_id,
+            holds_state_dir=self.state is not None,
+        )
+        nat = (
+            # Nobody can dial this peer: serve no DHT requests, reserve relay slots on the initial peers.
+            dict(
+                client_mode=True,
+                use_auto_relay=True,
+                force_reachability="private",
+                trusted_relays=opts.initial_peers,
+            )
+            if opts.behind_nat
+            else {}
+        )
+        return start_dht(
+            initial_peers=opts.initial_peers,
+            identity_path=opts.identity,
+            host_maddrs=opts.listen,
+            announce_maddrs=opts.announce,
+            check_identity=check,
+            **nat,
+        )
 
     def _catch_up(self, now: float, restored: bool) -> None:
         assert self.peer is not None
@@ -496,17 +528,30 @@ class PeerNode:
     # ---- shutdown ----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Release the lease, flush sends, persist, stop transport and DHT; safe after a failed start."""
+        """Release the lease, flush sends, persist, stop transport and DHT; safe after a failed start.
+
+        Bounded for peers that stop together (their DHT requests to each other then time out): the
+        swarm thread gets `dht_timeout` + 1 s to finish its tick (after that it may no longer claim
+        the lease and is left behind, a daemon thread), flushing gets what is left of
+        `SHUTDOWN_SECONDS`, and transport and DHT get `TEARDOWN_SECONDS` each, after the replica is
+        persisted. A synchronizer may add one `dht_timeout` to release its lease.
+        """
+        deadline = time.monotonic() + SHUTDOWN_SECONDS
         peer = self.peer
         released = False
         self._swarm_stop.set()
         if self._swarm_thread is not None:
-            self._swarm_thread.join(timeout=2 * self.options.dht_timeout + 5)
+            self._swarm_thread.join(timeout=self.options.dht_timeout + 1.0)
+            if self._swarm_thread.is_alive() and peer is not None:
+                log.warning("swarm tick still running at shutdown; leaving it behind")
+                with self.lock:  # its tick may finish after the release below: it must not claim again
+                    peer.may_sync = False
         if peer is not None:
             with self.lock:
                 finish_island(self.learner)
                 released = self._release_lease()
-        flushed = self.p2p.flush(self.options.flush_timeout) if self.p2p is not None else True
+        flush_timeout = min(self.options.flush_timeout, max(0.5, deadline - time.monotonic()))
+        flushed = self.p2p.flush(flush_timeout) if self.p2p is not None else True
         if self.metrics is not None:
             self.metrics.close()
         self.display.stop()
@@ -523,10 +568,10 @@ class PeerNode:
                 released_lease=released,
                 flushed=flushed,
             )
-        if self.p2p is not None:
-            self.p2p.close()
+        if self.p2p is not None:  # the state is on disk: what follows only stops processes and threads
+            self.p2p.close(timeout=TEARDOWN_SECONDS)
         if self.dht_peer is not None:
-            self.dht_peer.shutdown()
+            self.dht_peer.shutdown(timeout=TEARDOWN_SECONDS)
         if self.ledger is not None:
             self.ledger.close()
         if self.state is not None:
