@@ -318,7 +318,16 @@ class PeerNode:
             if not self.training:
                 self.stop.wait(IDLE_POLL_SECONDS)
             elif opts.min_step_time > 0:
-                self.stop.wait(max(0.0, opts.min_step_time - (time.monotonic() - started)))
+                self._pace(started)
+
+    def _pace(self, step_started: float) -> None:
+        """Wait out the rest of a paced step; a synchronizer keeps closing rounds meanwhile (its rounds
+        would otherwise wait for the slow device's next step)."""
+        assert self.peer is not None
+        deadline = step_started + self.options.min_step_time
+        while (left := deadline - time.monotonic()) > 0 and not self.stop.wait(min(left, IDLE_POLL_SECONDS)):
+            if self.peer.sync is not None:
+                self._sync_tick()
 
     def _swarm_loop(self) -> None:
         """Heartbeat, election and repair every heartbeat period until stopped (the swarm thread)."""
