@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -123,7 +122,6 @@ class PendingDht:
         self.initial = list(initial)
         self.startup_timeout = startup_timeout
         self._tempdir = tempdir
-        self._started = time.monotonic()
 
     @property
     def peer_id(self) -> str:
@@ -131,12 +129,12 @@ class PendingDht:
         return self.expected_peer_id
 
     def wait(self) -> DhtPeer:
-        """The running node; `ConnectionError` if it failed or did not start within `startup_timeout`
-        (counted from `start_dht`)."""
+        """The running node; `ConnectionError` if it failed or is not up `startup_timeout` seconds after
+        this call (counted from here, not from `start_dht`: a slow model build must not eat the DHT's
+        time; a node that came up meanwhile returns at once)."""
         dht, tempdir = self.dht, self._tempdir
-        left = max(0.0, self.startup_timeout - (time.monotonic() - self._started))
         try:
-            dht.wait_until_ready(timeout=left)
+            dht.wait_until_ready(timeout=self.startup_timeout)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, TimeoutError):
