@@ -395,6 +395,8 @@ class PeerNode:
     def _sync_tick(self) -> None:
         peer = self.peer
         assert peer is not None
+        if peer.sync is None:  # checked again under the lock; a learner skips the lock handoff every step
+            return
         with self.lock:
             if peer.sync is None:
                 return
@@ -486,6 +488,8 @@ class PeerNode:
     def _follow_ledger(self) -> None:
         """Record updates applied since the last call (pushed, replayed or our own) in the ledger."""
         if self.peer is None or self.ledger is None:
+            return
+        if self.peer.replica.versions() == tuple(self.ledger.last_version):  # nothing new: no lock handoff
             return
         with self.lock:
             self.ledger.follow(self.peer.replica.versions(), self.peer.update_log, self.clock.now())
