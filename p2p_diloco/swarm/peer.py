@@ -124,6 +124,7 @@ class Peer:
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
         self.lease_holders: dict[int, set[str]] = {}
+        self._last_lease_reread = float("-inf")
         # Per fragment, the term of the update that produced the replica's version (0: initial or unknown,
         # e.g. restored from disk); see protocol/reconcile.py.
         self.tip_terms: list[int] = [0] * plan.num_fragments
@@ -434,9 +435,13 @@ class Peer:
         return reply
 
     def _held_lease(self, leader: str, term: int) -> bool:
-        """Whether `leader` held the lease of `term`, by the lease records seen (re-read once if unknown)."""
+        """Whether `leader` held the lease of `term`, by the lease records seen (re-read if unknown, at most
+        once per heartbeat period: every frame of a replayed log used to cost a DHT read)."""
         if leader not in self.lease_holders.get(term, ()):
-            self.read_swarm(self.clock.now())
+            now = self.clock.now()
+            if now - self._last_lease_reread >= self.manifest.timing.heartbeat_period:
+                self._last_lease_reread = now
+                self.read_swarm(now)
         return leader in self.lease_holders.get(term, ())
 
     def _check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
@@ -509,6 +514,10 @@ class Peer:
             for frame in frames:
                 before = self.tip(fragment)
                 record, reply = self._replay_one(source, frame)
+                if reply.startswith("no lease"):
+                    # The lease record of that term has expired from the DHT (a peer back after a while):
+                    # the rest of this log cannot be verified either, a snapshot can.
+                    break
                 if record is not None and reply.startswith(CHECKSUM_MISMATCH):
                     # The source's history does not pass through my state: a fork, not a gap.
                     theirs = BranchTip(record.term, record.to_version, record.checksum)

@@ -338,3 +338,34 @@ def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates()
     before = peer.replica.digest()
     assert not peer.handle_update("mallory", encode_update(forged)).startswith("applied")
     assert peer.replica.digest() == before
+
+
+def test_replay_stops_at_an_unverifiable_lease_instead_of_reading_the_dht_per_frame():
+    peer = make_peer()
+    reads = []
+    kv_get = peer.kv.get
+    peer.kv.get = lambda key, now: reads.append(key) or kv_get(key, now)
+    replica = GlobalReplica(PLAN, INITIAL)
+    frames = []
+    for version in range(20):  # a log of a term whose lease record expired long ago
+        raw = {n: torch.full(s, 0.01) for n, s in replica.shapes(0).items()}
+        pending = replica.compute_update(0, decode_tensors(encode_tensors(raw)), lr=0.7, momentum=0.9)
+        payload = encode_tensors(raw)
+        record = UpdateRecord(
+            "fz",
+            MANIFEST.manifest_hash,
+            0,
+            version,
+            version + 1,
+            "ghost",
+            (("a", 1.0),),
+            pending.checksum,
+            payload,
+        )
+        frames.append(encode_update(record))
+    peer.transport.updates = frames
+    peer.transport.snapshot = b"garbage"
+    assert not peer.catch_up_fragment(0, ["src"], target=20)
+    assert peer.replica.versions() == (0, 0)
+    assert len(reads) <= 2  # one re-read of heartbeats and leases, not one per frame
+    assert peer.rejections["no lease"] == 1
