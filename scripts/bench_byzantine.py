@@ -5,7 +5,8 @@
                                                 [--undefended a,b]
 
 The in-process swarm of `scripts/bench_quality.py` (4 learners, 1 / 1 / 1.5 / 2 fake s per step, K = 1
-with the grace window, the demo manifest) runs once all honest, then once per attack of
+with the grace window, the demo manifest with the default [robust] checks; docs/results/byzantine-* were
+made when the demo manifest had H = 8, it now has H = 32) runs once all honest, then once per attack of
 `p2p_diloco.swarm.hostile` with learner 0 (one of the two fastest) hostile, all at the same total
 token budget (the hostile learner's tokens count: its compute is lost). Also run:
   honest3       the three honest learners alone for the same fake time: what a perfect defence reaches,
@@ -35,6 +36,7 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import load_corpus
+from p2p_diloco.protocol.robust import RobustConfig
 from p2p_diloco.swarm.hostile import ATTACKS
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 
@@ -95,7 +97,8 @@ def main() -> int:
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = RunManifest.load(args.manifest)
+    # the robust checks at their defaults (the demo manifest turns its direction screen off)
+    base = dataclasses.replace(RunManifest.load(args.manifest), robust=RobustConfig())
     defended = base
     undefended = dataclasses.replace(base, robust=dataclasses.replace(base.robust, enabled=False))
     corpus = load_corpus(base.data)

@@ -192,6 +192,7 @@ class RobustGuard:
         self._reference: dict[int, dict[str, Tensor]] = {}
         self._reference_updates: Counter[int] = Counter()
         self._direction_strikes: dict[int, set[str]] = {}
+        self._warmed: set[int] = set()  # fragments that have had a reference (`warming_up`)
         self._cosines: dict[str, deque[float]] = {}
         self._seen: dict[str, tuple[deque[bytes], set[bytes]]] = {}
         self._offences: dict[str, deque[float]] = {}
@@ -365,6 +366,11 @@ class RobustGuard:
             "with recent updates",
         )
 
+    def warming_up(self, fragment: int) -> bool:
+        """Whether `fragment` never had a direction reference (after a reset rounds are not held again:
+        that stalled the global model for `warmup_wait` each time honest learners disagreed with it)."""
+        return self.config.enabled and fragment not in self._warmed
+
     def has_reference(self, fragment: int) -> bool:
         """Whether `screen` checks directions of `fragment` (False also when the checks are disabled)."""
         ready = self._reference_updates[fragment] >= self.config.reference_min_updates
@@ -420,3 +426,5 @@ class RobustGuard:
             fresh[name] = unit.to(torch.bfloat16)
         self._reference[fragment] = fresh
         self._reference_updates[fragment] += 1
+        if self._reference_updates[fragment] >= self.config.reference_min_updates:
+            self._warmed.add(fragment)

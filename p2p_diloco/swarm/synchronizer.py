@@ -188,7 +188,7 @@ class Synchronizer:
         """While `p` has no direction reference, hold its round for a first update screened by the round."""
         cfg = self.guard.config
         current = self.rounds.round(p)
-        if current is None or self.guard.has_reference(p) or not cfg.enabled:
+        if current is None or not self.guard.warming_up(p):
             return False
         wanted = min(cfg.round_min, len(live_learners))
         return len(current) < wanted and now - current.opened_at < cfg.warmup_wait

@@ -15,7 +15,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.model.data import load_corpus
-from p2p_diloco.protocol.robust import NON_OFFENCES
+from p2p_diloco.protocol.robust import NON_OFFENCES, RobustConfig
 from p2p_diloco.swarm.hostile import ATTACKS
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 
@@ -40,6 +40,7 @@ def manifest() -> RunManifest:
         base,
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
         diloco=dataclasses.replace(base.diloco, inner_steps=8),
+        robust=RobustConfig(),  # the defaults: the demo manifest turns the direction screen off
     )
 
 

@@ -276,3 +276,15 @@ def test_direction_outliers_are_refused_but_never_start_a_cool_down():
     g = guard(offence_limit=2)
     assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, float(t)) is None for t in range(10))
     assert g.cooling(10.0) == frozenset()
+
+
+def test_rounds_are_held_for_a_first_reference_only_not_after_a_reset():
+    g = guard()
+    assert g.warming_up(0)
+    warm(g, direction(0))
+    assert not g.warming_up(0) and g.has_reference(0)
+    for sender in ("a", "b"):  # two senders in a row disagree: the reference is reset ...
+        g.screen(0, delta(-direction(0)), steps=8, sender=sender)
+    assert not g.has_reference(0)
+    assert not g.warming_up(0)  # ... but rounds are not held for warmup_wait again
+    assert not guard(enabled=False).warming_up(0)
