@@ -35,11 +35,11 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def manifest() -> RunManifest:
     base = RunManifest.load("peers/demo.toml")
-    # H = 8 for 1 s fake steps (the demo's H = 32 suits real processes' 40-60 steps a second)
+    # H = 8, batch 8 for 1 s fake steps (the demo manifest is tuned for real processes)
     return dataclasses.replace(
         base,
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
-        diloco=dataclasses.replace(base.diloco, inner_steps=8),
+        diloco=dataclasses.replace(base.diloco, inner_steps=8, batch_size=8),
         robust=RobustConfig(),  # the defaults: the demo manifest turns the direction screen off
     )
 

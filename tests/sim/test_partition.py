@@ -35,7 +35,7 @@ def manifest() -> RunManifest:
     return dataclasses.replace(
         base,
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
-        diloco=dataclasses.replace(base.diloco, inner_steps=8),  # for 1 s fake steps
+        diloco=dataclasses.replace(base.diloco, inner_steps=8, batch_size=8),  # for 1 s fake steps
         timing=dataclasses.replace(base.timing, term_rounds=10_000),
     )
 
