@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -222,3 +223,24 @@ def test_event_log_rotates_past_its_size_cap(tmp_path, monkeypatch):
     assert [e["t"] for e in previous + current] == [
         float(i) for i in range(10 - len(previous) - len(current), 10)
     ]
+
+
+def test_a_paced_synchronizer_keeps_closing_rounds_while_it_waits_out_its_step(tmp_path):
+    from types import SimpleNamespace
+
+    from p2p_diloco.node.options import NodeOptions
+    from p2p_diloco.node.runtime import PeerNode
+
+    options = NodeOptions(
+        manifest=MANIFEST, identity=tmp_path / "k", state_dir=tmp_path / "s", min_step_time=0.2
+    )
+    node = PeerNode(options)
+    ticks = []
+    node._sync_tick = lambda: ticks.append(1)
+    node.peer = SimpleNamespace(sync=object())
+    node._pace(step_started=time.monotonic())
+    assert len(ticks) >= 2  # polled every IDLE_POLL_SECONDS of the 0.2 s left, not once per step
+    ticks.clear()
+    node.peer = SimpleNamespace(sync=None)
+    node._pace(step_started=time.monotonic())
+    assert ticks == []
