@@ -234,41 +234,16 @@ def start_dht(
     return pending
 
 
-def create_dht(
-    *,
-    initial_peers: Sequence[str] = (),
-    identity_path: str | Path | None = None,
-    host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
-    announce_maddrs: Sequence[str] = (),
-    client_mode: bool = False,
-    use_relay: bool = True,
-    use_auto_relay: bool = False,
-    extra_validators: Sequence[RecordValidatorBase] = (),
-    startup_timeout: float = 30.0,
-    check_identity: bool = True,
-    **dht_kwargs: Any,
-) -> DhtPeer:
-    """Start a DHT node whose peer ID and record-signing key come from `identity_path` (ephemeral if None).
+def create_dht(**options: Any) -> DhtPeer:
+    """Start a DHT node whose peer ID and record-signing key come from `identity_path` (ephemeral if None)
+    and wait for it: `start_dht(**options).wait()`, with `start_dht`'s keyword arguments.
 
     `client_mode=True` for peers that cannot accept connections (they still read and write);
     `use_auto_relay=True` lets a peer behind NAT become reachable through relays (e.g. the bootstrap).
-    `check_identity`: as in `start_dht`.
     Raises `ConfigError` for bad addresses or identity files, `ConnectionError` if the node cannot start
     or reach its initial peers.
     """
-    return start_dht(
-        initial_peers=initial_peers,
-        identity_path=identity_path,
-        host_maddrs=host_maddrs,
-        announce_maddrs=announce_maddrs,
-        client_mode=client_mode,
-        use_relay=use_relay,
-        use_auto_relay=use_auto_relay,
-        extra_validators=extra_validators,
-        startup_timeout=startup_timeout,
-        check_identity=check_identity,
-        **dht_kwargs,
-    ).wait()
+    return start_dht(**options).wait()
 
 
 def _stop_dht(dht: hivemind.DHT, timeout: float) -> None:

@@ -11,10 +11,8 @@ import dataclasses
 from collections import Counter
 
 import pytest
-import torch
 
-from p2p_diloco.config import ModelConfig, RunManifest
-from p2p_diloco.model.data import load_corpus
+from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol.robust import NON_OFFENCES, RobustConfig
 from p2p_diloco.swarm.hostile import ATTACKS
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
@@ -33,25 +31,9 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def manifest() -> RunManifest:
-    base = RunManifest.load("peers/demo.toml")
-    # H = 8, batch 8 for 1 s fake steps (the demo manifest is tuned for real processes)
-    return dataclasses.replace(
-        base,
-        model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
-        diloco=dataclasses.replace(base.diloco, inner_steps=8, batch_size=8),
-        robust=RobustConfig(),  # the defaults: the demo manifest turns the direction screen off
-    )
-
-
-@pytest.fixture(scope="module")
-def corpus(manifest):
-    return load_corpus(manifest.data)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    torch.set_num_threads(1)
+def manifest(manifest) -> RunManifest:
+    # the default [robust] checks: the demo manifest turns the direction screen off
+    return dataclasses.replace(manifest, robust=RobustConfig())
 
 
 def test_every_attack_has_an_expected_reason():

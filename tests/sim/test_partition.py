@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from p2p_diloco.config import ModelConfig, RunManifest
+from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import load_corpus
 from p2p_diloco.protocol.reconcile import LOG_RECONCILED, TAG_DIVERGED, TAG_FORK_PROVEN
 from p2p_diloco.swarm.inprocess import InProcessSwarm, Partition, SwarmSpec
@@ -29,20 +28,9 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def manifest() -> RunManifest:
-    base = RunManifest.load("peers/demo.toml")
+def manifest(manifest) -> RunManifest:
     # No rotation during the run, so the side that keeps the first holder stays on term 1.
-    return dataclasses.replace(
-        base,
-        model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
-        diloco=dataclasses.replace(base.diloco, inner_steps=8, batch_size=8),  # for 1 s fake steps
-        timing=dataclasses.replace(base.timing, term_rounds=10_000),
-    )
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    torch.set_num_threads(1)
+    return dataclasses.replace(manifest, timing=dataclasses.replace(manifest.timing, term_rounds=10_000))
 
 
 class Probe:
