@@ -22,6 +22,7 @@ from p2p_diloco.model import BatchSampler, build_model, load_corpus, make_inner_
 
 CONFIGS: dict[str, tuple[ModelConfig, int]] = {
     "default (2L 2H 64d, T=64, B=8)": (ModelConfig(), 8),
+    "demo manifest (2L 2H 64d, T=64, B=32)": (ModelConfig(), 32),
     "4L 4H 128d, T=128, B=8": (ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128), 8),
     "6L 6H 192d, T=128, B=8": (ModelConfig(n_layer=6, n_head=6, n_embd=192, block_size=128), 8),
 }
