@@ -7,9 +7,12 @@ state directory, so the record of a run survives the death of any synchronizer::
      "contributors": [["QmA...", weight, tokens], ...]}
 
 ``version`` is the fragment's version after the update. ``weight`` is the merge weight the update
-record carries (tokens² / steps). ``tokens`` is derived from it as weight / (tokens per step of the
-manifest), which is exact for learners that train with the manifest's batch (every `join` does),
-since then tokens / steps is that constant.
+record carries (tokens² / steps). ``tokens`` is the share of the peer's training this update credits:
+a delta of fragment p carries every token trained since p was last synced, so each trained token is
+sent once per fragment, and each of those P updates credits 1/P of it. It is derived as
+weight / (tokens per step of the manifest) / P, exact for learners that train with the manifest's batch
+(every `join` does), since then tokens / steps is that constant. Summed over a run, a peer's tokens are
+then at most what it trained (a delta merged by an old synchronizer and resent can count twice).
 
 `ContributionLedger.follow` reads new updates from the peer's update log whenever a fragment's
 version moved, so updates applied by any path (pushed, replayed, or the holder's own) are recorded
@@ -76,14 +79,15 @@ def tokens_per_step(manifest: RunManifest) -> int:
     return manifest.diloco.batch_size * manifest.model.block_size
 
 
-def entry_from_record(record: UpdateRecord, per_step: int, now: float | None) -> LedgerEntry:
+def entry_from_record(record: UpdateRecord, per_step: int, fragments: int, now: float | None) -> LedgerEntry:
+    per_credit = per_step * fragments
     return LedgerEntry(
         fragment=record.fragment,
         version=record.to_version,
         term=record.term,
         leader=record.leader,
         contributors=tuple(
-            (peer, float(weight), round(weight / per_step) if per_step > 0 else 0)
+            (peer, float(weight), round(weight / per_credit) if per_credit > 0 else 0)
             for peer, weight in record.contributors
         ),
         t=now,
@@ -156,7 +160,7 @@ class ContributionLedger:
         p = record.fragment
         if not 0 <= p < len(self.last_version) or record.to_version <= self.last_version[p]:
             return None
-        entry = entry_from_record(record, self.per_step, now)
+        entry = entry_from_record(record, self.per_step, len(self.last_version), now)
         self.last_version[p] = entry.version
         add_entry(self.totals, entry)
         self._write(entry.to_json() + "\n")

@@ -26,6 +26,7 @@ from p2p_diloco.wire.frames import encode_update
 
 MANIFEST = RunManifest(run_id="unit-ledger")
 PER_STEP = tokens_per_step(MANIFEST)
+P = MANIFEST.diloco.fragments
 
 
 def weight(tokens: int, steps: int) -> float:
@@ -56,7 +57,8 @@ def test_follow_records_each_applied_update_once_with_derived_tokens(tmp_path):
     versions = [1] + [0] * (MANIFEST.diloco.fragments - 1)
     first = ledger.follow(versions, logs, now=10.0)
     assert [(e.fragment, e.version) for e in first] == [(0, 1)]
-    assert first[0].contributors == (("QmA", a[1], 8 * PER_STEP), ("QmB", b[1], 3 * PER_STEP))
+    # each fragment's update credits 1/P of the tokens behind the delta (every fragment resends them)
+    assert first[0].contributors == (("QmA", a[1], 8 * PER_STEP // P), ("QmB", b[1], 3 * PER_STEP // P))
     assert ledger.follow(versions, logs, now=11.0) == []  # nothing new: nothing written
 
     logs[0].append(update(0, 1, [b], term=2, leader="QmB"))
@@ -72,8 +74,8 @@ def test_follow_records_each_applied_update_once_with_derived_tokens(tmp_path):
         (3, 1, "QmLeader", 12.0),
     ]
     totals = summarize(entries)
-    assert totals["QmA"].tokens == 16 * PER_STEP and totals["QmA"].updates == 2
-    assert totals["QmB"].tokens == 6 * PER_STEP and totals["QmB"].updates == 2
+    assert totals["QmA"].tokens == 16 * PER_STEP // P and totals["QmA"].updates == 2
+    assert totals["QmB"].tokens == 6 * PER_STEP // P and totals["QmB"].updates == 2
     # shares: update 1 splits 8:3 by weight (tokens * tokens/step, equal tokens/step), 2 and 3 are whole
     assert totals["QmA"].share == pytest.approx(8 / 11 + 1)
     assert totals["QmB"].share == pytest.approx(3 / 11 + 1)
@@ -129,10 +131,10 @@ def test_report_json_text_and_status_ledger_command(tmp_path, capsys):
 
     report = ledger_report(read_ledger(tmp_path), last=1)
     assert [row["peer_id"] for row in report["peers"]] == ["QmA", "QmB"]  # most tokens first
-    assert report["peers"][0]["tokens"] == 2 * PER_STEP and report["fragments"]["0"]["last"] == 1
-    assert report["recent"][0]["contributors"][1][2] == PER_STEP
+    assert report["peers"][0]["tokens"] == 2 * PER_STEP // P and report["fragments"]["0"]["last"] == 1
+    assert report["recent"][0]["contributors"][1][2] == PER_STEP // P
     text = format_ledger(report)
-    assert "QmA" in text and f"{2 * PER_STEP}" in text
+    assert "QmA" in text and f"{2 * PER_STEP // P}" in text
 
     manifest_path = tmp_path / "run.toml"
     manifest_path.write_text('run_id = "unit-ledger"\n')
