@@ -19,9 +19,8 @@ is refused), so letting another thread in meanwhile is safe; and two peers fetch
 can never deadlock, and heartbeats and lease renewals never wait for a slow DHT lookup of another
 thread.
 
-Python's locks are not fair: a training thread that releases the lock and takes it again at once
-would starve the handlers. `PeerLock` counts waiters, and the training thread calls
-`yield_to_waiters` between steps.
+Python's locks are not fair, but no thread holds this one for long: the training thread takes it only
+between inner steps (to send a delta), not for the step itself (`node.runtime`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -49,21 +47,13 @@ SERVE_LOCK_TIMEOUT = 2.0  # fetches: the requester has other sources, and may it
 
 
 class PeerLock:
-    """A re-entrant lock that knows how many threads wait for it (see the module docstring)."""
+    """The re-entrant lock around every call into the `Peer` (see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._count_lock = threading.Lock()
-        self._waiting = 0
 
     def acquire(self, timeout: float = -1) -> bool:
-        with self._count_lock:
-            self._waiting += 1
-        try:
-            return self._lock.acquire(timeout=timeout)
-        finally:
-            with self._count_lock:
-                self._waiting -= 1
+        return self._lock.acquire(timeout=timeout)
 
     def release(self) -> None:
         self._lock.release()
@@ -85,23 +75,7 @@ class PeerLock:
         try:
             yield
         finally:
-            with self._count_lock:
-                self._waiting += 1
-            try:
-                self._lock._acquire_restore(saved)  # type: ignore[attr-defined]
-            finally:
-                with self._count_lock:
-                    self._waiting -= 1
-
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    def yield_to_waiters(self, max_seconds: float = 0.05) -> None:
-        """Called without holding the lock: give waiting threads up to `max_seconds` to take it first."""
-        deadline = time.monotonic() + max_seconds
-        while self._waiting and time.monotonic() < deadline:
-            time.sleep(0.0005)
+            self._lock._acquire_restore(saved)  # type: ignore[attr-defined]
 
 
 class DhtClock:

@@ -57,7 +57,7 @@ from p2p_diloco.model.gpt import build_model, make_inner_optimizer
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.learner import Learner, holding_lock
 
 log = logging.getLogger(__name__)
 
@@ -272,11 +272,13 @@ class IslandLearner(Learner):
         super().__init__(*args, **kwargs)  # loads the replica into the model: every fragment dirty
         self.ddp = island.wrap(self.model)
 
+    @holding_lock
     def adopt(self, record: UpdateRecord, old_global: Mapping[str, torch.Tensor]) -> str:
         result = super().adopt(record, old_global)
         self.dirty.add(record.fragment)
         return result
 
+    @holding_lock
     def load_global_into_model(self, fragments: list[int] | None = None) -> None:
         super().load_global_into_model(fragments)
         self.dirty.update(range(self.plan.num_fragments) if fragments is None else fragments)
@@ -288,6 +290,7 @@ class IslandLearner(Learner):
         if dirty and not self.island.sync_fragments(self.params, self.plan, dirty):
             self.dirty.update(range(self.plan.num_fragments))  # repair: everything again next step
 
+    @holding_lock
     def train_step(self, compute_seconds: float | None = None) -> float:
         self._lead(CMD_TRAIN)
         raw, self.model = self.model, self.ddp  # the base step runs forward/backward through DDP
@@ -304,6 +307,7 @@ class IslandLearner(Learner):
             work.steps += others
         return loss
 
+    @holding_lock
     def finish(self) -> None:
         """Release the followers (STOP after a last broadcast) and write rank 0's digest; idempotent,
         never raises (also called on the way out after a rank died)."""

@@ -8,17 +8,21 @@ Lifecycle (`run`):
    start the transport, build learner and `Peer`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
-2. loop: the main thread trains: one inner step, `after_train_step`, `sync_tick`, and periodically
-   persists the replica and prints a progress line. After `--max-steps` it stops training but keeps
-   polling rounds and serving the swarm. The swarm thread runs `heartbeat`, `election_tick` and
-   `repair_tick` every heartbeat period, so lease renewals never wait for a long training step.
+2. loop: the main thread trains: one inner step, `after_train_step`, and periodically persists the
+   replica and prints a progress line. After `--max-steps` it stops training but keeps serving the
+   swarm. The swarm thread runs `heartbeat`, `election_tick` and `repair_tick` every heartbeat period,
+   so lease renewals never wait for a long training step; the sync thread closes the synchronizer's
+   rounds (`sync_tick`) as they become ready, so merging and publishing run beside the inner steps.
 3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
    release the lease if held, flush in-flight sends, persist, stop the transport and the DHT; each
    step bounded so SIGTERM -> exit stays near `SHUTDOWN_SECONDS` (`PeerNode.shutdown`).
 
 Threads: every call into the `Peer` holds one `PeerLock`; inbound requests and send replies reach it
-only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`). The clock is
-hivemind's DHT time, since DHT records expire at absolute times.
+only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`). The inner step
+itself runs without the `PeerLock`, under the learner's own lock only, so pushed updates are checked
+and applied to the replica while the model trains; their adoption into the model waits for the step's
+end (locks are always taken in the order peer lock, then learner lock). The clock is hivemind's DHT
+time, since DHT records expire at absolute times.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ from p2p_diloco.wire.frames import decode_update
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) polls its rounds
+IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) checks for work
+SYNC_POLL_SECONDS = 0.02  # how often the sync thread polls the synchronizer's rounds
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
 
@@ -100,7 +105,8 @@ class PeerNode:
         self.last_in_sync = 0.0
         self.last_connected = 0.0
         self._swarm_thread: threading.Thread | None = None
-        self._swarm_stop = threading.Event()
+        self._sync_thread: threading.Thread | None = None
+        self._swarm_stop = threading.Event()  # stops the swarm and sync threads
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -295,6 +301,8 @@ class PeerNode:
         self.loop_started = time.monotonic()
         self._swarm_thread = threading.Thread(target=self._swarm_loop, name="swarm-ticks", daemon=True)
         self._swarm_thread.start()
+        self._sync_thread = threading.Thread(target=self._sync_loop, name="sync-rounds", daemon=True)
+        self._sync_thread.start()
         next_persist = time.monotonic() + opts.persist_every
         progress_every = self.display.period(opts.progress_every)
         next_progress = time.monotonic() + progress_every
@@ -306,7 +314,6 @@ class PeerNode:
                     finish_island(self.learner)  # an island's other ranks stop with the training
             if self.training:
                 self._train_step()
-            self._sync_tick()
             self._follow_ledger()
             if time.monotonic() >= next_persist:
                 next_persist = time.monotonic() + opts.persist_every
@@ -314,20 +321,19 @@ class PeerNode:
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + progress_every
                 self.progress()
-            self.lock.yield_to_waiters()
             if not self.training:
                 self.stop.wait(IDLE_POLL_SECONDS)
             elif opts.min_step_time > 0:
                 self._pace(started)
 
     def _pace(self, step_started: float) -> None:
-        """Wait out the rest of a paced step; a synchronizer keeps closing rounds meanwhile (its rounds
-        would otherwise wait for the slow device's next step)."""
-        assert self.peer is not None
-        deadline = step_started + self.options.min_step_time
-        while (left := deadline - time.monotonic()) > 0 and not self.stop.wait(min(left, IDLE_POLL_SECONDS)):
-            if self.peer.sync is not None:
-                self._sync_tick()
+        """Wait out the rest of a paced step (the sync thread keeps closing rounds meanwhile)."""
+        self.stop.wait(max(0.0, step_started + self.options.min_step_time - time.monotonic()))
+
+    def _sync_loop(self) -> None:
+        """Close the synchronizer's rounds as they become ready, until stopped (the sync thread)."""
+        while not (self.stop.is_set() or self._swarm_stop.wait(SYNC_POLL_SECONDS)):
+            self._sync_tick()
 
     def _swarm_loop(self) -> None:
         """Heartbeat, election and repair every heartbeat period until stopped (the swarm thread)."""
@@ -360,8 +366,8 @@ class PeerNode:
         paced = (
             max(self.options.min_step_time, self.telemetry.step_time) if self.options.min_step_time else None
         )
+        self.learner.train_step(compute_seconds=paced)  # not under the peer lock: module docstring
         with self.lock:
-            self.learner.train_step(compute_seconds=paced)
             self.peer.after_train_step(self.clock.now())
         self.telemetry.step_finished(time.monotonic())
 
@@ -395,7 +401,7 @@ class PeerNode:
     def _sync_tick(self) -> None:
         peer = self.peer
         assert peer is not None
-        if peer.sync is None:  # checked again under the lock; a learner skips the lock handoff every step
+        if peer.sync is None:  # checked again under the lock; a learner's sync thread only polls this
             return
         with self.lock:
             if peer.sync is None:
@@ -553,6 +559,8 @@ class PeerNode:
         peer = self.peer
         released = False
         self._swarm_stop.set()
+        if self._sync_thread is not None:
+            self._sync_thread.join(timeout=SHUTDOWN_SECONDS / 2)  # at most one sync tick to finish
         if self._swarm_thread is not None:
             self._swarm_thread.join(timeout=self.options.dht_timeout + 1.0)
             if self._swarm_thread.is_alive() and peer is not None:

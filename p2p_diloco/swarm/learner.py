@@ -4,6 +4,10 @@ Sans-IO: the learner never touches the network or a clock. Its driver (the in-pr
 peer) calls `train_step`, sends the frames `take_due_delta` returns, feeds back the receiver's reply
 with `on_delta_reply`, and calls `adopt` after the replica applied an update.
 
+Thread safety: every public method holds the learner's own re-entrant `lock`, so a real peer runs
+`train_step` without its peer lock while other threads apply updates to the replica; an adoption that
+arrives mid-step waits for the step's end, and no step ever sees half-moved parameters.
+
 Adoption rule. The delta of fragment p is always `anchor_p - theta_p`, where the anchor is the global
 Theta_p the learner last adopted (the replica's current value). When an update for p is applied:
 - if it merged this learner's in-flight delta, theta_p becomes the new Theta_p plus the progress made
@@ -15,9 +19,12 @@ Theta_p the learner last adopted (the replica's current value). When an update f
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +37,19 @@ from p2p_diloco.wire.codec import ErrorFeedback
 from p2p_diloco.wire.frames import encode_delta
 
 ACCEPTED_REPLIES = ("accepted", "replaced", "opened round")
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def holding_lock(method: _Method) -> _Method:
+    """Run a `Learner` method under the learner's `lock` (module docstring)."""
+
+    @functools.wraps(method)
+    def locked(self: Learner, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 @dataclass
@@ -67,6 +87,7 @@ class Learner:
         *,
         device: str = "cpu",
     ):
+        self.lock = threading.RLock()
         self.peer_id = peer_id
         self.manifest = manifest
         self.plan = plan
@@ -99,6 +120,7 @@ class Learner:
 
     # ---- training -------------------------------------------------------------------------------
 
+    @holding_lock
     def train_step(self, compute_seconds: float | None = None) -> float:
         """One inner AdamW step on this learner's shard; counts tokens, steps and compute time for every
         fragment. `compute_seconds` is the step's duration when the driver knows it (fake clock);
@@ -128,6 +150,7 @@ class Learner:
             name: self.params[name].detach().to("cpu", torch.float32) for name in self.plan.names(fragment)
         }
 
+    @holding_lock
     def take_due_delta(self, now: float) -> tuple[int, bytes] | None:
         """If the schedule says a fragment is due now, build its delta frame and mark it in flight."""
         decision = self.schedule.on_step(self.step, frozenset(self.sent))
@@ -166,6 +189,7 @@ class Learner:
 
     # ---- replies and timeouts -------------------------------------------------------------------
 
+    @holding_lock
     def on_delta_reply(self, fragment: int, seq: int, reply: str) -> bool:
         """Handle the synchronizer's answer; returns True when the delta was refused and released."""
         sent = self.sent.get(fragment)
@@ -175,6 +199,7 @@ class Learner:
         self.deltas_rejected += 1
         return True
 
+    @holding_lock
     def expire_in_flight(self, now: float, timeout: float) -> list[int]:
         """Release deltas with no merged update after `timeout` s (lost with a crashed synchronizer)."""
         expired = [p for p, s in self.sent.items() if now - s.sent_at > timeout]
@@ -192,6 +217,7 @@ class Learner:
 
     # ---- adoption -------------------------------------------------------------------------------
 
+    @holding_lock
     def adopt(self, record: UpdateRecord, old_global: Mapping[str, torch.Tensor]) -> str:
         """Called after the replica applied `record`; moves theta_p as the module docstring says."""
         p = record.fragment
@@ -226,6 +252,7 @@ class Learner:
             return "adopted own merge"
         return "shifted by others' merge"
 
+    @holding_lock
     def load_global_into_model(self, fragments: list[int] | None = None) -> None:
         """Overwrite theta with the replica's Theta (start, snapshot download); drops in-flight state."""
         with torch.no_grad():

@@ -132,3 +132,27 @@ def test_accepted_reply_keeps_delta_in_flight_and_timeout_releases_it(corpus):
     assert learner.expire_in_flight(sent_at + 1.0, timeout=5.0) == []
     assert learner.expire_in_flight(sent_at + 6.0, timeout=5.0) == [p]
     assert p not in learner.sent
+
+
+def test_an_adoption_from_another_thread_waits_for_the_running_step(corpus):
+    """A real peer trains without its peer lock; the learner's own lock keeps adoption out of a step."""
+    import threading
+
+    learner, replica, _ = make(corpus)
+    seen: list[bool] = []
+    next_batch = learner.sampler.next_batch
+
+    def next_batch_while_probing():
+        # mid-step: may another thread (a handler applying an update) take the learner now?
+        probe = threading.Thread(target=lambda: seen.append(learner.lock.acquire(blocking=False)))
+        probe.start()
+        probe.join()
+        return next_batch()
+
+    learner.sampler.next_batch = next_batch_while_probing
+    learner.train_step()
+    assert seen == [False]
+    for name in ("train_step", "take_due_delta", "on_delta_reply", "expire_in_flight", "adopt"):
+        assert getattr(Learner, name).__wrapped__  # every entry point holds the lock (holding_lock)
+    learner.sampler.next_batch = next_batch
+    assert apply_update(replica, learner, 0, [("other", 1.0)]) == "shifted by others' merge"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -225,22 +224,20 @@ def test_event_log_rotates_past_its_size_cap(tmp_path, monkeypatch):
     ]
 
 
-def test_a_paced_synchronizer_keeps_closing_rounds_while_it_waits_out_its_step(tmp_path):
-    from types import SimpleNamespace
-
+def test_the_sync_thread_closes_rounds_between_and_during_steps_until_stopped(tmp_path):
     from p2p_diloco.node.options import NodeOptions
     from p2p_diloco.node.runtime import PeerNode
 
-    options = NodeOptions(
-        manifest=MANIFEST, identity=tmp_path / "k", state_dir=tmp_path / "s", min_step_time=0.2
-    )
+    options = NodeOptions(manifest=MANIFEST, identity=tmp_path / "k", state_dir=tmp_path / "s")
     node = PeerNode(options)
-    ticks = []
-    node._sync_tick = lambda: ticks.append(1)
-    node.peer = SimpleNamespace(sync=object())
-    node._pace(step_started=time.monotonic())
-    assert len(ticks) >= 2  # polled every IDLE_POLL_SECONDS of the 0.2 s left, not once per step
-    ticks.clear()
-    node.peer = SimpleNamespace(sync=None)
-    node._pace(step_started=time.monotonic())
-    assert ticks == []
+    ticked = threading.Semaphore(0)
+    node._sync_tick = ticked.release  # the real one closes ready rounds under the peer lock
+    thread = threading.Thread(target=node._sync_loop)
+    thread.start()
+    try:
+        # polled on its own, every SYNC_POLL_SECONDS: no training step drives it
+        assert all(ticked.acquire(timeout=5) for _ in range(3))
+    finally:
+        node._swarm_stop.set()
+        thread.join(timeout=5)
+    assert not thread.is_alive()
