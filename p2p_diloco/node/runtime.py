@@ -8,11 +8,12 @@ Lifecycle (`run`):
    start the transport, build learner and `Peer`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
-2. loop: the main thread trains: one inner step, `after_train_step`, and periodically persists the
-   replica and prints a progress line. After `--max-steps` it stops training but keeps serving the
-   swarm. The swarm thread runs `heartbeat`, `election_tick` and `repair_tick` every heartbeat period,
-   so lease renewals never wait for a long training step; the sync thread closes the synchronizer's
-   rounds (`sync_tick`) as they become ready, so merging and publishing run beside the inner steps.
+2. loop: the main thread trains: one inner step, then `after_train_step` when a delta is due, and
+   periodically a progress line. After `--max-steps` it stops training but keeps serving the swarm.
+   The swarm thread runs `heartbeat`, `election_tick` and `repair_tick` every heartbeat period (so
+   lease renewals never wait for a long training step), follows the ledger and persists the replica;
+   the sync thread closes the synchronizer's rounds (`sync_tick`) as they become ready, so merging and
+   publishing run beside the inner steps.
 3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
    release the lease if held, flush in-flight sends, persist, stop the transport and the DHT; each
    step bounded so SIGTERM -> exit stays near `SHUTDOWN_SECONDS` (`PeerNode.shutdown`).
@@ -107,6 +108,7 @@ class PeerNode:
         self._swarm_thread: threading.Thread | None = None
         self._sync_thread: threading.Thread | None = None
         self._swarm_stop = threading.Event()  # stops the swarm and sync threads
+        self._persist_lock = threading.Lock()  # one save at a time (swarm thread, shutdown)
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -303,7 +305,6 @@ class PeerNode:
         self._swarm_thread.start()
         self._sync_thread = threading.Thread(target=self._sync_loop, name="sync-rounds", daemon=True)
         self._sync_thread.start()
-        next_persist = time.monotonic() + opts.persist_every
         progress_every = self.display.period(opts.progress_every)
         next_progress = time.monotonic() + progress_every
         while not self.stop.is_set():
@@ -314,10 +315,6 @@ class PeerNode:
                     finish_island(self.learner)  # an island's other ranks stop with the training
             if self.training:
                 self._train_step()
-            self._follow_ledger()
-            if time.monotonic() >= next_persist:
-                next_persist = time.monotonic() + opts.persist_every
-                self.persist()
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + progress_every
                 self.progress()
@@ -336,15 +333,22 @@ class PeerNode:
             self._sync_tick()
 
     def _swarm_loop(self) -> None:
-        """Heartbeat, election and repair every heartbeat period until stopped (the swarm thread)."""
+        """Heartbeat, election and repair every heartbeat period until stopped, then the ledger and (every
+        `--persist-every` s) the replica on disk: the swarm thread, so the training thread never waits
+        for them."""
         period = self.manifest.timing.heartbeat_period
         next_tick = time.monotonic() + period
+        next_persist = time.monotonic() + self.options.persist_every
         while not (self.stop.is_set() or self._swarm_stop.is_set()):
             if self._swarm_stop.wait(max(0.0, next_tick - time.monotonic())) or self.stop.is_set():
                 return
             next_tick = max(next_tick + period, time.monotonic())
             try:
                 self._swarm_tick()
+                self._follow_ledger()
+                if time.monotonic() >= next_persist:
+                    next_persist = time.monotonic() + self.options.persist_every
+                    self.persist()
             except Exception:  # never let the thread die: the lease would lapse silently
                 log.exception("swarm tick failed")
                 self.tick_errors["unexpected"] += 1
@@ -367,8 +371,9 @@ class PeerNode:
             max(self.options.min_step_time, self.telemetry.step_time) if self.options.min_step_time else None
         )
         self.learner.train_step(compute_seconds=paced)  # not under the peer lock: module docstring
-        with self.lock:
-            self.peer.after_train_step(self.clock.now())
+        if self.learner.delta_pending():  # else nothing to send: no lock handoff
+            with self.lock:
+                self.peer.after_train_step(self.clock.now())
         self.telemetry.step_finished(time.monotonic())
 
     def _swarm_tick(self) -> None:
@@ -527,7 +532,8 @@ class PeerNode:
         return rejection_counts(self.peer, self.guard, self.p2p)
 
     def persist(self) -> None:
-        """Save replica and peer state (under the lock, so the files match one moment of the replica)."""
+        """Save replica and peer state: one moment of the replica, taken under the lock, written outside it
+        (from the swarm thread, and once more at shutdown)."""
         peer, state = self.peer, self.state
         if peer is None or state is None:
             return
@@ -535,8 +541,10 @@ class PeerNode:
             now = self.clock.now()
             # in sync while the swarm still sees our last heartbeat as live
             connected = now - self.last_connected < self.manifest.timing.heartbeat_ttl
+            replica = peer.replica.frozen()
+        with self._persist_lock:
             try:
-                state.save(peer.replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
+                state.save(replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
             except OSError as exc:
                 self.event("persist_failed", error=str(exc))
                 log.error("could not persist the replica: %s", exc)

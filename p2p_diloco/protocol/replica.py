@@ -16,6 +16,7 @@ blake2b over the fragment checksums in fragment order, so equal digests mean ide
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -180,6 +181,16 @@ class GlobalReplica:
         for p in range(self.num_fragments):
             h.update(bytes.fromhex(self.checksum(p)))
         return h.hexdigest()
+
+    def frozen(self) -> GlobalReplica:
+        """This moment's replica, sharing its tensors (never changed in place): cheap to take under a lock,
+        then saved or digested outside it while this one moves on."""
+        twin = copy.copy(self)
+        twin._params = [dict(params) for params in self._params]
+        twin._momentum = [dict(momentum) for momentum in self._momentum]
+        twin._versions = list(self._versions)
+        twin._checksums = list(self._checksums)
+        return twin
 
     def params_of(self, fragment: int) -> dict[str, Tensor]:
         return {name: t.clone() for name, t in self._params[self._index(fragment)].items()}

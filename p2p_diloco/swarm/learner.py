@@ -151,6 +151,12 @@ class Learner:
         }
 
     @holding_lock
+    def delta_pending(self) -> bool:
+        """Whether a fragment's send is due (maybe deferred by `max_in_flight`): `take_due_delta` may then
+        have a frame. A cheap check for drivers that take a lock around `take_due_delta`."""
+        return self.schedule.pending(self.step) is not None
+
+    @holding_lock
     def take_due_delta(self, now: float) -> tuple[int, bytes] | None:
         """If the schedule says a fragment is due now, build its delta frame and mark it in flight."""
         decision = self.schedule.on_step(self.step, frozenset(self.sent))

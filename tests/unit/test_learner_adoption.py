@@ -156,3 +156,14 @@ def test_an_adoption_from_another_thread_waits_for_the_running_step(corpus):
         assert getattr(Learner, name).__wrapped__  # every entry point holds the lock (holding_lock)
     learner.sampler.next_batch = next_batch
     assert apply_update(replica, learner, 0, [("other", 1.0)]) == "shifted by others' merge"
+
+
+def test_delta_pending_says_when_take_due_delta_may_have_a_frame(corpus):
+    learner, _, _ = make(corpus)  # H = 4, P = 2: sends due at steps 2 (fragment 1), 4 (0), 6 (1), ...
+    pending, frames = [], []
+    for _ in range(6):
+        learner.train_step()
+        pending.append(learner.delta_pending())
+        frames.append(learner.take_due_delta(now=float(learner.step)) is not None)
+    assert pending == [False, True, False, True, False, True]
+    assert frames == [False, True, False, True, False, False]  # step 6: fragment 1 is still in flight

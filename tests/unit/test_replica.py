@@ -322,3 +322,17 @@ def test_copies_handed_out_cannot_change_the_replica() -> None:
     recomputed = GlobalReplica(PLAN, initial())
     recomputed.load_fragment(0, 1, *replica.snapshot(0)[1:], replica.checksum(0))
     assert recomputed.checksum(0) == replica.checksum(0)
+
+
+def test_a_frozen_replica_keeps_its_moment_while_the_replica_moves_on(tmp_path) -> None:
+    replica = GlobalReplica(PLAN, initial())
+    apply(replica, 0, 0)
+    twin = GlobalReplica(PLAN, initial())
+    apply(twin, 0, 0)
+    frozen = replica.frozen()
+    apply(replica, 0, 1)
+    apply(replica, 1, 0)
+    assert replica.versions() == (2, 1) and frozen.versions() == (1, 0)
+    assert_identical(frozen, twin)  # what the twin fed the same first update holds, bit for bit
+    frozen.save(tmp_path / "replica.pt")  # what the peer persists outside its lock
+    assert_identical(GlobalReplica.load(tmp_path / "replica.pt", PLAN), twin)
