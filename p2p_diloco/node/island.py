@@ -272,9 +272,13 @@ class IslandLearner(Learner):
         super().__init__(*args, **kwargs)  # loads the replica into the model: every fragment dirty
         self.ddp = island.wrap(self.model)
 
-    @holding_lock
-    def adopt(self, record: UpdateRecord, old_global: Mapping[str, torch.Tensor]) -> str:
-        result = super().adopt(record, old_global)
+    def _adopt_now(
+        self,
+        record: UpdateRecord,
+        old_global: Mapping[str, torch.Tensor],
+        new_global: Mapping[str, torch.Tensor],
+    ) -> str:
+        result = super()._adopt_now(record, old_global, new_global)
         self.dirty.add(record.fragment)
         return result
 

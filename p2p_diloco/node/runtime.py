@@ -21,8 +21,9 @@ Lifecycle (`run`):
 Threads: every call into the `Peer` holds one `PeerLock`; inbound requests and send replies reach it
 only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`). The inner step
 itself runs without the `PeerLock`, under the learner's own lock only, so pushed updates are checked
-and applied to the replica while the model trains; their adoption into the model waits for the step's
-end (locks are always taken in the order peer lock, then learner lock). The clock is hivemind's DHT
+and applied to the replica while the model trains; their adoption into the model is queued until the
+step's end (`swarm.learner`), so no thread waits for a step (locks are always taken in the order peer
+lock, then learner lock). The clock is hivemind's DHT
 time, since DHT records expire at absolute times.
 """
 
@@ -319,6 +320,7 @@ class PeerNode:
                 next_progress = time.monotonic() + progress_every
                 self.progress()
             if not self.training:
+                self.learner.settle()  # adopt updates queued by other threads: no step does it now
                 self.stop.wait(IDLE_POLL_SECONDS)
             elif opts.min_step_time > 0:
                 self._pace(started)

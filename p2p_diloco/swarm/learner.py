@@ -5,8 +5,11 @@ peer) calls `train_step`, sends the frames `take_due_delta` returns, feeds back 
 with `on_delta_reply`, and calls `adopt` after the replica applied an update.
 
 Thread safety: every public method holds the learner's own re-entrant `lock`, so a real peer runs
-`train_step` without its peer lock while other threads apply updates to the replica; an adoption that
-arrives mid-step waits for the step's end, and no step ever sees half-moved parameters.
+`train_step` without its peer lock while other threads apply updates to the replica. An adoption that
+arrives while another thread holds the lock (mid-step) is queued with the replica's values of that
+moment, and every public method first applies the queued adoptions in order: the learner then acts as
+if each had happened at once, no step sees half-moved parameters, and the thread that applied the
+update never waits for the step.
 
 Adoption rule. The delta of fragment p is always `anchor_p - theta_p`, where the anchor is the global
 Theta_p the learner last adopted (the replica's current value). When an update for p is applied:
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -47,7 +51,10 @@ def holding_lock(method: _Method) -> _Method:
     @functools.wraps(method)
     def locked(self: Learner, *args: Any, **kwargs: Any) -> Any:
         with self.lock:
-            return method(self, *args, **kwargs)
+            self._adopt_queued()
+            result = method(self, *args, **kwargs)
+            self._adopt_queued()  # what arrived during a step, before the lock is let go
+            return result
 
     return locked  # type: ignore[return-value]
 
@@ -88,6 +95,10 @@ class Learner:
         device: str = "cpu",
     ):
         self.lock = threading.RLock()
+        # (record, old Theta_p, new Theta_p) of adoptions that arrived while the lock was busy, in order
+        self._queued: deque[tuple[UpdateRecord, Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = (
+            deque()
+        )
         self.peer_id = peer_id
         self.manifest = manifest
         self.plan = plan
@@ -157,6 +168,10 @@ class Learner:
         return self.schedule.pending(self.step) is not None
 
     @holding_lock
+    def settle(self) -> None:
+        """Apply queued adoptions now (a driver that stopped training calls this: nothing else would)."""
+
+    @holding_lock
     def take_due_delta(self, now: float) -> tuple[int, bytes] | None:
         """If the schedule says a fragment is due now, build its delta frame and mark it in flight."""
         decision = self.schedule.on_step(self.step, frozenset(self.sent))
@@ -223,11 +238,31 @@ class Learner:
 
     # ---- adoption -------------------------------------------------------------------------------
 
-    @holding_lock
     def adopt(self, record: UpdateRecord, old_global: Mapping[str, torch.Tensor]) -> str:
-        """Called after the replica applied `record`; moves theta_p as the module docstring says."""
+        """Called after the replica applied `record`; moves theta_p as the module docstring says, now if
+        the lock is free, else before the learner's next operation (queued, with this moment's Theta_p)."""
+        new_global = self.replica.params_of(record.fragment)
+        if not self.lock.acquire(blocking=False):
+            self._queued.append((record, old_global, new_global))
+            return "queued until the running step ends"
+        try:
+            self._adopt_queued()
+            return self._adopt_now(record, old_global, new_global)
+        finally:
+            self.lock.release()
+
+    def _adopt_queued(self) -> None:
+        """Apply adoptions queued while the lock was busy (called holding it)."""
+        while self._queued:
+            self._adopt_now(*self._queued.popleft())
+
+    def _adopt_now(
+        self,
+        record: UpdateRecord,
+        old_global: Mapping[str, torch.Tensor],
+        new_global: Mapping[str, torch.Tensor],
+    ) -> str:
         p = record.fragment
-        new_global = self.replica.params_of(p)
         sent = self.sent.get(p)
         contributed = sent is not None and any(peer == self.peer_id for peer, _ in record.contributors)
         mode = self.manifest.diloco.adoption

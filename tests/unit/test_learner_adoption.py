@@ -134,28 +134,35 @@ def test_accepted_reply_keeps_delta_in_flight_and_timeout_releases_it(corpus):
     assert p not in learner.sent
 
 
-def test_an_adoption_from_another_thread_waits_for_the_running_step(corpus):
-    """A real peer trains without its peer lock; the learner's own lock keeps adoption out of a step."""
+def test_an_update_applied_mid_step_is_adopted_after_the_step_as_if_at_once(corpus):
+    """A real peer trains without its peer lock: an update landing mid-step is queued, not waited for."""
     import threading
 
     learner, replica, _ = make(corpus)
-    seen: list[bool] = []
+    twin, twin_replica, _ = make(corpus)  # same weights, same batches: adopts the same update after its step
+    replies: list[str] = []
     next_batch = learner.sampler.next_batch
 
-    def next_batch_while_probing():
-        # mid-step: may another thread (a handler applying an update) take the learner now?
-        probe = threading.Thread(target=lambda: seen.append(learner.lock.acquire(blocking=False)))
-        probe.start()
-        probe.join()
+    def next_batch_while_an_update_lands():
+        before = theta(learner, 0)
+        landing = threading.Thread(
+            target=lambda: replies.append(apply_update(replica, learner, 0, [("o", 1.0)]))
+        )
+        landing.start()
+        landing.join(timeout=30)
+        assert not landing.is_alive()  # the applying thread did not wait for this step to end
+        assert all(torch.equal(before[n], learner.params[n]) for n in before)  # nothing moved mid-step
         return next_batch()
 
-    learner.sampler.next_batch = next_batch_while_probing
+    learner.sampler.next_batch = next_batch_while_an_update_lands
     learner.train_step()
-    assert seen == [False]
-    for name in ("train_step", "take_due_delta", "on_delta_reply", "expire_in_flight", "adopt"):
-        assert getattr(Learner, name).__wrapped__  # every entry point holds the lock (holding_lock)
-    learner.sampler.next_batch = next_batch
-    assert apply_update(replica, learner, 0, [("other", 1.0)]) == "shifted by others' merge"
+    twin.train_step()
+    assert replies == ["queued until the running step ends"]
+    assert apply_update(twin_replica, twin, 0, [("o", 1.0)]) == "shifted by others' merge"
+    for p in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(theta(learner, p).values(), theta(twin, p).values()))
+    for name in ("train_step", "take_due_delta", "on_delta_reply", "expire_in_flight", "settle"):
+        assert getattr(Learner, name).__wrapped__  # every entry point adopts what was queued first
 
 
 def test_delta_pending_says_when_take_due_delta_may_have_a_frame(corpus):
