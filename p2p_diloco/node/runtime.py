@@ -8,11 +8,10 @@ Lifecycle (`run`):
    start the transport, build learner and `Peer`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
-2. loop: the main thread trains: one inner step, then `after_train_step` when a delta is due, and
-   periodically a progress line. After `--max-steps` it stops training but keeps serving the swarm.
-   The swarm thread runs `heartbeat`, `election_tick` and `repair_tick` every heartbeat period (so
-   lease renewals never wait for a long training step), follows the ledger and persists the replica;
-   the sync thread closes the synchronizer's rounds (`sync_tick`) as they become ready, so merging and
+2. loop: the main thread trains: one inner step, then `after_train_step` when a delta is due. After
+   `--max-steps` it stops training but keeps serving the swarm. The swarm thread runs `heartbeat`,
+   `election_tick` and `repair_tick` every heartbeat period (so lease renewals never wait for a long
+   training step), follows the ledger, persists the replica and prints progress lines; the sync thread closes the synchronizer's rounds (`sync_tick`) as they become ready, so merging and
    publishing run beside the inner steps.
 3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
    release the lease if held, flush in-flight sends, persist, stop the transport and the DHT; each
@@ -36,6 +35,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TextIO
 
 import torch
@@ -306,8 +306,6 @@ class PeerNode:
         self._swarm_thread.start()
         self._sync_thread = threading.Thread(target=self._sync_loop, name="sync-rounds", daemon=True)
         self._sync_thread.start()
-        progress_every = self.display.period(opts.progress_every)
-        next_progress = time.monotonic() + progress_every
         while not self.stop.is_set():
             started = time.monotonic()
             if self.training and self._training_done():
@@ -316,9 +314,6 @@ class PeerNode:
                     finish_island(self.learner)  # an island's other ranks stop with the training
             if self.training:
                 self._train_step()
-            if time.monotonic() >= next_progress:
-                next_progress = time.monotonic() + progress_every
-                self.progress()
             if not self.training:
                 self.learner.settle()  # adopt updates queued by other threads: no step does it now
                 self.stop.wait(IDLE_POLL_SECONDS)
@@ -335,25 +330,31 @@ class PeerNode:
             self._sync_tick()
 
     def _swarm_loop(self) -> None:
-        """Heartbeat, election and repair every heartbeat period until stopped, then the ledger and (every
-        `--persist-every` s) the replica on disk: the swarm thread, so the training thread never waits
-        for them."""
-        period = self.manifest.timing.heartbeat_period
-        next_tick = time.monotonic() + period
-        next_persist = time.monotonic() + self.options.persist_every
+        """Until stopped, every heartbeat period: heartbeat, election, repair and the ledger; every
+        `--persist-every` s the replica on disk; every `--progress-every` s a progress line. The swarm
+        thread, so the training thread never waits for any of them."""
+        jobs: list[tuple[float, Callable[[], None]]] = [
+            (self.manifest.timing.heartbeat_period, self._swarm_tick_and_ledger),
+            (self.options.persist_every, self.persist),
+            (self.display.period(self.options.progress_every), self.progress),
+        ]
+        due = [time.monotonic() + every for every, _ in jobs]
         while not (self.stop.is_set() or self._swarm_stop.is_set()):
-            if self._swarm_stop.wait(max(0.0, next_tick - time.monotonic())) or self.stop.is_set():
+            if self._swarm_stop.wait(max(0.0, min(due) - time.monotonic())) or self.stop.is_set():
                 return
-            next_tick = max(next_tick + period, time.monotonic())
-            try:
-                self._swarm_tick()
-                self._follow_ledger()
-                if time.monotonic() >= next_persist:
-                    next_persist = time.monotonic() + self.options.persist_every
-                    self.persist()
-            except Exception:  # never let the thread die: the lease would lapse silently
-                log.exception("swarm tick failed")
-                self.tick_errors["unexpected"] += 1
+            for i, (every, job) in enumerate(jobs):
+                if time.monotonic() < due[i]:
+                    continue
+                due[i] = max(due[i] + every, time.monotonic())
+                try:
+                    job()
+                except Exception:  # never let the thread die: the lease would lapse silently
+                    log.exception("swarm thread: %s failed", job.__name__)
+                    self.tick_errors["unexpected"] += 1
+
+    def _swarm_tick_and_ledger(self) -> None:
+        self._swarm_tick()
+        self._follow_ledger()
 
     def _training_done(self) -> bool:
         assert self.learner is not None
