@@ -24,6 +24,19 @@ from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.swarm.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT
 
+
+def seconds_since_launch() -> float | None:
+    """Wall seconds since this process was started (Linux /proc, 10 ms ticks); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return round(uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK"), 2)  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 STEP_TIME_EMA = 0.1
 MAX_TAG_CHARS = 64
 ROLES = ("learner", "synchronizer", "observer")

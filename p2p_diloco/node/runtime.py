@@ -50,7 +50,13 @@ from p2p_diloco.node.island import Island, IslandLearner, finish_island, island_
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
 from p2p_diloco.node.options import NodeOptions, check_device
-from p2p_diloco.node.reporting import NodeSnapshot, Telemetry, make_display, rejection_counts
+from p2p_diloco.node.reporting import (
+    NodeSnapshot,
+    Telemetry,
+    make_display,
+    rejection_counts,
+    seconds_since_launch,
+)
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.fragments import plan_fragments
@@ -115,6 +121,7 @@ class PeerNode:
 
     def start(self) -> None:
         opts, manifest = self.options, self.manifest
+        startup = {"imports": seconds_since_launch()}  # restart costs, in the `start` event
         check_device(opts.device)
         torch.set_num_threads(opts.threads)
         self.state = StateDir(opts.state_dir, manifest)
@@ -124,6 +131,7 @@ class PeerNode:
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
         # The child also inherits the state directory's lock, so while it lives no successor starts.
         pending = self._start_dht(saved.peer_id if saved is not None else None)
+        began = time.monotonic()
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
             corpus = load_corpus(manifest.data)
             model = build_model(manifest.model)
@@ -144,7 +152,9 @@ class PeerNode:
         except BaseException:
             pending.abort()
             raise
+        built = time.monotonic()
         self.dht_peer = pending.wait()
+        startup["build"], startup["dht_wait"] = round(built - began, 2), round(time.monotonic() - built, 2)
         self.last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
 
         peer_id = self.dht_peer.peer_id
@@ -207,6 +217,7 @@ class PeerNode:
             restored=restored,
             versions=list(replica.versions()),
             addresses=self.dht_peer.visible_addresses(),
+            startup={**startup, "total": seconds_since_launch()},
         )
         self.say(f"peer id: {peer_id}")
         for address in self.dht_peer.visible_addresses():

@@ -110,6 +110,7 @@ class Peer:
         self.sync: Synchronizer | None = None
         self.my_lease: LeaseRecord | None = None
         self.holder: str | None = None
+        self.holder_term = 0  # the term of `holder`'s lease
         self.term_seen = 0
         self.last_election = ""
         self.rejections: Counter[str] = Counter()
@@ -119,7 +120,9 @@ class Peer:
         self.failovers_seen = 0
         self.live_peers: dict[str, HeartbeatInfo] = {}
         self.behind_since: dict[int, float] = {}
-        self.sent_to: str | None = None  # the holder this peer last sent a delta to
+        # (holder, term) this peer last sent a delta to: a new term, even of the same holder, is a new
+        # synchronizer whose rounds hold none of the deltas sent before
+        self.sent_to: tuple[str, int] | None = None
         self.delta_hold: tuple[str, float] | None = None  # (holder, until): see `delta_hold_seconds`
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
@@ -234,7 +237,7 @@ class Peer:
             if decision.action == election.CLAIM or self.sync is None:
                 self._become_synchronizer(lease.term)
             self.my_lease = lease
-            self.holder = self.peer_id
+            self.holder, self.holder_term = self.peer_id, lease.term
         elif decision.action == election.STEP_DOWN:
             if self.my_lease is not None and decision.reason.startswith(election.TAG_TERM_ENDED):
                 released = election.release_lease(self.my_lease, now, timing, rounds)
@@ -248,20 +251,24 @@ class Peer:
             self.my_lease = None
             self.holder = None
         elif decision.action == election.FOLLOW:
-            if decision.holder != self.holder and self.holder is not None:
-                self.failovers_seen += 1
+            if (decision.holder, decision.term) != (
+                self.holder,
+                self.holder_term,
+            ) and self.holder is not None:
+                self.failovers_seen += decision.holder != self.holder
                 if self.learner is not None and self.learner.sent:
-                    # Deltas sent to the previous holder will not be merged: their work is resent now.
+                    # Deltas sent to the previous term will not be merged: their work is resent now.
                     released = self.learner.expire_in_flight(now, timeout=-1.0)
                     self.note(
-                        f"new synchronizer {decision.holder}: resending the work of fragments {released}"
+                        f"new synchronizer {decision.holder} (term {decision.term}): resending the work of "
+                        f"fragments {released}"
                     )
-            self.holder = decision.holder
+            self.holder, self.holder_term = decision.holder, decision.term
             if self.sync is not None:
                 self.sync = None
                 self.my_lease = None
         elif decision.action == election.HOLD and self.sync is not None:
-            self.holder = self.peer_id
+            self.holder, self.holder_term = self.peer_id, self.sync.term
         else:
             self.holder = None
         return decision
@@ -307,15 +314,14 @@ class Peer:
     # ---- learner side ---------------------------------------------------------------------------
 
     def _release_if_holder_changed(self) -> None:
-        """Deltas sent to a previous holder will not be merged: their work goes back and is resent."""
+        """Deltas sent to a previous holder or term will not be merged: their work goes back and is resent."""
         learner = self.learner
-        if learner is None or not learner.sent or self.sent_to in (None, self.holder):
+        current = (self.holder, self.holder_term) if self.holder is not None else None
+        if learner is None or not learner.sent or self.sent_to in (None, current):
             return
         released = learner.expire_in_flight(float("inf"), timeout=0.0)
-        self.note(
-            f"synchronizer changed from {self.sent_to} to {self.holder}: resending fragments {released}"
-        )
-        self.sent_to = self.holder
+        self.note(f"synchronizer changed from {self.sent_to} to {current}: resending fragments {released}")
+        self.sent_to = current
 
     def after_train_step(self, now: float) -> int | None:
         """Send the due fragment's delta to the synchronizer, if one is due and a holder is known."""
@@ -340,7 +346,8 @@ class Peer:
             return None
         fragment, frame = due
         seq = learner.seq
-        holder = self.sent_to = self.holder
+        holder = self.holder
+        self.sent_to = (holder, self.holder_term)
         if holder == self.peer_id:
             self._on_delta_reply(holder, fragment, seq, self.handle_delta(self.peer_id, frame))
         else:

@@ -129,7 +129,12 @@ def test_metrics_ledger_status_and_export_of_a_live_swarm(spawn, cli, wait_for, 
     # the old holder, and its work is then counted twice (known, see the closing note of this stop).
     slack = loaded.diloco.inner_steps * per_step
     for peer_id, peer_state_dir, _ in peers:
-        stopped = [e for e in read_events(peer_state_dir) if e["event"] == "stopped"][-1]
+        events = read_events(peer_state_dir)
+        startup = next(e for e in events if e["event"] == "start")["startup"]  # where a (re)start's time went
+        assert (
+            startup["total"] >= startup["imports"] > 0 and startup["build"] >= 0 and startup["dht_wait"] >= 0
+        )
+        stopped = [e for e in events if e["event"] == "stopped"][-1]
         assert rows[peer_id]["tokens"] <= stopped["step"] * per_step + slack
 
     model = tmp_path / "model.safetensors"

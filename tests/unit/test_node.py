@@ -241,3 +241,14 @@ def test_the_sync_thread_closes_rounds_between_and_during_steps_until_stopped(tm
         node._swarm_stop.set()
         thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_seconds_since_launch_counts_from_the_process_start():
+    from p2p_diloco.node.reporting import seconds_since_launch
+
+    first = seconds_since_launch()
+    assert first is not None and first > 0  # this process imported torch before getting here
+    ticks = []
+    while not ticks or ticks[-1] == first:  # /proc counts in clock ticks: wait for the next one
+        ticks.append(seconds_since_launch())
+    assert ticks[-1] > first

@@ -1,0 +1,95 @@
+"""A new synchronizer term is a new synchronizer, even when the same peer holds it: deltas in flight to
+the old term are released and resent at once (its rounds are gone), not left to the in-flight timeout."""
+
+from __future__ import annotations
+
+from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
+from p2p_diloco.model.data import BatchSampler, load_corpus
+from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.net.keys import lease_key
+from p2p_diloco.protocol import election
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
+from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.swarm.records import encode_lease
+
+MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
+MANIFEST = RunManifest(
+    run_id="terms", model=MODEL, diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2)
+)
+
+
+class SendLog:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def bind(self, handlers) -> None:
+        pass
+
+    def send_delta(self, to_peer, frame, on_reply=None) -> None:
+        self.sent.append(to_peer)  # accepted, never merged: the round is lost with its term
+
+    def push_update(self, to_peer, frame, on_reply=None) -> None:
+        pass
+
+
+def make_peer() -> tuple[Peer, InMemoryKeyValueStore, FakeClock, SendLog]:
+    model = build_model(MODEL)
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
+    replica = GlobalReplica(plan, dict(model.named_parameters()))
+    corpus = load_corpus(MANIFEST.data)
+    sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=1, seed=0)
+    learner = Learner("me", MANIFEST, plan, replica, model, make_inner_optimizer(model, 1e-2, 0.0), sampler)
+    kv, clock, transport = InMemoryKeyValueStore(), FakeClock(100.0), SendLog()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    peer = Peer("me", MANIFEST, plan, replica, kv=kv, transport=transport, clock=clock, shapes=shapes,
+                learner=learner, may_sync=False)  # fmt: skip
+    return peer, kv, clock, transport
+
+
+def hold(kv: InMemoryKeyValueStore, holder: str, term: int, expires_at: float) -> None:
+    lease = LeaseRecord(holder, term, expires_at=expires_at)
+    kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), holder, encode_lease(lease), expires_at)
+
+
+def train_and_send(peer: Peer, clock: FakeClock) -> None:
+    for _ in range(2 * MANIFEST.diloco.steps_per_fragment):
+        peer.learner.train_step()
+        peer.after_train_step(clock.now())
+
+
+def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one():
+    peer, kv, clock, transport = make_peer()
+    hold(kv, "leader", 1, expires_at=110.0)
+    assert peer.election_tick(clock.now()).action == election.FOLLOW
+    train_and_send(peer, clock)
+    assert transport.sent == ["leader", "leader"] and len(peer.learner.sent) == 2  # tau = 2 in flight
+    work = sum(w.steps for w in peer.learner.work)
+
+    clock.advance_to(120.0)  # term 1 ended; the same peer holds term 2
+    hold(kv, "leader", 2, expires_at=130.0)
+    decision = peer.election_tick(clock.now())
+    assert (decision.action, decision.holder, decision.term) == (election.FOLLOW, "leader", 2)
+    assert peer.learner.sent == {}  # released at once, their work back in the counters to resend
+    assert sum(w.steps for w in peer.learner.work) > work
+    assert any("(term 2): resending" in line for line in peer.decisions)
+    assert peer.failovers_seen == 0  # the same holder: not a failover
+
+    train_and_send(peer, clock)
+    assert transport.sent[2:] == ["leader", "leader"]
+
+
+def test_a_delta_sent_to_an_older_term_is_released_before_the_next_send():
+    peer, kv, clock, transport = make_peer()
+    hold(kv, "leader", 1, expires_at=110.0)
+    peer.election_tick(clock.now())
+    train_and_send(peer, clock)
+    assert len(peer.learner.sent) == 2
+    peer.holder_term = 2  # e.g. this peer itself claimed the next term: no FOLLOW decision saw the change
+    peer.learner.train_step()
+    peer.after_train_step(clock.now())
+    assert any("synchronizer changed from ('leader', 1) to ('leader', 2)" in d for d in peer.decisions)
+    assert peer.sent_to == ("leader", 2)
