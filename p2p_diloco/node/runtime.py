@@ -8,10 +8,12 @@ Lifecycle (`run`):
    start the transport, build learner and `Peer`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
-2. loop: the main thread trains: one inner step, then `after_train_step` when a delta is due. After
+2. loop: the main thread trains: one inner step, then, when a delta is due, `prepare_delta` (the send
+   thread compresses and sends it with `send_prepared` while the next step runs). After
    `--max-steps` it stops training but keeps serving the swarm. The swarm thread runs `heartbeat`,
    `election_tick` and `repair_tick` every heartbeat period (so lease renewals never wait for a long
-   training step), follows the ledger, persists the replica and prints progress lines; the sync thread closes the synchronizer's rounds (`sync_tick`) as they become ready, so merging and
+   training step), follows the ledger, persists the replica and prints progress lines; the sync
+   thread closes the synchronizer's rounds (`sync_tick`) as they become ready, so merging and
    publishing run beside the inner steps.
 3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
    release the lease if held, flush in-flight sends, persist, stop the transport and the DHT; each
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import queue
 import sys
 import threading
 import time
@@ -62,7 +65,7 @@ from p2p_diloco.protocol import election
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Learner
-from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.swarm.peer import Peer, PreparedDelta
 from p2p_diloco.swarm.records import encode_lease
 from p2p_diloco.wire.frames import decode_update
 
@@ -114,6 +117,8 @@ class PeerNode:
         self.last_connected = 0.0
         self._swarm_thread: threading.Thread | None = None
         self._sync_thread: threading.Thread | None = None
+        self._send_thread: threading.Thread | None = None
+        self._outbox: queue.SimpleQueue[PreparedDelta] = queue.SimpleQueue()  # for the send thread
         self._swarm_stop = threading.Event()  # stops the swarm and sync threads
         self._persist_lock = threading.Lock()  # one save at a time (swarm thread, shutdown)
 
@@ -317,6 +322,8 @@ class PeerNode:
         self._swarm_thread.start()
         self._sync_thread = threading.Thread(target=self._sync_loop, name="sync-rounds", daemon=True)
         self._sync_thread.start()
+        self._send_thread = threading.Thread(target=self._send_loop, name="send-deltas", daemon=True)
+        self._send_thread.start()
         while not self.stop.is_set():
             started = time.monotonic()
             if self.training and self._training_done():
@@ -334,6 +341,21 @@ class PeerNode:
     def _pace(self, step_started: float) -> None:
         """Wait out the rest of a paced step (the sync thread keeps closing rounds meanwhile)."""
         self.stop.wait(max(0.0, step_started + self.options.min_step_time - time.monotonic()))
+
+    def _send_loop(self) -> None:
+        """Compress and send the deltas the training thread prepared, in order, until stopped."""
+        assert self.peer is not None
+        while not (self.stop.is_set() or self._swarm_stop.is_set()):
+            try:
+                prepared = self._outbox.get(timeout=IDLE_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            try:
+                with self.lock:
+                    self.peer.send_prepared(prepared)
+            except Exception:  # a bug: log it, keep sending (the delta times out and is resent)
+                log.exception("sending a delta failed")
+                self.tick_errors["unexpected"] += 1
 
     def _sync_loop(self) -> None:
         """Close the synchronizer's rounds as they become ready, until stopped (the sync thread)."""
@@ -387,7 +409,9 @@ class PeerNode:
         self.learner.train_step(compute_seconds=paced)  # not under the peer lock: module docstring
         if self.learner.delta_pending():  # else nothing to send: no lock handoff
             with self.lock:
-                self.peer.after_train_step(self.clock.now())
+                prepared = self.peer.prepare_delta(self.clock.now())
+            if prepared is not None:
+                self._outbox.put(prepared)  # compressed and sent by the send thread
         self.telemetry.step_finished(time.monotonic())
 
     def _swarm_tick(self) -> None:
@@ -581,8 +605,9 @@ class PeerNode:
         peer = self.peer
         released = False
         self._swarm_stop.set()
-        if self._sync_thread is not None:
-            self._sync_thread.join(timeout=SHUTDOWN_SECONDS / 2)  # at most one sync tick to finish
+        for thread in (self._sync_thread, self._send_thread):  # at most one tick or send to finish
+            if thread is not None:
+                thread.join(timeout=SHUTDOWN_SECONDS / 4)
         if self._swarm_thread is not None:
             self._swarm_thread.join(timeout=self.options.dht_timeout + 1.0)
             if self._swarm_thread.is_alive() and peer is not None:

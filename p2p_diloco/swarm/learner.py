@@ -68,6 +68,15 @@ class FragmentWork:
     seconds: float = 0.0  # compute time of those steps
 
 
+@dataclass(frozen=True)
+class DueDelta:
+    """A fragment's delta taken at a step boundary and marked in flight, not yet compressed or framed."""
+
+    fragment: int
+    header: DeltaHeader
+    delta: dict[str, torch.Tensor]
+
+
 @dataclass
 class SentDelta:
     """A delta in flight: sent, not yet merged (or rejected, or timed out)."""
@@ -174,6 +183,13 @@ class Learner:
     @holding_lock
     def take_due_delta(self, now: float) -> tuple[int, bytes] | None:
         """If the schedule says a fragment is due now, build its delta frame and mark it in flight."""
+        due = self.snapshot_due_delta(now)
+        frame = None if due is None else self.encode_due(due)
+        return None if due is None or frame is None else (due.fragment, frame)
+
+    @holding_lock
+    def snapshot_due_delta(self, now: float) -> DueDelta | None:
+        """The first half of `take_due_delta`: the due fragment's delta, marked in flight, uncompressed."""
         decision = self.schedule.on_step(self.step, frozenset(self.sent))
         if decision.action != "send" or decision.fragment is None:
             return None
@@ -184,7 +200,6 @@ class Learner:
         anchor = self.replica.params_of(p)
         theta = self._theta(p)
         delta = {name: anchor[name] - theta[name] for name in anchor}
-        payload, _ = self.feedback.compress(p, delta)
         self.seq += 1
         header = DeltaHeader(
             run_id=self.manifest.run_id,
@@ -206,7 +221,21 @@ class Learner:
         )
         self.work[p] = FragmentWork()
         self.deltas_sent += 1
-        return p, encode_delta(header, payload)
+        return DueDelta(p, header, delta)
+
+    def encode_due(self, due: DueDelta) -> bytes | None:
+        """The second half: compress (with error feedback) and frame `due`; None if it was released since
+        (do not send it: its work is back in the counters).
+
+        Not under the learner lock, so a real peer compresses while the next step runs. The error feedback
+        is touched only here and where a delta is released or the model reloaded (`_release`,
+        `load_global_into_model`); the caller keeps those apart (a real peer holds its peer lock for all).
+        """
+        sent = self.sent.get(due.fragment)
+        if sent is None or sent.seq != due.header.seq:
+            return None
+        payload, _ = self.feedback.compress(due.fragment, due.delta)
+        return encode_delta(due.header, payload)
 
     # ---- replies and timeouts -------------------------------------------------------------------
 

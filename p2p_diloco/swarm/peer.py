@@ -12,6 +12,7 @@ import re
 from collections import Counter, deque
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
@@ -32,7 +33,7 @@ from p2p_diloco.protocol.replica import (
 )
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.interfaces import Clock, KeyValueStore, Transport
-from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.learner import DueDelta, Learner
 from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
@@ -69,6 +70,14 @@ def delta_hold_seconds(reply: str, heartbeat_period: float) -> float:
         match = _COOL_DOWN_LEFT.search(reply)
         return min(float(match.group(1)), MAX_DELTA_HOLD) if match else heartbeat_period
     return heartbeat_period if tag in TRANSIENT_REFUSALS else 0.0
+
+
+@dataclass(frozen=True)
+class PreparedDelta:
+    """A delta taken at a step boundary (`Peer.prepare_delta`) and the holder it goes to."""
+
+    holder: str
+    due: DueDelta
 
 
 class Peer:
@@ -325,6 +334,12 @@ class Peer:
 
     def after_train_step(self, now: float) -> int | None:
         """Send the due fragment's delta to the synchronizer, if one is due and a holder is known."""
+        prepared = self.prepare_delta(now)
+        return None if prepared is None else self.send_prepared(prepared)
+
+    def prepare_delta(self, now: float) -> PreparedDelta | None:
+        """The step-boundary half of `after_train_step`: pick the due delta and its destination. A real
+        peer calls `send_prepared` from another thread, so compressing never holds up the next step."""
         learner = self.learner
         if learner is None or self.holder is None:
             return None
@@ -341,13 +356,19 @@ class Peer:
             if held_for == self.holder and now < until:
                 return None
             self.delta_hold = None
-        due = learner.take_due_delta(now)
+        due = learner.snapshot_due_delta(now)
         if due is None:
             return None
-        fragment, frame = due
-        seq = learner.seq
-        holder = self.holder
-        self.sent_to = (holder, self.holder_term)
+        self.sent_to = (self.holder, self.holder_term)
+        return PreparedDelta(self.holder, due)
+
+    def send_prepared(self, prepared: PreparedDelta) -> int | None:
+        """Compress and send a prepared delta (skipped if it was released meanwhile); its fragment."""
+        assert self.learner is not None
+        frame = self.learner.encode_due(prepared.due)
+        if frame is None:
+            return None
+        holder, fragment, seq = prepared.holder, prepared.due.fragment, prepared.due.header.seq
         if holder == self.peer_id:
             self._on_delta_reply(holder, fragment, seq, self.handle_delta(self.peer_id, frame))
         else:

@@ -174,3 +174,22 @@ def test_delta_pending_says_when_take_due_delta_may_have_a_frame(corpus):
         frames.append(learner.take_due_delta(now=float(learner.step)) is not None)
     assert pending == [False, True, False, True, False, True]
     assert frames == [False, True, False, True, False, False]  # step 6: fragment 1 is still in flight
+
+
+def test_a_delta_taken_at_the_step_boundary_and_compressed_later_is_the_same_frame(corpus):
+    learner, _, _ = make(corpus)
+    twin, _, _ = make(corpus)
+    for _ in range(2):
+        learner.train_step()
+        twin.train_step()
+    due = learner.snapshot_due_delta(now=2.0)
+    assert due is not None and due.fragment in learner.sent and learner.work[due.fragment].steps == 0
+    learner.train_step()  # a real peer's next step runs before the send thread compresses
+    assert learner.encode_due(due) == twin.take_due_delta(now=2.0)[1]  # compressed from the boundary's delta
+
+    learner.train_step()
+    again = learner.snapshot_due_delta(now=4.0)
+    assert again is not None
+    learner.expire_in_flight(now=5.0, timeout=0.0)  # the synchronizer changed before it went out
+    assert learner.encode_due(again) is None  # not sent: its work is back in the counters
+    assert learner.work[again.fragment].steps > 0
