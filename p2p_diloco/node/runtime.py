@@ -24,8 +24,7 @@ only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`
 itself runs without the `PeerLock`, under the learner's own lock only, so pushed updates are checked
 and applied to the replica while the model trains; their adoption into the model is queued until the
 step's end (`swarm.learner`), so no thread waits for a step (locks are always taken in the order peer
-lock, then learner lock). The clock is hivemind's DHT
-time, since DHT records expire at absolute times.
+lock, then learner lock). The clock is hivemind's DHT time, since DHT records expire at absolute times.
 """
 
 from __future__ import annotations
@@ -119,8 +118,8 @@ class PeerNode:
         self._sync_thread: threading.Thread | None = None
         self._send_thread: threading.Thread | None = None
         self._outbox: queue.SimpleQueue[PreparedDelta] = queue.SimpleQueue()  # for the send thread
-        self._swarm_stop = threading.Event()  # stops the swarm and sync threads
-        self._persist_lock = threading.Lock()  # one save at a time (swarm thread, shutdown)
+        self._swarm_stop = threading.Event()  # stops the swarm, sync and send threads
+        self._persist_lock = threading.Lock()  # one save at a time (swarm thread, shutdown); before `lock`
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -575,12 +574,12 @@ class PeerNode:
         peer, state = self.peer, self.state
         if peer is None or state is None:
             return
-        with self.lock:
-            now = self.clock.now()
-            # in sync while the swarm still sees our last heartbeat as live
-            connected = now - self.last_connected < self.manifest.timing.heartbeat_ttl
-            replica = peer.replica.frozen()
-        with self._persist_lock:
+        with self._persist_lock:  # taken first: a later save never writes an older moment
+            with self.lock:
+                now = self.clock.now()
+                # in sync while the swarm still sees our last heartbeat as live
+                connected = now - self.last_connected < self.manifest.timing.heartbeat_ttl
+                replica = peer.replica.frozen()
             try:
                 state.save(replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
             except OSError as exc:
