@@ -4,7 +4,8 @@ Sans-IO: the learner never touches the network or a clock. Its driver (the in-pr
 peer) calls `train_step`, sends the frames `take_due_delta` returns, feeds back the receiver's reply
 with `on_delta_reply`, and calls `adopt` after the replica applied an update.
 
-Thread safety: every public method holds the learner's own re-entrant `lock`, so a real peer runs
+Thread safety: every public method that reads or changes state holds the learner's own re-entrant
+`lock` (an acceptance reply changes nothing and returns without it), so a real peer runs
 `train_step` without its peer lock while other threads apply updates to the replica. An adoption that
 arrives while another thread holds the lock (mid-step) is queued with the replica's values of that
 moment, and every public method first applies the queued adoptions in order: the learner then acts as
@@ -239,11 +240,19 @@ class Learner:
 
     # ---- replies and timeouts -------------------------------------------------------------------
 
-    @holding_lock
     def on_delta_reply(self, fragment: int, seq: int, reply: str) -> bool:
-        """Handle the synchronizer's answer; returns True when the delta was refused and released."""
+        """Handle the synchronizer's answer; returns True when the delta was refused and released.
+
+        An acceptance changes nothing, so it returns at once: the reply thread (which holds the peer
+        lock) never waits for a running step to learn that."""
+        if reply.startswith(ACCEPTED_REPLIES):
+            return False
+        return self._on_refusal(fragment, seq)
+
+    @holding_lock
+    def _on_refusal(self, fragment: int, seq: int) -> bool:
         sent = self.sent.get(fragment)
-        if sent is None or sent.seq != seq or reply.startswith(ACCEPTED_REPLIES):
+        if sent is None or sent.seq != seq:
             return False
         self._release(fragment)
         self.deltas_rejected += 1

@@ -161,8 +161,34 @@ def test_an_update_applied_mid_step_is_adopted_after_the_step_as_if_at_once(corp
     assert apply_update(twin_replica, twin, 0, [("o", 1.0)]) == "shifted by others' merge"
     for p in range(2):
         assert all(torch.equal(a, b) for a, b in zip(theta(learner, p).values(), theta(twin, p).values()))
-    for name in ("train_step", "take_due_delta", "on_delta_reply", "expire_in_flight", "settle"):
+    for name in ("train_step", "take_due_delta", "_on_refusal", "expire_in_flight", "settle"):
         assert getattr(Learner, name).__wrapped__  # every entry point adopts what was queued first
+
+
+def test_an_acceptance_mid_step_is_handled_at_once_and_a_refusal_after_the_step(corpus):
+    """The reply thread holds the peer lock: an acceptance must not wait for the running step."""
+    import threading
+
+    learner, _, _ = make(corpus)
+    p, _ = train_until_delta(learner)
+    seq, sent_steps = learner.seq, learner.sent[p].steps
+    answers: list[bool] = []
+    next_batch = learner.sampler.next_batch
+
+    def next_batch_while_replies_arrive():
+        accepted = threading.Thread(target=lambda: answers.append(learner.on_delta_reply(p, seq, "accepted")))
+        accepted.start()
+        accepted.join(timeout=30)
+        assert not accepted.is_alive() and answers == [False]  # answered without the learner lock
+        refused.start()  # needs the lock: handled once the step lets go of it
+        return next_batch()
+
+    refused = threading.Thread(target=lambda: answers.append(learner.on_delta_reply(p, seq, "stale anchor")))
+    learner.sampler.next_batch = next_batch_while_replies_arrive
+    learner.train_step()
+    refused.join(timeout=30)
+    assert answers == [False, True]
+    assert p not in learner.sent and learner.work[p].steps == sent_steps + 1  # its work is owed again
 
 
 def test_delta_pending_says_when_take_due_delta_may_have_a_frame(corpus):
