@@ -62,6 +62,7 @@ from p2p_diloco.node.reporting import (
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer, PreparedDelta
@@ -211,6 +212,7 @@ class PeerNode:
                 may_sync=opts.may_sync,
                 reachable=not opts.behind_nat,
                 log=self._on_note,
+                on_published=self._on_published,
             )
         now = self.clock.now()
         self.event(
@@ -458,15 +460,17 @@ class PeerNode:
                 return
             if published:
                 self.sync_seconds = (time.monotonic() - started) / len(published)
-        for record in published:
-            self.event(
-                "published",
-                fragment=record.fragment,
-                version=record.to_version,
-                term=record.term,
-                leader=record.leader,
-                contributors=[peer_id for peer_id, _ in record.contributors],
-            )
+
+    def _on_published(self, record: UpdateRecord) -> None:
+        """Every update this peer merged and pushed (sync rounds, and open rounds at the end of a term)."""
+        self.event(
+            "published",
+            fragment=record.fragment,
+            version=record.to_version,
+            term=record.term,
+            leader=record.leader,
+            contributors=[peer_id for peer_id, _ in record.contributors],
+        )
 
     # ---- events, progress, persistence -------------------------------------------------------------
 

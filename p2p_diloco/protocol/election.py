@@ -48,7 +48,7 @@ TAG_RENEW = "renew"  # renew: lease_renew_fraction of the TTL has elapsed
 TAG_HIGHER_TERM = "higher term"  # step_down: someone holds (or has held) a term above mine
 TAG_LOST_TIE = "lost tie"  # step_down: another live lease of my term wins the rendezvous tie-break
 TAG_LEASE_EXPIRED = "lease expired"  # step_down: too close to (or past) expiry to renew safely
-TAG_TERM_ENDED = "term ended"  # step_down: term_rounds rounds done; finish in-flight rounds, then release
+TAG_TERM_ENDED = "term ended"  # step_down: term_rounds rounds done; merge open rounds with a quorum, release
 TAG_CLAIM = "claim"  # claim: my window for term T+1 is open
 TAG_LEASE_GRACE = "lease grace"  # wait: the last lease has not yet passed expiry + lease_margin
 TAG_CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is open
@@ -169,7 +169,7 @@ def _why_not_eligible(self_id: str, heartbeats: Sequence[PeerHeartbeat], now: fl
 
 
 def release_lease(lease: LeaseRecord, now: float, timing: SwarmTiming, rounds_done: int) -> LeaseRecord:
-    """The released record a holder writes when its term ends, after finishing its in-flight rounds.
+    """The released record a holder writes when its term ends, after merging its open rounds (`Peer`).
 
     Like every lease write it expires at ``now + lease_ttl``, so its write (release) time is recoverable and
     its DHT expiration is later than the record it replaces."""
@@ -284,7 +284,7 @@ def _decide_as_holder(
         return ElectionDecision(
             STEP_DOWN,
             f"{TAG_TERM_ENDED}: {rounds_done} of {timing.term_rounds} rounds done in term {term}; "
-            "finish in-flight rounds, then release",
+            "merge the open rounds that have a quorum, then release",
             term=term,
             holder=mine.holder,
             expires_at=expires_at,

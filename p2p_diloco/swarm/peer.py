@@ -97,6 +97,7 @@ class Peer:
         may_sync: bool = True,
         reachable: bool = True,
         log: Callable[[str], None] | None = None,
+        on_published: Callable[[UpdateRecord], None] | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -111,6 +112,7 @@ class Peer:
         self.may_sync = may_sync and learner is not None
         self.reachable = reachable
         self._log = log or (lambda line: None)
+        self._on_published = on_published or (lambda record: None)
         self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
         self.lease_key = lease_key(manifest.run_id, manifest.manifest_hash)
         self.update_log: list[deque[bytes]] = [
@@ -249,6 +251,7 @@ class Peer:
             self.holder, self.holder_term = self.peer_id, lease.term
         elif decision.action == election.STEP_DOWN:
             if self.my_lease is not None and decision.reason.startswith(election.TAG_TERM_ENDED):
+                self._finish_open_rounds(now)
                 released = election.release_lease(self.my_lease, now, timing, rounds)
                 self.kv.store(
                     self.lease_key,
@@ -318,7 +321,22 @@ class Peer:
                     self.transport.push_update(peer, frame)
             self.sync.finish(record.fragment, sync_seconds)
             published.append(record)
+            self._on_published(record)
         return published
+
+    def _finish_open_rounds(self, now: float) -> None:
+        """At the end of a term (the lease still valid), merge every open round that has its quorum now,
+        cutting the grace windows short; rounds below quorum are dropped, and their learners resend to
+        the next holder once they see the released lease."""
+        if self.sync is None:
+            return
+        open_before = self.sync.rounds.open_fragments
+        merged = [record.fragment for record in self.sync_tick(now, cap=0.0)]
+        if open_before:
+            dropped = sorted(set(open_before) - set(merged))
+            self.note(
+                f"term ended: merged the open rounds of fragments {merged}, dropped {dropped} (no quorum)"
+            )
 
     # ---- learner side ---------------------------------------------------------------------------
 

@@ -1,7 +1,10 @@
-"""A new synchronizer term is a new synchronizer, even when the same peer holds it: deltas in flight to
-the old term are released and resent at once (its rounds are gone), not left to the in-flight timeout."""
+"""Synchronizer terms seen by a peer. A new term is a new synchronizer, even when the same peer holds it:
+deltas in flight to the old term are released and resent at once (its rounds are gone), not left to the
+in-flight timeout. A holder whose term ends merges its open rounds before it releases the lease."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
 from p2p_diloco.model.data import BatchSampler, load_corpus
@@ -14,7 +17,7 @@ from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.records import encode_lease
+from p2p_diloco.swarm.records import decode_lease, encode_lease
 
 MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
 MANIFEST = RunManifest(
@@ -36,17 +39,26 @@ class SendLog:
         pass
 
 
-def make_peer() -> tuple[Peer, InMemoryKeyValueStore, FakeClock, SendLog]:
+def make_peer(
+    manifest: RunManifest = MANIFEST,
+    *,
+    peer_id: str = "me",
+    kv: InMemoryKeyValueStore | None = None,
+    clock: FakeClock | None = None,
+    may_sync: bool = False,
+    on_published=None,
+) -> tuple[Peer, InMemoryKeyValueStore, FakeClock, SendLog]:
     model = build_model(MODEL)
     plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
     replica = GlobalReplica(plan, dict(model.named_parameters()))
-    corpus = load_corpus(MANIFEST.data)
+    corpus = load_corpus(manifest.data)
     sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=1, seed=0)
-    learner = Learner("me", MANIFEST, plan, replica, model, make_inner_optimizer(model, 1e-2, 0.0), sampler)
-    kv, clock, transport = InMemoryKeyValueStore(), FakeClock(100.0), SendLog()
+    optimizer = make_inner_optimizer(model, 1e-2, 0.0)
+    learner = Learner(peer_id, manifest, plan, replica, model, optimizer, sampler)
+    kv, clock, transport = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0), SendLog()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    peer = Peer("me", MANIFEST, plan, replica, kv=kv, transport=transport, clock=clock, shapes=shapes,
-                learner=learner, may_sync=False)  # fmt: skip
+    peer = Peer(peer_id, manifest, plan, replica, kv=kv, transport=transport, clock=clock, shapes=shapes,
+                learner=learner, may_sync=may_sync, on_published=on_published)  # fmt: skip
     return peer, kv, clock, transport
 
 
@@ -93,3 +105,55 @@ def test_a_delta_sent_to_an_older_term_is_released_before_the_next_send():
     peer.after_train_step(clock.now())
     assert any("synchronizer changed from ('leader', 1) to ('leader', 2)" in d for d in peer.decisions)
     assert peer.sent_to == ("leader", 2)
+
+
+def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
+    """DESIGN: "a term ends after term_rounds rounds; the holder finishes in-flight rounds, releases the
+    lease". A round with its quorum but a grace window still running is merged, not dropped."""
+    manifest = dataclasses.replace(
+        MANIFEST,
+        timing=dataclasses.replace(MANIFEST.timing, term_rounds=1),
+        robust=dataclasses.replace(MANIFEST.robust, enabled=False),
+    )
+    published = []
+    me, kv, clock, _ = make_peer(manifest, may_sync=True, on_published=published.append)
+    other, _, _, _ = make_peer(manifest, kv=kv, clock=clock, peer_id="other")  # live, never reports
+    for _ in range(10):  # claim term 1 (after the claim grace)
+        me.heartbeat(clock.now())
+        other.heartbeat(clock.now())
+        me.election_tick(clock.now())
+        if me.sync is not None:
+            break
+        clock.advance_to(clock.now() + 1.0)
+    assert me.sync is not None and me.holder == "me"
+    me.sync.observe_step_time(5.0)  # learners step every 5 s: a grace window of seconds waits for "other"
+
+    def send_next_delta() -> int:
+        for _ in range(manifest.diloco.steps_per_fragment):
+            me.learner.train_step()
+            fragment = me.after_train_step(clock.now())
+        assert fragment is not None
+        return fragment
+
+    first = send_next_delta()  # its round waits out the grace window for "other"
+    for _ in range(30):  # the lease renewed meanwhile
+        clock.advance_to(clock.now() + 1.0)
+        me.heartbeat(clock.now())
+        other.heartbeat(clock.now())
+        assert me.election_tick(clock.now()).action in (election.HOLD, election.RENEW)
+    second = send_next_delta()
+    assert [r.fragment for r in me.sync_tick(clock.now())] == [first]  # the first round's grace is over
+    assert me.sync.rounds.open_fragments == (second,)  # the second's is running
+    versions = me.replica.versions()
+
+    clock.advance_to(clock.now() + 0.5)
+    decision = me.election_tick(clock.now())  # 1 of term_rounds = 1 rounds done: the term ends
+    assert (decision.action, decision.reason.split(":")[0]) == (election.STEP_DOWN, election.TAG_TERM_ENDED)
+    assert me.replica.versions()[second] == versions[second] + 1  # merged, not dropped
+    assert [r.fragment for r in published] == [first, second]
+    assert second not in me.learner.sent  # its own delta was merged: nothing to resend
+    assert any("term ended: merged the open rounds of fragments" in line for line in me.decisions)
+    lease = decode_lease(
+        "me", kv.get(lease_key(manifest.run_id, manifest.manifest_hash), clock.now())["me"].value
+    )
+    assert lease.released and me.sync is None
