@@ -35,6 +35,7 @@ from hivemind.dht.validation import RecordValidatorBase
 
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
 from p2p_diloco.net.identity import peer_id_of, peer_id_of_public_key, signing_key, write_identity
+from p2p_diloco.net.lifeline import dies_with_parent
 from p2p_diloco.swarm.interfaces import StoredValue
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,8 @@ def start_dht(
 
     `check_identity=False` skips hivemind's check that no live peer uses the identity (see
     `identity_check_needed` for when that is sound); an ephemeral key is never checked.
-    Raises `ConfigError` for bad addresses or identity files.
+    Raises `ConfigError` for bad addresses or identity files. The DHT process dies with the calling
+    thread (`net.lifeline`): call this from a thread that lives as long as the node, such as the main one.
     """
     initial = parse_peer_addresses(initial_peers, what="--initial-peers")
     hosts = parse_listen_addresses(host_maddrs, what="--listen")
@@ -227,7 +229,8 @@ def start_dht(
         tempdir=tempdir,
     )
     try:
-        dht.run_in_background(await_ready=False)
+        with dies_with_parent():  # no orphaned DHT process (holding the state dir) after a SIGKILL
+            dht.run_in_background(await_ready=False)
     except BaseException:
         pending.abort()
         raise

@@ -1,0 +1,87 @@
+"""A `join` process SIGKILLed on its own (the OOM killer, `kill -9`; not its whole process group) leaves no
+DHT process or p2pd behind, and the peer restarts on the same state directory (`net.lifeline`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.net.identity import write_identity
+from p2p_diloco.node.state import read_events
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 90.0  # imports, DHT and p2pd start on a loaded 2-core machine
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid`, with its command name."""
+    out: dict[int, str] = {}
+    todo = children_of(pid)
+    while todo:
+        child = todo.pop()
+        try:
+            out[child] = (Path("/proc") / str(child) / "comm").read_text().strip()
+        except OSError:
+            continue
+        todo.extend(children_of(child))
+    return out
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may not reap orphans)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def starts(state_dir: Path) -> int:
+    return sum(1 for e in read_events(state_dir) if e["event"] == "start")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_sigkilled_peer_leaves_no_process_behind_and_restarts_on_its_state_dir(
+    spawn, cli, wait_for, tmp_path
+):
+    identity, state_dir = tmp_path / "peer.key", tmp_path / "state"
+    write_identity(identity)
+    cmd = cli(
+        "join", str(REPO_ROOT / "peers" / "demo.toml"), "--identity", str(identity),
+        "--state-dir", str(state_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--persist-every", "1",
+    )  # fmt: skip
+    first = spawn(cmd)
+    wait_for(lambda: starts(state_dir) == 1, START_TIMEOUT, "the peer's start event")
+    helpers = descendants(first.pid)
+    assert "p2pd" in helpers.values(), helpers  # the DHT process and its p2pd
+
+    os.kill(first.pid, signal.SIGKILL)  # the peer process only, as the OOM killer would
+    first.wait(timeout=10)
+    wait_for(
+        lambda: not any(running(pid) for pid in helpers), 30, f"the peer's helpers {helpers} to exit with it"
+    )
+
+    second = spawn(cmd)  # same identity and state dir: refused while an orphan held the directory's lock
+    wait_for(lambda: starts(state_dir) == 2, START_TIMEOUT, "the restarted peer's start event")
+    second.signal(signal.SIGTERM)
+    assert second.wait(timeout=60) == 0, second.stderr_tail()
