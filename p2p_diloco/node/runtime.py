@@ -77,6 +77,16 @@ SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a leas
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
 
 
+def update_fields(record: UpdateRecord) -> dict[str, object]:
+    """What `published` and `applied` events say of an update (the demo's books read them)."""
+    return {
+        "fragment": record.fragment,
+        "version": record.to_version,
+        "term": record.term,
+        "leader": record.leader,
+    }
+
+
 class PeerNode:
     """One swarm peer in this process (module docstring). `stop` ends `run` after the current step."""
 
@@ -463,14 +473,8 @@ class PeerNode:
 
     def _on_published(self, record: UpdateRecord) -> None:
         """Every update this peer merged and pushed (sync rounds, and open rounds at the end of a term)."""
-        self.event(
-            "published",
-            fragment=record.fragment,
-            version=record.to_version,
-            term=record.term,
-            leader=record.leader,
-            contributors=[peer_id for peer_id, _ in record.contributors],
-        )
+        contributors = [peer_id for peer_id, _ in record.contributors]
+        self.event("published", **update_fields(record), contributors=contributors)
 
     # ---- events, progress, persistence -------------------------------------------------------------
 
@@ -493,14 +497,7 @@ class PeerNode:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except Exception:  # it was applied, so it decoded; never let logging break the handler
             return
-        self.event(
-            "applied",
-            fragment=record.fragment,
-            version=record.to_version,
-            term=record.term,
-            leader=record.leader,
-            source=sender,
-        )
+        self.event("applied", **update_fields(record), source=sender)
 
     def progress(self) -> None:
         peer, learner = self.peer, self.learner
