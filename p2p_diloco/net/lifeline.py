@@ -25,6 +25,8 @@ from contextlib import contextmanager
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 _armed: dict[int, int] = {}  # forking thread ident -> pid the child must outlive (its parent)
+_lock = threading.Lock()
+_hook_installed = False
 
 
 def supported() -> bool:
@@ -46,8 +48,12 @@ def _in_child() -> None:
         os._exit(1)  # the parent died between the fork and the prctl: the signal will never come
 
 
-if supported():  # a no-op for every fork made outside `dies_with_parent`
-    os.register_at_fork(after_in_child=_in_child)
+def _install_hook() -> None:
+    global _hook_installed
+    with _lock:
+        if not _hook_installed:
+            os.register_at_fork(after_in_child=_in_child)
+            _hook_installed = True
 
 
 @contextmanager
@@ -56,6 +62,7 @@ def dies_with_parent() -> Iterator[None]:
     if not supported():
         yield
         return
+    _install_hook()
     me = threading.get_ident()
     _armed[me] = os.getpid()
     try:
