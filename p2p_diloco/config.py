@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol.robust import RobustConfig
+from p2p_diloco.protocol.timing import SwarmTiming
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -157,31 +158,6 @@ class WireConfig:
         )
         _require(self.max_message_bytes > 0, "wire.max_message_bytes must be > 0")
         _require(self.norm_bound > 0, "wire.norm_bound must be > 0")
-
-
-@dataclass(frozen=True)
-class SwarmTiming:
-    """Seconds for heartbeats, leases and grace windows (real time on the network, fake time in the sim)."""
-
-    heartbeat_period: float = 1.0
-    heartbeat_ttl: float = 4.0
-    lease_ttl: float = 6.0
-    lease_renew_fraction: float = 0.5  # renew when this fraction of the TTL is left... of elapsed
-    claim_grace: float = 2.0
-    lease_margin: float = 0.5
-    term_rounds: int = 50
-    rejoin_grace: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_period", "heartbeat_ttl", "lease_ttl", "claim_grace", "rejoin_grace"):
-            _require(getattr(self, name) > 0, f"timing.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.lease_margin >= 0, f"timing.lease_margin must be >= 0, got {self.lease_margin}")
-        _require(
-            self.heartbeat_ttl > self.heartbeat_period,
-            "timing.heartbeat_ttl must exceed timing.heartbeat_period (a few periods is typical)",
-        )
-        _require(0 < self.lease_renew_fraction < 1, "timing.lease_renew_fraction must be in (0, 1)")
-        _require(self.term_rounds >= 1, f"timing.term_rounds must be >= 1, got {self.term_rounds}")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
 from p2p_diloco.net.identity import peer_id_of, peer_id_of_public_key, signing_key, write_identity
 from p2p_diloco.net.lifeline import dies_with_parent
-from p2p_diloco.swarm.interfaces import StoredValue
+from p2p_diloco.wire.interfaces import StoredValue
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from p2p_diloco.net import keys, streams
+from p2p_diloco.net import streams
 from p2p_diloco.net.addresses import parse_peer_id
-from p2p_diloco.swarm.interfaces import InboundHandlers
+from p2p_diloco.wire import keys
+from p2p_diloco.wire.interfaces import InboundHandlers
 
 log = logging.getLogger(__name__)
 

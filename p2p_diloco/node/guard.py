@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.swarm.interfaces import InboundHandlers, KeyValueStore, StoredValue
+from p2p_diloco.wire.interfaces import InboundHandlers, KeyValueStore, StoredValue
 
 log = logging.getLogger(__name__)
 

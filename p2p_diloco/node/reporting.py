@@ -22,7 +22,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.node.guard import GuardedHandlers
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT
+from p2p_diloco.wire.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT
 
 
 def seconds_since_launch() -> float | None:

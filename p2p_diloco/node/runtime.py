@@ -66,8 +66,8 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer, PreparedDelta
-from p2p_diloco.swarm.records import encode_lease
 from p2p_diloco.wire.frames import decode_update
+from p2p_diloco.wire.records import encode_lease
 
 log = logging.getLogger(__name__)
 

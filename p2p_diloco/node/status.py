@@ -24,11 +24,11 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
-from p2p_diloco.net.keys import heartbeat_key, lease_key
 from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
 from p2p_diloco.protocol import election
-from p2p_diloco.swarm.interfaces import KeyValueStore
-from p2p_diloco.swarm.records import RecordError, decode_heartbeat, decode_lease
+from p2p_diloco.wire.interfaces import KeyValueStore
+from p2p_diloco.wire.keys import heartbeat_key, lease_key
+from p2p_diloco.wire.records import RecordError, decode_heartbeat, decode_lease
 
 
 def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[str, Any]:

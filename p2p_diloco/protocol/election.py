@@ -36,8 +36,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from p2p_diloco.config import SwarmTiming
 from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.timing import SwarmTiming
 
 # decide(): actions
 FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = "follow", "hold", "renew", "step_down", "claim", "wait"

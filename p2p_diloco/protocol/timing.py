@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 
 from p2p_diloco.errors import ConfigError
 
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
 DEFAULT_EMA_ALPHA = 0.2
 
 
@@ -80,3 +86,28 @@ class RoundTimings:
             self.sync_time.value_or(0.0),
             cap,
         )
+
+
+@dataclass(frozen=True)
+class SwarmTiming:
+    """Seconds for heartbeats, leases and grace windows (real time on the network, fake time in the sim)."""
+
+    heartbeat_period: float = 1.0
+    heartbeat_ttl: float = 4.0
+    lease_ttl: float = 6.0
+    lease_renew_fraction: float = 0.5  # renew when this fraction of the TTL is left... of elapsed
+    claim_grace: float = 2.0
+    lease_margin: float = 0.5
+    term_rounds: int = 50
+    rejoin_grace: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_period", "heartbeat_ttl", "lease_ttl", "claim_grace", "rejoin_grace"):
+            _require(getattr(self, name) > 0, f"timing.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.lease_margin >= 0, f"timing.lease_margin must be >= 0, got {self.lease_margin}")
+        _require(
+            self.heartbeat_ttl > self.heartbeat_period,
+            "timing.heartbeat_ttl must exceed timing.heartbeat_period (a few periods is typical)",
+        )
+        _require(0 < self.lease_renew_fraction < 1, "timing.lease_renew_fraction must be in (0, 1)")
+        _require(self.term_rounds >= 1, f"timing.term_rounds must be >= 1, got {self.term_rounds}")

@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import torch
 
-from p2p_diloco.swarm.interfaces import Transport
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta, encode_delta
+from p2p_diloco.wire.interfaces import Transport
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "stale_replay", "inflated_tokens")
 DEFAULT_SCALE = {"scaled": 100.0, "noise": 1.0, "inflated_tokens": 100.0}

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from p2p_diloco.swarm.interfaces import InboundHandlers, StoredValue
+from p2p_diloco.wire.interfaces import InboundHandlers, StoredValue
 
 
 class FakeClock:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.net.keys import heartbeat_key, lease_key
 from p2p_diloco.protocol import election, reconcile, robust
 from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.fragments import FragmentPlan
@@ -31,9 +30,7 @@ from p2p_diloco.protocol.replica import (
 )
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.catchup import REJECT_NOT_ALLOWED, PeerCatchUp
-from p2p_diloco.swarm.interfaces import Clock, KeyValueStore, Transport
 from p2p_diloco.swarm.learner import DueDelta, Learner
-from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.frames import (
@@ -41,6 +38,9 @@ from p2p_diloco.wire.frames import (
     decode_update,
     encode_update,
 )
+from p2p_diloco.wire.interfaces import Clock, KeyValueStore, Transport
+from p2p_diloco.wire.keys import heartbeat_key, lease_key
+from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
 UPDATE_LOG_LENGTH = 256
 IN_FLIGHT_TIMEOUT_LEASES = 4

@@ -7,10 +7,10 @@ import signal
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.net import keys
 from p2p_diloco.net.addresses import parse_peer_address, peer_id_in
 from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.net.identity import peer_id_of, write_identity
+from p2p_diloco.wire import keys
 
 pytestmark = pytest.mark.integration
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.net import keys
 from p2p_diloco.net.dht_store import DROP_NO_OWNER, DhtKeyValueStore
+from p2p_diloco.wire import keys
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from p2p_diloco.net.keys import OP_DELTA, OP_UPDATE
 from p2p_diloco.net.transport import (
     REJECT_HANDLER_ERROR,
     REJECT_NOT_ALLOWED,
@@ -15,6 +14,7 @@ from p2p_diloco.net.transport import (
     P2PTransport,
     RemoteRejected,
 )
+from p2p_diloco.wire.keys import OP_DELTA, OP_UPDATE
 
 pytestmark = pytest.mark.integration
 

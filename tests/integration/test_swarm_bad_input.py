@@ -18,7 +18,6 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.net.identity import write_identity
-from p2p_diloco.net.keys import OP_DELTA, OP_UPDATE
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.status import swarm_status
 from p2p_diloco.protocol.fragments import plan_fragments
@@ -26,6 +25,7 @@ from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_snapshot, encode_delta, encode_update
+from p2p_diloco.wire.keys import OP_DELTA, OP_UPDATE
 
 pytestmark = pytest.mark.integration
 

@@ -22,17 +22,17 @@ from hypothesis import strategies as st
 from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.net import streams
-from p2p_diloco.net.keys import heartbeat_key, lease_key
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.records import HeartbeatInfo, encode_lease
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
+from p2p_diloco.wire.keys import heartbeat_key, lease_key
+from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>"

@@ -8,7 +8,7 @@ import pytest
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.net import keys
+from p2p_diloco.wire import keys
 
 H1, H2 = "0123456789abcdef", "fedcba9876543210"
 BUILDERS = [keys.heartbeat_key, keys.lease_key, keys.update_log_key, keys.snapshot_key]

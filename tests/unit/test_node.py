@@ -26,7 +26,7 @@ from p2p_diloco.node.options import check_device
 from p2p_diloco.node.state import StateDir, read_events
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat
+from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat
 
 MANIFEST = RunManifest(run_id="unit-node")
 

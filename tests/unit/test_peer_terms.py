@@ -9,7 +9,6 @@ import dataclasses
 from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
-from p2p_diloco.net.keys import lease_key
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.fragments import plan_fragments
@@ -17,7 +16,8 @@ from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.records import decode_lease, encode_lease
+from p2p_diloco.wire.keys import lease_key
+from p2p_diloco.wire.records import decode_lease, encode_lease
 
 MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
 MANIFEST = RunManifest(

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.swarm.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
+from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
 INFO = HeartbeatInfo(
     role="learner",
