@@ -36,11 +36,18 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.timing import SwarmTiming
 
 # decide(): actions
-FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = "follow", "hold", "renew", "step_down", "claim", "wait"
+FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = (
+    Action.FOLLOW,
+    Action.HOLD,
+    Action.RENEW,
+    Action.STEP_DOWN,
+    Action.CLAIM,
+    Action.WAIT,
+)
 # decide(): reason tags
 TAG_HELD_BY = "held by"  # follow: another peer holds a live lease
 TAG_HOLDING = "holding"  # hold: my lease is live and not due for renewal
@@ -55,7 +62,7 @@ TAG_CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is ope
 TAG_NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable, lagging, or just rotated out
 TAG_NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
 # should_accept_update(): actions and tags
-ACCEPT, IGNORE = "accept", "ignore"
+ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE
 TAG_CURRENT_TERM = "current term"
 TAG_NEWER_TERM = "newer term"
 TAG_LOWER_TERM = "lower term"

@@ -15,10 +15,10 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 
 # Actions of `validate_delta`.
-ACCEPT = "accept"
+ACCEPT = Action.ACCEPT
 REJECT = "reject"
 
 # Reason tags (a reason is "<tag>: <details>"). `replica` reuses the shape/dtype/finite tags.

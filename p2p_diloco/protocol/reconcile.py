@@ -34,12 +34,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 
 TIP_CHECKSUM_CHARS = 16  # hex characters of the fragment checksum carried in a tip (64 bits)
 
 # classify(): actions
-IN_SYNC, KEEP, CATCH_UP, RECONCILE = "in_sync", "keep", "catch_up", "reconcile"
+IN_SYNC, KEEP, CATCH_UP, RECONCILE = Action.IN_SYNC, Action.KEEP, Action.CATCH_UP, Action.RECONCILE
 # classify() / fork_proven(): reason tags
 TAG_SAME_STATE = "same state"  # in_sync
 TAG_WINNING = "winning branch"  # keep

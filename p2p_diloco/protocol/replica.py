@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.merge import (
     ACCEPT,
     MISSING_TENSOR,
@@ -41,9 +41,7 @@ if TYPE_CHECKING:
     from p2p_diloco.protocol.fragments import FragmentPlan
 
 # Actions.
-APPLY = "apply"
-LOAD = "load"
-REFUSE = "refuse"
+APPLY, LOAD, REFUSE = Action.APPLY, Action.LOAD, Action.REFUSE
 
 # Reason tags (a reason is "<tag>: <details>"). Gradient/snapshot checks also use the tags of
 # `merge.check_tensors`: "missing tensor", "unexpected tensor", "wrong shape", "wrong dtype", "non-finite"
@@ -194,6 +192,11 @@ class GlobalReplica:
 
     def params_of(self, fragment: int) -> dict[str, Tensor]:
         return {name: t.clone() for name, t in self._params[self._index(fragment)].items()}
+
+    def params_view(self, fragment: int) -> Mapping[str, Tensor]:
+        """Theta_p without copies: the replica replaces its tensors and never changes them in place, so
+        the values stay those of this version for whoever keeps them (a learner's anchor). Read only."""
+        return dict(self._params[self._index(fragment)])
 
     def export_params(self) -> dict[str, Tensor]:
         return {name: t.clone() for params in self._params for name, t in params.items()}

@@ -58,11 +58,9 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 
-ACCEPT = "accept"
-CLIP = "clip"
-REJECT = "reject"
+ACCEPT, CLIP, REJECT = Action.ACCEPT, Action.CLIP, Action.REJECT
 
 PLAUSIBLE = "plausible"
 NO_REFERENCE = "no reference"

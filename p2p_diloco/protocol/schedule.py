@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 
-SEND = "send"
-TRAIN = "train"
+SEND, TRAIN = Action.SEND, Action.TRAIN
 
 DUE = "due"
 NOT_DUE = "not due"

@@ -27,13 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.timing import DEFAULT_EMA_ALPHA, Ema, RoundTimings
 
-ACCEPT = "accept"
-REJECT = "reject"
-WAIT = "wait"
-CLOSE = "close"
+ACCEPT, REJECT, WAIT, CLOSE = Action.ACCEPT, Action.REJECT, Action.WAIT, Action.CLOSE
 
 ACCEPTED = "accepted"
 REPLACED = "replaced"

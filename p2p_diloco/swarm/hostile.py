@@ -23,6 +23,7 @@ import torch
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta, encode_delta
 from p2p_diloco.wire.interfaces import Transport
+from p2p_diloco.wire.replies import Reply
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "stale_replay", "inflated_tokens")
 DEFAULT_SCALE = {"scaled": 100.0, "noise": 1.0, "inflated_tokens": 100.0}
@@ -81,7 +82,7 @@ class HostileTransport:
         self.inner = inner
         self.rewrite = rewrite
 
-    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
         self.inner.send_delta(to_peer, self.rewrite(frame), on_reply)
 
     def __getattr__(self, name: str):

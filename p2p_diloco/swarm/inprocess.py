@@ -1,7 +1,7 @@
 """The in-process swarm: N peers in one process on a fake clock, training the tiny GPT for real.
 
-Every peer is a `Peer` (the class the real network drives) on an `InMemoryKeyValueStore` and a
-`SimNetwork`. Inner steps take a configurable amount of fake time per learner (heterogeneous speeds),
+Every peer is a `Peer` (the class the real network drives) under an `InlineDriver` (the driver code
+the real node runs too) on an `InMemoryKeyValueStore` and a `SimNetwork`. Inner steps take a configurable amount of fake time per learner (heterogeneous speeds),
 so the run is deterministic for a seed whatever the machine, and faults happen at exact fake times:
 crashes with restarts (`Crash`), dropped or delayed links (`LinkRule`), network partitions that also
 split the key-value store (`Partition`, see docs/partitions.md).
@@ -22,6 +22,8 @@ from p2p_diloco.model.data import BatchSampler, Corpus, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.driver import InlineDriver
 from p2p_diloco.swarm.hostile import ATTACKS, hostile_transport
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import (
@@ -173,6 +175,8 @@ class InProcessSwarm:
         self.network = SimNetwork(self.loop, base_delay=spec.base_delay, rules=list(spec.link_rules))
         self.kv = PartitionedKeyValueStore() if spec.partitions else InMemoryKeyValueStore()
         self.peers: dict[int, Peer] = {}
+        self.drivers: dict[int, InlineDriver] = {}
+        self.learners: dict[int, Learner] = {}
         self.generation: dict[int, int] = {}
         self.persisted: dict[int, GlobalReplica] = {}
         self.stats = [LearnerStats(f"learner-{i}", spec.step_time(i)) for i in range(spec.learners)]
@@ -220,16 +224,20 @@ class InProcessSwarm:
             cfg,
             self.plan,
             replica,
+            shapes=self.shapes,
+            embedding_names=self.embeddings,
+            may_sync=attack is None,
+        )
+        self.drivers[i] = InlineDriver(
+            peer,
             kv=self.kv.view(peer_id) if isinstance(self.kv, PartitionedKeyValueStore) else self.kv,
             transport=transport,
             clock=self.clock,
-            shapes=self.shapes,
-            embedding_names=self.embeddings,
             learner=learner,
-            may_sync=attack is None,
-            log=self.log,
+            observer=lambda intent: self._observe(i, intent),
         )
         self.peers[i] = peer
+        self.learners[i] = learner
         gen = self.generation.get(i, 0) + 1
         self.generation[i] = gen
         now = self.clock.now()
@@ -244,30 +252,21 @@ class InProcessSwarm:
     def _step(self, i: int, gen: int) -> None:
         if not self._alive(i, gen) or not self.training:
             return
-        peer, stats = self.peers[i], self.stats[i]
-        now = self.clock.now()
-        peer.learner.train_step(compute_seconds=stats.step_time)
+        stats = self.stats[i]
+        self.drivers[i].train_step(compute_seconds=stats.step_time)
         stats.steps += 1
         tokens = self.manifest.diloco.batch_size * self.manifest.model.block_size
         stats.tokens += tokens
         self.tokens_done += tokens
-        peer.after_train_step(now)
         self.loop.call_later(stats.step_time, lambda: self._step(i, gen))
 
     def _tick(self, i: int, gen: int) -> None:
         if not self._alive(i, gen):
             return
         peer = self.peers[i]
-        now = self.clock.now()
-        peer.heartbeat(now, step_time=self.stats[i].step_time)
-        decision = peer.election_tick(now)
-        peer.repair_tick(now)
-        if decision.action == "claim":
-            self.terms.append((now, peer.peer_id, decision.term))
-        if peer.sync is not None:
-            for info in peer.live_peers.values():
-                if info.step_time > 0:
-                    peer.sync.observe_step_time(info.step_time)
+        learner = self.learners[i]
+        loss = learner.last_loss if learner.last_loss == learner.last_loss else 0.0
+        self.drivers[i].tick(self.clock.now(), step_time=self.stats[i].step_time, step=learner.step, loss=loss)
         if peer.sync is not None and (i, gen) not in self.polling:
             self.polling.add((i, gen))
             self._sync_poll(i, gen)
@@ -278,11 +277,19 @@ class InProcessSwarm:
         if not self._alive(i, gen) or self.peers[i].sync is None:
             self.polling.discard((i, gen))
             return
-        peer = self.peers[i]
-        if peer.sync_tick(self.clock.now(), sync_seconds=self.spec.base_delay):
-            self.version_curve.append((self.clock.now(), sum(peer.replica.versions())))
+        self.drivers[i].sync_tick(self.clock.now(), sync_seconds=self.spec.base_delay)
         interval = min(self.spec.step_time(j) for j in range(self.spec.learners)) / 2
         self.loop.call_later(interval, lambda: self._sync_poll(i, gen))
+
+    def _observe(self, i: int, intent: fx.Intent) -> None:
+        """Telemetry intents of learner `i`'s peer: claims and published updates."""
+        peer = self.peers.get(i)
+        if isinstance(intent, fx.Claimed) and peer is not None:
+            self.terms.append((self.clock.now(), peer.peer_id, intent.term))
+        elif isinstance(intent, fx.Published) and peer is not None:
+            self.version_curve.append((self.clock.now(), sum(peer.replica.versions())))
+        elif isinstance(intent, fx.Note) and self.log is not None and peer is not None:
+            self.log(f"[{peer.peer_id}] {intent.line}")
 
     def _crash_event(self, crash: Crash) -> None:
         i = crash.learner
@@ -314,25 +321,26 @@ class InProcessSwarm:
 
     def crash(self, i: int) -> None:
         peer = self.peers.pop(i, None)
-        if peer is None:
+        driver = self.drivers.pop(i, None)
+        learner = self.learners.pop(i, None)
+        if peer is None or driver is None or learner is None:
             return
         self.persisted[i] = copy.deepcopy(peer.replica)
         self.crashed_at[i] = self.clock.now()
         for tag, n in peer.rejections.items():
             self.retired_rejections[tag] = self.retired_rejections.get(tag, 0) + n
-        peer.transport.close()
+        driver.transport.close()
         self.stats[i].crashes += 1
-        self.stats[i].steps_merged += peer.learner.steps_merged
-        self.stats[i].deltas_sent += peer.learner.deltas_sent
-        self.stats[i].deltas_rejected += peer.learner.deltas_rejected
+        self.stats[i].steps_merged += learner.steps_merged
+        self.stats[i].deltas_sent += learner.deltas_sent
+        self.stats[i].deltas_rejected += learner.deltas_rejected
 
     def restart(self, i: int) -> Peer:
         """Back from its persisted replica: replays the log within `rejoin_grace`, else downloads snapshots."""
         replica = self.persisted.pop(i)
         away = self.clock.now() - self.crashed_at.pop(i)
         peer = self._start_peer(i, replica, incarnation=self.stats[i].crashes)
-        peer.learner.load_global_into_model()
-        stats = peer.catch_up(self.clock.now(), replay=away <= self.manifest.timing.rejoin_grace)
+        stats = self.drivers[i].catch_up(self.clock.now(), replay=away <= self.manifest.timing.rejoin_grace)
         self.catch_ups.append((self.clock.now(), i, stats))
         return peer
 
@@ -381,9 +389,10 @@ class InProcessSwarm:
         rejections = dict(self.retired_rejections)
         for i, peer in self.peers.items():
             s = self.stats[i]
-            s.steps_merged += peer.learner.steps_merged
-            s.deltas_sent += peer.learner.deltas_sent
-            s.deltas_rejected += peer.learner.deltas_rejected
+            learner = self.learners[i]
+            s.steps_merged += learner.steps_merged
+            s.deltas_sent += learner.deltas_sent
+            s.deltas_rejected += learner.deltas_rejected
             for tag, n in peer.rejections.items():
                 rejections[tag] = rejections.get(tag, 0) + n
             if peer.sync is not None:

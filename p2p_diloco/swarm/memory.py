@@ -12,9 +12,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2p_diloco.wire.interfaces import InboundHandlers, StoredValue
+from p2p_diloco.wire.replies import Reply
 
 
 class FakeClock:
@@ -246,10 +249,10 @@ class InMemoryTransport:
     def close(self) -> None:
         self.network.unregister(self.peer_id)
 
-    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
         self.network.deliver(self.peer_id, to_peer, frame, "delta", on_reply)
 
-    def push_update(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
+    def push_update(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
         self.network.deliver(self.peer_id, to_peer, frame, "update", on_reply)
 
     def _remote(self, peer: str) -> InboundHandlers:
@@ -271,3 +274,19 @@ class InMemoryTransport:
             frame
         )
         return frame
+
+    def request_updates(self, from_peer: str, fragment: int, after_version: int) -> Future[list[bytes]]:
+        return _settled(lambda: self.fetch_updates(from_peer, fragment, after_version))
+
+    def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]:
+        return _settled(lambda: self.fetch_snapshot(from_peer, fragment))
+
+
+def _settled(call: Callable[[], Any]) -> Future:
+    """A future already holding `call`'s result or exception (fake time does not move for a fetch)."""
+    future: Future = Future()
+    try:
+        future.set_result(call())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future

@@ -1,8 +1,9 @@
 """The synchronizer role: validate incoming deltas, run the fragment rounds, merge, build updates.
 
-Sans-IO like the learner: `handle_delta` takes a frame and returns the reply reason, `poll` returns
-the update records to publish. It never mutates the replica: the peer applies its own updates through
-the same path as everyone else, which keeps the holder's replica identical to all others.
+Sans-IO: `handle_delta` takes a frame and returns a typed `Reply`, `poll` returns the updates to
+publish, each with its outer step computed once (`MergeOutcome.pending`). It never mutates the replica:
+the peer installs that step through the same `UpdateBook.apply` path every update takes, which keeps the
+holder's replica identical to all others.
 
 Every delta goes through, in order: the allowlist, the sender's cool-down, frame decoding, run and
 manifest, fragment, tensor decoding, `merge.validate_delta`, then the robust checks of
@@ -30,11 +31,12 @@ from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
+from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 REJECT_WRONG_RUN = "wrong run"
 REJECT_WRONG_MANIFEST = "wrong manifest"
@@ -44,8 +46,12 @@ REJECT_NOT_ALLOWED = "not allowed"
 
 @dataclass(frozen=True)
 class MergeOutcome:
+    """A closed round: the update to publish, and its outer step already computed (applied as is)."""
+
     record: UpdateRecord
     reason: str
+    pending: PendingUpdate
+    outer_grad: dict[str, torch.Tensor]
 
 
 class Synchronizer:
@@ -84,7 +90,7 @@ class Synchronizer:
         self.accepted_tokens: Counter[str] = Counter()
         self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
 
-    def _reject(self, sender: str, tag: str, detail: str, now: float) -> str:
+    def _reject(self, sender: str, tag: str, detail: str, now: float) -> Reply:
         self.rejections[tag] += 1
         self.rejections_by_sender[(sender, tag)] += 1
         reason = detail if detail.startswith(tag) else f"{tag}: {detail}" if detail else tag
@@ -92,9 +98,9 @@ class Synchronizer:
         started = self.guard.note_rejection(sender, tag, now)
         if started is not None:
             self.decisions.append(started.reason)
-        return reason
+        return Reply(ReplyStatus.REFUSED, reason)
 
-    def handle_delta(self, sender: str, frame: bytes, now: float) -> str:
+    def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
         """Validate and offer one delta frame; returns the reply for the sender. Never raises on bad input."""
         if self.manifest.allowlist and sender not in self.manifest.allowlist:
             return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist", now)
@@ -158,7 +164,7 @@ class Synchronizer:
         self.decisions.append(
             f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)
         )
-        return decision.reason
+        return Reply(ReplyStatus.ACCEPTED, decision.reason)
 
     def observe_step_time(self, seconds: float) -> None:
         self.rounds.observe_step_time(seconds)
@@ -174,14 +180,14 @@ class Synchronizer:
             if not contributions:
                 self.rounds.abort(p)
                 continue
-            record = self._merge(
+            record, pending, grad = self._merge(
                 p, contributions, live=len(live_learners | {c.sender for c in contributions})
             )
             self.rounds_done += 1
             self.decisions.append(
                 f"fragment {p} v{record.from_version}->{record.to_version}: {decision.reason}"
             )
-            outcomes.append(MergeOutcome(record=record, reason=decision.reason))
+            outcomes.append(MergeOutcome(record, decision.reason, pending, grad))
         return outcomes
 
     def _gathering(self, p: int, now: float, live_learners: frozenset[str]) -> bool:
@@ -207,7 +213,9 @@ class Synchronizer:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
         self.rounds.finish(fragment, self.replica.versions()[fragment], sync_seconds)
 
-    def _merge(self, p: int, contributions: list[Contribution], *, live: int) -> UpdateRecord:
+    def _merge(
+        self, p: int, contributions: list[Contribution], *, live: int
+    ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor]]:
         contributions = sorted(contributions, key=lambda c: c.sender)
         weights = [c.weight for c in contributions]
         merged = merge_deltas(
@@ -227,7 +235,7 @@ class Synchronizer:
         pending = self.replica.compute_update(p, decoded, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         for c in contributions:
             self.accepted_tokens[c.sender] += c.tokens
-        return UpdateRecord(
+        record = UpdateRecord(
             run_id=self.manifest.run_id,
             manifest_hash=self.manifest.manifest_hash,
             fragment=p,
@@ -238,6 +246,7 @@ class Synchronizer:
             checksum=pending.checksum,
             payload=payload,
         )
+        return record, pending, decoded
 
 
 def _tag(reason: str) -> str:

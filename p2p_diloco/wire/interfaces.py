@@ -7,8 +7,11 @@ in-process swarm use `p2p_diloco.swarm.memory`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
+
+from p2p_diloco.wire.replies import Reply
 
 
 @dataclass(frozen=True)
@@ -44,30 +47,34 @@ class Transport(Protocol):
         """Start answering incoming frames and requests with `handlers`."""
         ...
 
-    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None) -> None:
-        """Send in the background (never blocks training); `on_reply` gets the receiver's reason string."""
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
+        """Send in the background (never blocks); `on_reply` gets the receiver's `Reply` (or a local
+        `TRANSIENT` one when the frame could not be delivered)."""
         ...
 
     def push_update(
-        self, to_peer: str, frame: bytes, on_reply: Callable[[str], None] | None = None
+        self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None
     ) -> None: ...
 
-    def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]: ...
+    def request_updates(self, from_peer: str, fragment: int, after_version: int) -> Future[list[bytes]]:
+        """Fetch update frames in the background; the future fails with ConnectionError/TimeoutError."""
+        ...
 
-    def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes: ...
+    def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]: ...
 
 
 class InboundHandlers(Protocol):
     """What a peer answers on the transport. `sender` comes from the connection (authenticated peer ID).
 
-    Handlers validate everything before use and never raise on bad input: they return a reason string
-    (``"accepted"`` or a rejection reason) that goes back to the sender and into the rejection counters.
+    Handlers validate everything before use and never raise on bad input: they answer a `Reply` that goes
+    back to the sender. A handler may instead return a `Future` of its answer (a peer whose owner thread
+    answers later); the transport then awaits it.
     """
 
-    def handle_delta(self, sender: str, frame: bytes) -> str: ...
+    def handle_delta(self, sender: str, frame: bytes) -> Reply | Future[Reply]: ...
 
-    def handle_update(self, sender: str, frame: bytes) -> str: ...
+    def handle_update(self, sender: str, frame: bytes) -> Reply | Future[Reply]: ...
 
-    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]: ...
+    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes] | Future[list[bytes]]: ...
 
-    def serve_snapshot(self, requester: str, fragment: int) -> bytes: ...
+    def serve_snapshot(self, requester: str, fragment: int) -> bytes | Future[bytes]: ...

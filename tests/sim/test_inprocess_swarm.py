@@ -8,6 +8,7 @@ import pytest
 
 from p2p_diloco.swarm.inprocess import Crash, InProcessSwarm, SwarmSpec
 from p2p_diloco.swarm.memory import LinkRule
+from p2p_diloco.wire.replies import ReplyStatus
 
 pytestmark = pytest.mark.sim
 
@@ -88,17 +89,18 @@ def test_malformed_delta_is_rejected_with_reason_and_training_continues(manifest
     swarm = InProcessSwarm(spec, corpus=corpus)
     swarm.loop.call_at(10.0, lambda: inject_garbage(swarm))
     report = swarm.run()
-    assert swarm.garbage_replies and all("accepted" not in r for r in swarm.garbage_replies)
+    assert swarm.garbage_replies and all(r.status is ReplyStatus.REFUSED for r in swarm.garbage_replies)
     assert sum(report.rejections.values()) >= 2
     assert all(v >= 2 for v in report.versions)
     assert report.digests_equal
 
 
 def inject_garbage(swarm: InProcessSwarm) -> None:
-    holder = next(p for p in swarm.peers.values() if p.sync is not None)
+    holder = next(i for i, p in swarm.peers.items() if p.sync is not None)
+    driver = swarm.drivers[holder]
     swarm.garbage_replies = [
-        holder.handle_delta("mallory", b"\x00" * 64),
-        holder.handle_delta("mallory", b"P2"),
+        driver.handle_delta("mallory", b"\x00" * 64),
+        driver.handle_delta("mallory", b"P2"),
     ]
 
 

@@ -114,12 +114,12 @@ def test_after_heal_every_replica_converges_to_the_winning_branch(partitioned):
     for peer in swarm.peers.values():
         logged = [line for line in lines if line.startswith(f"[{peer.peer_id}] {LOG_RECONCILED}:")]
         if side_of(swarm, peer.peer_id) == loser:
-            assert logged and peer.reconciliations, peer.peer_id
+            assert logged and peer.repair.reconciliations, peer.peer_id
             # Each scenario exercises its path: a lost branch at or past the winner's version, or a
             # replay of the winner's log that does not match (the losing side is behind).
             assert any(f"({SCENARIOS[scenario][1]}:" in line for line in logged), logged
         else:
-            assert not logged and not peer.reconciliations, (peer.peer_id, logged)
+            assert not logged and not peer.repair.reconciliations, (peer.peer_id, logged)
     # The old holder stepped down; exactly one synchronizer remains, of the highest term.
     last_claim = report.terms[-1]
     holders = [p.peer_id for p in swarm.peers.values() if p.sync is not None]

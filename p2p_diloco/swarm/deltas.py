@@ -1,0 +1,154 @@
+"""The learner's deltas between the training thread and the synchronizer: compression, sending, replies.
+
+`DeltaRouting` runs on the peer's owner thread. A delta the training thread took (`DeltaReady`) is
+compressed with error feedback (the residuals live here, next to the decision to resend) and sent to
+the synchronizer this peer follows, recorded as in flight with that synchronizer's (holder, term). It
+goes back to the learner (`Release`, the work is resent with its next delta of that fragment) when
+the synchronizer refuses it, when a different synchronizer (or a new term of the same one) takes
+over, or, as a backstop, after several lease lifetimes without a merge. `SendGate` is what the
+training thread reads before it takes a delta: whether a synchronizer is known and not holding deltas.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol import robust
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.swarm.effects import DeltaReady, DeltaReplied, Intent, SendDelta, ToLearner
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.learner import Release
+from p2p_diloco.wire.codec import ErrorFeedback
+from p2p_diloco.wire.frames import encode_delta
+from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+IN_FLIGHT_TIMEOUT_LEASES = 4
+MAX_DELTA_HOLD = 300.0
+_COOL_DOWN_LEFT = re.compile(r"ignored for ([0-9.]+)s more")
+
+Target = tuple[str, int]  # (holder, term)
+
+
+def delta_hold_seconds(reply: Reply, heartbeat_period: float) -> float:
+    """How long to hold further deltas for the synchronizer that refused one with `reply` (0: not at all).
+
+    Without a hold a learner resends the refused work after its next inner step: at tens of steps per
+    second a cooled-down or unreachable learner sent the same refused fragment ~10 times a second.
+    Held work keeps accumulating and goes out in one delta when the hold ends or the holder changes.
+    """
+    if reply.tag == robust.COOL_DOWN:
+        match = _COOL_DOWN_LEFT.search(reply.reason)
+        return min(float(match.group(1)), MAX_DELTA_HOLD) if match else heartbeat_period
+    return heartbeat_period if reply.status == ReplyStatus.TRANSIENT else 0.0
+
+
+class SendGate:
+    """Written by the owner thread, read by the training thread (one attribute, replaced whole)."""
+
+    def __init__(self) -> None:
+        self.state: tuple[Target | None, float] = (None, 0.0)  # (synchronizer, held until)
+
+    def open(self, now: float) -> bool:
+        target, held_until = self.state
+        return target is not None and now >= held_until
+
+
+@dataclass(frozen=True)
+class InFlight:
+    seq: int
+    target: Target
+    sent_at: float
+
+
+class DeltaRouting:
+    def __init__(self, peer_id: str, manifest: RunManifest, journal: Journal, emit: Callable[[Intent], None]):
+        self.peer_id = peer_id
+        self.manifest = manifest
+        self.journal = journal
+        self._emit = emit
+        wire = manifest.wire
+        self.feedback = ErrorFeedback(
+            codec=wire.codec, block_size=wire.block_size, enabled=wire.error_feedback
+        )
+        self.in_flight: dict[int, InFlight] = {}
+        self.gate = SendGate()
+        self.target: Target | None = None
+        self.held: tuple[Target, float] | None = None
+
+    def _release(self, fragment: int, why: str) -> None:
+        sent = self.in_flight.pop(fragment, None)
+        if sent is None:
+            return
+        self.feedback.reset(fragment)
+        self._emit(ToLearner(Release(fragment, sent.seq)))
+        if why:
+            self.journal.note(why)
+
+    def _publish_gate(self) -> None:
+        held_until = self.held[1] if self.held is not None and self.held[0] == self.target else 0.0
+        self.gate.state = (self.target, held_until)
+
+    def follow(self, target: Target | None) -> None:
+        """The synchronizer this peer follows now; deltas sent to any other (holder, term) will not be
+        merged (a new term's rounds hold none of them): their work goes back and is resent."""
+        self.target = target
+        if target is not None:  # while none is known (lease grace), what is in flight may still merge
+            stale = sorted(p for p, s in self.in_flight.items() if s.target != target)
+            if stale:
+                self.journal.note(f"synchronizer is now {target}: resending the work of fragments {stale}")
+            for p in stale:
+                self._release(p, "")
+        self._publish_gate()
+
+    def route(self, ready: DeltaReady) -> bytes | None:
+        """Compress a delta the learner took and mark it in flight to the current synchronizer; the frame
+        (the caller sends it, or hands it to itself as synchronizer), or None if it went back."""
+        target = self.target
+        if target is None or not self.gate.open(ready.now):
+            self._emit(ToLearner(Release(ready.fragment, ready.seq)))
+            return None
+        try:
+            payload, _ = self.feedback.compress(ready.fragment, ready.delta)
+        except ValueError as exc:  # a non-finite delta: never sent, the residual untouched
+            self.journal.note(f"delta for fragment {ready.fragment} not sent: {exc}")
+            self._emit(ToLearner(Release(ready.fragment, ready.seq)))
+            return None
+        self.in_flight[ready.fragment] = InFlight(ready.seq, target, ready.now)
+        return encode_delta(ready.header, payload)
+
+    def send_intent(self, fragment: int, frame: bytes) -> SendDelta:
+        holder, term = self.in_flight[fragment].target
+        return SendDelta(holder, term, fragment, self.in_flight[fragment].seq, frame)
+
+    def on_reply(self, replied: DeltaReplied) -> None:
+        sent = self.in_flight.get(replied.fragment)
+        if sent is None or sent.seq != replied.seq or replied.reply.ok:
+            return
+        hold = delta_hold_seconds(replied.reply, self.manifest.timing.heartbeat_period)
+        if hold > 0:
+            self.held = (sent.target, replied.now + hold)
+            self._publish_gate()
+        self._release(
+            replied.fragment,
+            f"delta for fragment {replied.fragment} refused: {replied.reply}"
+            + (f"; holding deltas {hold:.1f}s" if hold else ""),
+        )
+
+    def on_merged(self, record: UpdateRecord) -> None:
+        """An applied update merged this peer's delta of its fragment: no longer in flight."""
+        if any(peer == self.peer_id for peer, _ in record.contributors):
+            self.in_flight.pop(record.fragment, None)
+
+    def expire(self, now: float) -> None:
+        """Backstop only: a failover already released deltas sent to the old synchronizer. Releasing one
+        that is merely slow would count its work twice once both copies are merged."""
+        timing = self.manifest.timing
+        timeout = IN_FLIGHT_TIMEOUT_LEASES * (timing.lease_ttl + timing.claim_grace)
+        for p in sorted(p for p, s in self.in_flight.items() if now - s.sent_at > timeout):
+            self._release(p, f"delta for fragment {p} timed out; its work will be resent")
+        if self.held is not None and now >= self.held[1]:
+            self.held = None
+            self._publish_gate()

@@ -1,0 +1,183 @@
+"""`PeerDriver`: feeds one `Peer` its events and performs the intents it returns.
+
+One class for every way a peer runs. `InlineDriver` processes each event the moment it is posted, on
+the caller's thread (the in-process swarm and unit tests: fake clock, in-memory store and network,
+fetches answered at once). `node.threads.ThreadedDriver` runs the same `process` on the peer's one
+owner thread and performs DHT calls on an I/O thread. Either way a `Peer` sees one event at a time.
+
+Intents are performed here, never in the peer: DHT writes and reads through the `KeyValueStore`,
+sends and fetches through the `Transport` (replies and fetch results come back as events), answers
+to inbound requests, messages to the learner's inbox, and telemetry for the `observer`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.wire.interfaces import Clock, KeyValueStore, Transport
+from p2p_diloco.wire.replies import Reply
+
+Observer = Callable[[fx.Intent], None]
+
+
+def _done(value: Any) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class PeerDriver:
+    """Performs a peer's intents; subclasses decide how events are queued (`post`) and DHT calls run."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        kv: KeyValueStore,
+        transport: Transport,
+        clock: Clock,
+        learner=None,  # noqa: ANN001 - swarm.learner.Learner, whose inbox gets `ToLearner` messages
+        observer: Observer | None = None,
+    ):
+        self.peer = peer
+        self.kv = kv
+        self.transport = transport
+        self.clock = clock
+        self.learner = learner
+        self.observer = observer or (lambda intent: None)
+        transport.bind(self)
+
+    # ---- events ------------------------------------------------------------------------------------
+
+    def post(self, event: fx.Event) -> None:
+        raise NotImplementedError
+
+    def process(self, event: fx.Event) -> None:
+        """Handle one event and perform its intents (on the owner thread)."""
+        for intent in self.peer.handle(event):
+            self.perform(intent)
+
+    # ---- intents -----------------------------------------------------------------------------------
+
+    def perform(self, intent: fx.Intent) -> None:
+        match intent:
+            case fx.StoreRecord():
+                self.run_io(lambda: self.kv.store(intent.key, intent.subkey, intent.value, intent.expiration), None)
+            case fx.Perform(request=fx.ReadSwarm()):
+                self.run_io(self._read_swarm, intent.task)
+            case fx.Perform(request=fx.FetchUpdates() as fetch):
+                future = self.transport.request_updates(fetch.source, fetch.fragment, fetch.after_version)
+                self._when_done([future], intent.task, single=True)
+            case fx.Perform(request=fx.FetchSnapshots() as fetch):
+                futures = [self.transport.request_snapshot(source, p) for p, source in fetch.wanted]
+                self._when_done(futures, intent.task, single=False)
+            case fx.SendDelta():
+                send = intent
+
+                def on_reply(reply: Reply) -> None:
+                    self.post(fx.DeltaReplied(send.to, send.term, send.fragment, send.seq, reply, self.clock.now()))
+
+                self.transport.send_delta(send.to, send.frame, on_reply)
+            case fx.PushUpdate():
+                self.transport.push_update(intent.to, intent.frame)
+            case fx.Respond():
+                intent.answer.set_result(intent.value)
+            case fx.ToLearner():
+                if self.learner is not None:
+                    self.learner.inbox.put(intent.message)
+            case _:
+                self.observer(intent)
+
+    def _read_swarm(self) -> fx.SwarmRecords:
+        now = self.clock.now()
+        membership = self.peer.membership
+        return fx.SwarmRecords(self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now), now)
+
+    def run_io(self, call: Callable[[], Any], task: int | None) -> None:
+        """Run a blocking DHT call; its result (or error) goes to `task` if one waits for it."""
+        try:
+            value, error = call(), None
+        except Exception as exc:
+            value, error = None, exc
+        if task is not None:
+            self.post(fx.TaskResult(task, value, error))
+
+    def _when_done(self, futures: list[concurrent.futures.Future], task: int, *, single: bool) -> None:
+        left = [len(futures)]
+
+        def finished(_: concurrent.futures.Future) -> None:
+            left[0] -= 1
+            if left[0]:
+                return
+            if single:
+                error = futures[0].exception()
+                self.post(fx.TaskResult(task, None if error else futures[0].result(), error))
+            else:
+                results = [f.exception() or f.result() for f in futures]
+                self.post(fx.TaskResult(task, results))
+
+        for future in futures:
+            future.add_done_callback(finished)
+
+    # ---- inbound requests (the transport's `InboundHandlers`) ----------------------------------------
+
+    def _ask(self, make: Callable[[concurrent.futures.Future], fx.Event]) -> concurrent.futures.Future:
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self.post(make(answer))
+        return answer
+
+    def handle_delta(self, sender: str, frame: bytes):  # noqa: ANN201
+        return self._answer(self._ask(lambda a: fx.DeltaArrived(sender, frame, a, self.clock.now())))
+
+    def handle_update(self, sender: str, frame: bytes):  # noqa: ANN201
+        return self._answer(self._ask(lambda a: fx.UpdateArrived(sender, frame, a, self.clock.now())))
+
+    def serve_updates(self, requester: str, fragment: int, after_version: int):  # noqa: ANN201
+        return self._answer(self._ask(lambda a: fx.UpdatesRequested(requester, fragment, after_version, a)))
+
+    def serve_snapshot(self, requester: str, fragment: int):  # noqa: ANN201
+        return self._answer(self._ask(lambda a: fx.SnapshotRequested(requester, fragment, a)))
+
+    def _answer(self, answer: concurrent.futures.Future):  # noqa: ANN202
+        """What a handler returns: the future itself (a threaded driver; the transport awaits it)."""
+        return answer
+
+
+class InlineDriver(PeerDriver):
+    """Processes every event at once on the caller's thread; handlers answer synchronously."""
+
+    def post(self, event: fx.Event) -> None:
+        self.process(event)
+
+    def _answer(self, answer: concurrent.futures.Future):  # noqa: ANN202
+        return answer.result(timeout=0)
+
+    # conveniences for the in-process swarm and tests: one call, one event
+
+    def tick(self, now: float, **heartbeat_fields: Any) -> None:
+        self.post(fx.Tick(fx.TickKind.SWARM, now, heartbeat_fields))
+
+    def sync_tick(self, now: float, sync_seconds: float = 0.0) -> None:
+        self.post(fx.Tick(fx.TickKind.SYNC, now, sync_seconds=sync_seconds))
+
+    def catch_up(self, now: float, *, replay: bool) -> dict[str, int]:
+        return self._ask(lambda a: fx.CatchUpRequested(now, replay, a)).result(timeout=0)
+
+    def run_task(self, task) -> Any:  # noqa: ANN001
+        """Run a peer task (e.g. `peer.repair.fetch_fragment(...)`) to its end; its result."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self.peer.spawn(task, result.set_result)
+        for intent in self.peer.flush():
+            self.perform(intent)
+        return result.result(timeout=0)
+
+    def train_step(self, compute_seconds: float | None = None) -> None:
+        """One inner step of the learner, then its due delta (if any) to the peer."""
+        self.learner.train_step(compute_seconds=compute_seconds)
+        ready = self.learner.take_due(self.clock.now(), self.peer.deltas.gate)
+        if ready is not None:
+            self.post(ready)

@@ -1,0 +1,263 @@
+"""What goes into a `Peer` (events) and what comes out of it (intents), as plain frozen records.
+
+The peer never performs I/O. Handlers, timers and the training loop post events to its driver; the
+peer's handling of each event returns intents, which the driver performs outside the peer's state:
+stores DHT records, sends frames, answers requests, passes messages to the training thread, logs.
+Work that needs an answer from the network (reading the swarm's records, fetching an update log or a
+snapshot) is written as a task: a generator that yields a `Request` and is resumed with its result
+(`TaskResult`), so catch-up and repair read top to bottom while the peer keeps handling other events.
+
+Inbound requests carry a `Respond` target (any object with `set_result`, e.g. a
+`concurrent.futures.Future`); the peer answers through a `Respond` intent, maybe later (an update
+whose lease must first be read from the DHT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.wire.interfaces import StoredValue
+from p2p_diloco.wire.replies import Reply
+
+
+class Answer(Protocol):
+    """Where the answer to an inbound request goes (a `concurrent.futures.Future` fits)."""
+
+    def set_result(self, result: Any) -> None: ...
+
+
+class TickKind(StrEnum):
+    SWARM = "swarm"  # every heartbeat period: heartbeat, election, repair
+    SYNC = "sync"  # often, while synchronizer: close the rounds that are ready
+
+
+# ---- events --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    kind: TickKind
+    now: float
+    heartbeat_fields: Mapping[str, Any] = field(default_factory=dict)  # telemetry the driver announces
+    sync_seconds: float = 0.0  # the driver's measured merge + broadcast time
+
+
+@dataclass(frozen=True)
+class DeltaArrived:
+    sender: str
+    frame: bytes
+    answer: Answer
+    now: float
+
+
+@dataclass(frozen=True)
+class UpdateArrived:
+    sender: str
+    frame: bytes
+    answer: Answer
+    now: float
+
+
+@dataclass(frozen=True)
+class UpdatesRequested:
+    requester: str
+    fragment: int
+    after_version: int
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class SnapshotRequested:
+    requester: str
+    fragment: int
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class DeltaReady:
+    """The training thread took a due fragment's delta at a step boundary (`Learner.take_due`)."""
+
+    fragment: int
+    seq: int
+    header: Any  # protocol.messages.DeltaHeader
+    delta: Mapping[str, Any]  # name -> fp32 tensor, anchor - theta
+    now: float
+
+
+@dataclass(frozen=True)
+class DeltaReplied:
+    holder: str
+    term: int
+    fragment: int
+    seq: int
+    reply: Reply
+    now: float
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    task: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class CatchUpRequested:
+    """Bring the replica to the swarm's versions (start of a peer): replay logs, or download snapshots."""
+
+    now: float
+    replay: bool
+    answer: Answer | None = None  # gets the stats dict when done
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """Shutdown: give up the role, release the lease if held (`answer` gets whether a release was sent)."""
+
+    now: float
+    answer: Answer | None = None
+
+
+Event = (
+    Tick
+    | DeltaArrived
+    | UpdateArrived
+    | UpdatesRequested
+    | SnapshotRequested
+    | DeltaReady
+    | DeltaReplied
+    | TaskResult
+    | CatchUpRequested
+    | Stopping
+)
+
+
+# ---- requests a task yields (answered by a TaskResult) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadSwarm:
+    """Read the heartbeat and lease records; the result is `SwarmRecords`."""
+
+
+@dataclass(frozen=True)
+class SwarmRecords:
+    heartbeats: Mapping[str, StoredValue]
+    leases: Mapping[str, StoredValue]
+    now: float
+
+
+@dataclass(frozen=True)
+class FetchUpdates:
+    source: str
+    fragment: int
+    after_version: int
+
+
+@dataclass(frozen=True)
+class FetchSnapshots:
+    """Fetch several fragment snapshots at once: `wanted` is ((fragment, source), ...); the result is a
+    list with, per item, the snapshot frame or the exception that fetch raised."""
+
+    wanted: tuple[tuple[int, str], ...]
+
+
+Request = ReadSwarm | FetchUpdates | FetchSnapshots
+
+
+# ---- intents ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreRecord:
+    key: str
+    subkey: str
+    value: bytes
+    expiration: float
+    what: str = ""  # for logs: "heartbeat", "lease", "released lease"
+
+
+@dataclass(frozen=True)
+class Perform:
+    """Perform `request` for task `task` and post its `TaskResult`."""
+
+    task: int
+    request: Request
+
+
+@dataclass(frozen=True)
+class SendDelta:
+    to: str
+    term: int
+    fragment: int
+    seq: int
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class PushUpdate:
+    to: str
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class Respond:
+    answer: Answer
+    value: Any
+
+
+@dataclass(frozen=True)
+class ToLearner:
+    """A message for the training thread's learner inbox (`swarm.learner`: Adopt, Release, Reload)."""
+
+    message: Any
+
+
+@dataclass(frozen=True)
+class Published:
+    record: UpdateRecord
+
+
+@dataclass(frozen=True)
+class Applied:
+    """An update reached the replica; `how` is a `swarm.updates.UpdateSource` (pushed, replayed, own)."""
+
+    record: UpdateRecord
+    source: str
+    how: str
+
+
+@dataclass(frozen=True)
+class Note:
+    line: str
+
+
+@dataclass(frozen=True)
+class Claimed:
+    term: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class LeaseReleased:
+    term: int
+    rounds: int
+
+
+Intent = (
+    StoreRecord
+    | Perform
+    | SendDelta
+    | PushUpdate
+    | Respond
+    | ToLearner
+    | Published
+    | Applied
+    | Note
+    | Claimed
+    | LeaseReleased
+)

@@ -1,0 +1,35 @@
+"""A peer's journal: the decision lines it logs and the rejections it counts, per reason and sender.
+
+Every component of a peer writes here (`note`, `reject`); each line also goes out as a `Note` intent,
+so the driver can log it (events.jsonl, stderr) without the peer doing I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+
+from p2p_diloco.swarm.effects import Intent, Note
+from p2p_diloco.wire.replies import Reply
+
+DECISIONS_KEPT = 64
+
+
+class Journal:
+    def __init__(self, peer_id: str, emit: Callable[[Intent], None]):
+        self.peer_id = peer_id
+        self._emit = emit
+        self.rejections: Counter[str] = Counter()
+        self.rejections_by_sender: Counter[tuple[str, str]] = Counter()
+        self.decisions: deque[str] = deque(maxlen=DECISIONS_KEPT)
+
+    def note(self, line: str) -> None:
+        self.decisions.append(line)
+        self._emit(Note(line))
+
+    def reject(self, sender: str, tag: str, detail: str) -> Reply:
+        """Count and log a refused frame or record; the `Reply` the sender gets."""
+        self.rejections[tag] += 1
+        self.rejections_by_sender[(sender, tag)] += 1
+        self.note(f"rejected from {sender}: {tag}: {detail}")
+        return Reply.refused(tag, detail)

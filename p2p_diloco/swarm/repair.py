@@ -1,0 +1,366 @@
+"""Catching up and repairing a peer's replica, and serving other peers' catch-up.
+
+Catch-up and repair are tasks (see `swarm.effects`): generators that yield a `Request` (read the swarm,
+fetch an update log, fetch snapshots) and are resumed with its result, so the peer keeps handling
+events while a fetch runs and nothing here does I/O. Between a yield and its resume the replica may
+have moved on; every step re-reads the versions it depends on (a replayed update that no longer fits is
+skipped, an older snapshot is refused by the replica).
+
+- replay: apply missing updates from a peer's log, each checked like a pushed one (lease, run, order,
+  checksum); a mismatch proves a fork (`protocol.reconcile`);
+- snapshots: a fragment's (Theta, momentum) from a peer, checked against the checksum in it, spread
+  over several peers at once for a newcomer;
+- reconciliation after a partition: the fragment moves onto the winning branch (`reconcile_fragment`);
+- anti-entropy (`repair_round`): a fragment off the live peers' winning tip for a heartbeat period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol import reconcile
+from p2p_diloco.protocol.decisions import Action, Decision
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.reconcile import BranchTip
+from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
+from p2p_diloco.swarm.effects import FetchSnapshots, FetchUpdates, Intent, ReadSwarm, Request, ToLearner
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.learner import Reload
+from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.frames import FragmentSnapshot, decode_snapshot, decode_update, encode_snapshot
+from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+REJECT_NOT_ALLOWED = "not allowed"
+Task = Generator[Request, Any, Any]
+Downloaded = tuple[FragmentSnapshot, dict, dict]
+
+
+class Repair:
+    def __init__(
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        plan: FragmentPlan,
+        replica: GlobalReplica,
+        book: UpdateBook,
+        membership: Membership,
+        journal: Journal,
+        emit: Callable[[Intent], None],
+        *,
+        has_learner: bool,
+    ):
+        self.peer_id = peer_id
+        self.manifest = manifest
+        self.plan = plan
+        self.replica = replica
+        self.book = book
+        self.membership = membership
+        self.journal = journal
+        self._emit = emit
+        self.has_learner = has_learner
+        self.behind_since: dict[int, float] = {}
+        self.reconciliations: list[str] = []  # every `reconciled` line, in order
+        self.busy: set[int] = set()  # fragments a repair task is working on
+
+    # ---- serving -----------------------------------------------------------------------------------
+
+    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
+        if not self.membership.allowed(requester):
+            self.journal.reject(requester, REJECT_NOT_ALLOWED, "update replay refused: not in the allowlist")
+            return []
+        if not 0 <= fragment < self.plan.num_fragments:
+            return []
+        return self.book.frames_after(fragment, after_version)
+
+    def serve_snapshot(self, requester: str, fragment: int) -> bytes:
+        """The fragment's snapshot frame; b"" (which no requester can decode) for a refused request."""
+        if not self.membership.allowed(requester):
+            self.journal.reject(requester, REJECT_NOT_ALLOWED, "snapshot refused: not in the allowlist")
+            return b""
+        if not 0 <= fragment < self.plan.num_fragments:
+            self.journal.reject(requester, "unknown fragment", f"snapshot of {fragment}")
+            return b""
+        version, params, momentum = self.replica.snapshot(fragment)
+        return encode_snapshot(
+            FragmentSnapshot(
+                run_id=self.manifest.run_id,
+                manifest_hash=self.manifest.manifest_hash,
+                fragment=fragment,
+                version=version,
+                checksum=self.replica.checksum(fragment),
+                params=encode_tensors(params, codec="fp32"),
+                momentum=encode_tensors(momentum, codec="fp32"),
+            )
+        )
+
+    # ---- leases behind updates ---------------------------------------------------------------------
+
+    def verify_lease(self, leader: str, term: int, now: float) -> Task:
+        """Whether `leader` held the lease of `term`; re-reads the swarm if unknown (at most once per
+        heartbeat period: every frame of a replayed log used to cost a DHT read)."""
+        if self.membership.held_lease(leader, term):
+            return True
+        if now - self.membership.last_read >= self.manifest.timing.heartbeat_period:
+            self.membership.ingest((yield ReadSwarm()))
+        return self.membership.held_lease(leader, term)
+
+    # ---- replay ------------------------------------------------------------------------------------
+
+    def catch_up_fragment(self, fragment: int, sources: list[str], *, target: int, now: float) -> Task:
+        """Replay missing updates of `fragment` from the sources' logs; fall back to a snapshot."""
+        for source in sources:
+            if self.replica.version(fragment) >= target:
+                return True
+            try:
+                frames = yield FetchUpdates(source, fragment, self.replica.version(fragment))
+            except (ConnectionError, TimeoutError) as exc:
+                self.journal.note(f"replay of fragment {fragment} from {source} failed: {exc}")
+                continue
+            for frame in frames:
+                before = self.book.tip(fragment)
+                record, reply = yield from self._replay_one(source, frame, now)
+                if reply.tag == "no lease":
+                    # The lease record of that term has expired from the DHT (a peer back after a while):
+                    # the rest of this log cannot be verified either, a snapshot can.
+                    break
+                if record is not None and reply.tag == CHECKSUM_MISMATCH:
+                    # The source's history does not pass through my state: a fork, not a gap.
+                    theirs = BranchTip(record.term, record.to_version, record.checksum)
+                    proof = reconcile.fork_proven(
+                        before, theirs, update_term=record.term, from_version=record.from_version
+                    )
+                    return (yield from self.reconcile_fragment(fragment, theirs, [source], proof))
+        if self.replica.version(fragment) >= target:
+            return True
+        return (yield from self.fetch_fragment(fragment, sources))
+
+    def _replay_one(self, source: str, frame: bytes, now: float) -> Task:
+        """Apply one replayed frame if it is the next update of its fragment; (record, reply)."""
+        try:
+            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except DecodeError as exc:
+            return None, self.journal.reject(source, exc.reason, f"replayed update: {exc}")
+        if not (yield from self.verify_lease(record.leader, record.term, now)):
+            reason = f"replayed update of term {record.term} by {record.leader}"
+            return None, self.journal.reject(source, "no lease", reason)
+        if self.book.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
+            if record.from_version == self.replica.version(record.fragment):
+                return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED)
+        return record, Reply(ReplyStatus.REFUSED, "skipped")
+
+    # ---- snapshots ---------------------------------------------------------------------------------
+
+    def _decode_snapshot(self, fragment: int, source: str, frame: bytes) -> Downloaded:
+        """Decode and check one fetched fragment snapshot (raises DecodeError on any problem)."""
+        max_bytes = self.manifest.wire.max_message_bytes
+        snap = decode_snapshot(frame, max_bytes=max_bytes)
+        bad = self.book.check_record(snap.run_id, snap.manifest_hash, snap.fragment)
+        if bad or snap.fragment != fragment:
+            raise DecodeError(
+                bad[0] if bad else "wrong fragment", f"snapshot of fragment {fragment} from {source}"
+            )
+        shapes = self.replica.shapes(fragment)
+        params = decode_tensors(snap.params, expected_shapes=shapes, max_bytes=max_bytes)
+        momentum = decode_tensors(snap.momentum, expected_shapes=shapes, max_bytes=max_bytes)
+        return snap, params, momentum
+
+    def _download(self, fragment: int, source: str) -> Task:
+        """One checked snapshot, or None (the failure noted; a malformed one counted)."""
+        (result,) = yield FetchSnapshots(((fragment, source),))
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            return self._decode_snapshot(fragment, source, result)
+        except DecodeError as exc:
+            self.journal.reject(source, exc.reason, "snapshot")
+            self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
+        except (ConnectionError, TimeoutError) as exc:
+            self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
+        return None
+
+    def _install(
+        self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False, term=None
+    ) -> Task:
+        snap, params, momentum = downloaded
+        decision = self.replica.load_fragment(
+            fragment, snap.version, params, momentum, snap.checksum, force=force
+        )
+        self.journal.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
+        if decision.action != Action.LOAD:
+            return False
+        if term is None:
+            term = yield from self._snapshot_term(fragment, source, snap)
+        self.book.tip_terms[fragment] = term
+        self.book.forget(fragment)
+        if self.has_learner:
+            view = self.replica.params_view(fragment)
+            self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
+        return True
+
+    def _snapshot_term(self, fragment: int, source: str, snap: FragmentSnapshot) -> Task:
+        """The term of the update that produced a loaded snapshot: from the source's published tip if it
+        matches, else from the update in the source's log that produced it; 0 (unknown) otherwise. An
+        unknown term only makes this replica's tip rank lower, never win wrongly."""
+        info = self.membership.live_peers.get(source)
+        tip = info.tip(fragment) if info is not None else None
+        if tip is not None and tip.same_state(BranchTip(0, snap.version, snap.checksum)):
+            return tip.term
+        if snap.version == 0:
+            return 0
+        try:
+            frames = yield FetchUpdates(source, fragment, snap.version - 1)
+        except (ConnectionError, TimeoutError):
+            return 0
+        for frame in frames:
+            try:
+                record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+            except DecodeError:
+                continue
+            if (record.fragment, record.to_version, record.checksum) == (
+                fragment,
+                snap.version,
+                snap.checksum,
+            ):
+                return record.term if self.membership.held_lease(record.leader, record.term) else 0
+        return 0
+
+    def fetch_fragment(self, fragment: int, sources: list[str]) -> Task:
+        """Download a checked snapshot of one fragment; the learner's copy of it is reset to the global one."""
+        for source in sources:
+            downloaded = yield from self._download(fragment, source)
+            if downloaded is not None and (yield from self._install(fragment, source, downloaded)):
+                return True
+        return False
+
+    def fetch_fragments(self, wanted: dict[int, list[str]]) -> Task:
+        """Download several fragments at once, each from its first source (a newcomer's load spread over
+        the peers), install them in fragment order; a failed one falls back to its other sources."""
+        if not wanted:
+            return 0
+        order = sorted(wanted)
+        results = yield FetchSnapshots(tuple((p, wanted[p][0]) for p in order))
+        installed = 0
+        for p, result in zip(order, results):
+            source = wanted[p][0]
+            ok = False
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                ok = yield from self._install(p, source, self._decode_snapshot(p, source, result))
+            except (ConnectionError, TimeoutError, DecodeError) as exc:
+                self.journal.note(f"snapshot of fragment {p} from {source} failed: {exc}")
+            installed += ok or (yield from self.fetch_fragment(p, wanted[p][1:]))
+        return installed
+
+    # ---- reconciliation and anti-entropy -----------------------------------------------------------
+
+    def reconcile_fragment(
+        self, fragment: int, winner: BranchTip, sources: list[str], decision: Decision | None = None
+    ) -> Task:
+        """Bring `fragment` onto the branch whose tip is `winner` (protocol/reconcile.py): nothing if in
+        sync or ahead, replay (verified by checksums, a mismatch proves a fork) if behind, else replace it
+        by a snapshot of a source on the winning branch, older than mine if need be, and log `reconciled`."""
+        mine = self.book.tip(fragment)
+        decision = decision or reconcile.classify(mine, winner)
+        if decision.action == reconcile.IN_SYNC:
+            self.book.tip_terms[fragment] = max(mine.term, winner.term)
+            return True
+        if decision.action == reconcile.KEEP:
+            return True
+        if decision.action == reconcile.CATCH_UP:
+            return (
+                yield from self.catch_up_fragment(
+                    fragment, sources, target=winner.version, now=self.membership.last_read
+                )
+            )
+        for source in sources:
+            downloaded = yield from self._download(fragment, source)
+            if downloaded is None:
+                continue
+            snap = downloaded[0]
+            got = BranchTip(winner.term, snap.version, snap.checksum)
+            if snap.version < winner.version or (
+                snap.version == winner.version and not got.same_state(winner)
+            ):
+                self.journal.note(
+                    f"snapshot of fragment {fragment} from {source} ({got}) is not on the branch {winner}"
+                )
+                continue
+            term = winner.term if got.same_state(winner) else None
+            if (yield from self._install(fragment, source, downloaded, force=True, term=term)):
+                line = reconcile.reconciled_line(
+                    fragment, mine, self.book.tip(fragment), source, decision.reason
+                )
+                self.reconciliations.append(line)
+                self.journal.note(line)
+                return True
+        self.journal.note(
+            f"fragment {fragment} not reconciled yet: no source on the winning branch ({decision.reason})"
+        )
+        return False
+
+    def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
+        """Fragments off the live peers' winning tip for a whole heartbeat period (not a push still in
+        flight): (fragment, winning tip, peers on it, classification), to `reconcile_fragment`."""
+        due = []
+        period = self.manifest.timing.heartbeat_period
+        for p in range(self.plan.num_fragments):
+            mine = self.book.tip(p)
+            theirs = {
+                peer: tip
+                for peer, info in self.membership.live_peers.items()
+                if peer != self.peer_id and (tip := info.tip(p)) is not None
+            }
+            winner = reconcile.winning_tip([mine, *theirs.values()])
+            decision = reconcile.classify(mine, winner)
+            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):
+                self.book.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
+                self.behind_since.pop(p, None)
+                continue
+            since = self.behind_since.setdefault(p, now)
+            if now - since >= period and p not in self.busy:
+                sources = sorted(peer for peer, tip in theirs.items() if tip.same_state(winner))
+                self.journal.note(f"fragment {p}: {decision}; repairing from {len(sources)} peers")
+                self.behind_since.pop(p, None)
+                due.append((p, winner, sources, decision))
+        return due
+
+    def catch_up(self, now: float, *, replay: bool) -> Task:
+        """Bring the replica to the swarm's versions: replay logs (`replay`) or download snapshots,
+        spreading fragments over the up-to-date peers."""
+        self.membership.ingest((yield ReadSwarm()))
+        others = {p: i for p, i in self.membership.live_peers.items() if p != self.peer_id and i.versions}
+        stats = {"replayed": 0, "snapshots": 0}
+        wanted: dict[int, list[str]] = {}
+        if not others:
+            return stats
+        for p in range(self.plan.num_fragments):
+            tips = {peer: tip for peer, info in others.items() if (tip := info.tip(p)) is not None}
+            if tips:  # the winning branch's tip (protocol/reconcile.py), not merely the highest version
+                winner = reconcile.winning_tip(tips.values())
+                target = winner.version
+                ranked = sorted(peer for peer, tip in tips.items() if tip.same_state(winner))
+            else:
+                target = max(info.versions[p] for info in others.values())
+                ranked = sorted(peer for peer, i in others.items() if i.versions[p] >= target)
+            if self.replica.version(p) >= target:
+                continue  # up to date, or ahead on a branch that anti-entropy reconciles
+            sources = ranked[p % len(ranked) :] + ranked[: p % len(ranked)]
+            if replay:
+                before = self.replica.version(p)
+                yield from self.catch_up_fragment(p, sources, target=target, now=now)
+                stats["replayed"] += self.replica.version(p) - before
+            else:
+                wanted[p] = sources
+        stats["snapshots"] = yield from self.fetch_fragments(wanted)
+        return stats
+
+
+def record_tip(record: UpdateRecord) -> BranchTip:
+    return BranchTip(record.term, record.to_version, record.checksum)

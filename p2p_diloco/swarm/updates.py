@@ -1,0 +1,139 @@
+"""Outer updates on a peer: checking an update before it touches the replica, applying it, and the
+bounded log of applied updates (decoded records) that other peers replay from.
+
+`UpdateBook.apply` is the one path by which an update reaches the replica, for pushed, replayed and the
+synchronizer's own updates alike. It tells the learner (an `Adopt` message), the driver (an `Applied`
+intent, which the ledger and event log follow) and remembers the update's term as the fragment's
+branch tip term (`protocol.reconcile`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+
+from torch import Tensor
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.decisions import Action
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.reconcile import BranchTip
+from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
+from p2p_diloco.protocol.robust import RobustGuard
+from p2p_diloco.swarm.effects import Applied, Intent, ToLearner
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.learner import Adopt
+from p2p_diloco.wire.codec import decode_tensors
+from p2p_diloco.wire.frames import encode_update
+from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+UPDATE_LOG_LENGTH = 256
+
+
+class UpdateSource(StrEnum):
+    PUSHED = "pushed"  # pushed by the synchronizer
+    REPLAYED = "replayed"  # fetched from a peer's log
+    OWN = "own"  # merged by this peer as synchronizer
+
+
+class UpdateBook:
+    def __init__(
+        self,
+        manifest: RunManifest,
+        plan: FragmentPlan,
+        replica: GlobalReplica,
+        journal: Journal,
+        robust: RobustGuard,
+        emit: Callable[[Intent], None],
+        *,
+        has_learner: bool,
+    ):
+        self.manifest = manifest
+        self.plan = plan
+        self.replica = replica
+        self.journal = journal
+        self.robust = robust
+        self._emit = emit
+        self.has_learner = has_learner
+        self.log: list[deque[UpdateRecord]] = [
+            deque(maxlen=UPDATE_LOG_LENGTH) for _ in range(plan.num_fragments)
+        ]
+        # Per fragment, the term of the update that produced the replica's version (0: initial or unknown,
+        # e.g. restored from disk); see protocol/reconcile.py.
+        self.tip_terms: list[int] = [0] * plan.num_fragments
+        self.applied = 0
+
+    def tip(self, fragment: int) -> BranchTip:
+        return BranchTip(
+            self.tip_terms[fragment], self.replica.version(fragment), self.replica.checksum(fragment)
+        )
+
+    def tips(self) -> list[BranchTip]:
+        return [self.tip(p) for p in range(self.plan.num_fragments)]
+
+    def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
+        """(tag, detail) if a record is not for this run, manifest or fragment layout."""
+        if run_id != self.manifest.run_id:
+            return ("wrong run", f"{run_id!r} is not this run ({self.manifest.run_id!r})")
+        if manifest_hash != self.manifest.manifest_hash:
+            return ("wrong manifest", "the sender runs a different manifest")
+        if not 0 <= fragment < self.plan.num_fragments:
+            return ("unknown fragment", f"{fragment} not in [0, {self.plan.num_fragments})")
+        return None
+
+    def apply(
+        self,
+        record: UpdateRecord,
+        *,
+        source: str,
+        how: UpdateSource,
+        computed: tuple[PendingUpdate, Mapping[str, Tensor]] | None = None,
+    ) -> Reply:
+        """Apply `record` if it is the next update of its fragment and its result matches its checksum.
+
+        `computed`: the synchronizer's own update, its outer step already computed (with the outer
+        gradient it came from), installed as is: the holder runs the outer step once."""
+        p = record.fragment
+        old = self.replica.params_view(p)
+        if computed is not None:
+            pending, grad = computed
+            decision = self.replica.commit(pending, expected_checksum=record.checksum)
+        else:
+            try:
+                grad = decode_tensors(
+                    record.payload,
+                    expected_shapes=self.replica.shapes(p),
+                    max_bytes=self.manifest.wire.max_message_bytes,
+                )
+            except DecodeError as exc:
+                return self.journal.reject(source, exc.reason, f"update payload: {exc}")
+            cfg = self.manifest.diloco
+            decision = self.replica.apply(
+                p,
+                record.from_version,
+                grad,
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
+                expected_checksum=record.checksum,
+            )
+        if decision.action != Action.APPLY:
+            return Reply(ReplyStatus.REFUSED, decision.reason)
+        self.robust.observe_update(p, grad)
+        self.tip_terms[p] = record.term
+        self.log[p].append(record)
+        self.applied += 1
+        if self.has_learner:
+            self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
+        self._emit(Applied(record, source, how))
+        return Reply(ReplyStatus.APPLIED, decision.reason)
+
+    def frames_after(self, fragment: int, after_version: int) -> list[bytes]:
+        """The logged updates of `fragment` from `after_version` on, as frames (what a replaying peer gets)."""
+        return [encode_update(r) for r in self.log[fragment] if r.from_version >= after_version]
+
+    def forget(self, fragment: int) -> None:
+        """The fragment was replaced by a snapshot: its logged updates no longer lead to its state."""
+        self.log[fragment].clear()
