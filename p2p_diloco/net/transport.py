@@ -7,9 +7,14 @@ peer ID (`stream_info.peer_id`), never anything in the payload. Inbound requests
 the allowlist, a concurrency limit and a size cap before their bodies are read; a handler that raises
 is logged and answered with a ``handler error`` rejection, and the peer keeps serving.
 
+Handlers may answer with a `concurrent.futures.Future` (the node's driver posts each request to its
+peer's owner thread); the transport awaits it, up to `answer_timeout`, on its own event loop, so it
+runs no handler threads. Deltas and updates are answered with a typed `wire.replies.Reply`.
+
 Outbound: `send_delta`/`push_update` return at once and deliver in the background (optional
-`on_reply(reason)` callback, called on a worker thread); `fetch_updates`/`fetch_snapshot` block up to a
-timeout and raise `TimeoutError`, `ConnectionError` or `RemoteRejected` (a `ConnectionError`).
+`on_reply(Reply)` callback, called on the transport's loop thread: keep it short);
+`request_updates`/`request_snapshot` return futures; `fetch_updates`/`fetch_snapshot` block up to a
+timeout. Failures are `TimeoutError`, `ConnectionError` or `RemoteRejected` (a `ConnectionError`).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
 from p2p_diloco.net.addresses import parse_peer_id
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
+from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply, encode_reply
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +51,7 @@ REPLY_TIMEOUT = "transport timeout"
 REPLY_UNREACHABLE = "transport unreachable"
 REPLY_CLOSED = "transport closed"
 
-OnReply = Callable[[str], None]
+OnReply = Callable[[Reply], None]
 LINGER_SECONDS = 5.0  # how long a rejecting receiver drains a sender that is still writing
 
 
@@ -63,8 +70,8 @@ async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
 class P2PTransport:
     """Transport for one run over the p2pd of `dht` (module docstring). Close it before the DHT.
 
-    `handlers` run on worker threads (one by default, so calls never overlap; with
-    `handler_threads > 1` they must be thread-safe). Create DHTs before transports where possible:
+    `handlers` are called on the transport's loop thread and must return at once: an answer, or a
+    future of one (module docstring). Create DHTs before transports where possible:
     hivemind forks the DHT process, and forking while this class's threads run is best avoided.
     """
 
@@ -82,7 +89,7 @@ class P2PTransport:
         inbound_timeout: float = 120.0,
         max_inbound: int = 8,
         allowed_peers: Collection[str] | None = None,
-        handler_threads: int = 1,
+        answer_timeout: float = 10.0,
     ):
         self.max_frame_bytes = max_frame_bytes
         self.max_reply_bytes = max_reply_bytes
@@ -90,6 +97,7 @@ class P2PTransport:
         self.fetch_timeout = fetch_timeout
         self.inbound_timeout = inbound_timeout
         self.max_inbound = max_inbound
+        self.answer_timeout = answer_timeout
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
         self.rejected: Counter[str] = Counter()  # inbound rejections by tag
         self.served: Counter[str] = Counter()  # inbound requests answered, by op
@@ -99,10 +107,6 @@ class P2PTransport:
         self._pending: set[concurrent.futures.Future[str]] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
-        self._workers = concurrent.futures.ThreadPoolExecutor(
-            handler_threads, thread_name_prefix="p2p-handler"
-        )
-        self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2p-on-reply")
         daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="p2p-transport", daemon=True)
@@ -159,8 +163,6 @@ class P2PTransport:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
-        self._workers.shutdown(wait=False, cancel_futures=True)
-        self._callbacks.shutdown(wait=True, cancel_futures=False)
 
     def __enter__(self) -> P2PTransport:
         return self
@@ -177,8 +179,8 @@ class P2PTransport:
     def push_update(self, to_peer: str, frame: bytes, on_reply: OnReply | None = None) -> None:
         self._send_background(keys.OP_UPDATE, to_peer, frame, on_reply)
 
-    def send_and_wait(self, op: str, to_peer: str, frame: bytes, timeout: float | None = None) -> str:
-        """Blocking delivery of a delta/update frame; returns the reason `on_reply` would receive."""
+    def send_and_wait(self, op: str, to_peer: str, frame: bytes, timeout: float | None = None) -> Reply:
+        """Blocking delivery of a delta/update frame; returns the `Reply` `on_reply` would receive."""
         if op not in (keys.OP_DELTA, keys.OP_UPDATE):
             raise ValueError(f"op must be {keys.OP_DELTA!r} or {keys.OP_UPDATE!r}, got {op!r}")
         parse_peer_id(to_peer, what="to_peer")
@@ -187,41 +189,34 @@ class P2PTransport:
     def _send_background(self, op: str, to_peer: str, frame: bytes, on_reply: OnReply | None) -> None:
         parse_peer_id(to_peer, what="to_peer")
         if self._closed:
-            self._notify(on_reply, f"{REPLY_CLOSED}: transport is closed")
+            self._notify(on_reply, Reply.transient(REPLY_CLOSED, "transport is closed"))
             return
         future = self._submit(self._deliver(op, to_peer, frame, self.send_timeout))
         with self._pending_lock:
             self._pending.add(future)
 
-        def done(fut: concurrent.futures.Future[str]) -> None:
+        def done(fut: concurrent.futures.Future[Reply]) -> None:
             with self._pending_lock:
                 self._pending.discard(fut)
             if fut.cancelled():
-                reason = f"{REPLY_CLOSED}: {op} to {to_peer} dropped at shutdown"
+                reply = Reply.transient(REPLY_CLOSED, f"{op} to {to_peer} dropped at shutdown")
             elif fut.exception() is not None:
-                reason = f"{REPLY_UNREACHABLE}: {fut.exception()!r}"
+                reply = Reply.transient(REPLY_UNREACHABLE, repr(fut.exception()))
             else:
-                reason = fut.result()
-            if not reason.startswith("accepted"):
-                log.info("%s to %s: %s", op, to_peer, reason)
-            self._notify(on_reply, reason)
+                reply = fut.result()
+            if not reply.ok:
+                log.info("%s to %s: %s", op, to_peer, reply)
+            self._notify(on_reply, reply)
 
         future.add_done_callback(done)
 
-    def _notify(self, on_reply: OnReply | None, reason: str) -> None:
+    def _notify(self, on_reply: OnReply | None, reply: Reply) -> None:
         if on_reply is None:
             return
-
-        def call() -> None:
-            try:
-                on_reply(reason)
-            except Exception:
-                log.exception("on_reply callback failed")
-
         try:
-            self._callbacks.submit(call)
-        except RuntimeError:  # executor already shut down
-            call()
+            on_reply(reply)
+        except Exception:
+            log.exception("on_reply callback failed")
 
     def flush(self, timeout: float) -> bool:
         """Wait until every background send has finished; False if some are still pending."""
@@ -230,48 +225,68 @@ class P2PTransport:
         _, not_done = concurrent.futures.wait(pending, timeout=timeout)
         return not not_done
 
-    async def _deliver(self, op: str, to_peer: str, frame: bytes, timeout: float) -> str:
-        """A delta/update round trip turned into one reason string (never raises)."""
+    async def _deliver(self, op: str, to_peer: str, frame: bytes, timeout: float) -> Reply:
+        """A delta/update round trip turned into one `Reply` (never raises)."""
         try:
-            status, items = await asyncio.wait_for(self._call(op, to_peer, frame, 4096, 4096), timeout)
+            status, items = await asyncio.wait_for(self._call(op, to_peer, frame, 8192, 8192), timeout)
         except TimeoutError:
-            return f"{REPLY_TIMEOUT}: no answer from {to_peer} within {timeout:.1f} s"
+            return Reply.transient(REPLY_TIMEOUT, f"no answer from {to_peer} within {timeout:.1f} s")
         except (ConnectionError, OSError, ValueError) as exc:
-            return f"{REPLY_UNREACHABLE}: {exc}"
-        reason = items[0].decode("utf-8", "replace") if len(items) == 1 else ""
-        if status == streams.STATUS_OK and reason:
-            return reason
-        return reason or f"{REJECT_BAD_REQUEST}: malformed reply from {to_peer}"
+            return Reply.transient(REPLY_UNREACHABLE, str(exc))
+        if len(items) != 1:
+            return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}")
+        if status != streams.STATUS_OK:  # rejected by the transport before any handler saw it
+            reason = items[0].decode("utf-8", "replace")
+            tag = reason.split(":", 1)[0]
+            transient = tag in (REJECT_BUSY, REJECT_HANDLER_ERROR)
+            return Reply(ReplyStatus.TRANSIENT if transient else ReplyStatus.REFUSED, reason)
+        try:
+            return decode_reply(items[0])
+        except DecodeError as exc:
+            return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}: {exc}")
 
     def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
-        body = streams.encode_fetch(fragment, after_version)
-        return self._fetch(keys.OP_FETCH_UPDATES, from_peer, body)
+        return self.request_updates(from_peer, fragment, after_version).result(timeout=self.fetch_timeout + 5)
 
     def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes:
-        items = self._fetch(keys.OP_FETCH_SNAPSHOT, from_peer, streams.encode_fragment(fragment))
-        if len(items) != 1:
-            raise ConnectionError(
-                f"{from_peer} answered a snapshot request with {len(items)} items, expected 1"
-            )
-        return items[0]
+        return self.request_snapshot(from_peer, fragment).result(timeout=self.fetch_timeout + 5)
 
-    def _fetch(self, op: str, from_peer: str, body: bytes) -> list[bytes]:
+    def request_updates(
+        self, from_peer: str, fragment: int, after_version: int
+    ) -> concurrent.futures.Future[list[bytes]]:
+        body = streams.encode_fetch(fragment, after_version)
+        return self._request(keys.OP_FETCH_UPDATES, from_peer, body)
+
+    def request_snapshot(self, from_peer: str, fragment: int) -> concurrent.futures.Future[bytes]:
+        return self._request(keys.OP_FETCH_SNAPSHOT, from_peer, streams.encode_fragment(fragment))
+
+    def _request(self, op: str, from_peer: str, body: bytes) -> concurrent.futures.Future[Any]:
+        """A fetch in the background: a future of its items (one frame for a snapshot)."""
         parse_peer_id(from_peer, what="from_peer")
         if self._closed:
-            raise ConnectionError(f"{REPLY_CLOSED}: transport is closed")
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(ConnectionError(f"{REPLY_CLOSED}: transport is closed"))
+            return failed
+        return self._submit(self._fetch(op, from_peer, body))
+
+    async def _fetch(self, op: str, from_peer: str, body: bytes) -> Any:
         call = self._call(op, from_peer, body, self.max_frame_bytes, self.max_reply_bytes)
-        future = self._submit(asyncio.wait_for(call, self.fetch_timeout))
         try:
-            status, items = future.result(timeout=self.fetch_timeout + 5)
+            status, items = await asyncio.wait_for(call, self.fetch_timeout)
         except TimeoutError as exc:
-            future.cancel()
             raise TimeoutError(f"{op} from {from_peer}: no answer within {self.fetch_timeout:.1f} s") from exc
         except streams.FrameTooLarge as exc:
             raise ConnectionError(f"{op} from {from_peer}: {exc}") from exc
         if status != streams.STATUS_OK:
             reason = items[0].decode("utf-8", "replace") if items else "no reason given"
             raise RemoteRejected(from_peer, op, reason)
-        return items
+        if op != keys.OP_FETCH_SNAPSHOT:
+            return items
+        if len(items) != 1:
+            raise ConnectionError(
+                f"{from_peer} answered a snapshot request with {len(items)} items, expected 1"
+            )
+        return items[0]
 
     async def _call(
         self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
@@ -396,7 +411,13 @@ class P2PTransport:
         except streams.BadEnvelope as exc:
             return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
         try:
-            result = await self._loop.run_in_executor(self._workers, call)
+            result = call()
+            if isinstance(result, concurrent.futures.Future):
+                try:
+                    result = await asyncio.wait_for(asyncio.wrap_future(result), self.answer_timeout)
+                except TimeoutError:
+                    detail = f"no answer from the peer within {self.answer_timeout:.0f} s"
+                    return self._reject(op, sender, REJECT_BUSY, detail)
             items = self._reply_items(op, result)
         except Exception as exc:
             log.warning("%s handler failed on a request from %s", op, sender, exc_info=True)
@@ -407,9 +428,9 @@ class P2PTransport:
     @staticmethod
     def _reply_items(op: str, result: Any) -> list[bytes]:
         if op in (keys.OP_DELTA, keys.OP_UPDATE):
-            if not isinstance(result, str):
-                raise TypeError(f"{op} handler returned {type(result).__name__}, expected a reason str")
-            return [result.encode()]
+            if not isinstance(result, Reply):
+                raise TypeError(f"{op} handler returned {type(result).__name__}, expected a Reply")
+            return [encode_reply(result)]
         if op == keys.OP_FETCH_SNAPSHOT:
             if not isinstance(result, bytes | bytearray):
                 raise TypeError(f"serve_snapshot returned {type(result).__name__}, expected bytes")

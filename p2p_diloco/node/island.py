@@ -56,8 +56,7 @@ from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
-from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.swarm.learner import Learner, holding_lock
+from p2p_diloco.swarm.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -262,30 +261,17 @@ class Island:
 
 class IslandLearner(Learner):
     """Rank 0's learner: a `Learner` whose inner step is a DDP step of the island, preceded by the
-    control broadcast; adoption and snapshot loads mark fragments for broadcast."""
+    control broadcast; fragments the peer changed (adoptions, snapshot loads) are broadcast first."""
 
     def __init__(self, island: Island, *args, state_dir: Path, **kwargs):
         self.island = island
         self.state_dir = state_dir
         self.dirty: set[int] = set()
         self.finished = False
-        super().__init__(*args, **kwargs)  # loads the replica into the model: every fragment dirty
+        super().__init__(*args, on_params_changed=self.dirty.update, **kwargs)
+        self.dirty.update(range(self.plan.num_fragments))  # the replica was loaded into the model
+        self.ranks = island.world_size
         self.ddp = island.wrap(self.model)
-
-    def _adopt_now(
-        self,
-        record: UpdateRecord,
-        old_global: Mapping[str, torch.Tensor],
-        new_global: Mapping[str, torch.Tensor],
-    ) -> str:
-        result = super()._adopt_now(record, old_global, new_global)
-        self.dirty.add(record.fragment)
-        return result
-
-    @holding_lock
-    def load_global_into_model(self, fragments: list[int] | None = None) -> None:
-        super().load_global_into_model(fragments)
-        self.dirty.update(range(self.plan.num_fragments) if fragments is None else fragments)
 
     def _lead(self, command: int) -> None:
         dirty = sorted(self.dirty)
@@ -294,24 +280,15 @@ class IslandLearner(Learner):
         if dirty and not self.island.sync_fragments(self.params, self.plan, dirty):
             self.dirty.update(range(self.plan.num_fragments))  # repair: everything again next step
 
-    @holding_lock
     def train_step(self, compute_seconds: float | None = None) -> float:
+        self.settle()
         self._lead(CMD_TRAIN)
         raw, self.model = self.model, self.ddp  # the base step runs forward/backward through DDP
-        tokens_before = self.tokens_trained
         try:
-            loss = super().train_step(compute_seconds)
+            return super().train_step(compute_seconds)
         finally:
             self.model = raw
-        others = self.island.world_size - 1  # ranks whose batches (the size of ours) went into this step
-        tokens = (self.tokens_trained - tokens_before) * others
-        self.tokens_trained += tokens
-        for work in self.work:
-            work.tokens += tokens
-            work.steps += others
-        return loss
 
-    @holding_lock
     def finish(self) -> None:
         """Release the followers (STOP after a last broadcast) and write rank 0's digest; idempotent,
         never raises (also called on the way out after a rank died)."""
@@ -320,6 +297,7 @@ class IslandLearner(Learner):
         self.finished = True
         try:
             if not self.island.broken:
+                self.settle()
                 self._lead(CMD_STOP)
             self.island.write_digest(self.state_dir, self.step, self.params)
         except Exception as exc:

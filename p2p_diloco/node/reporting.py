@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.node.guard import GuardedHandlers
+from p2p_diloco.node.guard import HandlerSlot as GuardedHandlers
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT

@@ -5,39 +5,30 @@ Lifecycle (`run`):
 1. start: check the device, open the state directory, fork the DHT node, build model, plan, replica
    (the persisted one if there is one) and optimizer while p2pd starts, wait for the DHT node (a restart
    of this peer from its own state directory skips hivemind's identity check: `identity_check_needed`),
-   start the transport, build learner and `Peer`; then catch up:
+   start the transport, build the learner, the `Peer` and its `ThreadedDriver`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
-2. loop: the main thread trains: one inner step, then, when a delta is due, `prepare_delta` (the send
-   thread compresses and sends it with `send_prepared` while the next step runs). After
-   `--max-steps` it stops training but keeps serving the swarm. The swarm thread runs `heartbeat`,
-   `election_tick` and `repair_tick` every heartbeat period (so lease renewals never wait for a long
-   training step), follows the ledger, persists the replica and prints progress lines; the sync
-   thread closes the synchronizer's rounds (`sync_tick`) as they become ready, so merging and
-   publishing run beside the inner steps.
-3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): stop the swarm thread,
-   release the lease if held, flush in-flight sends, persist, stop the transport and the DHT; each
-   step bounded so SIGTERM -> exit stays near `SHUTDOWN_SECONDS` (`PeerNode.shutdown`).
+2. loop: the main thread trains: one inner step, then the due delta (if any) goes to the peer as an
+   event. After `--max-steps` it stops training but keeps serving the swarm. The peer's owner thread
+   (`node.threads`) runs everything else: swarm ticks every heartbeat period, the synchronizer's
+   rounds, inbound frames, replica saves (written on the I/O thread) and progress lines.
+3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): the peer gives up its role
+   and releases the lease if held, in-flight sends are flushed, the replica persisted, transport and
+   DHT stopped; each step bounded so SIGTERM -> exit stays near `SHUTDOWN_SECONDS`.
 
-Threads: every call into the `Peer` holds one `PeerLock`; inbound requests and send replies reach it
-only through `guard`; DHT and fetch I/O run with the lock released (`node.guard`). The inner step
-itself runs without the `PeerLock`, under the learner's own lock only, so pushed updates are checked
-and applied to the replica while the model trains; their adoption into the model is queued until the
-step's end (`swarm.learner`), so no thread waits for a step (locks are always taken in the order peer
-lock, then learner lock). The clock is hivemind's DHT time, since DHT records expire at absolute times.
+The clock is hivemind's DHT time, since DHT records expire at absolute times.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import math
-import queue
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import TextIO
 
 import torch
@@ -47,7 +38,8 @@ from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_in
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, PendingDht, identity_check_needed, start_dht
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.transport import P2PTransport
-from p2p_diloco.node.guard import DhtClock, GuardedHandlers, LockedTransport, PeerLock, UnlockedKeyValueStore
+from p2p_diloco.node.bytes import ByteCounter
+from p2p_diloco.node.guard import DhtClock, HandlerSlot
 from p2p_diloco.node.island import Island, IslandLearner, finish_island, island_sampler
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
@@ -60,21 +52,21 @@ from p2p_diloco.node.reporting import (
     seconds_since_launch,
 )
 from p2p_diloco.node.state import StateDir
-from p2p_diloco.protocol import election
+from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
-from p2p_diloco.swarm.peer import Peer, PreparedDelta
-from p2p_diloco.wire.frames import decode_update
-from p2p_diloco.wire.records import encode_lease
+from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.swarm.updates import UpdateSource
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) checks for work
-SYNC_POLL_SECONDS = 0.02  # how often the sync thread polls the synchronizer's rounds
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
+CATCH_UP_SECONDS = 300.0  # at most this long for the start's catch-up; repair continues it later
 
 
 def update_fields(record: UpdateRecord) -> dict[str, object]:
@@ -85,6 +77,11 @@ def update_fields(record: UpdateRecord) -> dict[str, object]:
         "term": record.term,
         "leader": record.leader,
     }
+
+
+def own_threads() -> list[str]:
+    """Names of this process's live Python threads (the `threads` field of progress events)."""
+    return sorted(t.name for t in threading.enumerate())
 
 
 class PeerNode:
@@ -103,13 +100,13 @@ class PeerNode:
         self.manifest = options.manifest
         self.stop = stop or threading.Event()
         self.out = out
-        self.lock = PeerLock()
         self.clock = DhtClock()
         self.state: StateDir | None = None
         self.dht_peer: DhtPeer | None = None
         self.p2p: P2PTransport | None = None
-        self.guard: GuardedHandlers | None = None
+        self.guard = HandlerSlot()
         self.peer: Peer | None = None
+        self.driver: ThreadedDriver | None = None
         self.learner: Learner | None = None
         self.training = True
         self.finish_training = threading.Event()  # set (e.g. by SIGUSR1) to stop training, keep serving
@@ -122,15 +119,8 @@ class PeerNode:
         self.bytes = ByteCounter("")
         self.loop_started = 0.0  # monotonic start of the training loop (demo accounting)
         self._blocked = 0.0
-        self.sync_seconds = 0.0
         self.last_in_sync = 0.0
-        self.last_connected = 0.0
-        self._swarm_thread: threading.Thread | None = None
-        self._sync_thread: threading.Thread | None = None
-        self._send_thread: threading.Thread | None = None
-        self._outbox: queue.SimpleQueue[PreparedDelta] = queue.SimpleQueue()  # for the send thread
-        self._swarm_stop = threading.Event()  # stops the swarm, sync and send threads
-        self._persist_lock = threading.Lock()  # one save at a time (swarm thread, shutdown); before `lock`
+        self._saving: concurrent.futures.Future | None = None
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -173,7 +163,6 @@ class PeerNode:
         self.last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
 
         peer_id = self.dht_peer.peer_id
-        self.guard = GuardedHandlers(self.lock, on_applied=self._on_update_applied)
         self.bytes = ByteCounter(peer_id)
         self.p2p = P2PTransport(
             self.dht_peer.dht,
@@ -205,26 +194,33 @@ class PeerNode:
                 device=opts.device, state_dir=opts.state_dir,
             )  # fmt: skip
             self.telemetry.tokens_per_step *= self.island.world_size
-        with self.lock:
-            self.peer = Peer(
-                peer_id,
-                manifest,
-                plan,
-                replica,
-                kv=UnlockedKeyValueStore(
-                    DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout), self.lock
-                ),
-                transport=LockedTransport(self.bytes.counting_transport(self.p2p), self.lock, self.guard),
-                clock=self.clock,
-                shapes=shapes,
-                embedding_names=embedding_parameter_names(model),
-                learner=self.learner,
-                may_sync=opts.may_sync,
-                reachable=not opts.behind_nat,
-                log=self._on_note,
-                on_published=self._on_published,
-            )
-        now = self.clock.now()
+        self.peer = Peer(
+            peer_id,
+            manifest,
+            plan,
+            replica,
+            shapes=shapes,
+            embedding_names=embedding_parameter_names(model),
+            may_sync=opts.may_sync,
+            reachable=not opts.behind_nat,
+        )
+        self.driver = ThreadedDriver(
+            self.peer,
+            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout),
+            transport=self.bytes.counting_transport(self.p2p),
+            clock=self.clock,
+            learner=self.learner,
+            observer=self._observe,
+            on_error=self._on_error,
+            bind=False,
+        )
+        self.guard.attach(self.driver)
+        driver = self.driver
+        driver.every(manifest.timing.heartbeat_period, self._swarm_tick)
+        driver.every(SYNC_POLL_SECONDS, driver.sync_tick, when=lambda: self.peer.sync is not None)
+        driver.every(opts.persist_every, self.persist)
+        driver.every(self.display.period(opts.progress_every), self.progress)
+        driver.start()
         self.event(
             "start",
             peer_id=peer_id,
@@ -245,7 +241,7 @@ class PeerNode:
             f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), {plan.num_fragments} fragments, "
             f"{sum(plan.sizes())} parameters, device {opts.device}"
         )
-        self._catch_up(now, restored)
+        self._catch_up(self.clock.now(), restored)
 
     def _start_dht(self, previous_peer_id: str | None) -> PendingDht:
         """Fork the DHT node (`start_dht`); hivemind's identity check only where it is needed.
@@ -281,17 +277,18 @@ class PeerNode:
         )
 
     def _catch_up(self, now: float, restored: bool) -> None:
-        assert self.peer is not None
+        assert self.peer is not None and self.driver is not None
         away = now - self.last_in_sync if restored and self.last_in_sync > 0 else math.inf
         replay = away < self.manifest.timing.rejoin_grace
         before = self.peer.replica.versions()
         started = time.monotonic()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.driver.post(fx.CatchUpRequested(now, replay, done))
         try:
-            with self.lock:
-                stats = self.peer.catch_up(now, replay=replay)
-        except (TimeoutError, ConnectionError) as exc:  # anti-entropy (repair_tick) catches up later
-            self.event("catch_up_failed", error=f"{type(exc).__name__}: {exc}")
-            self.say(f"catch-up failed ({exc}); training from versions {list(before)}, repairing as we go")
+            stats = done.result(timeout=CATCH_UP_SECONDS)
+        except concurrent.futures.TimeoutError:  # anti-entropy catches up later
+            self.event("catch_up_failed", error=f"no catch-up within {CATCH_UP_SECONDS:.0f} s")
+            self.say(f"catch-up unfinished; training from versions {list(before)}, repairing as we go")
             return
         seconds = time.monotonic() - started
         after = self.peer.replica.versions()
@@ -314,7 +311,7 @@ class PeerNode:
             f"caught up by {mode} ({how}): versions {list(before)} -> {list(after)} in {seconds:.1f} s, {stats}"
         )
 
-    # ---- the loop ----------------------------------------------------------------------------------
+    # ---- the loop (the training thread) ------------------------------------------------------------
 
     def run(self) -> int:
         """start, loop until `stop`, shut down; returns the exit status (0)."""
@@ -327,78 +324,21 @@ class PeerNode:
 
     def loop(self) -> None:
         opts = self.options
-        self._swarm_tick()  # announce ourselves and learn the holder before the first step
+        assert self.learner is not None and self.driver is not None
+        self.driver.call(self._swarm_tick, timeout=opts.dht_timeout + 1.0)  # announce ourselves first
         self.loop_started = time.monotonic()
-        self._swarm_thread = threading.Thread(target=self._swarm_loop, name="swarm-ticks", daemon=True)
-        self._swarm_thread.start()
-        self._sync_thread = threading.Thread(target=self._sync_loop, name="sync-rounds", daemon=True)
-        self._sync_thread.start()
-        self._send_thread = threading.Thread(target=self._send_loop, name="send-deltas", daemon=True)
-        self._send_thread.start()
         while not self.stop.is_set():
             started = time.monotonic()
             if self.training and self._training_done():
                 self.training = False
-                with self.lock:
-                    finish_island(self.learner)  # an island's other ranks stop with the training
+                finish_island(self.learner)  # an island's other ranks stop with the training
             if self.training:
                 self._train_step()
             if not self.training:
-                self.learner.settle()  # adopt updates queued by other threads: no step does it now
+                self.learner.settle()  # adopt what the peer posted: no step does it now
                 self.stop.wait(IDLE_POLL_SECONDS)
-            elif opts.min_step_time > 0:
-                self._pace(started)
-
-    def _pace(self, step_started: float) -> None:
-        """Wait out the rest of a paced step (the sync thread keeps closing rounds meanwhile)."""
-        self.stop.wait(max(0.0, step_started + self.options.min_step_time - time.monotonic()))
-
-    def _send_loop(self) -> None:
-        """Compress and send the deltas the training thread prepared, in order, until stopped."""
-        assert self.peer is not None
-        while not (self.stop.is_set() or self._swarm_stop.is_set()):
-            try:
-                prepared = self._outbox.get(timeout=IDLE_POLL_SECONDS)
-            except queue.Empty:
-                continue
-            try:
-                with self.lock:
-                    self.peer.send_prepared(prepared)
-            except Exception:  # a bug: log it, keep sending (the delta times out and is resent)
-                log.exception("sending a delta failed")
-                self.tick_errors["unexpected"] += 1
-
-    def _sync_loop(self) -> None:
-        """Close the synchronizer's rounds as they become ready, until stopped (the sync thread)."""
-        while not (self.stop.is_set() or self._swarm_stop.wait(SYNC_POLL_SECONDS)):
-            self._sync_tick()
-
-    def _swarm_loop(self) -> None:
-        """Until stopped, every heartbeat period: heartbeat, election, repair and the ledger; every
-        `--persist-every` s the replica on disk; every `--progress-every` s a progress line. The swarm
-        thread, so the training thread never waits for any of them."""
-        jobs: list[tuple[float, Callable[[], None]]] = [
-            (self.manifest.timing.heartbeat_period, self._swarm_tick_and_ledger),
-            (self.options.persist_every, self.persist),
-            (self.display.period(self.options.progress_every), self.progress),
-        ]
-        due = [time.monotonic() + every for every, _ in jobs]
-        while not (self.stop.is_set() or self._swarm_stop.is_set()):
-            if self._swarm_stop.wait(max(0.0, min(due) - time.monotonic())) or self.stop.is_set():
-                return
-            for i, (every, job) in enumerate(jobs):
-                if time.monotonic() < due[i]:
-                    continue
-                due[i] = max(due[i] + every, time.monotonic())
-                try:
-                    job()
-                except Exception:  # never let the thread die: the lease would lapse silently
-                    log.exception("swarm thread: %s failed", job.__name__)
-                    self.tick_errors["unexpected"] += 1
-
-    def _swarm_tick_and_ledger(self) -> None:
-        self._swarm_tick()
-        self._follow_ledger()
+            elif opts.min_step_time > 0:  # a paced learner emulates a slower device
+                self.stop.wait(max(0.0, started + opts.min_step_time - time.monotonic()))
 
     def _training_done(self) -> bool:
         assert self.learner is not None
@@ -412,69 +352,54 @@ class PeerNode:
         return False
 
     def _train_step(self) -> None:
-        assert self.peer is not None and self.learner is not None
+        assert self.peer is not None and self.learner is not None and self.driver is not None
         # a paced (--min-step-time) learner emulates a slower device: its step counts as that long
         paced = (
             max(self.options.min_step_time, self.telemetry.step_time) if self.options.min_step_time else None
         )
-        self.learner.train_step(compute_seconds=paced)  # not under the peer lock: module docstring
-        if self.learner.delta_pending():  # else nothing to send: no lock handoff
-            with self.lock:
-                prepared = self.peer.prepare_delta(self.clock.now())
-            if prepared is not None:
-                self._outbox.put(prepared)  # compressed and sent by the send thread
+        self.learner.train_step(compute_seconds=paced)
+        ready = self.learner.take_due(self.clock.now(), self.peer.deltas.gate)
+        if ready is not None:
+            self.driver.post(ready)  # compressed and sent on the owner thread while the next step runs
         self.telemetry.step_finished(time.monotonic())
 
+    # ---- the owner thread's jobs -------------------------------------------------------------------
+
     def _swarm_tick(self) -> None:
-        """Heartbeat, election and anti-entropy; a failing DHT call is counted and retried next period."""
-        peer = self.peer
-        assert peer is not None
-        with self.lock:
-            now = self.clock.now()
-            try:
-                fields = self.telemetry.heartbeat_fields(
-                    now, peer, self.learner, self.guard, self.p2p, training=self.training
-                )
-                if self.island is not None:
-                    fields["ranks"] = self.island.world_size
-                peer.heartbeat(now, **fields)
-                decision = peer.election_tick(now)
-                self.last_connected = self.clock.now()  # heartbeat stored and swarm read just now
-                if decision.action == election.CLAIM:
-                    self.event("claim", term=decision.term, reason=decision.reason)
-                peer.repair_tick(now)
-            except Exception as exc:  # DHT timeouts, unreachable peers: the next tick tries again
-                self.tick_errors[type(exc).__name__] += 1
-                self.event("tick_error", error=f"{type(exc).__name__}: {exc}")
-                log.warning("swarm tick failed: %r", exc)
-            if peer.sync is not None:
-                for info in peer.live_peers.values():
-                    if info.step_time > 0:
-                        peer.sync.observe_step_time(info.step_time)
+        """Heartbeat, election and anti-entropy (`Peer` on a `Tick`); DHT failures come back as errors."""
+        peer, driver = self.peer, self.driver
+        assert peer is not None and driver is not None and self.learner is not None
+        fields = self.telemetry.heartbeat_fields(
+            self.clock.now(), peer, self.learner, self.guard, self.p2p, training=self.training
+        )
+        if self.island is not None:
+            fields["ranks"] = self.island.world_size
+        driver.swarm_tick(fields)
 
-    def _sync_tick(self) -> None:
-        peer = self.peer
-        assert peer is not None
-        if peer.sync is None:  # checked again under the lock; a learner's sync thread only polls this
-            return
-        with self.lock:
-            if peer.sync is None:
-                return
-            started = time.monotonic()
-            try:
-                published = peer.sync_tick(self.clock.now(), sync_seconds=self.sync_seconds)
-            except Exception as exc:
-                self.tick_errors[type(exc).__name__] += 1
-                self.event("sync_error", error=f"{type(exc).__name__}: {exc}")
-                log.exception("sync tick failed")
-                return
-            if published:
-                self.sync_seconds = (time.monotonic() - started) / len(published)
+    def _on_error(self, what: str, exc: BaseException) -> None:
+        self.tick_errors[type(exc).__name__] += 1
+        self.event("tick_error", error=f"{what}: {type(exc).__name__}: {exc}")
 
-    def _on_published(self, record: UpdateRecord) -> None:
-        """Every update this peer merged and pushed (sync rounds, and open rounds at the end of a term)."""
-        contributors = [peer_id for peer_id, _ in record.contributors]
-        self.event("published", **update_fields(record), contributors=contributors)
+    def _observe(self, intent: fx.Intent) -> None:
+        """Telemetry intents of the peer (on the owner thread): the event log, the ledger, stderr."""
+        now = self.clock.now()
+        match intent:
+            case fx.Note():
+                self.event("note", line=intent.line)
+                if self.options.verbose:
+                    print(intent.line, file=sys.stderr, flush=True)
+            case fx.Published():
+                contributors = [peer_id for peer_id, _ in intent.record.contributors]
+                self.event("published", **update_fields(intent.record), contributors=contributors)
+            case fx.Applied():
+                if intent.how == UpdateSource.PUSHED:
+                    self.event("applied", **update_fields(intent.record), source=intent.source)
+                if self.ledger is not None:
+                    self.ledger.record(intent.record, now)
+            case fx.Claimed():
+                self.event("claim", term=intent.term, reason=intent.reason)
+            case fx.LeaseReleased():
+                self.event("released_lease", term=intent.term, rounds=intent.rounds)
 
     # ---- events, progress, persistence -------------------------------------------------------------
 
@@ -485,32 +410,24 @@ class PeerNode:
     def say(self, line: str) -> None:
         self.display.say(line)
 
-    def _on_note(self, line: str) -> None:
-        prefix = f"[{self.peer.peer_id}] " if self.peer is not None else ""
-        text = line.removeprefix(prefix) if prefix else line.split("] ", 1)[-1]
-        self.event("note", line=text)
-        if self.options.verbose:
-            print(text, file=sys.stderr, flush=True)
-
-    def _on_update_applied(self, sender: str, frame: bytes, reply: str) -> None:
-        try:
-            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
-        except Exception:  # it was applied, so it decoded; never let logging break the handler
-            return
-        self.event("applied", **update_fields(record), source=sender)
-
     def progress(self) -> None:
         peer, learner = self.peer, self.learner
         assert peer is not None and learner is not None
-        with self.lock:
-            line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
-            versions = list(peer.replica.versions())
-            snapshot = self._snapshot_locked()
+        line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
+        snapshot = self._take_snapshot()
         fields = {**snapshot.event_fields(), **self._counters()}  # the demo's counters win a name clash
-        self.event("progress", step=learner.step, loss=learner.last_loss, versions=versions, **fields)
+        versions = list(peer.replica.versions())
+        self.event(
+            "progress",
+            step=learner.step,
+            loss=learner.last_loss,
+            versions=versions,
+            threads=own_threads(),
+            **fields,
+        )
         self.display.show(snapshot, line)
 
-    def _snapshot_locked(self) -> NodeSnapshot:
+    def _take_snapshot(self) -> NodeSnapshot:
         assert self.peer is not None
         self._last_snapshot = self.telemetry.snapshot(
             self.peer,
@@ -526,22 +443,13 @@ class PeerNode:
         return self._last_snapshot
 
     def snapshot(self) -> NodeSnapshot | None:
-        """A fresh `NodeSnapshot` (metrics scrapes); the last one if the peer stays busy for a second."""
-        if self.peer is None or not self.lock.acquire(timeout=1.0):
+        """A fresh `NodeSnapshot` (metrics scrapes, from the owner thread); the last one if it is busy."""
+        if self.driver is None:
             return self._last_snapshot
         try:
-            return self._snapshot_locked()
-        finally:
-            self.lock.release()
-
-    def _follow_ledger(self) -> None:
-        """Record updates applied since the last call (pushed, replayed or our own) in the ledger."""
-        if self.peer is None or self.ledger is None:
-            return
-        if self.peer.replica.versions() == tuple(self.ledger.last_version):  # nothing new: no lock handoff
-            return
-        with self.lock:
-            self.ledger.follow(self.peer.replica.versions(), self.peer.update_log, self.clock.now())
+            return self.driver.call(self._take_snapshot, timeout=1.0)
+        except Exception:
+            return self._last_snapshot
 
     def _counters(self) -> dict[str, object]:
         """Cumulative goodput counters of this process lifetime (read by `p2p_diloco.demo.accounting`)."""
@@ -569,18 +477,18 @@ class PeerNode:
     def rejection_counts(self) -> Counter[str]:
         return rejection_counts(self.peer, self.guard, self.p2p)
 
-    def persist(self) -> None:
-        """Save replica and peer state: one moment of the replica, taken under the lock, written outside it
-        (from the swarm thread, and once more at shutdown)."""
-        peer, state = self.peer, self.state
-        if peer is None or state is None:
-            return
-        with self._persist_lock:  # taken first: a later save never writes an older moment
-            with self.lock:
-                now = self.clock.now()
-                # in sync while the swarm still sees our last heartbeat as live
-                connected = now - self.last_connected < self.manifest.timing.heartbeat_ttl
-                replica = peer.replica.frozen()
+    def persist(self) -> concurrent.futures.Future | None:
+        """Save replica and peer state: this moment's replica (taken on the owner thread, sharing its
+        tensors) written on the I/O thread; saves run one at a time, in order."""
+        peer, state, driver = self.peer, self.state, self.driver
+        if peer is None or state is None or driver is None:
+            return None
+        now = self.clock.now()
+        # in sync while the swarm still sees our last heartbeat as live
+        connected = now - peer.membership.last_read < self.manifest.timing.heartbeat_ttl
+        replica = peer.replica.frozen()
+
+        def save() -> None:
             try:
                 state.save(replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
             except OSError as exc:
@@ -590,44 +498,42 @@ class PeerNode:
             if connected:
                 self.last_in_sync = now
 
+        self._saving = driver.io(save)
+        return self._saving
+
     # ---- shutdown ----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Release the lease, flush sends, persist, stop transport and DHT; safe after a failed start.
 
         Bounded for peers that stop together (their DHT requests to each other then time out): the
-        swarm thread gets `dht_timeout` + 1 s to finish its tick (after that it may no longer claim
-        the lease and is left behind, a daemon thread), flushing gets what is left of
+        owner thread gets `dht_timeout` + 1 s to give up the role (the released lease is stored on the
+        I/O thread, which the driver's stop waits for), flushing gets what is left of
         `SHUTDOWN_SECONDS`, and transport and DHT get `TEARDOWN_SECONDS` each, after the replica is
-        persisted. A synchronizer may add one `dht_timeout` to release its lease.
+        persisted.
         """
         deadline = time.monotonic() + SHUTDOWN_SECONDS
-        peer = self.peer
+        peer, driver = self.peer, self.driver
         released = False
-        self._swarm_stop.set()
-        for thread in (self._sync_thread, self._send_thread):  # at most one tick or send to finish
-            if thread is not None:
-                thread.join(timeout=SHUTDOWN_SECONDS / 4)
-        if self._swarm_thread is not None:
-            self._swarm_thread.join(timeout=self.options.dht_timeout + 1.0)
-            if self._swarm_thread.is_alive() and peer is not None:
-                log.warning("swarm tick still running at shutdown; leaving it behind")
-                with self.lock:  # its tick may finish after the release below: it must not claim again
-                    peer.may_sync = False
-        if peer is not None:
-            with self.lock:
-                finish_island(self.learner)
-                released = self._release_lease()
+        finish_island(self.learner)
+        if driver is not None:
+            answer: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                driver.post(fx.Stopping(self.clock.now(), answer))
+                released = bool(answer.result(timeout=self.options.dht_timeout + 1.0))
+            except Exception as exc:
+                log.warning("could not give up the role cleanly: %r", exc)
+            self.guard.detach()
+            saved = self.persist()
+            driver.stop(timeout=self.options.dht_timeout + 1.0)  # waits for the I/O thread (lease, save)
+            if saved is not None and not saved.done():
+                log.warning("replica save still running at shutdown")
         flush_timeout = min(self.options.flush_timeout, max(0.5, deadline - time.monotonic()))
         flushed = self.p2p.flush(flush_timeout) if self.p2p is not None else True
         if self.metrics is not None:
             self.metrics.close()
         self.display.stop()
-        if peer is not None and self.guard is not None:
-            with self.lock:
-                self.guard.detach()
-            self._follow_ledger()
-            self.persist()
+        if peer is not None:
             self.event(
                 "stopped",
                 step=self.learner.step if self.learner else 0,
@@ -649,101 +555,3 @@ class PeerNode:
                 f"stopped: versions {list(peer.replica.versions())}, digest {peer.replica.digest()[:16]}"
                 f"{', lease released' if released else ''}"
             )
-
-    def _release_lease(self) -> bool:
-        peer = self.peer
-        assert peer is not None
-        lease, sync = peer.my_lease, peer.sync
-        peer.sync, peer.my_lease, peer.holder = None, None, None
-        if lease is None or sync is None:
-            return False
-        timing = self.manifest.timing
-        released = election.release_lease(lease, self.clock.now(), timing, sync.rounds_done)
-        try:
-            stored = peer.kv.store(
-                peer.lease_key,
-                peer.peer_id,
-                encode_lease(released),
-                election.dht_expiration(released, timing),
-            )
-        except Exception as exc:
-            stored, error = False, f"{type(exc).__name__}: {exc}"
-        else:
-            error = "" if stored else "the DHT did not confirm the store"
-        if not stored:  # the lease then simply lapses after its TTL
-            self.event("release_failed", term=lease.term, error=error)
-            return False
-        self.event("released_lease", term=lease.term, rounds=sync.rounds_done)
-        return True
-
-
-# ---- demo accounting: payload bytes through the transport -----------------------------------------
-
-
-class ByteCounter:
-    """Counts frame bytes this peer sends and receives over the transport (deltas, updates, fetches and
-    what it serves); calls to itself and DHT traffic are not counted. Read by the progress events."""
-
-    def __init__(self, peer_id: str):
-        self.peer_id = peer_id
-        self.sent = 0
-        self.received = 0
-
-    def _count(self, other: str, sent: int = 0, received: int = 0) -> None:
-        if other != self.peer_id:
-            self.sent += sent
-            self.received += received
-
-    def counting_transport(self, inner):  # noqa: ANN001, ANN201 - same interface as `inner`
-        counter = self
-
-        class Counting:
-            def __getattr__(self, name: str):  # noqa: ANN204
-                return getattr(inner, name)
-
-            def send_delta(self, to_peer: str, frame: bytes, on_reply=None) -> None:  # noqa: ANN001
-                counter._count(to_peer, sent=len(frame))
-                inner.send_delta(to_peer, frame, on_reply)
-
-            def push_update(self, to_peer: str, frame: bytes, on_reply=None) -> None:  # noqa: ANN001
-                counter._count(to_peer, sent=len(frame))
-                inner.push_update(to_peer, frame, on_reply)
-
-            def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
-                frames = inner.fetch_updates(from_peer, fragment, after_version)
-                counter._count(from_peer, received=sum(len(f) for f in frames))
-                return frames
-
-            def fetch_snapshot(self, from_peer: str, fragment: int) -> bytes:
-                frame = inner.fetch_snapshot(from_peer, fragment)
-                counter._count(from_peer, received=len(frame))
-                return frame
-
-        return Counting()
-
-    def counting_handlers(self, inner):  # noqa: ANN001, ANN201 - same interface as `inner`
-        counter = self
-
-        class Counting:
-            def __getattr__(self, name: str):  # noqa: ANN204
-                return getattr(inner, name)
-
-            def handle_delta(self, sender: str, frame: bytes) -> str:
-                counter._count(sender, received=len(frame))
-                return inner.handle_delta(sender, frame)
-
-            def handle_update(self, sender: str, frame: bytes) -> str:
-                counter._count(sender, received=len(frame))
-                return inner.handle_update(sender, frame)
-
-            def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
-                frames = inner.serve_updates(requester, fragment, after_version)
-                counter._count(requester, sent=sum(len(f) for f in frames))
-                return frames
-
-            def serve_snapshot(self, requester: str, fragment: int) -> bytes:
-                frame = inner.serve_snapshot(requester, fragment)
-                counter._count(requester, sent=len(frame))
-                return frame
-
-        return Counting()

@@ -42,6 +42,7 @@ class PeerDriver:
         clock: Clock,
         learner=None,  # noqa: ANN001 - swarm.learner.Learner, whose inbox gets `ToLearner` messages
         observer: Observer | None = None,
+        bind: bool = True,
     ):
         self.peer = peer
         self.kv = kv
@@ -49,7 +50,8 @@ class PeerDriver:
         self.clock = clock
         self.learner = learner
         self.observer = observer or (lambda intent: None)
-        transport.bind(self)
+        if bind:  # else the caller routes inbound requests here (the real node's `HandlerSlot`)
+            transport.bind(self)
 
     # ---- events ------------------------------------------------------------------------------------
 

@@ -119,6 +119,7 @@ class Learner:
         self.anchors: list[tuple[int, Tensors]] = [
             (replica.version(p), replica.params_view(p)) for p in range(plan.num_fragments)
         ]
+        self.ranks = 1  # processes whose equal batches one inner step trains on (an island's world size)
         self.step = 0
         self.seq = 0
         self.tokens_trained = 0

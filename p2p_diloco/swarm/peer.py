@@ -432,3 +432,7 @@ class Peer:
     @property
     def updates_applied(self) -> int:
         return self.book.applied
+
+    @property
+    def failovers_seen(self) -> int:
+        return self.membership.failovers_seen

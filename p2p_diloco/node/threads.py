@@ -1,0 +1,152 @@
+"""`ThreadedDriver`: the real node's driver, one owner thread for the peer and one thread for DHT calls.
+
+Threads of a `join` process (at most four of its own):
+- the training thread (the main thread) owns the model: inner steps, then `Learner.take_due`; a due
+  delta is posted here as an event; adoptions come back through the learner's inbox;
+- the owner thread (`peer-owner`) is the only one that touches the `Peer`: it takes events from one
+  queue (inbound frames and requests, send replies, fetch and DHT results, deltas from the training
+  thread) and its timers (swarm tick every heartbeat period, sync tick while synchronizer, the
+  node's periodic jobs), handles each in turn and performs the intents;
+- the I/O thread (`dht-io`) runs blocking DHT calls (stores, reads) and writes the replica to disk;
+  their results come back as events;
+- the transport's event loop thread (`p2p-transport`) sends, fetches and serves; inbound requests
+  become events here, the owner's answer is awaited there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.driver import PeerDriver
+
+log = logging.getLogger(__name__)
+
+SYNC_POLL_SECONDS = 0.02  # how often the synchronizer's rounds are polled
+
+
+class _Job:
+    def __init__(self, every: float, run: Callable[[], None], *, when: Callable[[], bool] | None = None):
+        self.every = every
+        self.run = run
+        self.when = when or (lambda: True)
+        self.due = time.monotonic() + every
+
+
+class ThreadedDriver(PeerDriver):
+    """`PeerDriver` on an owner thread and a DHT I/O thread (module docstring). `start`, then `stop`."""
+
+    def __init__(
+        self, *args: Any, on_error: Callable[[str, BaseException], None] | None = None, **kwargs: Any
+    ):
+        super().__init__(*args, **kwargs)
+        self._events: queue.SimpleQueue[fx.Event | Callable[[], None] | None] = queue.SimpleQueue()
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dht-io")
+        self._jobs: list[_Job] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._on_error = on_error or (lambda what, exc: None)
+        self.sync_seconds = 0.0
+
+    def every(
+        self, seconds: float, run: Callable[[], None], *, when: Callable[[], bool] | None = None
+    ) -> None:
+        """Run `run` on the owner thread every `seconds` (while `when()`); before `start`."""
+        self._jobs.append(_Job(seconds, run, when=when))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="peer-owner", daemon=True)
+        self._thread.start()
+
+    def post(self, event: fx.Event) -> None:
+        self._events.put(event)
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run `fn` on the owner thread and return its result (for shutdown and snapshots)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                result.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                result.set_exception(exc)
+
+        self._events.put(run)
+        return result.result(timeout=timeout)
+
+    def run_io(self, call: Callable[[], Any], task: int | None) -> None:
+        def job() -> None:
+            try:
+                value, error = call(), None
+            except Exception as exc:
+                value, error = None, exc
+                if task is None:
+                    self._on_error("dht", exc)
+            if task is not None:
+                self.post(fx.TaskResult(task, value, error))
+
+        try:
+            self._io.submit(job)
+        except RuntimeError:  # shut down
+            pass
+
+    def io(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the I/O thread (e.g. a replica save) and return its future."""
+        return self._io.submit(fn)
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            now = time.monotonic()
+            due = [job for job in self._jobs if job.due <= now]
+            for job in due:
+                job.due = max(job.due + job.every, now)
+                if job.when():
+                    self._guarded(job.run.__name__, job.run)
+            wait = min((job.due for job in self._jobs), default=now + 1.0) - time.monotonic()
+            try:
+                item = self._events.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            if callable(item) and not isinstance(item, fx.TaskResult):
+                self._guarded("call", item)
+            else:
+                self._guarded(type(item).__name__, lambda item=item: self.process(item))
+
+    def _guarded(self, what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # never let the owner die: the lease would lapse silently
+            log.exception("peer owner: %s failed", what)
+            self._on_error(what, exc)
+
+    def stop(self, timeout: float) -> None:
+        self._stopped.set()
+        self._events.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+        self._io.shutdown(wait=True, cancel_futures=False)
+
+    # ---- ticks -------------------------------------------------------------------------------------
+
+    def swarm_tick(self, heartbeat_fields: dict[str, Any]) -> None:
+        self.process(fx.Tick(fx.TickKind.SWARM, self.clock.now(), heartbeat_fields))
+
+    def sync_tick(self) -> None:
+        if self.peer.sync is None:
+            return
+        started = time.monotonic()
+        before = self.peer.updates_applied
+        self.process(fx.Tick(fx.TickKind.SYNC, self.clock.now(), sync_seconds=self.sync_seconds))
+        merged = self.peer.updates_applied - before
+        if merged:
+            self.sync_seconds = (time.monotonic() - started) / merged
