@@ -68,7 +68,9 @@ class PeerDriver:
     def perform(self, intent: fx.Intent) -> None:
         match intent:
             case fx.StoreRecord():
-                self.run_io(lambda: self.kv.store(intent.key, intent.subkey, intent.value, intent.expiration), None)
+                self.run_io(
+                    lambda: self.kv.store(intent.key, intent.subkey, intent.value, intent.expiration), None
+                )
             case fx.Perform(request=fx.ReadSwarm()):
                 self.run_io(self._read_swarm, intent.task)
             case fx.Perform(request=fx.FetchUpdates() as fetch):
@@ -81,7 +83,9 @@ class PeerDriver:
                 send = intent
 
                 def on_reply(reply: Reply) -> None:
-                    self.post(fx.DeltaReplied(send.to, send.term, send.fragment, send.seq, reply, self.clock.now()))
+                    self.post(
+                        fx.DeltaReplied(send.to, send.term, send.fragment, send.seq, reply, self.clock.now())
+                    )
 
                 self.transport.send_delta(send.to, send.frame, on_reply)
             case fx.PushUpdate():
@@ -97,7 +101,9 @@ class PeerDriver:
     def _read_swarm(self) -> fx.SwarmRecords:
         now = self.clock.now()
         membership = self.peer.membership
-        return fx.SwarmRecords(self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now), now)
+        return fx.SwarmRecords(
+            self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now), now
+        )
 
     def run_io(self, call: Callable[[], Any], task: int | None) -> None:
         """Run a blocking DHT call; its result (or error) goes to `task` if one waits for it."""

@@ -266,7 +266,9 @@ class InProcessSwarm:
         peer = self.peers[i]
         learner = self.learners[i]
         loss = learner.last_loss if learner.last_loss == learner.last_loss else 0.0
-        self.drivers[i].tick(self.clock.now(), step_time=self.stats[i].step_time, step=learner.step, loss=loss)
+        self.drivers[i].tick(
+            self.clock.now(), step_time=self.stats[i].step_time, step=learner.step, loss=loss
+        )
         if peer.sync is not None and (i, gen) not in self.polling:
             self.polling.add((i, gen))
             self._sync_poll(i, gen)

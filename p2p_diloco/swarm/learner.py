@@ -147,9 +147,8 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        self.count_step(
-            int(x.numel()), 1, time.perf_counter() - started if compute_seconds is None else compute_seconds
-        )
+        seconds = time.perf_counter() - started if compute_seconds is None else compute_seconds
+        self.count_step(int(x.numel()) * self.ranks, self.ranks, seconds)
         self.last_loss = float(loss.detach())
         return self.last_loss
 

@@ -252,7 +252,9 @@ class InMemoryTransport:
     def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
         self.network.deliver(self.peer_id, to_peer, frame, "delta", on_reply)
 
-    def push_update(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
+    def push_update(
+        self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None
+    ) -> None:
         self.network.deliver(self.peer_id, to_peer, frame, "update", on_reply)
 
     def _remote(self, peer: str) -> InboundHandlers:

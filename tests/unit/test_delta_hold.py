@@ -1,4 +1,4 @@
-"""How long a learner holds its deltas after a refusal (`swarm.peer.delta_hold_seconds`)."""
+"""How long a learner holds its deltas after a refusal (`swarm.deltas.delta_hold_seconds`)."""
 
 from __future__ import annotations
 
@@ -6,23 +6,28 @@ import pytest
 
 from p2p_diloco.net.transport import REPLY_UNREACHABLE
 from p2p_diloco.node.guard import REJECT_BUSY, REJECT_NOT_READY
-from p2p_diloco.swarm.peer import MAX_DELTA_HOLD, TRANSIENT_REFUSALS, delta_hold_seconds
+from p2p_diloco.swarm.deltas import MAX_DELTA_HOLD, delta_hold_seconds
+from p2p_diloco.wire.replies import Reply
 
 
 def test_cool_down_is_held_for_the_seconds_the_synchronizer_names():
-    assert delta_hold_seconds("cool-down: QmX is ignored for 88.1s more", 1.0) == pytest.approx(88.1)
-    assert delta_hold_seconds("cool-down: QmX is ignored for 9999s more", 1.0) == MAX_DELTA_HOLD
-    assert delta_hold_seconds("cool-down: unparseable", 2.0) == 2.0
+    assert delta_hold_seconds(
+        Reply.refused("cool-down", "QmX is ignored for 88.1s more"), 1.0
+    ) == pytest.approx(88.1)
+    assert (
+        delta_hold_seconds(Reply.refused("cool-down", "QmX is ignored for 9999s more"), 1.0) == MAX_DELTA_HOLD
+    )
+    assert delta_hold_seconds(Reply.refused("cool-down", "unparseable"), 2.0) == 2.0
 
 
 @pytest.mark.parametrize("tag", [REPLY_UNREACHABLE, REJECT_BUSY, REJECT_NOT_READY])
 def test_transient_refusals_wait_one_heartbeat_period(tag):
-    assert tag in TRANSIENT_REFUSALS  # the literals in peer.py match the modules that send them
-    assert delta_hold_seconds(f"{tag}: cannot open a delta stream", 1.5) == 1.5
+    assert delta_hold_seconds(Reply.transient(tag, "cannot open a delta stream"), 1.5) == 1.5
 
 
 @pytest.mark.parametrize(
     "reply", ["stale anchor: v3 < v5 - 4", "norm outlier: w norm 3 > 10 x median 0.1", "round closed"]
 )
 def test_refusals_about_the_delta_itself_are_not_held(reply):
-    assert delta_hold_seconds(reply, 1.0) == 0.0
+    tag, _, detail = reply.partition(": ")
+    assert delta_hold_seconds(Reply.refused(tag, detail), 1.0) == 0.0

@@ -33,6 +33,8 @@ from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
+from p2p_diloco.wire.replies import Reply
+from tests.support.peers import PeerHarness, StubTransport
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>"
@@ -49,43 +51,12 @@ BASE = GlobalReplica(PLAN, INITIAL)
 PEERS = st.sampled_from(["leader", "mallory", "me", "x" * 300, ""])
 
 
-class StubTransport:
-    """Answers fetches with whatever the test puts in; sends go nowhere."""
-
-    def __init__(self) -> None:
-        self.snapshot = b""
-        self.updates: list[bytes] = []
-
-    def bind(self, handlers) -> None:
-        pass
-
-    def send_delta(self, to_peer, frame, on_reply=None) -> None:
-        pass
-
-    def push_update(self, to_peer, frame, on_reply=None) -> None:
-        pass
-
-    def fetch_updates(self, from_peer, fragment, after_version) -> list[bytes]:
-        return list(self.updates)
-
-    def fetch_snapshot(self, from_peer, fragment) -> bytes:
-        return self.snapshot
-
-
-def make_peer(manifest: RunManifest = MANIFEST) -> Peer:
+def make_peer(manifest: RunManifest = MANIFEST) -> PeerHarness:
     kv = InMemoryKeyValueStore()
     lease = LeaseRecord("leader", 1, expires_at=1e9)
     kv.store(lease_key(manifest.run_id, manifest.manifest_hash), "leader", encode_lease(lease), 1e9)
-    return Peer(
-        "me",
-        manifest,
-        PLAN,
-        GlobalReplica(PLAN, INITIAL),
-        kv=kv,
-        transport=StubTransport(),
-        clock=FakeClock(10.0),
-        shapes=SHAPES,
-    )
+    peer = Peer("me", manifest, PLAN, GlobalReplica(PLAN, INITIAL), shapes=SHAPES, has_learner=False)
+    return PeerHarness(peer, kv=kv, transport=StubTransport(), clock=FakeClock(10.0))
 
 
 def valid_update(fragment: int = 0) -> bytes:
@@ -172,6 +143,7 @@ def mutated(draw, frame: bytes) -> bytes:
 
 
 def clean(reply) -> bool:
+    reply = str(reply) if isinstance(reply, Reply) else reply
     return isinstance(reply, str) and bool(REASON.match(reply))
 
 
@@ -184,7 +156,7 @@ def test_handle_update_answers_a_reason_and_garbage_never_changes_the_replica(fr
     assert clean(reply), reply
     if not reply.startswith("applied"):
         assert peer.replica.digest() == before
-        assert peer.updates_applied == 0
+        assert peer.peer.updates_applied == 0
 
 
 def test_the_unmutated_update_is_applied_only_from_its_leader():
@@ -239,11 +211,16 @@ def test_allowlist_is_enforced_at_every_handler_and_on_records():
     now = 10.0
     hb = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(0, 0)).to_bytes()
     for who in ("leader", "mallory"):
-        peer.kv.store(peer.hb_key, who, hb, now + 5)
-    peer.kv.store(peer.lease_key, "mallory", encode_lease(LeaseRecord("mallory", 7, expires_at=1e9)), 1e9)
+        peer.kv.store(peer.peer.membership.hb_key, who, hb, now + 5)
+    peer.kv.store(
+        peer.peer.membership.lease_key,
+        "mallory",
+        encode_lease(LeaseRecord("mallory", 7, expires_at=1e9)),
+        1e9,
+    )
     peer.read_swarm(now)
-    assert set(peer.live_peers) == {"leader"}
-    assert 7 not in peer.lease_holders and peer.lease_holders[1] == {"leader"}
+    assert set(peer.peer.live_peers) == {"leader"}
+    assert 7 not in peer.peer.membership.lease_holders and peer.peer.membership.lease_holders[1] == {"leader"}
 
 
 @FUZZ
@@ -303,7 +280,7 @@ def test_garbage_dht_records_are_ignored_by_read_swarm_and_the_election(heartbea
     before = peer.replica.digest()
     decision = peer.election_tick(now)
     assert clean(decision.reason), decision.reason
-    assert all(info.versions == () or len(info.versions) == 2 for info in peer.live_peers.values())
+    assert all(info.versions == () or len(info.versions) == 2 for info in peer.peer.live_peers.values())
     assert peer.replica.digest() == before
 
 
@@ -321,13 +298,13 @@ def test_fetch_request_bodies_only_raise_bad_envelope(body):
 def test_snapshot_of_an_unknown_fragment_is_an_empty_answer_and_a_counted_rejection(fragment):
     peer = make_peer()
     assert peer.serve_snapshot("leader", fragment) == b""
-    assert peer.rejections["unknown fragment"] == 1
+    assert peer.peer.rejections["unknown fragment"] == 1
 
 
 def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates():
     peer = make_peer()
     claim = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(0, 0), term_seen=5)
-    peer.kv.store(peer.hb_key, "mallory", claim.to_bytes(), 100.0)
+    peer.kv.store(peer.peer.membership.hb_key, "mallory", claim.to_bytes(), 100.0)
     peer.read_swarm(10.0)
     replica = GlobalReplica(PLAN, INITIAL)
     payload = encode_tensors({n: torch.full(s, 50.0) for n, s in replica.shapes(0).items()})
@@ -368,4 +345,4 @@ def test_replay_stops_at_an_unverifiable_lease_instead_of_reading_the_dht_per_fr
     assert not peer.catch_up_fragment(0, ["src"], target=20)
     assert peer.replica.versions() == (0, 0)
     assert len(reads) <= 2  # one re-read of heartbeats and leases, not one per frame
-    assert peer.rejections["no lease"] == 1
+    assert peer.peer.rejections["no lease"] == 1

@@ -34,7 +34,7 @@ from p2p_diloco.node.island import (
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.wire.frames import decode_delta
+from p2p_diloco.swarm.learner import Adopt, Reload
 
 CFG = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
 
@@ -137,7 +137,11 @@ def make_island_learner(corpus, island, tmp_path):
     replica = GlobalReplica(plan, dict(model.named_parameters()))
     sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=2, seed=0)
     optimizer = make_inner_optimizer(model, 1e-2, 0.0)
-    return IslandLearner(island, "me", manifest, plan, replica, model, optimizer, sampler, state_dir=tmp_path)
+    learner = IslandLearner(
+        island, "me", manifest, plan, replica, model, optimizer, sampler, state_dir=tmp_path
+    )
+    learner.replica = replica  # the test plays the peer's part
+    return learner
 
 
 def test_island_learner_broadcasts_what_rank_0_changed_outside_the_optimizer(corpus, tmp_path):
@@ -156,8 +160,8 @@ def test_island_learner_broadcasts_what_rank_0_changed_outside_the_optimizer(cor
     record = UpdateRecord(
         "t", "x", p, pending.from_version, 1, "sync", (("other", 1.0),), pending.checksum, b""
     )
-    learner.adopt(record, old)
-    learner.load_global_into_model([0])  # e.g. a fragment repaired from a snapshot
+    learner.inbox.put(Adopt(record, old, learner.replica.params_view(p), 1))
+    learner.inbox.put(Reload({0: (0, learner.replica.params_view(0))}))  # e.g. a snapshot repair
     learner.train_step()
     assert island.controls[-1] == (CMD_TRAIN, 2, [0, 1]) and island.synced[-1] == [0, 1]
 
@@ -170,11 +174,11 @@ def test_island_learner_counts_every_rank_in_tokens_and_delta_steps(corpus, tmp_
     learner = make_island_learner(corpus, RecordingIsland(world_size=3), tmp_path)
     for _ in range(20):
         learner.train_step()
-        due = learner.take_due_delta(now=float(learner.step))
+        due = learner.take_due(now=float(learner.step))
         if due is not None:
             break
     assert due is not None
-    header, _ = decode_delta(due[1], max_bytes=1 << 20)
+    header = due.header
     per_rank_batch = 2 * 8
     assert header.steps == 3 * learner.step  # rank-steps: tokens/steps stays batch x block
     assert header.tokens == header.steps * per_rank_batch

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-import threading
 
 import pytest
 import torch
@@ -11,38 +11,30 @@ import torch
 from p2p_diloco.cli import build_parser
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.node.guard import (
-    REJECT_BUSY,
-    REJECT_HANDLER_ERROR,
-    REJECT_NOT_READY,
-    GuardedHandlers,
-    LockedTransport,
-    PeerLock,
-    ServeRefused,
-    UnlockedKeyValueStore,
-)
+from p2p_diloco.node.guard import REJECT_HANDLER_ERROR, REJECT_NOT_READY, HandlerSlot, ServeRefused
 from p2p_diloco.node.join import options_from_args
 from p2p_diloco.node.options import check_device
 from p2p_diloco.node.state import StateDir, read_events
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat
+from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 MANIFEST = RunManifest(run_id="unit-node")
 
 
-class FakePeer:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+class FakeDriver:
+    """Answers like a driver: deltas at once, updates through a future (as the owner thread does)."""
 
-    def handle_delta(self, sender: str, frame: bytes) -> str:
+    def handle_delta(self, sender: str, frame: bytes) -> Reply:
         if frame == b"boom":
             raise RuntimeError("bug")
-        self.calls.append(f"delta {sender}")
-        return "accepted"
+        return Reply(ReplyStatus.ACCEPTED, "accepted")
 
-    def handle_update(self, sender: str, frame: bytes) -> str:
-        return "applied: fragment 0 v0 -> v1"
+    def handle_update(self, sender: str, frame: bytes) -> concurrent.futures.Future:
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        answer.set_result(Reply(ReplyStatus.APPLIED, "applied: fragment 0 v0 -> v1"))
+        return answer
 
     def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
         return [b"u"]
@@ -51,79 +43,22 @@ class FakePeer:
         raise ValueError("no such fragment")
 
 
-def _held_elsewhere(lock: PeerLock) -> tuple[threading.Event, threading.Thread]:
-    release, held = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            held.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    assert held.wait(5)
-    return release, thread
-
-
-def test_guard_answers_with_reasons_and_never_raises_from_handle():
-    lock = PeerLock()
-    applied: list[tuple[str, str]] = []
-    guard = GuardedHandlers(lock, on_applied=lambda s, f, r: applied.append((s, r)), handle_timeout=0.1)
-    assert guard.handle_delta("a", b"x").startswith(REJECT_NOT_READY)  # before attach
-    guard.attach(FakePeer())
-    assert guard.handle_delta("a", b"x") == "accepted"
-    reply = guard.handle_delta("a", b"boom")
-    assert reply.startswith(REJECT_HANDLER_ERROR) and "RuntimeError: bug" in reply
-    assert guard.handle_update("s", b"f").startswith("applied") and applied == [
-        ("s", "applied: fragment 0 v0 -> v1")
-    ]
-    assert guard.serve_updates("r", 0, 0) == [b"u"]
+def test_handler_slot_answers_with_reasons_and_never_raises_from_handle():
+    slot = HandlerSlot()
+    before = slot.handle_delta("a", b"x")
+    assert before.status is ReplyStatus.TRANSIENT and before.tag == REJECT_NOT_READY  # before attach
+    slot.attach(FakeDriver())
+    assert slot.handle_delta("a", b"x").status is ReplyStatus.ACCEPTED
+    reply = slot.handle_delta("a", b"boom")
+    assert reply.tag == REJECT_HANDLER_ERROR and "RuntimeError: bug" in reply.reason
+    assert slot.handle_update("s", b"f").result(timeout=1).status is ReplyStatus.APPLIED
+    assert slot.serve_updates("r", 0, 0) == [b"u"]
     with pytest.raises(ServeRefused, match="ValueError: no such fragment"):
-        guard.serve_snapshot("r", 0)
-    release, thread = _held_elsewhere(lock)
-    try:
-        assert guard.handle_delta("a", b"x").startswith(REJECT_BUSY)
-        guard.serve_timeout = 0.1
-        assert guard.serve_updates("r", 0, 0) == []  # the requester asks another peer
-    finally:
-        release.set()
-        thread.join()
-    guard.detach()
-    assert guard.handle_update("s", b"f").startswith(REJECT_NOT_READY)
-    assert guard.rejections == {REJECT_NOT_READY: 2, REJECT_HANDLER_ERROR: 2, REJECT_BUSY: 2}
-
-
-def test_io_wrappers_release_the_lock_and_callbacks_take_it():
-    lock = PeerLock()
-    seen: list[bool] = []
-
-    class Inner:
-        def store(self, *args) -> bool:
-            seen.append(lock._lock._is_owned())
-            return True
-
-        def get(self, key, now):
-            seen.append(lock._lock._is_owned())
-            return {}
-
-        def fetch_updates(self, *args):
-            seen.append(lock._lock._is_owned())
-            return []
-
-        def send_delta(self, to_peer, frame, on_reply):
-            on_reply("accepted")
-
-    kv = UnlockedKeyValueStore(Inner(), lock)
-    transport = LockedTransport(Inner(), lock, GuardedHandlers(lock))
-    with lock, lock:  # held twice: released fully, restored to depth 2
-        kv.store("k", "s", b"v", 1.0)
-        kv.get("k", 0.0)
-        transport.fetch_updates("p", 0, 0)
-        assert lock._lock._is_owned()
-    assert seen == [False, False, False]
-    assert not lock._lock._is_owned()
-    transport.send_delta("p", b"d", lambda reason: seen.append(lock._lock._is_owned()))
-    assert seen[-1] is True
+        slot.serve_snapshot("r", 0)
+    slot.detach()
+    assert slot.handle_update("s", b"f").tag == REJECT_NOT_READY
+    assert slot.serve_updates("r", 0, 0) == []  # the requester asks another peer
+    assert slot.rejections == {REJECT_NOT_READY: 3, REJECT_HANDLER_ERROR: 2}
 
 
 def test_state_dir_round_trip_lock_and_foreign_manifest(tmp_path):
@@ -222,25 +157,6 @@ def test_event_log_rotates_past_its_size_cap(tmp_path, monkeypatch):
     assert [e["t"] for e in previous + current] == [
         float(i) for i in range(10 - len(previous) - len(current), 10)
     ]
-
-
-def test_the_sync_thread_closes_rounds_between_and_during_steps_until_stopped(tmp_path):
-    from p2p_diloco.node.options import NodeOptions
-    from p2p_diloco.node.runtime import PeerNode
-
-    options = NodeOptions(manifest=MANIFEST, identity=tmp_path / "k", state_dir=tmp_path / "s")
-    node = PeerNode(options)
-    ticked = threading.Semaphore(0)
-    node._sync_tick = ticked.release  # the real one closes ready rounds under the peer lock
-    thread = threading.Thread(target=node._sync_loop)
-    thread.start()
-    try:
-        # polled on its own, every SYNC_POLL_SECONDS: no training step drives it
-        assert all(ticked.acquire(timeout=5) for _ in range(3))
-    finally:
-        node._swarm_stop.set()
-        thread.join(timeout=5)
-    assert not thread.is_alive()
 
 
 def test_seconds_since_launch_counts_from_the_process_start():

@@ -217,17 +217,17 @@ def frame(sync: Synchronizer, scale: float, seq: int, tokens_per_step: int | Non
 
 def test_synchronizer_rejects_with_robust_reasons_and_cools_the_sender_down():
     sync = make_sync()
-    assert sync.handle_delta("mallory", frame(sync, 1000, 1), 1.0).startswith(robust.NORM_OUTLIER)
-    assert sync.handle_delta("mallory", frame(sync, 1, 2, tokens_per_step=10**4), 2.0).startswith(
+    assert str(sync.handle_delta("mallory", frame(sync, 1000, 1), 1.0)).startswith(robust.NORM_OUTLIER)
+    assert str(sync.handle_delta("mallory", frame(sync, 1, 2, tokens_per_step=10**4), 2.0)).startswith(
         robust.TOKEN_CLAIM
     )
-    assert sync.handle_delta("mallory", frame(sync, 1, 3), 3.0).startswith(robust.COOL_DOWN)
+    assert str(sync.handle_delta("mallory", frame(sync, 1, 3), 3.0)).startswith(robust.COOL_DOWN)
     assert sync.rejections_by_sender[("mallory", robust.NORM_OUTLIER)] == 1
     assert sync.rejections_by_sender[("mallory", robust.COOL_DOWN)] == 1
     assert any(line.startswith(robust.COOL_DOWN_STARTED) for line in sync.decisions)
     honest = sync.handle_delta("alice", frame(sync, 1, 4), 4.0)
-    assert honest.startswith("opened round")
-    assert sync.handle_delta("alice", frame(sync, 1, 4), 5.0).startswith(robust.REPLAY)
+    assert str(honest).startswith("opened round")
+    assert str(sync.handle_delta("alice", frame(sync, 1, 4), 5.0)).startswith(robust.REPLAY)
     # The round does not wait for a sender cooling down (grace window of 10 s ends early) ...
     sync.rounds.observe_step_time(5.0)
     (outcome,) = sync.poll(6.0, frozenset({"alice", "mallory"}), cap=10.0)
@@ -242,7 +242,7 @@ def test_synchronizer_rejects_with_robust_reasons_and_cools_the_sender_down():
 def test_rounds_of_a_fragment_without_reference_gather_three_deltas_or_wait_it_out():
     sync = make_sync()
     live = frozenset({"a", "b", "c"})
-    assert sync.handle_delta("a", frame(sync, 1, 1), 0.0).startswith("opened round")
+    assert str(sync.handle_delta("a", frame(sync, 1, 1), 0.0)).startswith("opened round")
     assert sync.poll(1.0, live, cap=0.0) == []  # waits for a first update screened by the round
     sync.handle_delta("b", frame(sync, 1, 2), 1.0)
     sync.handle_delta("c", frame(sync, 1, 3), 2.0)
@@ -258,8 +258,8 @@ def test_rounds_of_a_fragment_without_reference_gather_three_deltas_or_wait_it_o
 
 def test_synchronizer_refuses_senders_outside_the_allowlist_before_decoding():
     sync = make_sync(allowlist=("alice",))
-    assert sync.handle_delta("mallory", b"garbage", 1.0).startswith("not allowed")
-    assert sync.handle_delta("alice", b"garbage", 1.0).startswith("bad magic")
+    assert str(sync.handle_delta("mallory", b"garbage", 1.0)).startswith("not allowed")
+    assert str(sync.handle_delta("alice", b"garbage", 1.0)).startswith("bad magic")
 
 
 def test_synchronizer_never_screens_or_cools_down_its_own_deltas():
@@ -268,8 +268,8 @@ def test_synchronizer_never_screens_or_cools_down_its_own_deltas():
         sync.guard.note_rejection("sync", robust.NORM_OUTLIER, float(t))
     assert "sync" in sync.guard.cooling(3.0)
     # 30 x the honest scale: a norm another sender could not get accepted
-    assert sync.handle_delta("sync", frame(sync, 30, 1), 4.0).startswith("opened round")
-    assert sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0).startswith(robust.NORM_OUTLIER)
+    assert str(sync.handle_delta("sync", frame(sync, 30, 1), 4.0)).startswith("opened round")
+    assert str(sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0)).startswith(robust.NORM_OUTLIER)
 
 
 def test_direction_outliers_are_refused_but_never_start_a_cool_down():

@@ -1,0 +1,76 @@
+"""A `Peer` under an `InlineDriver`, with the calls unit tests make, and a transport stub."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from p2p_diloco.swarm.driver import InlineDriver
+from p2p_diloco.wire.replies import Reply
+
+
+def settled(value) -> concurrent.futures.Future:  # noqa: ANN001
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+    return future
+
+
+class StubTransport:
+    """Answers fetches with whatever the test puts in; records sends (never answered: lost in flight)."""
+
+    def __init__(self) -> None:
+        self.snapshot = b""
+        self.updates: list[bytes] = []
+        self.sent: list[str] = []
+
+    def bind(self, handlers) -> None:  # noqa: ANN001
+        pass
+
+    def send_delta(self, to_peer, frame, on_reply=None) -> None:  # noqa: ANN001
+        self.sent.append(to_peer)
+
+    def push_update(self, to_peer, frame, on_reply=None) -> None:  # noqa: ANN001
+        pass
+
+    def request_updates(self, from_peer, fragment, after_version) -> concurrent.futures.Future:  # noqa: ANN001
+        return settled(list(self.updates))
+
+    def request_snapshot(self, from_peer, fragment) -> concurrent.futures.Future:  # noqa: ANN001
+        return settled(self.snapshot)
+
+
+class PeerHarness(InlineDriver):
+    """Unit-test access to one peer: handlers answer reason strings, tasks run to their end."""
+
+    @property
+    def replica(self):  # noqa: ANN201
+        return self.peer.replica
+
+    def handle_delta(self, sender: str, frame: bytes) -> str:
+        reply = super().handle_delta(sender, frame)
+        assert isinstance(reply, Reply)
+        return str(reply)
+
+    def handle_update(self, sender: str, frame: bytes) -> str:
+        reply = super().handle_update(sender, frame)
+        assert isinstance(reply, Reply)
+        return str(reply)
+
+    def read_swarm(self, now: float):  # noqa: ANN201
+        return self.peer.membership.ingest(self._read_swarm())
+
+    def election_tick(self, now: float):  # noqa: ANN201
+        """Read the swarm and run the election once (what a swarm tick does, without the heartbeat)."""
+        decision = self.peer.elect(self.read_swarm(now), now)
+        for intent in self.peer.flush():
+            self.perform(intent)
+        return decision
+
+    def fetch_fragment(self, fragment: int, sources: list[str]) -> bool:
+        return self.run_task(self.peer.repair.fetch_fragment(fragment, sources))
+
+    def catch_up_fragment(self, fragment: int, sources: list[str], *, target: int) -> bool:
+        task = self.peer.repair.catch_up_fragment(fragment, sources, target=target, now=self.clock.now())
+        return self.run_task(task)
