@@ -372,6 +372,9 @@ class PeerNode:
         fields = self.telemetry.heartbeat_fields(
             self.clock.now(), peer, self.learner, self.guard, self.p2p, training=self.training
         )
+        learner = self.learner
+        fields["step"] = learner.step
+        fields["loss"] = learner.last_loss if learner.last_loss == learner.last_loss else 0.0
         if self.island is not None:
             fields["ranks"] = self.island.world_size
         driver.swarm_tick(fields)

@@ -192,7 +192,8 @@ class Learner:
             steps=work.steps,
             seq=self.seq,
         )
-        self.sent[p] = SentDelta(self.seq, work.tokens, work.steps, work.seconds, theta)
+        at_send = {name: t.clone() for name, t in theta.items()}  # theta may share the live parameters
+        self.sent[p] = SentDelta(self.seq, work.tokens, work.steps, work.seconds, at_send)
         self.work[p] = FragmentWork()
         self.deltas_sent += 1
         delta = {name: anchor[name] - theta[name] for name in anchor}

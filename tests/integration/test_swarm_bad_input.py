@@ -130,7 +130,7 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
         "frame too large": bytes(2 * manifest.wire.max_message_bytes),
     }
     for tag, frame in cases.items():
-        reason = transport.send_and_wait(OP_DELTA, target, frame, timeout=20)
+        reason = str(transport.send_and_wait(OP_DELTA, target, frame, timeout=20))
         if tag == "frame too large" and reason.startswith("transport unreachable"):
             # P2PTransport race: the receiver's early rejection can lose to the stream reset while the
             # sender is still writing (net/transport.py); the receiver's counter is checked below
@@ -142,7 +142,7 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
         term=0, leader=transport.peer_id, contributors=((transport.peer_id, 1.0),), checksum="00" * 32,
         payload=int8,
     )  # fmt: skip
-    reason = transport.send_and_wait(OP_UPDATE, target, encode_update(lower_term), timeout=20)
+    reason = str(transport.send_and_wait(OP_UPDATE, target, encode_update(lower_term), timeout=20))
     assert reason.startswith("lower term"), reason
     assert transport.fetch_snapshot(target, 9) == b""  # unknown fragment: nothing, a counted rejection
     assert transport.fetch_snapshot(target, 1)  # and the peer keeps serving
@@ -195,7 +195,7 @@ def test_a_correctly_checksummed_update_from_a_peer_without_the_lease_is_refused
             term=term, leader=transport.peer_id, contributors=((transport.peer_id, 1.0),),
             checksum=pending.checksum, payload=payload,
         )  # fmt: skip
-        replies.append(transport.send_and_wait(OP_UPDATE, target, encode_update(record), timeout=20))
+        replies.append(str(transport.send_and_wait(OP_UPDATE, target, encode_update(record), timeout=20)))
         if not replies[-1].startswith("duplicate update"):
             break
     assert not replies[-1].startswith("applied"), replies

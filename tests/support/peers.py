@@ -74,3 +74,13 @@ class PeerHarness(InlineDriver):
     def catch_up_fragment(self, fragment: int, sources: list[str], *, target: int) -> bool:
         task = self.peer.repair.catch_up_fragment(fragment, sources, target=target, now=self.clock.now())
         return self.run_task(task)
+
+    def heartbeat(self, now: float, **fields) -> None:  # noqa: ANN003
+        self.perform(self.peer.membership.heartbeat_record(self.peer.heartbeat_info(**fields), now))
+
+    def sync_now(self, now: float):  # noqa: ANN201
+        """Close the rounds that are ready now (as a sync tick does); the published records."""
+        published = self.peer.sync_tick(now)
+        for intent in self.peer.flush():
+            self.perform(intent)
+        return published

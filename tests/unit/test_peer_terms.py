@@ -13,30 +13,19 @@ from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm.deltas import InFlight
+from p2p_diloco.swarm.effects import Published, StoreRecord
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease, encode_lease
+from tests.support.peers import PeerHarness, StubTransport
 
 MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
 MANIFEST = RunManifest(
     run_id="terms", model=MODEL, diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2)
 )
-
-
-class SendLog:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def bind(self, handlers) -> None:
-        pass
-
-    def send_delta(self, to_peer, frame, on_reply=None) -> None:
-        self.sent.append(to_peer)  # accepted, never merged: the round is lost with its term
-
-    def push_update(self, to_peer, frame, on_reply=None) -> None:
-        pass
 
 
 def make_peer(
@@ -46,8 +35,8 @@ def make_peer(
     kv: InMemoryKeyValueStore | None = None,
     clock: FakeClock | None = None,
     may_sync: bool = False,
-    on_published=None,
-) -> tuple[Peer, InMemoryKeyValueStore, FakeClock, SendLog]:
+    published: list | None = None,
+) -> tuple[PeerHarness, InMemoryKeyValueStore, FakeClock, StubTransport]:
     model = build_model(MODEL)
     plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
     replica = GlobalReplica(plan, dict(model.named_parameters()))
@@ -55,11 +44,16 @@ def make_peer(
     sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=1, seed=0)
     optimizer = make_inner_optimizer(model, 1e-2, 0.0)
     learner = Learner(peer_id, manifest, plan, replica, model, optimizer, sampler)
-    kv, clock, transport = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0), SendLog()
+    kv, clock, transport = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0), StubTransport()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    peer = Peer(peer_id, manifest, plan, replica, kv=kv, transport=transport, clock=clock, shapes=shapes,
-                learner=learner, may_sync=may_sync, on_published=on_published)  # fmt: skip
-    return peer, kv, clock, transport
+    peer = Peer(peer_id, manifest, plan, replica, shapes=shapes, may_sync=may_sync)
+
+    def observe(intent) -> None:
+        if isinstance(intent, Published) and published is not None:
+            published.append(intent.record)
+
+    harness = PeerHarness(peer, kv=kv, transport=transport, clock=clock, learner=learner, observer=observe)
+    return harness, kv, clock, transport
 
 
 def hold(kv: InMemoryKeyValueStore, holder: str, term: int, expires_at: float) -> None:
@@ -67,10 +61,9 @@ def hold(kv: InMemoryKeyValueStore, holder: str, term: int, expires_at: float) -
     kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), holder, encode_lease(lease), expires_at)
 
 
-def train_and_send(peer: Peer, clock: FakeClock) -> None:
+def train_and_send(peer: PeerHarness, clock: FakeClock) -> None:
     for _ in range(2 * MANIFEST.diloco.steps_per_fragment):
-        peer.learner.train_step()
-        peer.after_train_step(clock.now())
+        peer.train_step()
 
 
 def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one():
@@ -85,26 +78,24 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
     hold(kv, "leader", 2, expires_at=130.0)
     decision = peer.election_tick(clock.now())
     assert (decision.action, decision.holder, decision.term) == (election.FOLLOW, "leader", 2)
-    assert peer.learner.sent == {}  # released at once, their work back in the counters to resend
-    assert sum(w.steps for w in peer.learner.work) > work
-    assert any("(term 2): resending" in line for line in peer.decisions)
-    assert peer.failovers_seen == 0  # the same holder: not a failover
+    assert peer.peer.deltas.in_flight == {}  # released at once ...
+    peer.learner.settle()  # ... and at the learner's next step boundary their work is back to resend
+    assert peer.learner.sent == {} and sum(w.steps for w in peer.learner.work) > work
+    assert any("('leader', 2): resending" in line for line in peer.peer.decisions)
+    assert peer.peer.failovers_seen == 0  # the same holder: not a failover
 
     train_and_send(peer, clock)
     assert transport.sent[2:] == ["leader", "leader"]
 
 
-def test_a_delta_sent_to_an_older_term_is_released_before_the_next_send():
-    peer, kv, clock, transport = make_peer()
-    hold(kv, "leader", 1, expires_at=110.0)
-    peer.election_tick(clock.now())
-    train_and_send(peer, clock)
-    assert len(peer.learner.sent) == 2
-    peer.holder_term = 2  # e.g. this peer itself claimed the next term: no FOLLOW decision saw the change
-    peer.learner.train_step()
-    peer.after_train_step(clock.now())
-    assert any("synchronizer changed from ('leader', 1) to ('leader', 2)" in d for d in peer.decisions)
-    assert peer.sent_to == ("leader", 2)
+def test_deltas_go_back_only_when_another_synchronizer_or_term_is_followed():
+    """Not while no synchronizer is known (lease grace): what is in flight may still be merged."""
+    routing = make_peer()[0].peer.deltas
+    routing.in_flight = {0: InFlight(1, ("leader", 1), 100.0), 1: InFlight(2, ("leader", 2), 100.0)}
+    routing.follow(None)
+    assert set(routing.in_flight) == {0, 1}
+    routing.follow(("leader", 2))  # e.g. this peer's own claim of the next term: same holder, new term
+    assert set(routing.in_flight) == {1}
 
 
 def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
@@ -115,24 +106,26 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
         timing=dataclasses.replace(MANIFEST.timing, term_rounds=1),
         robust=dataclasses.replace(MANIFEST.robust, enabled=False),
     )
-    published = []
-    me, kv, clock, _ = make_peer(manifest, may_sync=True, on_published=published.append)
+    published: list = []
+    me, kv, clock, _ = make_peer(manifest, may_sync=True, published=published)
     other, _, _, _ = make_peer(manifest, kv=kv, clock=clock, peer_id="other")  # live, never reports
     for _ in range(10):  # claim term 1 (after the claim grace)
         me.heartbeat(clock.now())
         other.heartbeat(clock.now())
         me.election_tick(clock.now())
-        if me.sync is not None:
+        if me.peer.sync is not None:
             break
         clock.advance_to(clock.now() + 1.0)
-    assert me.sync is not None and me.holder == "me"
-    me.sync.observe_step_time(5.0)  # learners step every 5 s: a grace window of seconds waits for "other"
+    assert me.peer.sync is not None and me.peer.holder == "me"
+    me.peer.sync.observe_step_time(
+        5.0
+    )  # learners step every 5 s: a grace window of seconds waits for "other"
 
     def send_next_delta() -> int:
+        before = set(me.peer.deltas.in_flight)
         for _ in range(manifest.diloco.steps_per_fragment):
-            me.learner.train_step()
-            fragment = me.after_train_step(clock.now())
-        assert fragment is not None
+            me.train_step()
+        (fragment,) = set(me.peer.deltas.in_flight) - before
         return fragment
 
     first = send_next_delta()  # its round waits out the grace window for "other"
@@ -142,18 +135,26 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
         other.heartbeat(clock.now())
         assert me.election_tick(clock.now()).action in (election.HOLD, election.RENEW)
     second = send_next_delta()
-    assert [r.fragment for r in me.sync_tick(clock.now())] == [first]  # the first round's grace is over
-    assert me.sync.rounds.open_fragments == (second,)  # the second's is running
+    assert [r.fragment for r in me.sync_now(clock.now())] == [first]  # the first round's grace is over
+    assert me.peer.sync.rounds.open_fragments == (second,)  # the second's is running
     versions = me.replica.versions()
 
     clock.advance_to(clock.now() + 0.5)
-    decision = me.election_tick(clock.now())  # 1 of term_rounds = 1 rounds done: the term ends
+    decision = me.peer.elect(me.read_swarm(clock.now()), clock.now())  # 1 of 1 rounds done: the term ends
+    intents = me.peer.flush()
+    # one unit, in order: the open round's merge goes out before the released lease is stored, and once
+    # the lease is given up no delta can reach a round (no thread can slip in between any more)
+    kinds = [type(i).__name__ if not isinstance(i, StoreRecord) else i.what for i in intents]
+    assert kinds.index("Published") < kinds.index("released lease")
+    assert str(me.handle_delta("other", b"x")).startswith(("not synchronizer", "bad magic"))
+    for intent in intents:
+        me.perform(intent)
     assert (decision.action, decision.reason.split(":")[0]) == (election.STEP_DOWN, election.TAG_TERM_ENDED)
     assert me.replica.versions()[second] == versions[second] + 1  # merged, not dropped
     assert [r.fragment for r in published] == [first, second]
-    assert second not in me.learner.sent  # its own delta was merged: nothing to resend
-    assert any("term ended: merged the open rounds of fragments" in line for line in me.decisions)
+    assert second not in me.peer.deltas.in_flight  # its own delta was merged: nothing to resend
+    assert any("term ended: merged the open rounds of fragments" in line for line in me.peer.decisions)
     lease = decode_lease(
         "me", kv.get(lease_key(manifest.run_id, manifest.manifest_hash), clock.now())["me"].value
     )
-    assert lease.released and me.sync is None
+    assert lease.released and me.peer.sync is None
