@@ -9,7 +9,6 @@ manifest, or an unreadable one, is ignored (the worker then starts from the init
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.files import atomic_file
 
 CHECKPOINT_FILE = "baseline.pt"
 FORMAT = 1
@@ -42,16 +42,8 @@ def save_checkpoint(
         "parameters": {name: p.detach().cpu().clone() for name, p in model.named_parameters()},
         "optimizer": optimizer_state,
     }
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(path) as f:
+        torch.save(blob, f)
 
 
 def load_checkpoint(path: Path, manifest: RunManifest, model: nn.Module) -> tuple[Checkpoint | None, str]:

@@ -1,7 +1,7 @@
 """A baseline worker's own books: compute, merged compute, blocked time, tokens and estimated bytes.
 
 `StepLedger` holds cumulative counters for one process lifetime (they start at zero on every start,
-which `accounting.summarize_run` detects). It is fed durations measured by the worker, never reads a
+which `p2p_diloco.demo.accounting` detects). It is fed durations measured by the worker, never reads a
 clock itself, and is thread-safe (the progress reporter snapshots it while the training loop runs).
 
 Merged compute: the forward/backward seconds of local steps wait in `pending` until the global optimizer

@@ -1,10 +1,11 @@
-"""The demo's books: goodput, uptime, failovers and bytes from event logs. Pure functions: no files, no clock.
+"""Goodput accounting: goodput, uptime, failovers and bytes from event logs. Pure functions: no files, no clock.
 
-Inputs are the ``events.jsonl`` lines of the peers (``{"t": time, "event": kind, ...}``). Both kinds of
-worker (`p2p-diloco join`, `p2p-diloco baseline-worker`) emit ``progress`` events with cumulative
-counters of their process lifetime: ``tokens``, ``compute_seconds``, ``compute_merged``,
-``blocked_seconds``, ``bytes_sent``, ``bytes_received`` (the baseline also ``paced_seconds``).
-The semantics match `p2p_diloco.baseline.accounting` (written independently, same rules):
+The one accounting module of the project: the demo's report and orchestrator, the benchmarks and the baseline's test all
+read runs of either system through it. Inputs are the ``events.jsonl`` lines of the peers
+(``{"t": time, "event": kind, ...}``). Both kinds of worker (`p2p-diloco join`,
+`p2p-diloco baseline-worker`) emit ``progress`` events with cumulative counters of their process
+lifetime: ``tokens``, ``compute_seconds``, ``compute_merged``, ``blocked_seconds``, ``bytes_sent``,
+``bytes_received`` (the baseline also ``paced_seconds``); a line may carry only some of them. Rules:
 
 * a lifetime starts at a ``start`` event (counters 0 there) or where tokens or compute_seconds drop;
 * within a lifetime a counter is the piecewise-linear curve through its points, flat after the last one
@@ -100,16 +101,23 @@ def summarize(
     *,
     start: float,
     end: float,
-    learners: int,
+    learners: int | None = None,
     paced_as_compute: bool = False,
 ) -> dict[str, Any]:
     """Goodput, compute/blocked fractions, tokens and bytes per learner over [start, end].
 
+    `events_by_peer` maps a peer name to its event log lines (e.g. `node.state.read_events(dir)`).
+    `learners` (N) defaults to the number of peers given; pass the number of learner slots when a slot
+    has no log. Returns ``{"goodput", "compute_fraction", "blocked_fraction", "tokens",
+    "bytes_per_learner": {name: {"sent", "received"}}, "bytes_mean": {"sent", "received"} (sums / N),
+    "learners", "wall_seconds", "per_peer": {name: {counter: amount}}}``.
     `paced_as_compute`: count ``paced_seconds`` (a throttled worker's sleep, emulating a slower device)
     as compute, merged in the same proportion as that peer's measured compute in the window.
     """
     if not end > start:
         raise ValueError(f"the window needs end > start, got {start} .. {end}")
+    if learners is None:
+        learners = len(events_by_peer)
     if learners < 1:
         raise ValueError(f"need at least one learner, got {learners}")
     per_peer = {name: counters_in_window(events, start, end) for name, events in events_by_peer.items()}

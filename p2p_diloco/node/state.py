@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.files import write_atomic
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica, ReplicaFileError
 
@@ -120,7 +121,7 @@ class StateDir:
             last_in_sync=now if in_sync else previous,
             saved_at=now,
         )
-        _write_atomic(self.path / PEER_STATE_FILE, json.dumps(asdict(state), indent=1).encode())
+        write_atomic(self.path / PEER_STATE_FILE, json.dumps(asdict(state), indent=1).encode())
 
     # ---- events ------------------------------------------------------------------------------------
 
@@ -143,19 +144,6 @@ class StateDir:
         with self._events_lock:
             self._events.close()
         self._lock_file.close()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -1,8 +1,10 @@
 """The synchronizer election: a deterministic rule every peer evaluates on the DHT records it reads.
 
 hivemind's DHT has no compare-and-swap (per key/subkey the later expiration wins), so nobody "wins" a
-write; instead every peer reads the same heartbeats (`{run}/peers`) and leases (`{run}/lease`, one subkey
-per holder) and applies `decide`. Peers that read the same records reach the same conclusion.
+write; instead every peer reads the same heartbeats (DHT key `wire.keys.heartbeat_key`,
+``p2p_diloco/<run_id>/<manifest_hash>_heartbeat``, one subkey per peer) and leases (`wire.keys.lease_key`,
+``..._lease``, one subkey per holder) and applies `decide`. Peers that read the same records reach the
+same conclusion.
 
 The rule, in short:
 - the live lease (not expired, not released) with the highest term is the synchronizer; ties between live
@@ -72,8 +74,9 @@ LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but 
 
 @dataclass(frozen=True)
 class PeerHeartbeat:
-    """One peer's heartbeat as read from `{run}/peers`. `versions` are its replica's fragment versions;
-    `term_seen` is the highest lease term it has seen (keeps terms monotonic after lease records vanish)."""
+    """One peer's heartbeat as read from the heartbeat key (subkey = peer ID). `versions` are its replica's
+    fragment versions; `term_seen` is the highest lease term it has seen (keeps terms monotonic after lease
+    records vanish)."""
 
     peer_id: str
     may_sync: bool
@@ -88,7 +91,7 @@ class PeerHeartbeat:
 
 @dataclass(frozen=True)
 class LeaseRecord:
-    """One holder's lease from `{run}/lease` (subkey = holder). Live while not released and `now < expires_at`."""
+    """One holder's lease from the lease key (subkey = holder). Live while not released and `now < expires_at`."""
 
     holder: str
     term: int

@@ -3,8 +3,7 @@
 Every peer applies each published outer update itself (outer Nesterov SGD on the dequantized merged
 gradient) and compares the result with the checksum in the update, so all replicas agree bit for bit.
 This module owns that step, the checksums and digest, version ordering (duplicates and gaps are
-refused, never silently applied), loading fragments fetched from other peers, persistence to disk and
-copying the global parameters into a learner's live model.
+refused, never silently applied), loading fragments fetched from other peers and persistence to disk.
 
 Checksum of fragment p (`fragment_checksum`): blake2b, 32-byte digest, hex, over
     b"p2p_diloco.replica.v1" | version as 8-byte little-endian |
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from p2p_diloco.files import atomic_file
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.merge import (
     ACCEPT,
@@ -364,43 +363,10 @@ class GlobalReplica:
         self._checksums[p] = got
         return Decision(LOAD, f"{LOADED}: fragment {p} v{previous} -> v{version}")
 
-    # ---- adoption into a learner's model -------------------------------------------------------------
-
-    def adopt_into(
-        self,
-        model_params: Mapping[str, Tensor],
-        fragment: int,
-        *,
-        mode: str = "overwrite",
-        alpha: float = 0.5,
-    ) -> None:
-        """Copy Θ_p into the live model tensors in place (any device/dtype): overwrite, or blend
-        θ <- (1 - alpha)·θ + alpha·Θ. Raises KeyError/ValueError if the model lacks a tensor or its shape differs.
-        """
-        if mode not in ("overwrite", "blend"):
-            raise ValueError(f"adoption mode must be 'overwrite' or 'blend', got {mode!r}")
-        if mode == "blend" and not 0.0 < alpha <= 1.0:
-            raise ValueError(f"blend alpha must be in (0, 1], got {alpha}")
-        p = self._index(fragment)
-        for name, source in self._params[p].items():
-            if name not in model_params:
-                raise KeyError(f"model has no tensor {name} (fragment {p})")
-            if tuple(model_params[name].shape) != tuple(source.shape):
-                raise ValueError(
-                    f"{name}: model shape {tuple(model_params[name].shape)} != {tuple(source.shape)}"
-                )
-        with torch.no_grad():
-            for name, source in self._params[p].items():
-                target = model_params[name]
-                if mode == "overwrite":
-                    target.copy_(source)
-                else:  # learner-local, so rounding differences between machines do not matter here
-                    target.lerp_(source.to(device=target.device, dtype=target.dtype), alpha)
-
     # ---- persistence ---------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Write the whole replica to `path` atomically (temporary file in the same folder, then rename)."""
+        """Write the whole replica to `path` atomically (`p2p_diloco.files.atomic_file`)."""
         path = Path(path)
         state: dict[str, Any] = {
             "format": _FILE_FORMAT,
@@ -411,16 +377,8 @@ class GlobalReplica:
             "params": [dict(params) for params in self._params],
             "momentum": [dict(momentum) for momentum in self._momentum],
         }
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        with atomic_file(path) as f:
+            torch.save(state, f)
 
     @classmethod
     def load(cls, path: str | Path, plan: FragmentPlan) -> GlobalReplica:

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.baseline.accounting import COUNTER_FIELDS, summarize_run
 from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE
 from p2p_diloco.config import RunManifest
+from p2p_diloco.demo.accounting import COUNTERS, summarize
 from p2p_diloco.model import build_model
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.state import read_events
@@ -137,7 +137,7 @@ def test_two_workers_average_survive_a_kill_and_account_their_goodput(
     logs = {n: read_events(d) for n, d in dirs.items()}
     begin = min(e["t"] for log in logs.values() for e in log if e["event"] == "start")
     end = max(e["t"] for log in logs.values() for e in log if e["event"] == "stopped")
-    report = summarize_run(logs, start=begin, end=end)
+    report = summarize(logs, start=begin, end=end)
     assert 0 < report["goodput"] <= report["compute_fraction"] <= 1.0
     assert 0 < report["blocked_fraction"] and report["compute_fraction"] + report["blocked_fraction"] <= 1.0
     last = {
@@ -146,7 +146,7 @@ def test_two_workers_average_survive_a_kill_and_account_their_goodput(
     assert report["per_peer"]["w1"]["tokens"] == last["w1"]["tokens"]
     assert report["per_peer"]["w2"]["tokens"] > last["w2"]["tokens"]  # plus the killed life's
     for name in dirs:
-        assert set(report["per_peer"][name]) == set(COUNTER_FIELDS)
+        assert set(report["per_peer"][name]) == set(COUNTERS)
         assert report["per_peer"][name]["bytes_sent"] > 0
     print(
         f"measured: goodput {report['goodput']:.4f} compute {report['compute_fraction']:.4f} "

@@ -283,29 +283,6 @@ def test_load_rejects_bad_files(tmp_path) -> None:
         GlobalReplica.load(tmp_path / "short.pt", PLAN)
 
 
-def test_adopt_into_overwrite_and_blend() -> None:
-    replica = GlobalReplica(PLAN, initial())
-    apply(replica, 0, 0)
-    global_params = replica.params_of(0)
-    model = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in SHAPES.items()}
-    replica.adopt_into(model, 0)
-    assert torch.equal(model["emb"].detach(), global_params["emb"])
-    assert torch.equal(model["blocks.0.w"].detach(), torch.zeros(4, 4))  # other fragments untouched
-    model["emb"].data.fill_(1.0)
-    replica.adopt_into(model, 0, mode="blend", alpha=0.25)
-    torch.testing.assert_close(model["emb"].detach(), 0.75 * torch.ones(5, 3) + 0.25 * global_params["emb"])
-    half = {"emb": torch.zeros(5, 3, dtype=torch.bfloat16), "head.b": torch.zeros(3, dtype=torch.bfloat16)}
-    replica.adopt_into(half, 0)
-    assert half["emb"].dtype == torch.bfloat16
-    torch.testing.assert_close(half["emb"].float(), global_params["emb"], rtol=1e-2, atol=1e-2)
-    with pytest.raises(KeyError):
-        replica.adopt_into({"emb": torch.zeros(5, 3)}, 0)
-    with pytest.raises(ValueError):
-        replica.adopt_into({"emb": torch.zeros(5, 4), "head.b": torch.zeros(3)}, 0)
-    with pytest.raises(ValueError):
-        replica.adopt_into(model, 0, mode="carry")
-
-
 def test_copies_handed_out_cannot_change_the_replica() -> None:
     replica = GlobalReplica(PLAN, initial())
     before = replica.digest()

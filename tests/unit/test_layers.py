@@ -1,0 +1,131 @@
+"""Layering: no module under `p2p_diloco/` imports from a higher layer (read with `ast`, nothing imported).
+
+Every import counts, at module level or inside a function; only the bodies of ``if TYPE_CHECKING:``
+blocks are exempt (they never run). Imports within one layer are allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "p2p_diloco"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
+
+# The layers of `p2p_diloco`, low to high, by top-level module or package. A module may import from its
+# own layer and the ones below it, never from one above. "" is the package root (`p2p_diloco/__init__.py`,
+# only `__version__`). `files` (the atomic-write helper) sits at the bottom so `protocol` can use it.
+# `specs` and `dashboard` do not exist today; they are placed where they will go.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("", "errors", "files", "specs"),  # 0: leaves, no p2p_diloco imports
+    ("protocol",),  # 1: pure protocol rules and the replica
+    ("config",),  # 2: the run manifest
+    ("model", "wire"),  # 3: the model; DHT keys, record codecs, store/transport interfaces
+    ("swarm",),  # 4: the peer core
+    ("net",),  # 5: hivemind DHT and libp2p transport
+    ("node",),  # 6: a real process
+    ("baseline", "demo", "sim", "wan", "cli", "__main__", "dashboard"),  # 7: commands and tools
+)
+LAYER_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def top_level(module: str) -> str:
+    """`p2p_diloco.swarm.peer` -> "swarm"; the package root -> ""."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported_modules(tree: ast.Module, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, p2p_diloco module) for every import of the package in `tree`, outside TYPE_CHECKING blocks."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == PACKAGE:  # `from p2p_diloco import x`: x may be a subpackage or module
+                found.extend((node.lineno, f"{PACKAGE}.{alias.name}") for alias in node.names)
+            else:
+                found.append((node.lineno, base))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return [(line, name) for line, name in found if name == PACKAGE or name.startswith(PACKAGE + ".")]
+
+
+def scan() -> tuple[list[str], list[str], int]:
+    """(modules scanned, violations, imports checked)."""
+    modules, violations, checked = [], [], 0
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        module = module_name(path)
+        modules.append(module)
+        own = top_level(module)
+        assert own in LAYER_OF, f"{module}: top-level `{own}` is in no layer; add it to LAYERS in {__file__}"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, target in imported_modules(tree, module, path.name == "__init__.py"):
+            other = top_level(target)
+            if other not in LAYER_OF:  # `from p2p_diloco import __version__` and the like: the root
+                other = ""
+            checked += 1
+            if LAYER_OF[other] > LAYER_OF[own]:
+                violations.append(
+                    f"{module} (layer {LAYER_OF[own]} `{own or PACKAGE}`) imports {target} "
+                    f"(layer {LAYER_OF[other]} `{other or PACKAGE}`) at {path.relative_to(PACKAGE_DIR.parent)}:{line}"
+                )
+    return modules, violations, checked
+
+
+def test_no_module_imports_from_a_higher_layer():
+    modules, violations, checked = scan()
+    assert len(modules) > 50 and checked > 100  # the scan saw the package, not an empty folder
+    assert not violations, "imports from a higher layer:\n" + "\n".join(violations)
+
+
+def test_the_scanner_resolves_imports_and_skips_type_checking_blocks():
+    source = (
+        "import os\n"
+        "from typing import TYPE_CHECKING\n"
+        "from p2p_diloco.errors import ConfigError\n"
+        "from p2p_diloco import node\n"
+        "from . import replica\n"
+        "from ..wire.keys import x\n"
+        "if TYPE_CHECKING:\n"
+        "    from p2p_diloco.swarm import Peer\n"
+        "else:\n"
+        "    import p2p_diloco.net.transport\n"
+        "def f():\n"
+        "    from p2p_diloco.demo import accounting\n"
+    )
+    found = imported_modules(ast.parse(source), "p2p_diloco.protocol.election", is_package=False)
+    assert [name for _, name in found] == [
+        "p2p_diloco.errors",
+        "p2p_diloco.node",
+        "p2p_diloco.protocol",
+        "p2p_diloco.wire.keys",
+        "p2p_diloco.net.transport",
+        "p2p_diloco.demo",
+    ]
+    assert [top_level(name) for _, name in found] == ["errors", "node", "protocol", "wire", "net", "demo"]
