@@ -22,7 +22,6 @@ The clock is hivemind's DHT time, since DHT records expire at absolute times.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import math
 import sys
@@ -33,14 +32,14 @@ from typing import TextIO
 
 import torch
 
-from p2p_diloco.model.data import BatchSampler, load_corpus
-from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
-from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, PendingDht, identity_check_needed, start_dht
-from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.model.gpt import embedding_parameter_names
+from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.transport import P2PTransport
+from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_learner, start_node_dht
 from p2p_diloco.node.bytes import ByteCounter
+from p2p_diloco.node.events import GoodputCounters, PeerEventLog, ReplicaSaver, own_threads
 from p2p_diloco.node.guard import DhtClock, HandlerSlot
-from p2p_diloco.node.island import Island, IslandLearner, finish_island, island_sampler
+from p2p_diloco.node.island import Island, finish_island
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
 from p2p_diloco.node.options import NodeOptions, check_device
@@ -53,13 +52,9 @@ from p2p_diloco.node.reporting import (
 )
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
-from p2p_diloco.protocol.fragments import plan_fragments
-from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.updates import UpdateSource
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +62,6 @@ IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reac
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
 CATCH_UP_SECONDS = 300.0  # at most this long for the start's catch-up; repair continues it later
-
-
-def update_fields(record: UpdateRecord) -> dict[str, object]:
-    """What `published` and `applied` events say of an update (the demo's books read them)."""
-    return {
-        "fragment": record.fragment,
-        "version": record.to_version,
-        "term": record.term,
-        "leader": record.leader,
-    }
-
-
-def own_threads() -> list[str]:
-    """Names of this process's live Python threads (the `threads` field of progress events)."""
-    return sorted(t.name for t in threading.enumerate())
 
 
 class PeerNode:
@@ -117,10 +97,8 @@ class PeerNode:
         self.display = make_display(out, self.manifest.run_id, options.display)
         self._last_snapshot: NodeSnapshot | None = None
         self.bytes = ByteCounter("")
-        self.loop_started = 0.0  # monotonic start of the training loop (demo accounting)
-        self._blocked = 0.0
-        self.last_in_sync = 0.0
-        self._saving: concurrent.futures.Future | None = None
+        self.counters = GoodputCounters(self.telemetry)
+        self.saver: ReplicaSaver | None = None
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -135,32 +113,18 @@ class PeerNode:
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
         # The child also inherits the state directory's lock, so while it lives no successor starts.
-        pending = self._start_dht(saved.peer_id if saved is not None else None)
+        pending = start_node_dht(opts, saved.peer_id if saved is not None else None)
         began = time.monotonic()
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
-            corpus = load_corpus(manifest.data)
-            model = build_model(manifest.model)
-            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-            plan = plan_fragments(
-                list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern
-            )
-            replica = self.state.load_replica(plan)
-            restored = replica is not None
-            if replica is None:
-                replica = GlobalReplica(
-                    plan, {name: p.detach().clone() for name, p in model.named_parameters()}
-                )
-            model.to(opts.device)
-            optimizer = make_inner_optimizer(
-                model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay
-            )
+            built_model = build_training(manifest, opts.device, self.state)
         except BaseException:
             pending.abort()
             raise
         built = time.monotonic()
         self.dht_peer = pending.wait()
         startup["build"], startup["dht_wait"] = round(built - began, 2), round(time.monotonic() - built, 2)
-        self.last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
+        restored, replica, plan = built_model.restored, built_model.replica, built_model.plan
+        last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
 
         peer_id = self.dht_peer.peer_id
         self.bytes = ByteCounter(peer_id)
@@ -174,33 +138,16 @@ class PeerNode:
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
-        seed = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
-        sampler = BatchSampler(
-            corpus.train,
-            block_size=manifest.model.block_size,
-            batch_size=manifest.diloco.batch_size,
-            shard=0,
-            num_shards=1,
-            seed=seed,
-        )
-        if self.island is None:
-            self.learner = Learner(
-                peer_id, manifest, plan, replica, model, optimizer, sampler, device=opts.device
-            )
-        else:  # the island's ranks sample shards of one seed and step together
-            sampler = island_sampler(corpus.train, opts, self.island, self.island.share_seed(seed))
-            self.learner = IslandLearner(
-                self.island, peer_id, manifest, plan, replica, model, optimizer, sampler,
-                device=opts.device, state_dir=opts.state_dir,
-            )  # fmt: skip
+        self.learner = make_learner(manifest, opts, built_model, peer_id, self.island)
+        if self.island is not None:
             self.telemetry.tokens_per_step *= self.island.world_size
         self.peer = Peer(
             peer_id,
             manifest,
             plan,
             replica,
-            shapes=shapes,
-            embedding_names=embedding_parameter_names(model),
+            shapes=built_model.shapes,
+            embedding_names=embedding_parameter_names(built_model.model),
             may_sync=opts.may_sync,
             reachable=not opts.behind_nat,
         )
@@ -210,7 +157,7 @@ class PeerNode:
             transport=self.bytes.counting_transport(self.p2p),
             clock=self.clock,
             learner=self.learner,
-            observer=self._observe,
+            observer=PeerEventLog(self.event, self.ledger, verbose=self.options.verbose, clock=self.clock),
             on_error=self._on_error,
             bind=False,
         )
@@ -218,7 +165,8 @@ class PeerNode:
         driver = self.driver
         driver.every(manifest.timing.heartbeat_period, self._swarm_tick)
         driver.every(SYNC_POLL_SECONDS, driver.sync_tick, when=lambda: self.peer.sync is not None)
-        driver.every(opts.persist_every, self.persist)
+        self.saver = ReplicaSaver(self.state, self.peer, driver, self.clock, last_in_sync, self.event)
+        driver.every(opts.persist_every, self.saver.save)
         driver.every(self.display.period(opts.progress_every), self.progress)
         driver.start()
         self.event(
@@ -243,72 +191,20 @@ class PeerNode:
         )
         self._catch_up(self.clock.now(), restored)
 
-    def _start_dht(self, previous_peer_id: str | None) -> PendingDht:
-        """Fork the DHT node (`start_dht`); hivemind's identity check only where it is needed.
-
-        A restart of this peer (the state directory we hold the lock of says this key ran here
-        before) skips the check: it would spend seconds dialing our own dead predecessor
-        (`identity_check_needed`). A key new to this state directory is still checked.
-        """
-        opts = self.options
-        check = identity_check_needed(
-            peer_id_of(opts.identity),
-            previous_peer_id=previous_peer_id,
-            holds_state_dir=self.state is not None,
-        )
-        nat = (
-            # Nobody can dial this peer: serve no DHT requests, reserve relay slots on the initial peers.
-            dict(
-                client_mode=True,
-                use_auto_relay=True,
-                force_reachability="private",
-                trusted_relays=opts.initial_peers,
-            )
-            if opts.behind_nat
-            else {}
-        )
-        return start_dht(
-            initial_peers=opts.initial_peers,
-            identity_path=opts.identity,
-            host_maddrs=opts.listen,
-            announce_maddrs=opts.announce,
-            check_identity=check,
-            **nat,
-        )
-
     def _catch_up(self, now: float, restored: bool) -> None:
         assert self.peer is not None and self.driver is not None
-        away = now - self.last_in_sync if restored and self.last_in_sync > 0 else math.inf
-        replay = away < self.manifest.timing.rejoin_grace
-        before = self.peer.replica.versions()
-        started = time.monotonic()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self.driver.post(fx.CatchUpRequested(now, replay, done))
-        try:
-            stats = done.result(timeout=CATCH_UP_SECONDS)
-        except concurrent.futures.TimeoutError:  # anti-entropy catches up later
+        last = self.saver.last_in_sync if self.saver is not None else 0.0
+        away = now - last if restored and last > 0 else math.inf
+        fields = catch_up_at_start(self.driver, self.peer, now, away, CATCH_UP_SECONDS)
+        if fields is None:  # anti-entropy catches up later
             self.event("catch_up_failed", error=f"no catch-up within {CATCH_UP_SECONDS:.0f} s")
-            self.say(f"catch-up unfinished; training from versions {list(before)}, repairing as we go")
+            self.say("catch-up unfinished; training from where the replica is, repairing as we go")
             return
-        seconds = time.monotonic() - started
-        after = self.peer.replica.versions()
-        mode = "replay" if replay else "snapshot"
-        sizes = self.peer.plan.sizes()
-        moved = [p for p in range(len(sizes)) if after[p] != before[p]]
-        if mode == "snapshot":  # params and momentum, fp32
-            stats["bytes"] = sum(8 * sizes[p] for p in moved)
-        self.event(
-            "catch_up",
-            mode=mode,
-            away=None if math.isinf(away) else away,
-            seconds=seconds,
-            before=list(before),
-            after=list(after),
-            **stats,
-        )
+        self.event("catch_up", **fields)
         how = f"away {away:.1f} s" if not math.isinf(away) else "fresh state"
         self.say(
-            f"caught up by {mode} ({how}): versions {list(before)} -> {list(after)} in {seconds:.1f} s, {stats}"
+            f"caught up by {fields['mode']} ({how}): versions {fields['before']} -> {fields['after']} "
+            f"in {fields['seconds']:.1f} s"
         )
 
     # ---- the loop (the training thread) ------------------------------------------------------------
@@ -326,7 +222,7 @@ class PeerNode:
         opts = self.options
         assert self.learner is not None and self.driver is not None
         self.driver.call(self._swarm_tick, timeout=opts.dht_timeout + 1.0)  # announce ourselves first
-        self.loop_started = time.monotonic()
+        self.counters.loop_started = time.monotonic()
         while not self.stop.is_set():
             started = time.monotonic()
             if self.training and self._training_done():
@@ -383,27 +279,6 @@ class PeerNode:
         self.tick_errors[type(exc).__name__] += 1
         self.event("tick_error", error=f"{what}: {type(exc).__name__}: {exc}")
 
-    def _observe(self, intent: fx.Intent) -> None:
-        """Telemetry intents of the peer (on the owner thread): the event log, the ledger, stderr."""
-        now = self.clock.now()
-        match intent:
-            case fx.Note():
-                self.event("note", line=intent.line)
-                if self.options.verbose:
-                    print(intent.line, file=sys.stderr, flush=True)
-            case fx.Published():
-                contributors = [peer_id for peer_id, _ in intent.record.contributors]
-                self.event("published", **update_fields(intent.record), contributors=contributors)
-            case fx.Applied():
-                if intent.how == UpdateSource.PUSHED:
-                    self.event("applied", **update_fields(intent.record), source=intent.source)
-                if self.ledger is not None:
-                    self.ledger.record(intent.record, now)
-            case fx.Claimed():
-                self.event("claim", term=intent.term, reason=intent.reason)
-            case fx.LeaseReleased():
-                self.event("released_lease", term=intent.term, rounds=intent.rounds)
-
     # ---- events, progress, persistence -------------------------------------------------------------
 
     def event(self, kind: str, **fields) -> None:
@@ -418,7 +293,10 @@ class PeerNode:
         assert peer is not None and learner is not None
         line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
         snapshot = self._take_snapshot()
-        fields = {**snapshot.event_fields(), **self._counters()}  # the demo's counters win a name clash
+        fields = {
+            **snapshot.event_fields(),
+            **self.counters.fields(learner, peer, self.bytes, training=self.training),
+        }  # the demo's counters win a name clash
         versions = list(peer.replica.versions())
         self.event(
             "progress",
@@ -454,55 +332,8 @@ class PeerNode:
         except Exception:
             return self._last_snapshot
 
-    def _counters(self) -> dict[str, object]:
-        """Cumulative goodput counters of this process lifetime (read by `p2p_diloco.demo.accounting`)."""
-        learner, peer = self.learner, self.peer
-        assert learner is not None and peer is not None
-        alive = time.monotonic() - self.loop_started if self.loop_started else 0.0
-        return {
-            "tokens": learner.tokens_trained,
-            "compute_seconds": learner.compute_seconds,
-            "compute_merged": learner.compute_merged,
-            "blocked_seconds": self._blocked_seconds(alive - learner.compute_seconds),
-            "bytes_sent": self.bytes.sent,
-            "bytes_received": self.bytes.received,
-            "role": "synchronizer" if peer.sync is not None else "learner",
-            "term": peer.term_seen,
-            "tokens_per_s": self.telemetry.tokens_per_s(self.training),
-        }
-
-    def _blocked_seconds(self, not_computing: float) -> float:
-        """Loop time not spent in inner steps, kept monotone (paced steps may count more than wall)."""
-        if self.training:
-            self._blocked = max(self._blocked, not_computing)
-        return self._blocked
-
     def rejection_counts(self) -> Counter[str]:
         return rejection_counts(self.peer, self.guard, self.p2p)
-
-    def persist(self) -> concurrent.futures.Future | None:
-        """Save replica and peer state: this moment's replica (taken on the owner thread, sharing its
-        tensors) written on the I/O thread; saves run one at a time, in order."""
-        peer, state, driver = self.peer, self.state, self.driver
-        if peer is None or state is None or driver is None:
-            return None
-        now = self.clock.now()
-        # in sync while the swarm still sees our last heartbeat as live
-        connected = now - peer.membership.last_read < self.manifest.timing.heartbeat_ttl
-        replica = peer.replica.frozen()
-
-        def save() -> None:
-            try:
-                state.save(replica, peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync)
-            except OSError as exc:
-                self.event("persist_failed", error=str(exc))
-                log.error("could not persist the replica: %s", exc)
-                return
-            if connected:
-                self.last_in_sync = now
-
-        self._saving = driver.io(save)
-        return self._saving
 
     # ---- shutdown ----------------------------------------------------------------------------------
 
@@ -527,7 +358,7 @@ class PeerNode:
             except Exception as exc:
                 log.warning("could not give up the role cleanly: %r", exc)
             self.guard.detach()
-            saved = self.persist()
+            saved = driver.call(self.saver.save, timeout=self.options.dht_timeout) if self.saver else None
             driver.stop(timeout=self.options.dht_timeout + 1.0)  # waits for the I/O thread (lease, save)
             if saved is not None and not saved.done():
                 log.warning("replica save still running at shutdown")

@@ -240,6 +240,10 @@ def assert_no_update_applied_twice(swarm: Swarm) -> None:
             assert not twice, f"{joined.name} applied updates (fragment, version) {twice} more than once"
 
 
+# Threads that libraries start in a `join` process (not the project's own): none are known today.
+LIBRARY_THREADS: frozenset[str] = frozenset()
+
+
 def test_three_peers_train_and_end_with_identical_replicas(swarm):
     peers = [swarm.join(f"p{i}") for i in range(3)]
     swarm.wait_status(
@@ -282,6 +286,12 @@ def test_three_peers_train_and_end_with_identical_replicas(swarm):
     assert saved[0]["digest"][:16] == final["peers"][0]["digest"]
     assert any(e["event"] == "released_lease" for e in read_events(holder.state_dir))
     assert_no_update_applied_twice(swarm)
+    for peer in peers:  # one owner per peer: the training, owner, DHT I/O and transport threads
+        seen = {
+            name for e in read_events(peer.state_dir) if e["event"] == "progress" for name in e["threads"]
+        }
+        assert {"MainThread", "peer-owner", "p2p-transport"} <= seen, seen
+        assert len(seen - LIBRARY_THREADS) <= 4, sorted(seen)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.net import dht_store
 from p2p_diloco.net.dht_store import DhtPeer, identity_check_needed
 from p2p_diloco.net.identity import peer_id_of, write_identity
-from p2p_diloco.node import runtime
+from p2p_diloco.node import assembly, runtime
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.node.state import PEER_STATE_FILE, PeerState
 
@@ -67,8 +67,8 @@ def _start_until_corpus(tmp_path, monkeypatch, previous: str | None) -> tuple[di
     def fail(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
         raise StopHere
 
-    monkeypatch.setattr(runtime, "start_dht", fake_start_dht)
-    monkeypatch.setattr(runtime, "load_corpus", fail)
+    monkeypatch.setattr(assembly, "start_dht", fake_start_dht)
+    monkeypatch.setattr(assembly, "load_corpus", fail)
     node = runtime.PeerNode(
         NodeOptions(manifest=MANIFEST, identity=key, state_dir=state_dir, display="plain")
     )

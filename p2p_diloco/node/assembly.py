@@ -1,0 +1,135 @@
+"""Building a real peer's parts: its DHT process, the model with its replica and optimizer, the learner.
+
+`node.runtime.PeerNode.start` calls these in order (the DHT fork first, so the model build overlaps
+p2pd's start); they hold no state of their own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.model.data import BatchSampler, Corpus, load_corpus
+from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.net.dht_store import PendingDht, identity_check_needed, start_dht
+from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.node.island import Island, IslandLearner, island_sampler
+from p2p_diloco.node.options import NodeOptions
+from p2p_diloco.node.state import StateDir
+from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.driver import PeerDriver
+from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.peer import Peer
+
+
+@dataclass
+class BuiltModel:
+    corpus: Corpus
+    model: torch.nn.Module
+    shapes: dict[str, tuple[int, ...]]
+    plan: FragmentPlan
+    replica: GlobalReplica
+    restored: bool  # the replica came from the state directory
+    optimizer: torch.optim.Optimizer
+
+
+def start_node_dht(opts: NodeOptions, previous_peer_id: str | None) -> PendingDht:
+    """Fork the DHT node (`start_dht`); hivemind's identity check only where it is needed.
+
+    A restart of this peer (the state directory whose lock we hold says this key ran here before)
+    skips the check: it would spend seconds dialing our own dead predecessor (`identity_check_needed`).
+    A key new to this state directory is still checked.
+    """
+    check = identity_check_needed(
+        peer_id_of(opts.identity), previous_peer_id=previous_peer_id, holds_state_dir=True
+    )
+    nat = (
+        # Nobody can dial this peer: serve no DHT requests, reserve relay slots on the initial peers.
+        dict(
+            client_mode=True,
+            use_auto_relay=True,
+            force_reachability="private",
+            trusted_relays=opts.initial_peers,
+        )
+        if opts.behind_nat
+        else {}
+    )
+    return start_dht(
+        initial_peers=opts.initial_peers,
+        identity_path=opts.identity,
+        host_maddrs=opts.listen,
+        announce_maddrs=opts.announce,
+        check_identity=check,
+        **nat,
+    )
+
+
+def build_training(manifest: RunManifest, device: str, state: StateDir) -> BuiltModel:
+    """Corpus, model, fragment plan, the replica (the persisted one if any) and the inner optimizer."""
+    corpus = load_corpus(manifest.data)
+    model = build_model(manifest.model)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    plan = plan_fragments(list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern)
+    replica = state.load_replica(plan)
+    restored = replica is not None
+    if replica is None:
+        replica = GlobalReplica(plan, {name: p.detach().clone() for name, p in model.named_parameters()})
+    model.to(device)
+    optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
+    return BuiltModel(corpus, model, shapes, plan, replica, restored, optimizer)
+
+
+def make_learner(
+    manifest: RunManifest, opts: NodeOptions, built: BuiltModel, peer_id: str, island: Island | None
+) -> Learner:
+    """The learner on its own data stream (a seed fresh for every start of this peer); an island's
+    ranks sample shards of one seed and step together."""
+    seed = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
+    args = (peer_id, manifest, built.plan, built.replica, built.model, built.optimizer)
+    if island is None:
+        sampler = BatchSampler(
+            built.corpus.train,
+            block_size=manifest.model.block_size,
+            batch_size=manifest.diloco.batch_size,
+            shard=0,
+            num_shards=1,
+            seed=seed,
+        )
+        return Learner(*args, sampler, device=opts.device)
+    sampler = island_sampler(built.corpus.train, opts, island, island.share_seed(seed))
+    return IslandLearner(island, *args, sampler, device=opts.device, state_dir=opts.state_dir)
+
+
+def catch_up_at_start(driver: PeerDriver, peer: Peer, now: float, away: float, timeout: float) -> dict | None:
+    """Bring a starting peer's replica to the swarm's versions (`Repair.catch_up` on the owner thread):
+    a peer away less than `timing.rejoin_grace` replays, any other downloads snapshots. The `catch_up`
+    event's fields, or None if it did not finish within `timeout` seconds."""
+    replay = away < peer.manifest.timing.rejoin_grace
+    before = peer.replica.versions()
+    started = time.monotonic()
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    driver.post(fx.CatchUpRequested(now, replay, done))
+    try:
+        stats = done.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        return None
+    after = peer.replica.versions()
+    sizes = peer.plan.sizes()
+    if not replay:  # params and momentum, fp32
+        stats["bytes"] = sum(8 * sizes[p] for p in range(len(sizes)) if after[p] != before[p])
+    return dict(
+        mode="replay" if replay else "snapshot",
+        away=None if math.isinf(away) else away,
+        seconds=time.monotonic() - started,
+        before=list(before),
+        after=list(after),
+        **stats,
+    )
