@@ -315,14 +315,14 @@ class SwarmRun:
         return best[1] if best else None
 
     def _replica_params(self, state_dir: Path) -> dict[str, torch.Tensor] | None:
+        from p2p_diloco.node.replica_file import load_replica
         from p2p_diloco.protocol.fragments import plan_fragments
-        from p2p_diloco.protocol.replica import GlobalReplica
 
         assert self._model is not None
         shapes = [(n, tuple(p.shape)) for n, p in self._model.named_parameters()]
         plan = plan_fragments(shapes, self.manifest.diloco.fragments, self.manifest.diloco.fragment_pattern)
         path = state_dir / "replica.pt"
-        return GlobalReplica.load(path, plan).export_params() if path.exists() else None
+        return load_replica(path, plan).export_params() if path.exists() else None
 
     def tokens_so_far(self, now: float) -> float:
         from p2p_diloco.demo.accounting import counters_in_window

@@ -27,9 +27,10 @@ from safetensors.torch import save_file
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.gpt import GPT
+from p2p_diloco.node.replica_file import ReplicaFileError, load_replica
 from p2p_diloco.node.state import PEER_STATE_FILE, REPLICA_FILE
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
-from p2p_diloco.protocol.replica import GlobalReplica, ReplicaFileError
+from p2p_diloco.protocol.replica import GlobalReplica
 
 EXPORT_FORMAT = "p2p_diloco.global_model.v1"
 
@@ -73,7 +74,7 @@ def load_global_replica(
             "seconds and when it stops"
         )
     try:
-        replica = GlobalReplica.load(replica_file, model_plan(manifest))
+        replica = load_replica(replica_file, model_plan(manifest))
     except ReplicaFileError as exc:
         raise ExportError(f"cannot export: {exc}") from exc
     return replica, peer_state

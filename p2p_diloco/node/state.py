@@ -26,8 +26,9 @@ from typing import Any, TextIO
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.files import write_atomic
+from p2p_diloco.node.replica_file import ReplicaFileError, load_replica, save_replica
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.replica import GlobalReplica, ReplicaFileError
+from p2p_diloco.protocol.replica import GlobalReplica
 
 REPLICA_FILE = "replica.pt"
 PEER_STATE_FILE = "peer_state.json"
@@ -102,7 +103,7 @@ class StateDir:
         if not self.replica_path.exists():
             return None
         try:
-            return GlobalReplica.load(self.replica_path, plan)
+            return load_replica(self.replica_path, plan)
         except ReplicaFileError as exc:
             self.event("replica_unusable", reason=str(exc))
             return None
@@ -111,7 +112,7 @@ class StateDir:
         self, replica: GlobalReplica, peer_id: str, *, now: float, in_sync: bool, previous: float
     ) -> None:
         """Persist the replica, then the peer state (so the state never claims a replica not on disk)."""
-        replica.save(self.replica_path)
+        save_replica(replica, self.replica_path)
         state = PeerState(
             run_id=self.manifest.run_id,
             manifest_hash=self.manifest.manifest_hash,

@@ -19,13 +19,11 @@ import copy
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from p2p_diloco.files import atomic_file
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.merge import (
     ACCEPT,
@@ -53,12 +51,6 @@ LOADED = "loaded"
 OLDER_THAN_REPLICA = "older than replica"
 
 _CHECKSUM_DOMAIN = b"p2p_diloco.replica.v1"
-_FILE_FORMAT = "p2p_diloco.replica"
-_FILE_FORMAT_VERSION = 1
-
-
-class ReplicaFileError(ValueError):
-    """A saved replica file is unreadable, corrupt or belongs to another fragment plan."""
 
 
 def fragment_checksum(
@@ -363,63 +355,10 @@ class GlobalReplica:
         self._checksums[p] = got
         return Decision(LOAD, f"{LOADED}: fragment {p} v{previous} -> v{version}")
 
-    # ---- persistence ---------------------------------------------------------------------------------
-
-    def save(self, path: str | Path) -> None:
-        """Write the whole replica to `path` atomically (`p2p_diloco.files.atomic_file`)."""
-        path = Path(path)
-        state: dict[str, Any] = {
-            "format": _FILE_FORMAT,
-            "format_version": _FILE_FORMAT_VERSION,
-            "fragments": [list(self.plan.names(p)) for p in range(self.num_fragments)],
-            "versions": list(self._versions),
-            "checksums": [self.checksum(p) for p in range(self.num_fragments)],
-            "params": [dict(params) for params in self._params],
-            "momentum": [dict(momentum) for momentum in self._momentum],
-        }
-        with atomic_file(path) as f:
-            torch.save(state, f)
-
-    @classmethod
-    def load(cls, path: str | Path, plan: FragmentPlan) -> GlobalReplica:
-        """Read a replica written by `save`; raises `ReplicaFileError` saying what is wrong."""
-        path = Path(path)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError as exc:
-            raise ReplicaFileError(f"replica file {path} does not exist") from exc
-        except Exception as exc:  # torch raises several types for truncated or foreign files
-            raise ReplicaFileError(f"replica file {path} is unreadable: {exc}") from exc
-        if not isinstance(state, dict) or state.get("format") != _FILE_FORMAT:
-            raise ReplicaFileError(f"{path} is not a p2p_diloco replica file")
-        if state.get("format_version") != _FILE_FORMAT_VERSION:
-            raise ReplicaFileError(
-                f"{path} has replica format version {state.get('format_version')}, expected {_FILE_FORMAT_VERSION}"
-            )
-        expected = [list(plan.names(p)) for p in range(plan.num_fragments)]
-        if state.get("fragments") != expected:
-            raise ReplicaFileError(
-                f"{path} was saved with a different fragment plan ({len(state.get('fragments') or [])} fragments); "
-                "it belongs to another model or manifest"
-            )
-        count = plan.num_fragments
-        for key, kind in (("versions", int), ("checksums", str), ("params", dict), ("momentum", dict)):
-            value = state.get(key)
-            if not (
-                isinstance(value, list) and len(value) == count and all(isinstance(v, kind) for v in value)
-            ):
-                raise ReplicaFileError(f"{path}: '{key}' must be a list of {count} {kind.__name__} values")
-        try:
-            replica = cls(plan, {name: t for params in state["params"] for name, t in params.items()})
-        except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
-            raise ReplicaFileError(f"{path}: parameters do not fit the plan: {exc}") from exc
-        for p in range(count):
-            decision = replica.load_fragment(
-                p, state["versions"][p], state["params"][p], state["momentum"][p], state["checksums"][p]
-            )
-            if decision.action != LOAD:
-                raise ReplicaFileError(f"{path}: fragment {p} is corrupt: {decision.reason}")
-        return replica
+    def fragment_state(self, fragment: int) -> tuple[int, Mapping[str, Tensor], Mapping[str, Tensor]]:
+        """(version, Theta_p, m_p) without copies (read only; the tensors are never changed in place)."""
+        p = self._index(fragment)
+        return self._versions[p], dict(self._params[p]), dict(self._momentum[p])
 
     # ---- helpers -------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from p2p_diloco.node.replica_file import ReplicaFileError, load_replica, save_replica
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.merge import MISSING_TENSOR, NON_FINITE, WRONG_DTYPE, WRONG_SHAPE
 from p2p_diloco.protocol.replica import (
@@ -20,7 +21,6 @@ from p2p_diloco.protocol.replica import (
     OUT_OF_ORDER,
     REFUSE,
     GlobalReplica,
-    ReplicaFileError,
     nesterov_step,
 )
 
@@ -243,10 +243,10 @@ def test_save_load_round_trip(tmp_path) -> None:
         apply(replica, 0, step)
     apply(replica, 1, 0)
     path = tmp_path / "replica.pt"
-    replica.save(path)
-    replica.save(path)  # overwriting is atomic and leaves no temporary file behind
+    save_replica(replica, path)
+    save_replica(replica, path)  # overwriting is atomic and leaves no temporary file behind
     assert [f.name for f in tmp_path.iterdir()] == ["replica.pt"]
-    loaded = GlobalReplica.load(path, PLAN)
+    loaded = load_replica(path, PLAN)
     assert loaded.versions() == (3, 1)
     assert_identical(replica, loaded)
     assert (
@@ -261,26 +261,26 @@ def test_load_rejects_bad_files(tmp_path) -> None:
     replica = GlobalReplica(PLAN, initial())
     apply(replica, 0, 0)
     path = tmp_path / "replica.pt"
-    replica.save(path)
+    save_replica(replica, path)
     with pytest.raises(ReplicaFileError, match="different fragment plan"):
-        GlobalReplica.load(path, FragmentPlan(fragments=(("emb",), ("head.b", "blocks.0.w"))))
+        load_replica(path, FragmentPlan(fragments=(("emb",), ("head.b", "blocks.0.w"))))
     with pytest.raises(ReplicaFileError, match="does not exist"):
-        GlobalReplica.load(tmp_path / "missing.pt", PLAN)
+        load_replica(tmp_path / "missing.pt", PLAN)
     (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
     with pytest.raises(ReplicaFileError, match="unreadable"):
-        GlobalReplica.load(tmp_path / "garbage.pt", PLAN)
+        load_replica(tmp_path / "garbage.pt", PLAN)
     torch.save({"hello": 1}, tmp_path / "foreign.pt")
     with pytest.raises(ReplicaFileError, match="not a p2p_diloco replica"):
-        GlobalReplica.load(tmp_path / "foreign.pt", PLAN)
+        load_replica(tmp_path / "foreign.pt", PLAN)
     state = torch.load(path, weights_only=True)
     state["params"][0]["emb"][0, 0] += 1.0  # bit rot
     torch.save(state, tmp_path / "corrupt.pt")
     with pytest.raises(ReplicaFileError, match=CHECKSUM_MISMATCH):
-        GlobalReplica.load(tmp_path / "corrupt.pt", PLAN)
+        load_replica(tmp_path / "corrupt.pt", PLAN)
     state["versions"] = [1]
     torch.save(state, tmp_path / "short.pt")
     with pytest.raises(ReplicaFileError, match="versions"):
-        GlobalReplica.load(tmp_path / "short.pt", PLAN)
+        load_replica(tmp_path / "short.pt", PLAN)
 
 
 def test_copies_handed_out_cannot_change_the_replica() -> None:
@@ -311,5 +311,5 @@ def test_a_frozen_replica_keeps_its_moment_while_the_replica_moves_on(tmp_path) 
     apply(replica, 1, 0)
     assert replica.versions() == (2, 1) and frozen.versions() == (1, 0)
     assert_identical(frozen, twin)  # what the twin fed the same first update holds, bit for bit
-    frozen.save(tmp_path / "replica.pt")  # what the peer persists outside its lock
-    assert_identical(GlobalReplica.load(tmp_path / "replica.pt", PLAN), twin)
+    save_replica(frozen, tmp_path / "replica.pt")  # what the peer persists from another thread
+    assert_identical(load_replica(tmp_path / "replica.pt", PLAN), twin)
