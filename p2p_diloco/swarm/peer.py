@@ -11,7 +11,8 @@ What it is made of, each with explicit dependencies:
 - `UpdateBook`: checking and applying updates, the log other peers replay from;
 - `Repair`: catch-up, snapshots, reconciliation and anti-entropy, as tasks;
 - `DeltaRouting`: the learner's deltas to the synchronizer, and the gate the training thread reads;
-- `Synchronizer` while this peer holds the lease: rounds, robust checks, merges.
+- `SynchronizerRole`: the `Synchronizer` of the term this peer holds (rounds, robust checks, merges)
+  and the updates it publishes.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import REJECT_NOT_ALLOWED, Repair
+from p2p_diloco.swarm.role import SynchronizerRole
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
-from p2p_diloco.wire.frames import decode_delta, decode_update, encode_update
+from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
-REJECT_NOT_SYNCHRONIZER = "not synchronizer"
 Task = Generator[fx.Request, Any, Any]
 
 
@@ -87,7 +88,10 @@ class Peer:
             has_learner=has_learner,
         )
         self.deltas = DeltaRouting(peer_id, manifest, self.journal, emit)
-        self.sync: Synchronizer | None = None
+        self.role = SynchronizerRole(
+            peer_id, manifest, plan, replica, shapes, self.embedding_names, self.robust, self.book, self.deltas,
+            self.membership, self.journal, emit,
+        )  # fmt: skip
         self._tasks: dict[int, tuple[Task, Callable[[Any], None]]] = {}
         self._task_ids = itertools.count(1)
 
@@ -215,7 +219,7 @@ class Peer:
             lease = decision.lease_to_write()
             assert lease is not None
             if decision.action == election.CLAIM or self.sync is None:
-                self._become_synchronizer(lease.term)
+                self.role.take(lease.term)
             if decision.action == election.CLAIM:
                 self._emit(fx.Claimed(lease.term, decision.reason))
             self._emit(membership.lease_record(lease, "lease"))
@@ -223,13 +227,13 @@ class Peer:
             membership.follow(self.peer_id, lease.term)
         elif decision.action == election.STEP_DOWN:
             if membership.my_lease is not None and decision.reason.startswith(election.TAG_TERM_ENDED):
-                self._finish_open_rounds(now)
+                self.role.finish_open_rounds(now)
                 self._release_lease(now, rounds)
-            self.sync, membership.my_lease = None, None
+            self.role.sync, membership.my_lease = None, None
             membership.follow(None, 0)
         elif decision.action == election.FOLLOW:
             membership.follow(decision.holder, decision.term)
-            self.sync, membership.my_lease = None, None
+            self.role.sync, membership.my_lease = None, None
         elif decision.action == election.HOLD and self.sync is not None:
             membership.follow(self.peer_id, self.sync.term)
         else:
@@ -247,87 +251,22 @@ class Peer:
         self._emit(fx.LeaseReleased(lease.term, rounds))
         return True
 
-    def _become_synchronizer(self, term: int) -> None:
-        self.sync = Synchronizer(
-            self.peer_id,
-            self.manifest,
-            self.plan,
-            self.replica,
-            term=term,
-            embedding_names=self.embedding_names,
-            shapes=self.shapes,
-            guard=self.robust,
-        )
-        self.membership.term_seen = max(self.membership.term_seen, term)
-        self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
-
     def _stop(self, now: float) -> bool:
         """Shutdown: never claim again; a holder releases its lease (its open rounds are lost with it)."""
         self.may_sync = False
         released = self.sync is not None and self._release_lease(now, self.sync.rounds_done)
-        self.sync, self.membership.my_lease = None, None
+        self.role.sync, self.membership.my_lease = None, None
         self.membership.follow(None, 0)
         self.deltas.follow(None)
         return released
 
-    # ---- synchronizer role -------------------------------------------------------------------------
-
     def sync_tick(
         self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None
     ) -> list[UpdateRecord]:
-        """Close ready rounds; apply each update here (its outer step computed once), push it to every
-        live peer."""
-        if self.sync is None:
-            return []
-        published = []
-        for outcome in self.sync.poll(now, self.membership.live_learners(), cap):
-            record = outcome.record
-            reply = self.book.apply(
-                record,
-                source=self.peer_id,
-                how=UpdateSource.OWN,
-                computed=(outcome.pending, outcome.outer_grad),
-            )
-            if reply.status != ReplyStatus.APPLIED:
-                self.journal.note(f"own update refused: {reply}")
-                self.sync.rounds.abort(record.fragment)
-                continue
-            self.deltas.on_merged(record)
-            frame = encode_update(record)
-            for peer in sorted(self.membership.live_peers):
-                if peer != self.peer_id:
-                    self._emit(fx.PushUpdate(peer, frame))
-            self.sync.finish(record.fragment, sync_seconds)
-            published.append(record)
-            self._emit(fx.Published(record))
-        return published
-
-    def _finish_open_rounds(self, now: float) -> None:
-        """At the end of a term (the lease still valid), merge every open round that has its quorum now,
-        cutting the grace windows short; rounds below quorum are dropped, and their learners resend to
-        the next holder once they see the released lease."""
-        if self.sync is None:
-            return
-        open_before = self.sync.rounds.open_fragments
-        merged = [record.fragment for record in self.sync_tick(now, cap=0.0)]
-        if open_before:
-            dropped = sorted(set(open_before) - set(merged))
-            self.journal.note(
-                f"term ended: merged the open rounds of fragments {merged}, dropped {dropped} (no quorum)"
-            )
+        return self.role.tick(now, sync_seconds=sync_seconds, cap=cap)
 
     def _handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
-        if not self.membership.allowed(sender):
-            return self.journal.reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
-        if self.sync is None:
-            try:
-                decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
-            except DecodeError as exc:
-                return self.journal.reject(sender, exc.reason, str(exc))
-            return self.journal.reject(
-                sender, REJECT_NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease"
-            )
-        return self.sync.handle_delta(sender, frame, now)
+        return self.role.handle_delta(sender, frame, now)
 
     # ---- learner side ------------------------------------------------------------------------------
 
@@ -404,6 +343,11 @@ class Peer:
                 self._start_repair(p, self.repair.fetch_fragment(p, [sender]))
 
     # ---- read-only views for telemetry and tests ----------------------------------------------------
+
+    @property
+    def sync(self) -> Synchronizer | None:
+        """The `Synchronizer` of the term this peer holds; None while it does not hold the lease."""
+        return self.role.sync
 
     @property
     def rejections(self):

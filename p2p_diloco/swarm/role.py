@@ -1,0 +1,130 @@
+"""The synchronizer role of one peer: the `Synchronizer` of the term it holds, and what it publishes.
+
+While the peer holds the lease, deltas addressed to it go to that term's `Synchronizer`; its sync ticks
+close the rounds that are ready, install each merged update on the peer's own replica through
+`UpdateBook.apply` (the outer step computed once, by the synchronizer) and push it to every live peer.
+The role changes only on the peer's owner thread, so a term's end (merge the open rounds, then release
+the lease) is one step that no delta or merge can interleave with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.protocol.robust import RobustGuard
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.deltas import DeltaRouting
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.repair import REJECT_NOT_ALLOWED
+from p2p_diloco.swarm.synchronizer import Synchronizer
+from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.wire.frames import decode_delta, encode_update
+from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+REJECT_NOT_SYNCHRONIZER = "not synchronizer"
+
+
+class SynchronizerRole:
+    def __init__(
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        plan: FragmentPlan,
+        replica: GlobalReplica,
+        shapes: dict[str, tuple[int, ...]],
+        embedding_names: Collection[str],
+        robust: RobustGuard,
+        book: UpdateBook,
+        deltas: DeltaRouting,
+        membership: Membership,
+        journal: Journal,
+        emit: Callable[[fx.Intent], None],
+    ):
+        self.peer_id = peer_id
+        self.manifest = manifest
+        self.plan = plan
+        self.replica = replica
+        self.shapes = shapes
+        self.embedding_names = embedding_names
+        self.robust = robust  # shared by every term of this peer
+        self.book = book
+        self.deltas = deltas
+        self.membership = membership
+        self.journal = journal
+        self._emit = emit
+        self.sync: Synchronizer | None = None
+
+    def take(self, term: int) -> None:
+        self.sync = Synchronizer(
+            self.peer_id,
+            self.manifest,
+            self.plan,
+            self.replica,
+            term=term,
+            embedding_names=self.embedding_names,
+            shapes=self.shapes,
+            guard=self.robust,
+        )
+        self.membership.term_seen = max(self.membership.term_seen, term)
+        self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
+
+    def tick(self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None) -> list[UpdateRecord]:
+        """Close ready rounds; apply each update here (its outer step computed once), push it to every
+        live peer."""
+        if self.sync is None:
+            return []
+        published = []
+        for outcome in self.sync.poll(now, self.membership.live_learners(), cap):
+            record = outcome.record
+            reply = self.book.apply(
+                record,
+                source=self.peer_id,
+                how=UpdateSource.OWN,
+                computed=(outcome.pending, outcome.outer_grad),
+            )
+            if reply.status != ReplyStatus.APPLIED:
+                self.journal.note(f"own update refused: {reply}")
+                self.sync.rounds.abort(record.fragment)
+                continue
+            self.deltas.on_merged(record)
+            frame = encode_update(record)
+            for peer in sorted(self.membership.live_peers):
+                if peer != self.peer_id:
+                    self._emit(fx.PushUpdate(peer, frame))
+            self.sync.finish(record.fragment, sync_seconds)
+            published.append(record)
+            self._emit(fx.Published(record))
+        return published
+
+    def finish_open_rounds(self, now: float) -> None:
+        """At the end of a term (the lease still valid), merge every open round that has its quorum now,
+        cutting the grace windows short; rounds below quorum are dropped, and their learners resend to
+        the next holder once they see the released lease."""
+        if self.sync is None:
+            return
+        open_before = self.sync.rounds.open_fragments
+        merged = [record.fragment for record in self.tick(now, cap=0.0)]
+        if open_before:
+            dropped = sorted(set(open_before) - set(merged))
+            self.journal.note(
+                f"term ended: merged the open rounds of fragments {merged}, dropped {dropped} (no quorum)"
+            )
+
+    def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
+        if not self.membership.allowed(sender):
+            return self.journal.reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
+        if self.sync is None:
+            try:
+                decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
+            except DecodeError as exc:
+                return self.journal.reject(sender, exc.reason, str(exc))
+            return self.journal.reject(
+                sender, REJECT_NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease"
+            )
+        return self.sync.handle_delta(sender, frame, now)
