@@ -121,7 +121,7 @@ class Learner:
         self.schedule = LearnerSchedule(cfg.fragments, cfg.steps_per_fragment, cfg.max_in_flight)
         wire = manifest.wire
         self.feedback = ErrorFeedback(
-            codec=wire.codec, block_size=wire.block_size, enabled=wire.error_feedback
+            codec=wire.codec, block_size=wire.block_size, enabled=wire.error_feedback, density=wire.density
         )
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.work = [FragmentWork() for _ in range(plan.num_fragments)]
