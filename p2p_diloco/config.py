@@ -162,7 +162,9 @@ class WireConfig:
         )
         object.__setattr__(self, "codec", Codec(self.codec))
         _require(
-            isinstance(self.density, int | float) and 0.0 < self.density <= 1.0,
+            isinstance(self.density, int | float)
+            and not isinstance(self.density, bool)
+            and 0.0 < self.density <= 1.0,
             f"wire.density must be in (0, 1] (e.g. 0.01-0.1: the fraction of entries a sparse codec "
             f"sends), got {self.density!r}",
         )

@@ -57,7 +57,7 @@ class SparseReason(StrEnum):
 
 def check_density(density: float) -> None:
     """ValueError unless 0 < density <= 1."""
-    if not (isinstance(density, int | float) and 0.0 < density <= 1.0):
+    if isinstance(density, bool) or not (isinstance(density, int | float) and 0.0 < density <= 1.0):
         raise ValueError(f"sparse density must be in (0, 1], got {density!r}")
 
 

@@ -228,6 +228,7 @@ def test_wire_config_validation_names_the_fix():
         ({"density": 0.0}, "wire.density must be in (0, 1]"),
         ({"density": 1.5}, "wire.density"),
         ({"density": "0.1"}, "wire.density"),
+        ({"density": True}, "wire.density"),
         ({"codec": "topk-int8", "error_feedback": False}, "wire.error_feedback = true"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(words)):
