@@ -288,16 +288,41 @@ def test_synchronizer_publishes_sparse_updates_and_carries_the_rest():
         assert torch.allclose(sent[n] + residual[n], 3 * t, atol=1e-6)
 
 
-def test_synchronizer_accepts_sparse_deltas_like_dense_ones():
-    replica = GlobalReplica(PLAN, INITIAL)
-    sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    tensors = {n: torch.full(s, 1e-3) for n, s in replica.shapes(0).items()}
+def _sparse_delta(codec_name: str = "topk-int8") -> bytes:
+    tensors = {n: torch.full(s, 1e-3) for n, s in GlobalReplica(PLAN, INITIAL).shapes(0).items()}
     tps = SPARSE_MANIFEST.diloco.batch_size * MODEL.block_size
     header = DeltaHeader("sp", SPARSE_MANIFEST.manifest_hash, 0, 0, tokens=4 * tps, steps=4, seq=1)
-    frame = encode_delta(header, encode_tensors(tensors, codec="topk-int8", block_size=64, density=0.1))
-    assert sync.handle_delta("a", frame, 0.0).startswith("opened round")
-    bad = bytearray(frame)
-    bad[-1] ^= 0xFF
-    bad[-40] ^= 0xFF
-    reply = sync.handle_delta("b", bytes(bad), 0.0)
-    assert isinstance(reply, str) and reply
+    return encode_delta(header, encode_tensors(tensors, codec=codec_name, block_size=64, density=0.1))
+
+
+REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>", as tests/unit/test_fuzz_handlers.py
+
+
+@pytest.mark.parametrize("codec_name", SPARSE)
+def test_synchronizer_accepts_sparse_deltas_like_dense_ones(codec_name):
+    replica = GlobalReplica(PLAN, INITIAL)
+    sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
+    assert sync.handle_delta("a", _sparse_delta(codec_name), 0.0).startswith("opened round")
+    (outcome,) = sync.poll(10.0, frozenset({"a"}), cap=0.0)
+    assert outcome.record.payload[5] == IDS[str(SPARSE_MANIFEST.wire.codec)]  # published sparse too
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    codec_name=st.sampled_from(SPARSE),
+    edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
+    tail_cut=st.integers(0, 3),
+)
+def test_synchronizer_answers_mutated_sparse_deltas_with_a_reason(codec_name, edits, tail_cut):
+    frame = bytearray(_sparse_delta(codec_name))
+    start = len(frame) - 200  # inside the tensor payload
+    for position, value in edits:
+        frame[start + position % 200] = value
+    replica = GlobalReplica(PLAN, INITIAL)
+    before = replica.digest()
+    sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
+    reply = sync.handle_delta("a", bytes(frame[: len(frame) - tail_cut]), 0.0)
+    assert isinstance(reply, str) and REASON.match(reply), reply
+    for outcome in sync.poll(10.0, frozenset({"a"}), cap=0.0):  # whatever got in merges cleanly
+        decode_tensors(outcome.record.payload, expected_shapes=replica.shapes(outcome.record.fragment))
+    assert replica.digest() == before
