@@ -12,9 +12,12 @@ Variants (all on the embedded corpus, the same tiny GPT, the same total number o
   decoupled_topk{3,5}_int4      as decoupled, sparse "topk-int4" at 3 and 5 % density
   decoupled_topk3_rotate10      as decoupled_topk3 with a new synchronizer term every 10 rounds: each
                                 new term starts without the outer residual (what a failover loses)
+  decoupled_h4, decoupled_topk{1,3}_int4_h4, decoupled_topk3_int4_h8
+                                int8 / sparse int4 with H = 4 or 8 instead of the manifest's H: more,
+                                smaller rounds (the same bytes per round, more bytes per inner step)
 Writes DIR/quality.json (final_eval_loss, tokens, bytes_sent, and per swarm variant `wire`: bytes per
 parameter per fragment round up (one learner's delta) and down (one pushed update), measured on every
-frame the sim network carried) and DIR/quality.png.
+frame the sim network carried, and up bytes per parameter per inner step of a learner) and DIR/quality.png.
 Targets reported, not asserted: decoupled within 2 % of dp; int8 within 1 % of fp32; a sparse variant at
 <= 0.1 bytes/param/round up and down within 1 % of int8.
 """
@@ -77,8 +80,10 @@ def run_swarm(manifest: RunManifest, corpus, learners: int, tokens: int, speeds:
     swarm = InProcessSwarm(spec, corpus=corpus)
     wire = count_wire(swarm)
     report = swarm.run()
+    steps = report.tokens / per_step
+    params = sum(wire.fragment_params)
     return {
-        "wire": wire.summary(),
+        "wire": {**wire.summary(), "up_bytes_per_param_step": wire.totals["delta"][1] / (params * steps)},
         "final_eval_loss": report.final_eval_loss,
         "tokens": report.tokens,
         "bytes_sent": report.bytes_sent,
@@ -127,10 +132,17 @@ def count_wire(swarm: InProcessSwarm) -> WireCount:
     return count
 
 
-def sparse(base: RunManifest, codec: str, density: float, term_rounds: int | None = None) -> RunManifest:
+def sparse(
+    base: RunManifest,
+    codec: str,
+    density: float,
+    term_rounds: int | None = None,
+    inner_steps: int | None = None,
+) -> RunManifest:
     wire = dataclasses.replace(base.wire, codec=codec, density=density)
     timing = base.timing if term_rounds is None else dataclasses.replace(base.timing, term_rounds=term_rounds)
-    return dataclasses.replace(base, wire=wire, timing=timing)
+    diloco = base.diloco if inner_steps is None else dataclasses.replace(base.diloco, inner_steps=inner_steps)
+    return dataclasses.replace(base, wire=wire, timing=timing, diloco=diloco)
 
 
 def main() -> int:
@@ -144,7 +156,8 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="dp,diloco_sync,decoupled,decoupled_fp32,decoupled_topk1,decoupled_topk3,decoupled_topk10",
-        help="comma-separated; also decoupled_topk3_int4, decoupled_topk5_int4, decoupled_topk3_rotate10",
+        help="comma-separated; also decoupled_topk3_int4, decoupled_topk5_int4, decoupled_topk3_rotate10, "
+        "decoupled_h4, decoupled_topk1_int4_h4, decoupled_topk3_int4_h4, decoupled_topk3_int4_h8",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -166,6 +179,10 @@ def main() -> int:
         "decoupled_topk3_int4": sparse(base, "topk-int4", 0.03),
         "decoupled_topk5_int4": sparse(base, "topk-int4", 0.05),
         "decoupled_topk3_rotate10": sparse(base, "topk-int8", 0.03, term_rounds=10),
+        "decoupled_h4": sparse(base, "int8", base.wire.density, inner_steps=4),
+        "decoupled_topk1_int4_h4": sparse(base, "topk-int4", 0.01, inner_steps=4),
+        "decoupled_topk3_int4_h4": sparse(base, "topk-int4", 0.03, inner_steps=4),
+        "decoupled_topk3_int4_h8": sparse(base, "topk-int4", 0.03, inner_steps=8),
     }
     results: dict[str, dict] = {}
     for name in args.variants.split(","):
@@ -181,7 +198,8 @@ def main() -> int:
         results[name]["seconds"] = time.perf_counter() - start
         wire = results[name].get("wire", {})
         shown = (
-            f" up {wire['up_bytes_per_param_round']:.4f} down {wire['down_bytes_per_param_round']:.4f} B/param/round"
+            f" up {wire['up_bytes_per_param_round']:.4f} down {wire['down_bytes_per_param_round']:.4f} B/param/round,"
+            f" up {wire['up_bytes_per_param_step']:.4f} B/param/step"
             if wire
             else ""
         )
