@@ -137,9 +137,10 @@ class SparseLayout:
 
 def claim_body(reader: ByteReader, name: str, numel: int, codec: Codec, block_size: int) -> SparseLayout:
     """Read the chunk counts, check them against the chunk lengths, then claim the rest of the body."""
+    n_chunks = -(-numel // CHUNK)
+    at = reader.claim(4 * n_chunks, f"chunk counts of {name!r}")  # bounds n_chunks before any allocation
     lengths = chunk_lengths(numel)
-    at = reader.claim(4 * len(lengths), f"chunk counts of {name!r}")
-    counts = np.frombuffer(reader.view, "<u4", len(lengths), at).astype(np.int64)
+    counts = np.frombuffer(reader.view, "<u4", n_chunks, at).astype(np.int64)
     over = np.flatnonzero(counts > np.asarray(lengths, dtype=np.int64))
     if over.size:
         i = int(over[0])

@@ -178,6 +178,11 @@ def test_malformed_sparse_bodies_are_rejected_with_their_reason(codec_id, shape,
     assert _reason(_frame([_entry(shape, block, body)], codec_id)) == reason
 
 
+def test_huge_shapes_are_refused_before_listing_their_chunks():
+    shape = (2**24, 2**24)  # 2**32 chunks: the counts alone would need 16 GiB
+    assert _reason(_frame([_entry(shape, 4096, b"")], 4)) == "oversized"
+
+
 def test_huge_counts_are_refused_before_allocating():
     shape = (CHUNK * 1000,)
     body = np.full(1000, CHUNK, "<u4").tobytes()  # claims 65.5M kept entries in a tiny frame
