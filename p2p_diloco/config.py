@@ -13,12 +13,27 @@ import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol.robust import RobustConfig
 from p2p_diloco.protocol.timing import SwarmTiming
+
+
+class Codec(StrEnum):
+    """Tensor codecs of `[wire] codec`: dense int8 blockwise (default), raw fp32, and sparse top-k with
+    int8 or 4-bit values (`wire.sparse`)."""
+
+    INT8 = "int8"
+    FP32 = "fp32"
+    TOPK_INT8 = "topk-int8"
+    TOPK_INT4 = "topk-int4"
+
+    @property
+    def sparse(self) -> bool:
+        return self in (Codec.TOPK_INT8, Codec.TOPK_INT4)
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -142,16 +157,36 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class WireConfig:
-    """How outer deltas and updates are encoded."""
+    """How outer deltas and updates are encoded (`wire.codec`; sparse top-k bodies: `wire.sparse`)."""
 
-    codec: Literal["int8", "fp32"] = "int8"
+    # "int8" (dense blockwise, the default), "fp32", or sparse "topk-int8" / "topk-int4": per chunk of
+    # 65536 entries only the top `density` by magnitude are sent, the rest is carried by error feedback.
+    codec: Codec = Codec.INT8
     block_size: int = 4096
     error_feedback: bool = True
     max_message_bytes: int = 256 * 1024 * 1024
     norm_bound: float = 1e4  # absolute bound on a delta tensor's L2 norm
+    density: float = 0.03  # fraction of each chunk a sparse codec keeps (ignored by dense codecs)
 
     def __post_init__(self) -> None:
-        _require(self.codec in ("int8", "fp32"), f"wire.codec must be 'int8' or 'fp32', got {self.codec!r}")
+        names = [str(c) for c in Codec]
+        _require(
+            isinstance(self.codec, str) and self.codec in names,
+            f"wire.codec must be one of {names}, got {self.codec!r}",
+        )
+        object.__setattr__(self, "codec", Codec(self.codec))
+        _require(
+            isinstance(self.density, int | float)
+            and not isinstance(self.density, bool)
+            and 0.0 < self.density <= 1.0,
+            f"wire.density must be in (0, 1] (e.g. 0.01-0.1: the fraction of entries a sparse codec "
+            f"sends), got {self.density!r}",
+        )
+        _require(
+            not self.codec.sparse or self.error_feedback,
+            f"wire.codec = {str(self.codec)!r} needs wire.error_feedback = true: without it the "
+            "entries a sparse delta leaves out are lost",
+        )
         _require(
             self.block_size in (64, 128, 256, 512, 1024, 2048, 4096),
             f"wire.block_size must be one of 64..4096 (powers of two), got {self.block_size}",

@@ -8,8 +8,18 @@ Variants (all on the embedded corpus, the same tiny GPT, the same total number o
   diloco_sync     M learners of equal speed, minimum quorum K = M
   decoupled       M learners of unequal speed (1, 1, 1.5, 2 fake s/step ...), K = 1 with the grace window
   decoupled_fp32  as decoupled, with fp32 instead of int8 deltas and updates
-Writes DIR/quality.json (final_eval_loss, tokens, bytes_sent per variant, curves) and DIR/quality.png.
-Targets reported, not asserted: decoupled within 2 % of dp; int8 within 1 % of fp32.
+  decoupled_topk{1,3,10}        as decoupled, sparse "topk-int8" deltas and updates at 1, 3, 10 % density
+  decoupled_topk{3,5}_int4      as decoupled, sparse "topk-int4" at 3 and 5 % density
+  decoupled_topk3_rotate10      as decoupled_topk3 with a new synchronizer term every 10 rounds: each
+                                new term starts without the outer residual (what a failover loses)
+  decoupled_h4, decoupled_topk{1,3}_int4_h4, decoupled_topk3_int4_h8
+                                int8 / sparse int4 with H = 4 or 8 instead of the manifest's H: more,
+                                smaller rounds (the same bytes per round, more bytes per inner step)
+Writes DIR/quality.json (final_eval_loss, tokens, bytes_sent, and per swarm variant `wire`: bytes per
+parameter per fragment round up (one learner's delta) and down (one pushed update), measured on every
+frame the sim network carried, and up bytes per parameter per inner step of a learner) and DIR/quality.png.
+Targets reported, not asserted: decoupled within 2 % of dp; int8 within 1 % of fp32; a sparse variant at
+<= 0.1 bytes/param/round up and down within 1 % of int8.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import BatchSampler, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
+from p2p_diloco.wire.frames import decode_delta, decode_update
 
 SPEEDS = (1.0, 1.0, 1.5, 2.0, 1.0, 1.25, 1.5, 2.0)
 
@@ -66,8 +77,13 @@ def run_swarm(manifest: RunManifest, corpus, learners: int, tokens: int, speeds:
         total_tokens=tokens,
         eval_every=max(1.0, fake_duration / 12),
     )
-    report = InProcessSwarm(spec, corpus=corpus).run()
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    wire = count_wire(swarm)
+    report = swarm.run()
+    steps = report.tokens / per_step
+    params = sum(wire.fragment_params)
     return {
+        "wire": {**wire.summary(), "up_bytes_per_param_step": wire.totals["delta"][1] / (params * steps)},
         "final_eval_loss": report.final_eval_loss,
         "tokens": report.tokens,
         "bytes_sent": report.bytes_sent,
@@ -78,6 +94,57 @@ def run_swarm(manifest: RunManifest, corpus, learners: int, tokens: int, speeds:
     }
 
 
+class WireCount:
+    """Bytes and parameters of every delta and pushed update frame (frame headers included)."""
+
+    def __init__(self, fragment_params: list[int]):
+        self.fragment_params = fragment_params
+        self.totals = {kind: [0, 0, 0] for kind in ("delta", "update")}  # frames, bytes, params
+
+    def note(self, kind: str, frame: bytes) -> None:
+        if kind == "delta":
+            p = decode_delta(frame, max_bytes=len(frame))[0].fragment
+        else:
+            p = decode_update(frame, max_bytes=len(frame)).fragment
+        total = self.totals[kind]
+        total[0], total[1], total[2] = total[0] + 1, total[1] + len(frame), total[2] + self.fragment_params[p]
+
+    def summary(self) -> dict:
+        out = {}
+        for kind, (frames, nbytes, params) in self.totals.items():
+            name = "up" if kind == "delta" else "down"
+            out[f"{name}_frames"] = frames
+            out[f"{name}_bytes_per_param_round"] = nbytes / params if params else 0.0
+        return out
+
+
+def count_wire(swarm: InProcessSwarm) -> WireCount:
+    shapes = {n: p.shape for n, p in build_model(swarm.manifest.model).named_parameters()}
+    plan = swarm.plan
+    count = WireCount([sum(shapes[n].numel() for n in plan.names(p)) for p in range(plan.num_fragments)])
+    deliver = swarm.network.deliver
+
+    def counted(src, dst, frame, kind, on_reply):
+        count.note(kind, frame)
+        deliver(src, dst, frame, kind, on_reply)
+
+    swarm.network.deliver = counted  # type: ignore[method-assign]
+    return count
+
+
+def sparse(
+    base: RunManifest,
+    codec: str,
+    density: float,
+    term_rounds: int | None = None,
+    inner_steps: int | None = None,
+) -> RunManifest:
+    wire = dataclasses.replace(base.wire, codec=codec, density=density)
+    timing = base.timing if term_rounds is None else dataclasses.replace(base.timing, term_rounds=term_rounds)
+    diloco = base.diloco if inner_steps is None else dataclasses.replace(base.diloco, inner_steps=inner_steps)
+    return dataclasses.replace(base, wire=wire, timing=timing, diloco=diloco)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,7 +153,12 @@ def main() -> int:
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=None, help="total tokens per variant")
     parser.add_argument("--manifest", default="peers/demo.toml")
-    parser.add_argument("--variants", default="dp,diloco_sync,decoupled,decoupled_fp32")
+    parser.add_argument(
+        "--variants",
+        default="dp,diloco_sync,decoupled,decoupled_fp32,decoupled_topk1,decoupled_topk3,decoupled_topk10",
+        help="comma-separated; also decoupled_topk3_int4, decoupled_topk5_int4, decoupled_topk3_rotate10, "
+        "decoupled_h4, decoupled_topk1_int4_h4, decoupled_topk3_int4_h4, decoupled_topk3_int4_h8",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -101,6 +173,16 @@ def main() -> int:
         "diloco_sync": dataclasses.replace(base, diloco=dataclasses.replace(base.diloco, min_quorum=m)),
         "decoupled": base,
         "decoupled_fp32": dataclasses.replace(base, wire=dataclasses.replace(base.wire, codec="fp32")),
+        "decoupled_topk1": sparse(base, "topk-int8", 0.01),
+        "decoupled_topk3": sparse(base, "topk-int8", 0.03),
+        "decoupled_topk10": sparse(base, "topk-int8", 0.10),
+        "decoupled_topk3_int4": sparse(base, "topk-int4", 0.03),
+        "decoupled_topk5_int4": sparse(base, "topk-int4", 0.05),
+        "decoupled_topk3_rotate10": sparse(base, "topk-int8", 0.03, term_rounds=10),
+        "decoupled_h4": sparse(base, "int8", base.wire.density, inner_steps=4),
+        "decoupled_topk1_int4_h4": sparse(base, "topk-int4", 0.01, inner_steps=4),
+        "decoupled_topk3_int4_h4": sparse(base, "topk-int4", 0.03, inner_steps=4),
+        "decoupled_topk3_int4_h8": sparse(base, "topk-int4", 0.03, inner_steps=8),
     }
     results: dict[str, dict] = {}
     for name in args.variants.split(","):
@@ -114,8 +196,15 @@ def main() -> int:
         else:
             parser.error(f"unknown variant {name!r}")
         results[name]["seconds"] = time.perf_counter() - start
+        wire = results[name].get("wire", {})
+        shown = (
+            f" up {wire['up_bytes_per_param_round']:.4f} down {wire['down_bytes_per_param_round']:.4f} B/param/round,"
+            f" up {wire['up_bytes_per_param_step']:.4f} B/param/step"
+            if wire
+            else ""
+        )
         print(
-            f"{name:15s} loss {results[name]['final_eval_loss']:.4f} ({results[name]['seconds']:.0f} s)",
+            f"{name:24s} loss {results[name]['final_eval_loss']:.4f}{shown} ({results[name]['seconds']:.0f} s)",
             flush=True,
         )
     summary = {"learners": m, "tokens": tokens, "variants": results}
@@ -127,6 +216,12 @@ def main() -> int:
         summary["int8_vs_fp32"] = (
             results["decoupled"]["final_eval_loss"] / results["decoupled_fp32"]["final_eval_loss"] - 1
         )
+    if "decoupled" in results:
+        summary["vs_int8"] = {
+            name: r["final_eval_loss"] / results["decoupled"]["final_eval_loss"] - 1
+            for name, r in results.items()
+            if name.startswith("decoupled_")
+        }
     (out / "quality.json").write_text(json.dumps(summary, indent=2))
     plot(results, out / "quality.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "variants"}))

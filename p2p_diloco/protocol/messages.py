@@ -28,8 +28,9 @@ class DeltaHeader:
 class UpdateRecord:
     """One outer update of one fragment, version `from_version` -> `from_version + 1`.
 
-    `payload` is the int8-encoded merged outer gradient (a `wire.codec` frame); every replica decodes
-    it, applies the Nesterov step itself and compares the result with `checksum`.
+    `payload` is the merged outer gradient as a `wire.codec` frame (the manifest's codec: int8 by default,
+    or sparse top-k); every replica decodes it, applies the Nesterov step itself and compares the result
+    with `checksum`.
     """
 
     run_id: str

@@ -22,7 +22,7 @@ from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import REJECT_NOT_ALLOWED
-from p2p_diloco.swarm.synchronizer import Synchronizer
+from p2p_diloco.swarm.synchronizer import Synchronizer, outer_feedback_for
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import decode_delta, encode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
@@ -59,6 +59,10 @@ class SynchronizerRole:
         self.journal = journal
         self._emit = emit
         self.sync: Synchronizer | None = None
+        # Sparse codecs: what an update left out is carried into the fragment's next update. One store
+        # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
+        # peer loses at most that residual (measured harmless: docs/results/sparse, README "Wire codecs").
+        self.outer_feedback = outer_feedback_for(manifest)
 
     def take(self, term: int) -> None:
         self.sync = Synchronizer(
@@ -70,6 +74,7 @@ class SynchronizerRole:
             embedding_names=self.embedding_names,
             shapes=self.shapes,
             guard=self.robust,
+            outer_feedback=self.outer_feedback,
         )
         self.membership.term_seen = max(self.membership.term_seen, term)
         self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")

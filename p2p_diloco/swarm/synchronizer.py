@@ -34,7 +34,7 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
@@ -66,6 +66,7 @@ class Synchronizer:
         embedding_names: Collection[str] = (),
         shapes: dict[str, tuple[int, ...]],
         guard: RobustGuard | None = None,
+        outer_feedback: ErrorFeedback | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -89,6 +90,9 @@ class Synchronizer:
         self.decisions: deque[str] = deque(maxlen=64)
         self.accepted_tokens: Counter[str] = Counter()
         self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
+        # Sparse codecs: what an update leaves out is carried into the fragment's next update. Lost with
+        # this object (failover, rotation) unless the peer passes one store to every term (README, wire).
+        self.outer_feedback = outer_feedback or outer_feedback_for(manifest)
 
     def _reject(self, sender: str, tag: str, detail: str, now: float) -> Reply:
         self.rejections[tag] += 1
@@ -228,7 +232,10 @@ class Synchronizer:
             scale = torch.tensor(len(contributions) / live, dtype=torch.float32)
             merged = {name: t * scale for name, t in merged.items()}
         wire = self.manifest.wire
-        payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
+        if self.outer_feedback is not None:
+            payload, _ = self.outer_feedback.compress(p, merged)
+        else:
+            payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
         # Everyone applies the decoded (quantized) gradient, the holder included, so replicas agree.
         decoded = decode_tensors(payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes)
         cfg = self.manifest.diloco
@@ -247,6 +254,14 @@ class Synchronizer:
             payload=payload,
         )
         return record, pending, decoded
+
+
+def outer_feedback_for(manifest: RunManifest) -> ErrorFeedback | None:
+    """The synchronizer's residual store for outer gradients: one when the codec is sparse, else None."""
+    wire = manifest.wire
+    if not wire.codec.sparse:
+        return None
+    return ErrorFeedback(wire.codec, wire.block_size, density=wire.density)
 
 
 def _tag(reason: str) -> str:

@@ -1,1 +1,2 @@
-"""Bytes on the wire: `codec` (int8/fp32 tensor frames, error feedback) and `frames` (message records)."""
+"""Bytes on the wire: `codec` (tensor frames: int8/fp32, error feedback), `sparse` (top-k bodies),
+`blockwise` (shared tags, code table, byte reader) and `frames` (message records)."""
