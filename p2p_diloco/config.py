@@ -19,6 +19,28 @@ from typing import Any, Literal
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol.robust import RobustConfig
 from p2p_diloco.protocol.timing import SwarmTiming
+from p2p_diloco.specs import (
+    DataConfig,
+    DataSource,
+    LRSchedule,
+    ModelConfig,
+    ModelKind,
+    Precision,
+    TrainConfig,
+)
+
+__all__ = [
+    "DataConfig",
+    "DataSource",
+    "DilocoConfig",
+    "LRSchedule",
+    "ModelConfig",
+    "ModelKind",
+    "Precision",
+    "RunManifest",
+    "TrainConfig",
+    "WireConfig",
+]
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -93,54 +115,6 @@ class DilocoConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A small byte-level GPT (vocab 256)."""
-
-    kind: Literal["gpt"] = "gpt"
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64
-    block_size: int = 64
-    dropout: float = 0.0
-    seed: int = 0  # initial weights are identical on every peer
-
-    def __post_init__(self) -> None:
-        _require(self.kind == "gpt", f"model.kind must be 'gpt', got {self.kind!r}")
-        _require(self.n_layer >= 1, f"model.n_layer must be >= 1, got {self.n_layer}")
-        _require(self.n_head >= 1, f"model.n_head must be >= 1, got {self.n_head}")
-        _require(
-            self.n_embd % self.n_head == 0,
-            f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})",
-        )
-        _require(self.block_size >= 2, f"model.block_size must be >= 2, got {self.block_size}")
-        _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where training text comes from: the embedded corpus or local files."""
-
-    source: Literal["builtin", "files"] = "builtin"
-    paths: tuple[str, ...] = ()
-    eval_fraction: float = 0.05
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _require(
-            self.source in ("builtin", "files"),
-            f"data.source must be 'builtin' or 'files', got {self.source!r}",
-        )
-        _require(
-            self.source != "files" or len(self.paths) > 0,
-            "data.source = 'files' needs data.paths = ['corpus.txt', ...]",
-        )
-        _require(
-            0.0 < self.eval_fraction < 0.5,
-            f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}",
-        )
-
-
-@dataclass(frozen=True)
 class WireConfig:
     """How outer deltas and updates are encoded."""
 
@@ -168,6 +142,7 @@ class RunManifest:
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     timing: SwarmTiming = field(default_factory=SwarmTiming)
     robust: RobustConfig = field(default_factory=RobustConfig)
@@ -190,15 +165,19 @@ class RunManifest:
         """16 hex digits over everything peers must agree on (bootstrap addresses excluded)."""
         d = self.to_dict()
         d.pop("bootstrap")
+        d["model"].pop("base_dir")
+        d["data"].pop("base_dir")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, where: str = "manifest") -> RunManifest:
+    def from_dict(cls, raw: dict[str, Any], *, where: str = "manifest", base_dir: str = "") -> RunManifest:
+        """`base_dir`: the folder relative paths in [model] and [data] resolve against (not hashed)."""
         sections = {
             "diloco": DilocoConfig,
             "model": ModelConfig,
             "data": DataConfig,
+            "train": TrainConfig,
             "wire": WireConfig,
             "timing": SwarmTiming,
             "robust": RobustConfig,
@@ -212,10 +191,12 @@ class RunManifest:
         for name, klass in sections.items():
             section = raw.get(name, {})
             _require(isinstance(section, dict), f"{where}: [{name}] must be a table")
-            fields = {f.name for f in dataclasses.fields(klass)}
+            fields = {f.name for f in dataclasses.fields(klass) if f.init and f.name != "base_dir"}
             bad = sorted(set(section) - fields)
             _require(not bad, f"{where}: unknown keys in [{name}]: {bad}; valid keys are {sorted(fields)}")
             values = {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}
+            if name in ("model", "data"):
+                values["base_dir"] = base_dir
             try:
                 kwargs[name] = klass(**values)
             except TypeError as exc:
@@ -238,4 +219,4 @@ class RunManifest:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"manifest {path} is not valid TOML: {exc}") from exc
-        return cls.from_dict(raw, where=str(path))
+        return cls.from_dict(raw, where=str(path), base_dir=str(path.resolve().parent))

@@ -54,6 +54,8 @@ from torch.nn.parallel import DistributedDataParallel
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.model.shards import TokenData
+from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
@@ -400,6 +402,9 @@ def run_follower(options: NodeOptions, island: Island) -> int:
     optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
     sampler = island_sampler(corpus.train, options, island, island.share_seed(0))
     ddp = island.wrap(model)
+    trainer = make_trainer(
+        manifest, ddp, optimizer, sampler, micro_batch=options.micro_batch, device=options.device
+    )
     step = 0
     try:
         while True:
@@ -408,12 +413,7 @@ def run_follower(options: NodeOptions, island: Island) -> int:
                 island.sync_fragments(params, plan, dirty)
             if command == CMD_STOP:
                 break
-            x, y = sampler.next_batch()
-            ddp.train()
-            _, loss = ddp(x.to(options.device), y.to(options.device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            trainer.step()  # the same step as rank 0's learner (model/trainer.py)
     finally:
         island.write_digest(options.state_dir, step, params)
         island.close()
@@ -422,7 +422,9 @@ def run_follower(options: NodeOptions, island: Island) -> int:
     return 0
 
 
-def island_sampler(data: torch.Tensor, options: NodeOptions, island: Island, seed: int) -> BatchSampler:
+def island_sampler(
+    data: torch.Tensor | TokenData, options: NodeOptions, island: Island, seed: int
+) -> BatchSampler:
     """Rank r's sampler: shard r of `world_size`, seeded by rank 0's `seed` (shared by the island)."""
     manifest = options.manifest
     return BatchSampler(
