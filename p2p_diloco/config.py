@@ -156,6 +156,10 @@ class RunManifest:
             and len(self.run_id) <= 64,
             f"run_id must be 1-64 characters of letters, digits, '-', '_' or '.', got {self.run_id!r}",
         )
+        _require(
+            not self.train.activation_checkpointing or self.model.kind != ModelKind.GPT,
+            "train.activation_checkpointing is for kind = 'hf' models; remove it for the built-in gpt",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

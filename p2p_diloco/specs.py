@@ -5,7 +5,8 @@ Every dataclass is frozen and validates itself at construction; a bad value rais
 the key and the fix. Kinds are `StrEnum`s, so TOML strings compare and hash as the plain strings.
 
 Relative paths in ``[model]`` and ``[data]`` resolve against `base_dir` (the manifest's folder, set by
-`RunManifest.load`; not part of the manifest hash, so peers may keep the run's files anywhere). A model
+`RunManifest.load`; not part of the manifest hash, so peers may keep the run's files anywhere), falling
+back to the working directory (`resolve_path`). A model
 ``config = "config.json"`` is read at construction: its content, not its path, is hashed
 (`resolved_config`), so two peers with different config files never mix.
 """
@@ -34,9 +35,14 @@ def _enum(klass: type[StrEnum], value: object, key: str) -> StrEnum:
 
 
 def resolve_path(base_dir: str, path: str) -> Path:
-    """`path` as written in a manifest: absolute, or relative to the manifest's folder `base_dir`."""
+    """`path` as written in a manifest: absolute, or relative to the manifest's folder `base_dir`, or,
+    when nothing is there but the path exists from the working directory, relative to that (a manifest
+    installed with the package names data its user prepared where they run it)."""
     p = Path(path).expanduser()
-    return p if p.is_absolute() or not base_dir else Path(base_dir) / p
+    if p.is_absolute() or not base_dir:
+        return p
+    beside = Path(base_dir) / p
+    return beside if beside.exists() or not p.exists() else p
 
 
 class ModelKind(StrEnum):
@@ -105,6 +111,8 @@ class ModelConfig:
         object.__setattr__(self, "resolved_config", self._read_config())
 
     def _read_config(self) -> dict[str, Any]:
+        if self.config is None:  # a custom factory without keyword arguments
+            return {}
         if isinstance(self.config, dict):
             return dict(self.config)
         if not isinstance(self.config, str):

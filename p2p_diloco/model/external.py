@@ -180,6 +180,12 @@ def build_external_model(cfg: ModelConfig) -> nn.Module:
     return model
 
 
+def build_skeleton(cfg: ModelConfig) -> nn.Module:
+    """The model of `cfg` on the meta device: names and shapes only, nothing initialized or loaded."""
+    with torch.device("meta"):
+        return _build_hf(cfg) if cfg.kind == ModelKind.HF else _build_custom(cfg)
+
+
 def embedding_names(model: nn.Module) -> set[str]:
     """Parameters of every `nn.Embedding` module (token and learned position embeddings), generically."""
     names = set()

@@ -32,7 +32,7 @@ from p2p_diloco.model.shards import (
     index_digest,
 )
 
-EVAL_CHUNK_TOKENS = 2048
+EVAL_CHUNK_TOKENS = 1024
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 BUILTIN = "builtin:pydoc_data.topics"
 
