@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SKIP = (".venv", ".git", "build", "*.egg-info", "__pycache__", "*-out", "data", ".*_cache", ".hypothesis")
 PACKAGED = (
     "p2p_diloco/peers/demo.toml",
     "p2p_diloco/peers/llama-tiny.toml",
@@ -20,6 +22,9 @@ PACKAGED = (
 
 @pytest.mark.slow
 def test_wheel_contains_the_manifests_and_the_tokenizer(tmp_path: Path):
+    # build from a copy: an in-tree build leaves build/ behind, whose stale files later wheels would carry
+    source = tmp_path / "src"
+    shutil.copytree(REPO_ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*SKIP))
     result = subprocess.run(
         [
             sys.executable,
@@ -31,7 +36,7 @@ def test_wheel_contains_the_manifests_and_the_tokenizer(tmp_path: Path):
             "-q",
             "-w",
             str(tmp_path),
-            str(REPO_ROOT),
+            str(source),
         ],
         capture_output=True,
         text=True,
