@@ -166,11 +166,19 @@ class RunManifest:
 
     @functools.cached_property
     def manifest_hash(self) -> str:
-        """16 hex digits over everything peers must agree on (bootstrap addresses excluded)."""
+        """16 hex digits over everything peers must agree on (bootstrap addresses and the paths of files
+        whose content is pinned otherwise excluded)."""
         d = self.to_dict()
         d.pop("bootstrap")
+        # Where a peer keeps the run's files is its own business when their content is pinned: the
+        # shards by data.digest, a config file by its content (resolved_config), init by weights_digest.
         d["model"].pop("base_dir")
         d["data"].pop("base_dir")
+        d["data"].pop("shards")
+        if isinstance(d["model"]["config"], str):
+            d["model"]["config"] = "file"
+        if d["model"]["weights_digest"]:
+            d["model"].pop("init")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 

@@ -130,3 +130,26 @@ def test_custom_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(ConfigError, match="package.module:function"):
         ModelConfig(kind="custom", factory="nocolon")
     sys.modules.pop("my_models", None)
+
+
+def test_config_path_is_not_hashed_only_its_content(tmp_path: Path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.json").write_text(json.dumps(LLAMA))
+        (tmp_path / name / "run.toml").write_text(
+            f'run_id = "r"\n[model]\nkind = "hf"\nblock_size = 16\nconfig = "{name}.json"\n'
+        )
+    a, b = (RunManifest.load(tmp_path / name / "run.toml") for name in ("a", "b"))
+    assert a.manifest_hash == b.manifest_hash
+
+
+def test_shipped_llama_tiny_manifest_builds_its_pinned_weights():
+    manifest = RunManifest.load("peers/llama-tiny.toml")
+    assert manifest.model.kind == "hf" and manifest.model.weights_digest
+    model = build_model(manifest.model)  # checks weights_digest (this torch build)
+    assert 10_000_000 <= sum(p.numel() for p in model.parameters()) <= 30_000_000
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file("peers/llama-tiny/tokenizer.json")
+    assert tokenizer.get_vocab_size() == manifest.model.resolved_config["vocab_size"]
+    assert tokenizer.token_to_id("<|endoftext|>") == 0
