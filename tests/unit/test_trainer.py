@@ -147,3 +147,30 @@ def test_fp16_on_cuda_trains():
     for _ in range(20):
         last = trainer.step()[0]
     assert last < first
+
+
+def test_learner_steps_through_its_trainer_and_counts_exact_tokens_with_micro_batches():
+    from p2p_diloco.model.data import BatchSampler, load_corpus
+    from p2p_diloco.protocol.fragments import plan_fragments
+    from p2p_diloco.protocol.replica import GlobalReplica
+    from p2p_diloco.swarm.learner import Learner
+
+    cfg = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
+    manifest = RunManifest(
+        run_id="t", model=cfg, diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=4),
+        train=TrainConfig(loss_every=2, warmup_steps=3),
+    )  # fmt: skip
+    model = build_model(cfg)
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
+    replica = GlobalReplica(plan, dict(model.named_parameters()))
+    train = load_corpus(manifest.data).train
+    sampler = BatchSampler(train, block_size=8, batch_size=4, shard=0, num_shards=1, seed=0)
+    optimizer = make_inner_optimizer(model, 1e-2, 0.0)
+    learner = Learner("me", manifest, plan, replica, model, optimizer, sampler)
+    learner.trainer = make_trainer(manifest, model, optimizer, sampler, micro_batch=1)  # what a node does
+    losses = [learner.train_step() for _ in range(3)]
+    assert learner.trainer.steps == 3 and learner.tokens_trained == 3 * 4 * 8
+    assert all(w.tokens == 3 * 4 * 8 and w.steps == 3 for w in learner.work)
+    assert losses[0] != losses[1]  # steps 1 and 2 read the loss (the first step and every loss_every)
+    assert losses[2] == losses[1]  # step 3's loss was not read: the last read value stays
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 3 / 3)
