@@ -173,4 +173,4 @@ def test_learner_steps_through_its_trainer_and_counts_exact_tokens_with_micro_ba
     assert all(w.tokens == 3 * 4 * 8 and w.steps == 3 for w in learner.work)
     assert losses[0] != losses[1]  # steps 1 and 2 read the loss (the first step and every loss_every)
     assert losses[2] == losses[1]  # step 3's loss was not read: the last read value stays
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 3 / 3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(manifest.diloco.inner_lr)  # warmup done
