@@ -85,7 +85,7 @@ def measure_hf(manifest: RunManifest, args: argparse.Namespace) -> list[dict]:
             )
             cfg = TrainConfig(precision=precision, activation_checkpointing=checkpointing, loss_every=10**9)
             trainer = InnerTrainer(
-                cfg, model, optimizer, RandomTokens(vocab, batch, block), base_lr=1e-3, device=args.device
+                cfg, model, optimizer, RandomTokens(vocab, batch, block), device=args.device
             )
             for _ in range(args.warmup):
                 trainer.step()

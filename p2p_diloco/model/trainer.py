@@ -1,7 +1,8 @@
 """One inner step for consumer GPUs: autocast, gradient accumulation, clipping, LR schedule, lazy loss reads.
 
 Owns `InnerTrainer` (built by `make_trainer` from the manifest's ``[train]`` section, the model, the
-inner optimizer and the sampler; the learner calls `step()`), and `lr_at` (the inner LR schedule).
+inner optimizer and the sampler; the learner calls `step()`), and `lr_at` (the inner LR schedule, applied
+as a factor to the lr each optimizer group was built with).
 
 A step is always one `diloco.batch_size` batch from the sampler, whatever the micro-batch: the batch
 is split into `batch_size / micro_batch` equal micro-batches, each loss divided by their number before
@@ -51,7 +52,6 @@ class InnerTrainer:
         optimizer: torch.optim.Optimizer,
         sampler: Any,
         *,
-        base_lr: float,
         micro_batch: int = 0,
         device: str = "cpu",
     ):
@@ -59,12 +59,13 @@ class InnerTrainer:
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
-        self.base_lr = base_lr
+        # the schedule scales each group's lr as the optimizer was built (make_inner_optimizer: inner_lr)
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.device = device
         self.device_type = torch.device(device).type
         self.micro_batch = micro_batch
         self.steps = 0
-        self.last_lr = base_lr
+        self.last_lr = self.base_lrs[0] if self.base_lrs else 0.0
         if cfg.precision == Precision.FP16 and self.device_type != "cuda":
             raise ConfigError(
                 f"train.precision = 'fp16' needs a CUDA device (this peer trains on {device}); use 'bf16' "
@@ -101,10 +102,10 @@ class InnerTrainer:
         parameters); default the trainer's model. Under DDP every micro-batch but the last runs in
         `no_sync()`, so each rank all-reduces once a step whatever its micro-batch."""
         model = self.model if model is None else model
-        lr = lr_at(self.steps, self.base_lr, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.last_lr = lr
+        scale = lr_at(self.steps, 1.0, self.cfg)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * scale
+        self.last_lr = self.base_lrs[0] * scale if self.base_lrs else 0.0
         x, y = self.sampler.next_batch()
         splits = self._splits(x.shape[0])
         model.train()
@@ -145,8 +146,9 @@ def make_trainer(
     micro_batch: int = 0,
     device: str = "cpu",
 ) -> InnerTrainer:
-    """The `InnerTrainer` of a run: its ``[train]`` section and `diloco.inner_lr`, this peer's micro-batch
-    (`join --micro-batch`, 0 = whole batch) and device."""
+    """The `InnerTrainer` of a run: its ``[train]`` section, this peer's micro-batch (`join --micro-batch`,
+    0 = whole batch) and device. The schedule scales the lr `optimizer` was built with (`diloco.inner_lr`
+    from `make_inner_optimizer`)."""
     batch = manifest.diloco.batch_size
     if micro_batch < 0 or (micro_batch and batch % micro_batch):
         raise ConfigError(f"--micro-batch must divide the manifest's batch_size {batch}, got {micro_batch}")
@@ -155,7 +157,6 @@ def make_trainer(
         model,
         optimizer,
         sampler,
-        base_lr=manifest.diloco.inner_lr,
         micro_batch=micro_batch,
         device=device,
     )
