@@ -22,6 +22,7 @@ from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.specs import (
     DataConfig,
     DataSource,
+    InnerOptimizer,
     LRSchedule,
     ModelConfig,
     ModelKind,
@@ -33,6 +34,7 @@ __all__ = [
     "DataConfig",
     "DataSource",
     "DilocoConfig",
+    "InnerOptimizer",
     "LRSchedule",
     "ModelConfig",
     "ModelKind",

@@ -187,7 +187,12 @@ class DataConfig:
 class Precision(StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"  # autocast to bfloat16 (weights and optimizer state stay fp32)
-    FP16 = "fp16"  # autocast to float16 with a gradient scaler (CUDA only)
+    FP16 = "fp16"  # autocast to float16 with a gradient scaler (CUDA; other devices use bf16)
+
+
+class InnerOptimizer(StrEnum):
+    ADAMW = "adamw"  # torch AdamW, fp32 state (model/gpt.py make_inner_optimizer)
+    ADAMW_8BIT = "adamw8bit"  # bitsandbytes AdamW8bit: blockwise 8-bit state on CUDA; AdamW elsewhere
 
 
 class LRSchedule(StrEnum):
@@ -208,8 +213,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     activation_checkpointing: bool = False  # hf models: recompute activations in backward
     loss_every: int = 1  # read the loss from the device every N steps (a sync point on GPUs)
+    optimizer: InnerOptimizer = InnerOptimizer.ADAMW  # adamw8bit: a quarter of AdamW's state memory on CUDA
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer", _enum(InnerOptimizer, self.optimizer, "train.optimizer"))
         object.__setattr__(self, "precision", _enum(Precision, self.precision, "train.precision"))
         object.__setattr__(self, "lr_schedule", _enum(LRSchedule, self.lr_schedule, "train.lr_schedule"))
         _require(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")

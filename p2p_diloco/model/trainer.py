@@ -12,23 +12,49 @@ and the tokens and steps a delta claims stay exact. Then the gradient is clipped
 
 Precision: ``fp32``; ``bf16`` autocasts forward and loss to bfloat16 (CPU and CUDA; weights, gradients
 and AdamW state stay fp32, so deltas and replicas are unchanged); ``fp16`` autocasts to float16 with a
-`torch.amp.GradScaler` (CUDA only; a step whose gradients overflow is skipped by the scaler but still
-counted, as its batch was consumed). The loss is read from the device (a host sync) only every
+`torch.amp.GradScaler` (CUDA only: other devices autocast to bf16 instead, logged; a step whose
+gradients overflow is skipped by the scaler but still counted, as its batch was consumed). The loss is read from the device (a host sync) only every
 `loss_every` steps; other steps return None. The step counter restarts with the process, so a restarted
 peer warms up again (a short warmup is harmless there).
+
+``[train] optimizer = "adamw8bit"`` swaps the inner AdamW for bitsandbytes' `AdamW8bit` (its moments
+kept blockwise-quantized to 8 bits on the GPU, same parameter groups, lr, betas, eps and weight decay)
+on CUDA devices; elsewhere bitsandbytes' 8-bit optimizers do not run and the peer keeps torch AdamW
+(logged), which is harmless: inner optimizers are local to each learner. The CUDA paths (fp16 with its
+scaler, bf16 on CUDA, AdamW8bit) are written to bitsandbytes' and torch's documented APIs but were NOT
+run on a GPU when written (their tests skip without CUDA).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from p2p_diloco.config import LRSchedule, Precision, RunManifest, TrainConfig
+from p2p_diloco.config import InnerOptimizer, LRSchedule, Precision, RunManifest, TrainConfig
 from p2p_diloco.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def eight_bit_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """bitsandbytes' `AdamW8bit` over `optimizer`'s parameter groups and hyper-parameters (fresh state).
+
+    CUDA only; untested here (module docstring)."""
+    import bitsandbytes as bnb
+
+    groups = [
+        {k: v for k, v in group.items() if k in ("params", "lr", "weight_decay")}
+        for group in optimizer.param_groups
+    ]
+    defaults = optimizer.defaults
+    return bnb.optim.AdamW8bit(
+        groups, lr=defaults["lr"], betas=defaults.get("betas", (0.9, 0.999)), eps=defaults.get("eps", 1e-8)
+    )
 
 
 def lr_at(step: int, base_lr: float, cfg: TrainConfig) -> float:
@@ -57,21 +83,27 @@ class InnerTrainer:
     ):
         self.cfg = cfg
         self.model = model
+        self.device_type = torch.device(device).type
+        if cfg.optimizer == InnerOptimizer.ADAMW_8BIT:
+            if self.device_type == "cuda":
+                optimizer = eight_bit_optimizer(optimizer)
+            else:
+                log.warning(
+                    "train.optimizer = 'adamw8bit' runs on CUDA only: this %s peer uses AdamW", device
+                )
         self.optimizer = optimizer
         self.sampler = sampler
         # the schedule scales each group's lr as the optimizer was built (make_inner_optimizer: inner_lr)
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.device = device
-        self.device_type = torch.device(device).type
         self.micro_batch = micro_batch
         self.steps = 0
         self.last_lr = self.base_lrs[0] if self.base_lrs else 0.0
-        if cfg.precision == Precision.FP16 and self.device_type != "cuda":
-            raise ConfigError(
-                f"train.precision = 'fp16' needs a CUDA device (this peer trains on {device}); use 'bf16' "
-                "or 'fp32'"
-            )
-        self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == Precision.FP16 else None
+        self.precision = cfg.precision
+        if self.precision == Precision.FP16 and self.device_type != "cuda":
+            log.warning("train.precision = 'fp16' runs on CUDA only: this %s peer autocasts to bf16", device)
+            self.precision = Precision.BF16
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == Precision.FP16 else None
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         if cfg.activation_checkpointing:
             inner = getattr(model, "module", model)  # a DDP wrapper's model
@@ -84,9 +116,9 @@ class InnerTrainer:
             enable()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.precision == Precision.FP32:
+        if self.precision == Precision.FP32:
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.cfg.precision == Precision.BF16 else torch.float16
+        dtype = torch.bfloat16 if self.precision == Precision.BF16 else torch.float16
         return torch.autocast(device_type=self.device_type, dtype=dtype)
 
     def _splits(self, batch: int) -> int:

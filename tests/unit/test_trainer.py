@@ -121,8 +121,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_weights():
 def test_bad_train_settings_are_refused():
     model = build_model(ModelConfig(block_size=16))
     optimizer = make_inner_optimizer(model, 1e-3, 0.1)
-    with pytest.raises(ConfigError, match="fp16' needs a CUDA device"):
-        InnerTrainer(TrainConfig(precision="fp16"), model, optimizer, FixedSampler())
+    assert InnerTrainer(TrainConfig(precision="fp16"), model, optimizer, FixedSampler()).precision == "bf16"
     with pytest.raises(ConfigError, match="train.precision must be one of"):
         TrainConfig(precision="int4")
     with pytest.raises(ConfigError, match="activation_checkpointing is for kind = 'hf'"):
@@ -173,3 +172,29 @@ def test_learner_steps_through_its_trainer_and_counts_exact_tokens_with_micro_ba
     assert losses[0] != losses[1]  # steps 1 and 2 read the loss (the first step and every loss_every)
     assert losses[2] == losses[1]  # step 3's loss was not read: the last read value stays
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # warmup done: the optimizer's own lr
+
+
+def test_adamw8bit_falls_back_to_adamw_off_cuda():
+    model = build_model(ModelConfig(block_size=16))
+    optimizer = make_inner_optimizer(model, 1e-3, 0.1)
+    trainer = InnerTrainer(TrainConfig(optimizer="adamw8bit"), model, optimizer, FixedSampler())
+    assert trainer.optimizer is optimizer
+    with pytest.raises(ConfigError, match="train.optimizer must be one of"):
+        TrainConfig(optimizer="lion")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' 8-bit optimizers need a CUDA device")
+def test_adamw8bit_on_cuda_trains():
+    import bitsandbytes as bnb
+
+    model = hf_model().to("cuda")
+    optimizer = make_inner_optimizer(model, 3e-3, 0.1)
+    trainer = InnerTrainer(
+        TrainConfig(optimizer="adamw8bit", precision="bf16"), model, optimizer, FixedSampler(), device="cuda"
+    )
+    assert isinstance(trainer.optimizer, bnb.optim.AdamW8bit)
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.1, 0.0]
+    first = trainer.step()[0]
+    for _ in range(20):
+        last = trainer.step()[0]
+    assert last < first
