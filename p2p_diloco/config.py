@@ -205,7 +205,9 @@ class RunManifest:
         for name, klass in sections.items():
             section = raw.get(name, {})
             _require(isinstance(section, dict), f"{where}: [{name}] must be a table")
-            fields = {f.name for f in dataclasses.fields(klass) if f.init and f.name != "base_dir"}
+            fields = {
+                f.name for f in dataclasses.fields(klass) if f.name not in ("base_dir", "resolved_config")
+            }
             bad = sorted(set(section) - fields)
             _require(not bad, f"{where}: unknown keys in [{name}]: {bad}; valid keys are {sorted(fields)}")
             values = {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}

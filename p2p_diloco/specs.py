@@ -73,12 +73,14 @@ class ModelConfig:
     factory: str = ""  # custom: "package.module:function"
     weights_digest: str = ""  # checksum of the initial weights (see `model.external.weights_digest`)
     base_dir: str = field(default="", compare=False)  # the manifest's folder; not hashed
-    resolved_config: dict[str, Any] = field(default_factory=dict, init=False)  # hashed content of `config`
+    # the hashed content of `config`, computed at construction (a value passed in is replaced)
+    resolved_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(ModelKind, self.kind, "model.kind"))
         _require(self.block_size >= 2, f"model.block_size must be >= 2, got {self.block_size}")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        object.__setattr__(self, "resolved_config", {})
         if self.kind == ModelKind.GPT:
             _require(self.n_layer >= 1, f"model.n_layer must be >= 1, got {self.n_layer}")
             _require(self.n_head >= 1, f"model.n_head must be >= 1, got {self.n_head}")

@@ -171,13 +171,18 @@ def build_external_model(cfg: ModelConfig) -> nn.Module:
     if cfg.init:
         load_init_weights(model, cfg)
     if cfg.weights_digest:
-        found = weights_digest(model)
-        if found != cfg.weights_digest:
-            raise ConfigError(
-                f"the initial weights built here have digest {found}, the run's manifest says "
-                f"{cfg.weights_digest}: use the run's torch/transformers versions and model.init file"
-            )
+        check_weights_digest(model, cfg.weights_digest)
     return model
+
+
+def check_weights_digest(model: nn.Module, expected: str) -> None:
+    """`ConfigError` unless `model`'s initial weights have the digest the manifest pins."""
+    found = weights_digest(model)
+    if found != expected:
+        raise ConfigError(
+            f"the initial weights built here have digest {found}, the run's manifest says {expected}: "
+            "use the run's torch/transformers versions and model.init file"
+        )
 
 
 def build_skeleton(cfg: ModelConfig) -> nn.Module:

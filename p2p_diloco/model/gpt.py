@@ -145,6 +145,10 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     generator = torch.Generator(device="cpu")
     generator.manual_seed(cfg.seed)
     _init_weights(model, generator)
+    if cfg.weights_digest:
+        from p2p_diloco.model.external import check_weights_digest
+
+        check_weights_digest(model, cfg.weights_digest)
     return model
 
 

@@ -8,7 +8,7 @@ token when it has one (``<|endoftext|>``, ``</s>``, ``<eos>``), else by a blank 
 
 The token stream is cut into chunks of `EVAL_CHUNK_TOKENS`; every k-th chunk (k = round(1/eval_fraction))
 goes to ``eval.bin``, the rest to train shards of at most `shard_tokens` tokens. Memory stays bounded by
-one document plus one chunk. Output is deterministic for the same inputs, tokenizer and options.
+one batch of documents plus one chunk. Output is deterministic for the same inputs, tokenizer and options.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from p2p_diloco.model.shards import (
 )
 
 EVAL_CHUNK_TOKENS = 1024
+ENCODE_BATCH = 256  # documents tokenized together
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 BUILTIN = "builtin:pydoc_data.topics"
 
@@ -107,9 +108,26 @@ class TextTokenizer:
             return list(text.encode("utf-8"))
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text (the `tokenizers` library spreads a batch over its threads)."""
+        if self.tokenizer is None:
+            return [self.encode(t) for t in texts]
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     def entry(self) -> dict[str, Any]:
         kind = "bytes" if self.tokenizer is None else "file"
         return {"kind": kind, "digest": self.digest, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+
+def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 class _ShardWriter:
@@ -188,10 +206,13 @@ def prepare(
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writer = _ShardWriter(out, dtype, max(2, round(1.0 / eval_fraction)), shard_tokens)
     try:
-        for n, doc in enumerate(iter_documents(inputs, builtin=builtin)):
-            if n:
-                writer.add(tok.separator)
-            writer.add(tok.encode(doc))
+        first = True
+        for batch in _batches(iter_documents(inputs, builtin=builtin), ENCODE_BATCH):
+            for ids in tok.encode_batch(batch):
+                if not first:
+                    writer.add(tok.separator)
+                writer.add(ids)
+                first = False
     finally:
         writer.close()
     if not writer.train or writer.eval_tokens == 0:

@@ -128,3 +128,20 @@ def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path: Path, text_files
     )
     with pytest.raises(ConfigError, match=r"tokenizer has \d+ tokens but the model embeds only 100"):
         make_sampler(small, "QmPeer")
+
+
+def test_parquet_and_jsonl_inputs_give_the_same_tokens(tmp_path: Path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i}: " + "word " * (i % 50) for i in range(3000)]
+    pq.write_table(pa.table({"text": texts, "id": list(range(3000))}), tmp_path / "docs.parquet")
+    with (tmp_path / "docs.jsonl").open("w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    a = prepare([str(tmp_path / "docs.parquet")], tmp_path / "a", eval_fraction=0.2)
+    b = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "b", eval_fraction=0.2)
+    assert index_digest(a) == index_digest(b)
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
+    with pytest.raises(ConfigError, match="no 'text' column"):
+        prepare([str(tmp_path / "nocol.parquet")], tmp_path / "c")
