@@ -10,7 +10,8 @@ Owns the layout `p2p-diloco data prepare` writes (model/prepare.py) and everythi
 
 The dataset digest (`index_digest`) covers everything but `sources`: format, dtype, tokenizer digest and
 every shard's digest and length. A manifest names it (``[data] digest``); `open_shards` refuses an index
-or a shard file whose content differs, naming it. Shards are `numpy.memmap`s: nothing is read whole.
+or a shard file whose content differs, naming it (each file is hashed once; ``.verified.json`` remembers
+it by size and modification time). Shards are `numpy.memmap`s: nothing is read whole.
 
 `TokenData` looks enough like a 1-D tensor for `BatchSampler` and `evaluate` (`len`, `dim`, slicing,
 and indexing with a LongTensor of positions, which returns int64 token ids).
@@ -35,6 +36,7 @@ from p2p_diloco.errors import ConfigError
 
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
+VERIFIED_FILE = ".verified.json"  # digests checked already (`VerifiedCache`); not part of the dataset
 FORMAT = "p2p_diloco.tokens.v1"
 HASH_CHUNK = 1 << 22
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -136,7 +138,44 @@ def read_index(folder: Path) -> dict[str, Any]:
     return index
 
 
-def _open_shard(folder: Path, entry: dict[str, Any], dtype: Any, what: str, check: bool) -> np.ndarray:
+class VerifiedCache:
+    """Digests already checked, by file name, size, modification time and inode (`VERIFIED_FILE` in the
+    shards folder), so a restart does not hash a large dataset again; a file changed since is hashed
+    again. A folder that cannot be written just goes without the cache."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / VERIFIED_FILE
+        try:
+            self.entries: dict[str, list] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.changed = False
+
+    @staticmethod
+    def _key(path: Path) -> list:
+        stat = path.stat()
+        return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+
+    def matches(self, path: Path, digest: str) -> bool:
+        if self.entries.get(path.name) == [*self._key(path), digest]:
+            return True
+        if file_digest(path) != digest:
+            return False
+        self.entries[path.name] = [*self._key(path), digest]
+        self.changed = True
+        return True
+
+    def save(self) -> None:
+        if self.changed:
+            try:
+                self.path.write_text(json.dumps(self.entries, sort_keys=True))
+            except OSError:
+                pass
+
+
+def _open_shard(
+    folder: Path, entry: dict[str, Any], dtype: Any, what: str, cache: VerifiedCache | None
+) -> np.ndarray:
     path = folder / entry["file"]
     fix = "re-download it (or prepare the data again with the run's tokenizer and inputs)"
     if not path.is_file():
@@ -144,7 +183,7 @@ def _open_shard(folder: Path, entry: dict[str, Any], dtype: Any, what: str, chec
     expected = int(entry["tokens"]) * np.dtype(dtype).itemsize
     if path.stat().st_size != expected:
         raise ConfigError(f"your copy of {what} ({path}) differs from the run's (wrong size): {fix}")
-    if check and file_digest(path) != entry["digest"]:
+    if cache is not None and not cache.matches(path, entry["digest"]):
         raise ConfigError(f"your copy of {what} ({path}) differs from the run's: {fix}")
     return np.memmap(path, dtype=dtype, mode="r")
 
@@ -163,18 +202,20 @@ def open_shards(folder: str | Path, digest: str | None, *, check_files: bool = T
     dtype = DTYPES.get(index.get("dtype"))
     if dtype is None:
         raise ConfigError(f"{folder / INDEX_FILE}: dtype must be one of {sorted(DTYPES)}")
+    cache = VerifiedCache(folder) if check_files else None
     tokenizer = index["tokenizer"]
     if tokenizer["kind"] == "file":
         tok_path = folder / TOKENIZER_FILE
-        if not tok_path.is_file() or (check_files and file_digest(tok_path) != tokenizer["digest"]):
+        if not tok_path.is_file() or (cache is not None and not cache.matches(tok_path, tokenizer["digest"])):
             raise ConfigError(
                 f"your copy of the tokenizer ({tok_path}) differs from the run's: re-download it"
             )
     train = [
-        _open_shard(folder, e, dtype, f"shard {i} ({e['file']})", check_files)
-        for i, e in enumerate(index["train"])
+        _open_shard(folder, e, dtype, f"shard {i} ({e['file']})", cache) for i, e in enumerate(index["train"])
     ]
-    eval_ = _open_shard(folder, index["eval"], dtype, "the eval shard", check_files)
+    eval_ = _open_shard(folder, index["eval"], dtype, "the eval shard", cache)
+    if cache is not None:
+        cache.save()
     return Shards(folder, index, TokenData(train), TokenData([eval_]), found)
 
 

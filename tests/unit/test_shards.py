@@ -14,7 +14,14 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.data import evaluate, load_corpus
 from p2p_diloco.model.prepare import prepare, train_tokenizer
-from p2p_diloco.model.shards import INDEX_FILE, TokenData, eval_split, index_digest, make_sampler
+from p2p_diloco.model.shards import (
+    INDEX_FILE,
+    VERIFIED_FILE,
+    TokenData,
+    eval_split,
+    index_digest,
+    make_sampler,
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +91,9 @@ def test_streams_are_deterministic_per_peer_and_differ_between_peers(tmp_path: P
 def test_altered_shard_or_index_is_refused(tmp_path: Path, text_files, tokenizer):
     index = prepare(text_files, tmp_path / "e", tokenizer=tokenizer, shard_tokens=4096)
     manifest = manifest_for(tmp_path / "e", index_digest(index), tmp_path)
+    load_corpus(manifest.data)  # checked once: remembered in .verified.json
+    assert (tmp_path / "e" / VERIFIED_FILE).is_file()
+    load_corpus(manifest.data)
     shard = tmp_path / "e" / index["train"][1]["file"]
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 1
