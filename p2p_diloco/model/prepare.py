@@ -145,9 +145,11 @@ class _ShardWriter:
 
     def add(self, ids: Iterable[int]) -> None:
         self.pending.extend(ids)
-        while len(self.pending) >= EVAL_CHUNK_TOKENS:
-            self._chunk(self.pending[:EVAL_CHUNK_TOKENS])
-            del self.pending[:EVAL_CHUNK_TOKENS]
+        full = len(self.pending) // EVAL_CHUNK_TOKENS * EVAL_CHUNK_TOKENS
+        for start in range(0, full, EVAL_CHUNK_TOKENS):
+            self._chunk(self.pending[start : start + EVAL_CHUNK_TOKENS])
+        if full:
+            self.pending = self.pending[full:]
 
     def _chunk(self, ids: list[int]) -> None:
         self.chunks += 1
