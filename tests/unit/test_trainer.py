@@ -198,3 +198,24 @@ def test_adamw8bit_on_cuda_trains():
     for _ in range(20):
         last = trainer.step()[0]
     assert last < first
+
+
+def test_join_micro_batch_flag_must_divide_the_batch(tmp_path):
+    from p2p_diloco.cli import build_parser
+    from p2p_diloco.net.identity import write_identity
+    from p2p_diloco.node.join import options_from_args
+
+    (tmp_path / "run.toml").write_text('run_id = "t"\n[diloco]\nbatch_size = 8\n')
+    write_identity(tmp_path / "peer.key")
+    base = [
+        "join",
+        str(tmp_path / "run.toml"),
+        "--identity",
+        str(tmp_path / "peer.key"),
+        "--state-dir",
+        str(tmp_path / "s"),
+    ]
+    assert options_from_args(build_parser().parse_args([*base, "--micro-batch", "2"])).micro_batch == 2
+    assert options_from_args(build_parser().parse_args(base)).micro_batch == 0
+    with pytest.raises(ConfigError, match="--micro-batch must divide the manifest's batch_size 8"):
+        options_from_args(build_parser().parse_args([*base, "--micro-batch", "3"]))
