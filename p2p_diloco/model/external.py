@@ -60,7 +60,11 @@ class HFCausalLM(nn.Module):
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing)."""
-        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.hf, "activation_checkpointing_enable"):  # transformers >= 5.x
+            self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def hf_config(cfg: ModelConfig) -> Any:

@@ -116,6 +116,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_weights():
         last = trainer.step()[0]
     assert last < first
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.hf.is_activation_checkpointing
 
 
 def test_bad_train_settings_are_refused():
