@@ -206,13 +206,10 @@ class Island:
         return int(environ.get("LOCAL_WORLD_SIZE", self.world_size)) == self.world_size
 
     def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """DDP over the island; its construction broadcasts rank 0's parameters to every rank. Buffers
-        (rotary tables and the like) are built identically everywhere and not broadcast in forward, so
-        ranks may run different numbers of micro-batches (`--micro-batch`): one all-reduce a step each."""
-        device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
-        return self._collective(
-            DistributedDataParallel, model, device_ids=device_ids, broadcast_buffers=False
-        )
+        """DDP over the island; its construction broadcasts rank 0's parameters to every rank. Buffers are
+        built identically and not broadcast in forward: ranks may differ in `--micro-batch`."""
+        ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
+        return self._collective(DistributedDataParallel, model, device_ids=ids, broadcast_buffers=False)
 
     def exchange_control(self, command: int, step: int, dirty: Sequence[int], num_fragments: int):
         """Rank 0 sends (command, step, dirty fragments); every rank returns what rank 0 sent."""
