@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress output: a live panel (rich) or plain lines; auto: live when stdout is a terminal",
     )
     p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sequences per forward/backward; the manifest's batch_size (a step) is accumulated over "
+        "batch_size/N micro-batches (default: the whole batch at once)",
+    )
+    p.add_argument(
         "--nproc",
         type=int,
         default=1,
@@ -170,9 +178,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the global model of a peer's state directory as safetensors")
     p.add_argument("manifest", help="the run manifest TOML that peer joined with")
     p.add_argument("--state-dir", required=True, help="the peer's state directory (holds replica.pt)")
-    p.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    p.add_argument("--out", required=True, help="output file (model.safetensors), or folder for --format hf")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="hf: a folder transformers' from_pretrained loads (model and tokenizer; [model] kind = 'hf')",
+    )
     p.set_defaults(func=_lazy("p2p_diloco.node.export:cli_export"))
+
+    p = sub.add_parser("data", help="prepare token shards (and train a tokenizer) from local text")
+    actions = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    a = actions.add_parser(
+        "prepare", help="tokenize .txt/.jsonl/.parquet files into shards; prints the digest"
+    )
+    a.add_argument("inputs", nargs="*", help="input files (.txt/.md whole, .jsonl 'text' field, .parquet)")
+    a.add_argument("--builtin", action="store_true", help="also Python's bundled pydoc text (no download)")
+    a.add_argument("--tokenizer", default="bytes", help="tokenizers JSON file, or 'bytes' (default)")
+    a.add_argument("--out", required=True, help="new folder for index.json and the shards")
+    a.add_argument("--eval-fraction", type=float, default=0.05, help="share of the stream held out for eval")
+    a.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per train shard at most")
+    a.set_defaults(func=_lazy("p2p_diloco.model.prepare:cli_data"))
+    a = actions.add_parser("tokenizer", help="train a byte-level BPE tokenizer on local text, offline")
+    a.add_argument("inputs", nargs="*", help="input files, as for prepare")
+    a.add_argument("--builtin", action="store_true", help="also Python's bundled pydoc text")
+    a.add_argument("--vocab-size", type=int, default=4096)
+    a.add_argument("--out", required=True, help="tokenizer JSON file to write")
+    a.set_defaults(func=_lazy("p2p_diloco.model.prepare:cli_data"))
+
+    p = sub.add_parser("model-digest", help="build a manifest's initial model and print its weights digest")
+    p.add_argument("manifest", help="run manifest TOML")
+    p.set_defaults(func=_lazy("p2p_diloco.model.external:cli_model_digest"))
 
     p = sub.add_parser(
         "baseline-worker",

@@ -20,6 +20,30 @@ from typing import Any, Literal
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol.robust import RobustConfig
 from p2p_diloco.protocol.timing import SwarmTiming
+from p2p_diloco.specs import (
+    DataConfig,
+    DataSource,
+    InnerOptimizer,
+    LRSchedule,
+    ModelConfig,
+    ModelKind,
+    Precision,
+    TrainConfig,
+)
+
+__all__ = [
+    "DataConfig",
+    "DataSource",
+    "DilocoConfig",
+    "InnerOptimizer",
+    "LRSchedule",
+    "ModelConfig",
+    "ModelKind",
+    "Precision",
+    "RunManifest",
+    "TrainConfig",
+    "WireConfig",
+]
 
 
 class Codec(StrEnum):
@@ -108,54 +132,6 @@ class DilocoConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A small byte-level GPT (vocab 256)."""
-
-    kind: Literal["gpt"] = "gpt"
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64
-    block_size: int = 64
-    dropout: float = 0.0
-    seed: int = 0  # initial weights are identical on every peer
-
-    def __post_init__(self) -> None:
-        _require(self.kind == "gpt", f"model.kind must be 'gpt', got {self.kind!r}")
-        _require(self.n_layer >= 1, f"model.n_layer must be >= 1, got {self.n_layer}")
-        _require(self.n_head >= 1, f"model.n_head must be >= 1, got {self.n_head}")
-        _require(
-            self.n_embd % self.n_head == 0,
-            f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})",
-        )
-        _require(self.block_size >= 2, f"model.block_size must be >= 2, got {self.block_size}")
-        _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where training text comes from: the embedded corpus or local files."""
-
-    source: Literal["builtin", "files"] = "builtin"
-    paths: tuple[str, ...] = ()
-    eval_fraction: float = 0.05
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _require(
-            self.source in ("builtin", "files"),
-            f"data.source must be 'builtin' or 'files', got {self.source!r}",
-        )
-        _require(
-            self.source != "files" or len(self.paths) > 0,
-            "data.source = 'files' needs data.paths = ['corpus.txt', ...]",
-        )
-        _require(
-            0.0 < self.eval_fraction < 0.5,
-            f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}",
-        )
-
-
-@dataclass(frozen=True)
 class WireConfig:
     """How outer deltas and updates are encoded (`wire.codec`; sparse top-k bodies: `wire.sparse`)."""
 
@@ -203,6 +179,7 @@ class RunManifest:
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     timing: SwarmTiming = field(default_factory=SwarmTiming)
     robust: RobustConfig = field(default_factory=RobustConfig)
@@ -216,24 +193,40 @@ class RunManifest:
             and len(self.run_id) <= 64,
             f"run_id must be 1-64 characters of letters, digits, '-', '_' or '.', got {self.run_id!r}",
         )
+        _require(
+            not self.train.activation_checkpointing or self.model.kind != ModelKind.GPT,
+            "train.activation_checkpointing is for kind = 'hf' models; remove it for the built-in gpt",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @functools.cached_property
     def manifest_hash(self) -> str:
-        """16 hex digits over everything peers must agree on (bootstrap addresses excluded)."""
+        """16 hex digits over everything peers must agree on (bootstrap addresses and the paths of files
+        whose content is pinned otherwise excluded)."""
         d = self.to_dict()
         d.pop("bootstrap")
+        # Where a peer keeps the run's files is its own business when their content is pinned: the
+        # shards by data.digest, a config file by its content (resolved_config), init by weights_digest.
+        d["model"].pop("base_dir")
+        d["data"].pop("base_dir")
+        d["data"].pop("shards")
+        if isinstance(d["model"]["config"], str):
+            d["model"]["config"] = "file"
+        if d["model"]["weights_digest"]:
+            d["model"].pop("init")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, where: str = "manifest") -> RunManifest:
+    def from_dict(cls, raw: dict[str, Any], *, where: str = "manifest", base_dir: str = "") -> RunManifest:
+        """`base_dir`: the folder relative paths in [model] and [data] resolve against (not hashed)."""
         sections = {
             "diloco": DilocoConfig,
             "model": ModelConfig,
             "data": DataConfig,
+            "train": TrainConfig,
             "wire": WireConfig,
             "timing": SwarmTiming,
             "robust": RobustConfig,
@@ -247,10 +240,14 @@ class RunManifest:
         for name, klass in sections.items():
             section = raw.get(name, {})
             _require(isinstance(section, dict), f"{where}: [{name}] must be a table")
-            fields = {f.name for f in dataclasses.fields(klass)}
+            fields = {
+                f.name for f in dataclasses.fields(klass) if f.name not in ("base_dir", "resolved_config")
+            }
             bad = sorted(set(section) - fields)
             _require(not bad, f"{where}: unknown keys in [{name}]: {bad}; valid keys are {sorted(fields)}")
             values = {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}
+            if name in ("model", "data"):
+                values["base_dir"] = base_dir
             try:
                 kwargs[name] = klass(**values)
             except TypeError as exc:
@@ -273,4 +270,4 @@ class RunManifest:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"manifest {path} is not valid TOML: {exc}") from exc
-        return cls.from_dict(raw, where=str(path))
+        return cls.from_dict(raw, where=str(path), base_dir=str(path.resolve().parent))

@@ -20,7 +20,7 @@ from typing import Any
 from p2p_diloco.demo.chaos import Schedule, calm_schedule, chaos_schedule
 from p2p_diloco.errors import ConfigError
 
-DEMO_MANIFEST = Path(__file__).resolve().parents[2] / "peers" / "demo.toml"
+DEMO_MANIFEST = Path(__file__).resolve().parents[1] / "peers" / "demo.toml"  # package data
 
 
 def baseline_available() -> bool:

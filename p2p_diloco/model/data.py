@@ -4,6 +4,8 @@ Owns: `load_corpus` (Python's bundled pydoc text or the user's local files, no d
 `split_train_eval` (every k-th chunk goes to eval, so eval text is spread through the corpus and never
 overlaps train), `BatchSampler` (learner `shard` of `num_shards` draws windows from its own contiguous
 slice of the train bytes with its own generator; resumable) and `evaluate` (deterministic eval loss).
+With `data.source = "shards"` the corpus is the run's prepared token shards (model/shards.py), memory
+mapped and checked against the manifest's digest; `BatchSampler` and `evaluate` read them the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from p2p_diloco.config import DataConfig
+from p2p_diloco.config import DataConfig, DataSource
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.shards import TokenData, open_run_shards
 
 EVAL_CHUNK_BYTES = 4096
 FILE_SEPARATOR = "\n\n"
@@ -32,9 +35,10 @@ class Corpus:
     """
 
     name: str
-    train: Tensor
-    eval: Tensor
+    train: Tensor | TokenData
+    eval: Tensor | TokenData
     digest: str
+    vocab_size: int | None = None  # ids are < vocab_size (256 for bytes)
 
 
 def _bytes_to_tensor(raw: bytes) -> Tensor:
@@ -89,8 +93,18 @@ def load_corpus(cfg: DataConfig) -> Corpus:
 
     "builtin": Python's bundled `pydoc_data.topics` (~465 KB of English), joined in sorted key order.
     "files": `cfg.paths` in the given order, decoded as UTF-8 with errors replaced, joined by a blank line.
+    "shards": the prepared token shards `cfg.shards` (memory-mapped, checked against `cfg.digest`).
     Raises `ConfigError` naming the path for a missing, unreadable or empty file.
     """
+    if cfg.source == DataSource.SHARDS:
+        shards = open_run_shards(cfg)
+        return Corpus(
+            name=f"shards:{shards.path}",
+            train=shards.train,
+            eval=shards.eval,
+            digest=shards.digest,
+            vocab_size=shards.vocab_size,
+        )
     if cfg.source == "builtin":
         text = _builtin_text()
         name = f"builtin:pydoc_data.topics@python{sys.version_info.major}.{sys.version_info.minor}"
@@ -105,7 +119,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     data = _bytes_to_tensor(raw)
     train, eval_ = split_train_eval(data, cfg.eval_fraction)
     digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
-    return Corpus(name=name, train=train, eval=eval_, digest=digest)
+    return Corpus(name=name, train=train, eval=eval_, digest=digest, vocab_size=256)
 
 
 def _shard_seed(seed: int, shard: int) -> int:
@@ -121,7 +135,14 @@ class BatchSampler:
     """
 
     def __init__(
-        self, data: Tensor, *, block_size: int, batch_size: int, shard: int, num_shards: int, seed: int
+        self,
+        data: Tensor | TokenData,
+        *,
+        block_size: int,
+        batch_size: int,
+        shard: int,
+        num_shards: int,
+        seed: int,
     ):
         if data.dim() != 1:
             raise ConfigError(f"BatchSampler data must be 1-D bytes, got shape {tuple(data.shape)}")
@@ -177,7 +198,12 @@ class BatchSampler:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, eval_data: Tensor, *, block_size: int, batch_size: int = 16, max_batches: int = 8
+    model: nn.Module,
+    eval_data: Tensor | TokenData,
+    *,
+    block_size: int,
+    batch_size: int = 16,
+    max_batches: int = 8,
 ) -> float:
     """Mean next-byte loss over up to `batch_size * max_batches` evenly spaced windows of `eval_data`.
 

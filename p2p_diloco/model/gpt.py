@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2p_diloco.config import ModelConfig
+from p2p_diloco.config import ModelConfig, ModelKind
 
 VOCAB_SIZE = 256
 INIT_STD = 0.02
-EMBEDDING_PARAMETER_NAMES = frozenset({"tok_emb.weight", "pos_emb.weight"})
+EMBEDDING_PARAMETER_NAMES = frozenset({"tok_emb.weight", "pos_emb.weight"})  # what the GPT's are
 
 
 class CausalSelfAttention(nn.Module):
@@ -125,25 +125,39 @@ def _init_weights(model: GPT, generator: torch.Generator) -> None:
             param.normal_(0.0, INIT_STD, generator=generator)
 
 
-def build_model(cfg: ModelConfig) -> GPT:
-    """A CPU float32 `GPT` whose initial weights depend only on `cfg` (bit-identical on every peer).
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """A CPU float32 model whose initial weights depend only on `cfg` (bit-identical on every peer).
+
+    `kind = "hf"` and `"custom"` are built by `model.external.build_external_model`; the rest of this
+    docstring is about the built-in `GPT`.
 
     Modules are created on the meta device so their default initializers never touch the global RNG;
     all values then come from a `torch.Generator` seeded with `cfg.seed`. Move the model to an
     accelerator after building it, not before, so the initial weights stay identical everywhere.
     """
+    if cfg.kind != ModelKind.GPT:
+        from p2p_diloco.model.external import build_external_model
+
+        return build_external_model(cfg)
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device="cpu")
     generator = torch.Generator(device="cpu")
     generator.manual_seed(cfg.seed)
     _init_weights(model, generator)
+    if cfg.weights_digest:
+        from p2p_diloco.model.external import check_weights_digest
+
+        check_weights_digest(model, cfg.weights_digest)
     return model
 
 
 def embedding_parameter_names(model: nn.Module) -> set[str]:
-    """Names of the token and position embeddings (merged by plain weighted mean, not RDA)."""
-    return {name for name, _ in model.named_parameters() if name in EMBEDDING_PARAMETER_NAMES}
+    """Names of the token and position embeddings (merged by plain weighted mean, not RDA): the
+    parameters of every `nn.Embedding` module, so any model kind is covered."""
+    from p2p_diloco.model.external import embedding_names
+
+    return embedding_names(model)
 
 
 def make_inner_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:

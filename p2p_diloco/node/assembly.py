@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.model.data import BatchSampler, Corpus, load_corpus
+from p2p_diloco.model.data import Corpus, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.model.shards import make_sampler
+from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.net.dht_store import PendingDht, identity_check_needed, start_dht
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.node.island import Island, IslandLearner, island_sampler
@@ -95,17 +97,24 @@ def make_learner(
     seed = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
     args = (peer_id, manifest, built.plan, built.replica, built.model, built.optimizer)
     if island is None:
-        sampler = BatchSampler(
-            built.corpus.train,
-            block_size=manifest.model.block_size,
-            batch_size=manifest.diloco.batch_size,
-            shard=0,
-            num_shards=1,
-            seed=seed,
+        # this peer's own stream of the run's data, fresh for every start (salt): a restarted peer does
+        # not repeat the batches of its previous life
+        learner = Learner(*args, make_sampler(manifest, peer_id, built.corpus, salt=seed), device=opts.device)
+        learner.trainer = make_trainer(
+            manifest,
+            built.model,
+            built.optimizer,
+            learner.sampler,
+            micro_batch=opts.micro_batch,
+            device=opts.device,
         )
-        return Learner(*args, sampler, device=opts.device)
+        return learner
     sampler = island_sampler(built.corpus.train, opts, island, island.share_seed(seed))
-    return IslandLearner(island, *args, sampler, device=opts.device, state_dir=opts.state_dir)
+    learner = IslandLearner(island, *args, sampler, device=opts.device, state_dir=opts.state_dir)
+    learner.trainer = make_trainer(
+        manifest, learner.ddp, built.optimizer, sampler, micro_batch=opts.micro_batch, device=opts.device
+    )
+    return learner
 
 
 def catch_up_at_start(driver: PeerDriver, peer: Peer, now: float, away: float, timeout: float) -> dict | None:

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from p2p_diloco.config import RunManifest
+from p2p_diloco.config import ModelKind, RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.external import build_skeleton
 from p2p_diloco.model.gpt import GPT
 from p2p_diloco.node.replica_file import ReplicaFileError, load_replica
 from p2p_diloco.node.state import PEER_STATE_FILE, REPLICA_FILE
@@ -41,8 +42,11 @@ class ExportError(ConfigError):
 
 def model_plan(manifest: RunManifest) -> FragmentPlan:
     """The fragment plan `join` uses for this manifest, from parameter shapes only."""
-    with torch.device("meta"):
-        model = GPT(manifest.model)
+    if manifest.model.kind == ModelKind.GPT:
+        with torch.device("meta"):
+            model = GPT(manifest.model)
+    else:
+        model = build_skeleton(manifest.model)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     return plan_fragments(shapes, manifest.diloco.fragments, manifest.diloco.fragment_pattern)
 
@@ -123,6 +127,12 @@ def export_model(
 def cli_export(args: argparse.Namespace) -> int:
     """`p2p-diloco export MANIFEST --state-dir DIR --out FILE [--force]`."""
     manifest = RunManifest.load(args.manifest)
+    if getattr(args, "format", "safetensors") == "hf":
+        from p2p_diloco.node.export_hf import export_hf
+
+        export_hf(manifest, args.state_dir, args.out, force=args.force)
+        print(f"wrote {args.out}: transformers model and tokenizer of run {manifest.run_id}", flush=True)
+        return 0
     metadata = export_model(manifest, args.state_dir, args.out, force=args.force)
     print(
         f"wrote {args.out}: global model of run {metadata['run_id']} (manifest {metadata['manifest_hash']}), "

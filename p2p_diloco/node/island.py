@@ -54,6 +54,8 @@ from torch.nn.parallel import DistributedDataParallel
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.model.shards import TokenData
+from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 from p2p_diloco.swarm.learner import Learner
@@ -203,9 +205,10 @@ class Island:
         return int(environ.get("LOCAL_WORLD_SIZE", self.world_size)) == self.world_size
 
     def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """DDP over the island; its construction broadcasts rank 0's parameters to every rank."""
-        device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
-        return self._collective(DistributedDataParallel, model, device_ids=device_ids)
+        """DDP over the island; its construction broadcasts rank 0's parameters to every rank. Buffers are
+        built identically and not broadcast in forward: ranks may differ in `--micro-batch`."""
+        ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
+        return self._collective(DistributedDataParallel, model, device_ids=ids, broadcast_buffers=False)
 
     def exchange_control(self, command: int, step: int, dirty: Sequence[int], num_fragments: int):
         """Rank 0 sends (command, step, dirty fragments); every rank returns what rank 0 sent."""
@@ -378,6 +381,9 @@ def run_follower(options: NodeOptions, island: Island) -> int:
     optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
     sampler = island_sampler(corpus.train, options, island, island.share_seed(0))
     ddp = island.wrap(model)
+    trainer = make_trainer(
+        manifest, ddp, optimizer, sampler, micro_batch=options.micro_batch, device=options.device
+    )
     step = 0
     try:
         while True:
@@ -386,12 +392,7 @@ def run_follower(options: NodeOptions, island: Island) -> int:
                 island.sync_fragments(params, plan, dirty)
             if command == CMD_STOP:
                 break
-            x, y = sampler.next_batch()
-            ddp.train()
-            _, loss = ddp(x.to(options.device), y.to(options.device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            trainer.step()  # the same step as rank 0's learner (model/trainer.py)
     finally:
         island.write_digest(options.state_dir, step, params)
         island.close()
@@ -400,7 +401,9 @@ def run_follower(options: NodeOptions, island: Island) -> int:
     return 0
 
 
-def island_sampler(data: torch.Tensor, options: NodeOptions, island: Island, seed: int) -> BatchSampler:
+def island_sampler(
+    data: torch.Tensor | TokenData, options: NodeOptions, island: Island, seed: int
+) -> BatchSampler:
     """Rank r's sampler: shard r of `world_size`, seeded by rank 0's `seed` (shared by the island)."""
     manifest = options.manifest
     return BatchSampler(

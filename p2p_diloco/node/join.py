@@ -45,6 +45,13 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
     for name in ("persist_every", "progress_every"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
+    micro_batch = getattr(args, "micro_batch", 0)
+    batch = manifest.diloco.batch_size
+    if micro_batch < 0 or (micro_batch and batch % micro_batch):
+        raise ConfigError(
+            f"--micro-batch must divide the manifest's batch_size {batch} (e.g. {batch // 2 or 1}), "
+            f"got {micro_batch}"
+        )
     if args.min_step_time < 0:
         raise ConfigError("--min-step-time must be >= 0 seconds")
     if not 0 <= args.metrics_port <= 65535:
@@ -62,6 +69,7 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
         listen=tuple(listen),
         announce=tuple(announce),
         max_steps=args.max_steps,
+        micro_batch=micro_batch,
         threads=args.threads,
         persist_every=args.persist_every,
         progress_every=args.progress_every,

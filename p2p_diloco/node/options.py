@@ -26,6 +26,9 @@ class NodeOptions:
     listen: tuple[str, ...] = DEFAULT_HOST_MADDRS
     announce: tuple[str, ...] = ()
     max_steps: int | None = None
+    # sequences per forward/backward (gradient accumulation; 0: the manifest's whole batch). The node
+    # hands it to the learner's `InnerTrainer` (model/trainer.py, `make_trainer`).
+    micro_batch: int = 0
     threads: int = 1
     persist_every: float = 30.0
     progress_every: float = 5.0

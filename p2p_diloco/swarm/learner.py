@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.model.trainer import InnerTrainer, make_trainer
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
@@ -131,6 +132,7 @@ class Learner:
         self.deltas_sent = 0
         self.deltas_rejected = 0
         self.last_loss = float("nan")
+        self.trainer: InnerTrainer | None = None  # built at the first step unless a driver sets one
         self._load(dict(enumerate(self.anchors)))
 
     # ---- training -------------------------------------------------------------------------------
@@ -140,16 +142,17 @@ class Learner:
         fragment. `compute_seconds` is the step's duration when the driver knows it (fake clock)."""
         self.settle()
         started = time.perf_counter()
-        x, y = self.sampler.next_batch()
-        x, y = x.to(self.device), y.to(self.device)
-        self.model.train()
-        _, loss = self.model(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        # the step itself (autocast, accumulation, clipping, LR schedule) is model/trainer.py's; a driver
+        # may set `self.trainer` first (e.g. with the peer's --micro-batch)
+        if self.trainer is None:
+            self.trainer = make_trainer(
+                self.manifest, self.model, self.optimizer, self.sampler, device=self.device
+            )
+        loss, tokens = self.trainer.step(self.model)
         seconds = time.perf_counter() - started if compute_seconds is None else compute_seconds
-        self.count_step(int(x.numel()) * self.ranks, self.ranks, seconds)
-        self.last_loss = float(loss.detach())
+        self.count_step(tokens * self.ranks, self.ranks, seconds)
+        if loss is not None:  # None: a step whose loss the trainer did not read (train.loss_every)
+            self.last_loss = loss
         return self.last_loss
 
     def count_step(self, tokens: int, steps: int, seconds: float) -> None:

@@ -1,0 +1,218 @@
+"""Models the run brings itself: any transformers causal LM (`kind = "hf"`) or a custom factory (`"custom"`).
+
+Owns `build_external_model` (called by `model.gpt.build_model` for these kinds), the `HFCausalLM`
+wrapper, `weights_digest` (the checksum of initial weights a manifest may pin) and the checks that
+make a missing file a `ConfigError` naming it.
+
+Both kinds are built on CPU in float32 inside `torch.random.fork_rng` seeded with `model.seed`, so
+their random initializers see the same generator state on every peer and the global RNG is left
+untouched: initial weights are bit-identical for the same torch version. `init` then overwrites them
+with local weights. A manifest's `weights_digest` is checked against the result; a peer with another
+torch build or another weights file is refused with both digests in the message.
+
+The custom factory contract: ``factory = "package.module:function"`` names a function called as
+``function(**config)`` with the ``[model.config]`` table as keyword arguments (no arguments without
+one). It must return a `torch.nn.Module` with float32 parameters whose
+``forward(idx, targets)`` takes int64 token ids of shape (batch, block_size) and returns
+``(logits, loss)``: logits (batch, block_size, vocab) and the mean next-token cross-entropy against
+`targets` (None when `targets` is None). Token and position embeddings should be `nn.Embedding`
+modules: the synchronizer merges their parameters by plain weighted mean (`embedding_parameter_names`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from p2p_diloco.config import ModelConfig, ModelKind
+from p2p_diloco.errors import ConfigError
+
+HF_PREFIX = "hf."  # parameter names of an `HFCausalLM` are the transformers names behind this prefix
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with the project's forward: `model(x, y) -> (logits, loss)`.
+
+    `y` is already shifted (the next token of each position), so the loss is a plain cross-entropy;
+    transformers' own `labels=` path would shift a second time.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    @property
+    def config(self) -> Any:
+        return self.hf.config
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        logits = self.hf(input_ids=idx, use_cache=False).logits
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing)."""
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.hf, "activation_checkpointing_enable"):  # transformers >= 5.x
+            self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers `PretrainedConfig` of `cfg.resolved_config` (needs its `model_type`)."""
+    from transformers import AutoConfig
+
+    raw = dict(cfg.resolved_config)
+    model_type = raw.pop("model_type", None)
+    if not model_type:
+        raise ConfigError(
+            'model.config needs model_type (e.g. "llama", "gpt2", "qwen2") to pick the transformers class'
+        )
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.config: transformers refused it: {exc}") from exc
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and max_positions < cfg.block_size:
+        raise ConfigError(
+            f"model.block_size {cfg.block_size} exceeds the config's max_position_embeddings {max_positions}"
+        )
+    return config
+
+
+def _build_hf(cfg: ModelConfig) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(cfg)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.config: transformers cannot build a causal LM from it: {exc}") from exc
+    return HFCausalLM(model)
+
+
+def _build_custom(cfg: ModelConfig) -> nn.Module:
+    module_name, _, func_name = cfg.factory.partition(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"model.factory {cfg.factory!r} cannot be imported ({exc}); install the package that holds it "
+            "or put it on PYTHONPATH"
+        ) from exc
+    model = func(**cfg.resolved_config)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.init folder {path} holds no *.safetensors files")
+    return files
+
+
+def load_init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """Overwrite `model`'s parameters with the tensors of `cfg.init` (names with or without the wrapper's
+    prefix); every parameter must be found with its shape."""
+    from safetensors.torch import load_file
+
+    path = cfg.path(cfg.init)
+    if not path.exists():
+        raise ConfigError(
+            f"model.init {path} does not exist; copy the run's initial weights there or fix model.init "
+            "(relative paths start at the manifest's folder)"
+        )
+    tensors: dict[str, Tensor] = {}
+    for file in _weight_files(path):
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as exc:  # safetensors raises its own error types
+            raise ConfigError(f"model.init file {file} is not a readable safetensors file ({exc})") from exc
+    prefixed = isinstance(model, HFCausalLM)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = tensors.get(name)
+            if value is None and prefixed:
+                value = tensors.get(name.removeprefix(HF_PREFIX))
+            if value is None:
+                raise ConfigError(f"model.init {path} lacks parameter {name!r}: it holds another model")
+            if tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(
+                    f"model.init {path}: {name} has shape {tuple(value.shape)}, the model expects "
+                    f"{tuple(param.shape)}"
+                )
+            param.copy_(value.to(torch.float32))
+
+
+def weights_digest(model: nn.Module) -> str:
+    """16 hex digits over every parameter's name, shape and float32 bytes, in `named_parameters()` order."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, param in model.named_parameters():
+        h.update(f"{name}:{tuple(param.shape)};".encode())
+        h.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_external_model(cfg: ModelConfig) -> nn.Module:
+    """An `hf` or `custom` model on CPU in float32, identical on every peer (module docstring)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = _build_hf(cfg) if cfg.kind == ModelKind.HF else _build_custom(cfg)
+    model = model.to(torch.float32)
+    if cfg.init:
+        load_init_weights(model, cfg)
+    if cfg.weights_digest:
+        check_weights_digest(model, cfg.weights_digest)
+    return model
+
+
+def check_weights_digest(model: nn.Module, expected: str) -> None:
+    """`ConfigError` unless `model`'s initial weights have the digest the manifest pins."""
+    found = weights_digest(model)
+    if found != expected:
+        raise ConfigError(
+            f"the initial weights built here have digest {found}, the run's manifest says {expected}: "
+            "use the run's torch/transformers versions and model.init file"
+        )
+
+
+def build_skeleton(cfg: ModelConfig) -> nn.Module:
+    """The model of `cfg` on the meta device: names and shapes only, nothing initialized or loaded."""
+    with torch.device("meta"):
+        return _build_hf(cfg) if cfg.kind == ModelKind.HF else _build_custom(cfg)
+
+
+def embedding_names(model: nn.Module) -> set[str]:
+    """Parameters of every `nn.Embedding` module (token and learned position embeddings), generically."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            names.add(f"{module_name}.weight" if module_name else "weight")
+    params = {name for name, _ in model.named_parameters()}
+    return names & params
+
+
+def cli_model_digest(args: Any) -> int:
+    """`p2p-diloco model-digest MANIFEST`: the `weights_digest` of the manifest's initial model."""
+    from p2p_diloco.config import RunManifest
+    from p2p_diloco.model.gpt import build_model
+
+    manifest = RunManifest.load(args.manifest)
+    model = build_model(manifest.model)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{manifest.model.kind} model, {count} parameters")
+    print(f"weights_digest: {weights_digest(model)}")
+    return 0
