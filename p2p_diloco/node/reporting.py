@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.node.guard import HandlerSlot as GuardedHandlers
+from p2p_diloco.node.guard import HandlerSlot
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT
@@ -51,7 +51,7 @@ def _short(text: str, limit: int = MAX_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def rejection_counts(peer: Peer | None, guard: GuardedHandlers | None, transport: Any) -> Counter[str]:
+def rejection_counts(peer: Peer | None, guard: HandlerSlot | None, transport: Any) -> Counter[str]:
     """Every rejection this peer answered or dropped, by reason tag (peer, synchronizer, guard, transport)."""
     total: Counter[str] = Counter()
     if peer is not None:
@@ -145,7 +145,7 @@ class Telemetry:
         now: float,
         peer: Peer,
         learner: Learner,
-        guard: GuardedHandlers | None,
+        guard: HandlerSlot | None,
         transport: Any,
         *,
         training: bool,
@@ -170,7 +170,7 @@ class Telemetry:
         }
 
     def progress_line(
-        self, peer: Peer, learner: Learner, guard: GuardedHandlers | None, transport: Any, *, training: bool
+        self, peer: Peer, learner: Learner, guard: HandlerSlot | None, transport: Any, *, training: bool
     ) -> str:
         versions = ",".join(str(v) for v in peer.replica.versions())
         role = "synchronizer" if peer.sync else "learner"
@@ -185,7 +185,7 @@ class Telemetry:
         self,
         peer: Peer,
         learner: Learner | None,
-        guard: GuardedHandlers | None,
+        guard: HandlerSlot | None,
         transport: Any,
         *,
         training: bool,
