@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
+from p2p_diloco.config import RunManifest
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.net import streams
 from p2p_diloco.protocol.election import LeaseRecord
@@ -34,15 +34,14 @@ from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from p2p_diloco.wire.replies import Reply
+from tests.support.manifests import TINY_MODEL, tiny_manifest
 from tests.support.peers import PeerHarness, StubTransport
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>"
 
-MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
-MANIFEST = RunManifest(
-    run_id="fz", model=MODEL, diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2)
-)
+MODEL = TINY_MODEL
+MANIFEST = tiny_manifest("fz")
 _template = build_model(MODEL)
 SHAPES = {n: tuple(p.shape) for n, p in _template.named_parameters()}
 PLAN = plan_fragments(list(SHAPES.items()), 2)

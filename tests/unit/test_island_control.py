@@ -12,10 +12,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
+from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.model.data import BatchSampler, load_corpus
-from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.model.data import load_corpus
 from p2p_diloco.node.island import (
     CMD_STOP,
     CMD_TRAIN,
@@ -33,8 +32,8 @@ from p2p_diloco.node.island import (
 )
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.learner import Adopt, Reload
+from tests.support.manifests import tiny_manifest, tiny_training
 
 CFG = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
 
@@ -129,14 +128,9 @@ def corpus():
 
 
 def make_island_learner(corpus, island, tmp_path):
-    manifest = RunManifest(
-        run_id="t", model=CFG, diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2)
-    )
-    model = build_model(CFG)
-    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
-    replica = GlobalReplica(plan, dict(model.named_parameters()))
-    sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=2, seed=0)
-    optimizer = make_inner_optimizer(model, 1e-2, 0.0)
+    manifest = tiny_manifest("t")
+    t = tiny_training(manifest, num_shards=2, corpus=corpus)
+    model, plan, replica, sampler, optimizer = t.model, t.plan, t.replica, t.sampler, t.optimizer
     learner = IslandLearner(
         island, "me", manifest, plan, replica, model, optimizer, sampler, state_dir=tmp_path
     )

@@ -10,16 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
-from p2p_diloco.model.data import BatchSampler, load_corpus
-from p2p_diloco.model.gpt import build_model, make_inner_optimizer
-from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.config import RunManifest
+from p2p_diloco.model.data import load_corpus
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.deltas import SendGate
 from p2p_diloco.swarm.learner import Adopt, Learner, Release
-
-CFG = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
+from tests.support.manifests import TINY_DILOCO, tiny_manifest, tiny_training
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +24,10 @@ def corpus():
 
 
 def make(corpus, adoption="carry", **diloco):
-    manifest = RunManifest(
-        run_id="t",
-        model=CFG,
-        diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2, adoption="overwrite", **diloco),
-    )
-    if adoption != "overwrite":
-        manifest = dataclasses.replace(
-            manifest, diloco=dataclasses.replace(manifest.diloco, adoption=adoption)
-        )
-    model = build_model(CFG)
-    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = plan_fragments(shapes, 2)
-    replica = GlobalReplica(plan, dict(model.named_parameters()))
-    sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=1, seed=0)
-    learner = Learner("me", manifest, plan, replica, model, make_inner_optimizer(model, 1e-2, 0.0), sampler)
-    return learner, replica, plan
+    manifest = tiny_manifest("t", diloco=dataclasses.replace(TINY_DILOCO, adoption=adoption, **diloco))
+    t = tiny_training(manifest, corpus=corpus)
+    learner = Learner("me", manifest, t.plan, t.replica, t.model, t.optimizer, t.sampler)
+    return learner, t.replica, t.plan
 
 
 def train_until_delta(learner):

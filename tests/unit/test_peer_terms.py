@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest
-from p2p_diloco.model.data import BatchSampler, load_corpus
-from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
-from p2p_diloco.protocol.fragments import plan_fragments
-from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.deltas import InFlight
 from p2p_diloco.swarm.effects import Published, StoreRecord
 from p2p_diloco.swarm.learner import Learner
@@ -20,12 +16,10 @@ from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease, encode_lease
+from tests.support.manifests import tiny_manifest, tiny_training
 from tests.support.peers import PeerHarness, StubTransport
 
-MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
-MANIFEST = RunManifest(
-    run_id="terms", model=MODEL, diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2)
-)
+MANIFEST = tiny_manifest("terms")
 
 
 def make_peer(
@@ -37,16 +31,10 @@ def make_peer(
     may_sync: bool = False,
     published: list | None = None,
 ) -> tuple[PeerHarness, InMemoryKeyValueStore, FakeClock, StubTransport]:
-    model = build_model(MODEL)
-    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
-    replica = GlobalReplica(plan, dict(model.named_parameters()))
-    corpus = load_corpus(manifest.data)
-    sampler = BatchSampler(corpus.train, block_size=8, batch_size=2, shard=0, num_shards=1, seed=0)
-    optimizer = make_inner_optimizer(model, 1e-2, 0.0)
-    learner = Learner(peer_id, manifest, plan, replica, model, optimizer, sampler)
+    t = tiny_training(manifest)
+    learner = Learner(peer_id, manifest, t.plan, t.replica, t.model, t.optimizer, t.sampler)
     kv, clock, transport = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0), StubTransport()
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    peer = Peer(peer_id, manifest, plan, replica, shapes=shapes, may_sync=may_sync)
+    peer = Peer(peer_id, manifest, t.plan, t.replica, shapes=t.shapes, may_sync=may_sync)
 
     def observe(intent) -> None:
         if isinstance(intent, Published) and published is not None:
