@@ -21,7 +21,8 @@ from p2p_diloco.model.shards import make_sampler
 from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.net.dht_store import PendingDht, identity_check_needed, start_dht
 from p2p_diloco.net.identity import peer_id_of
-from p2p_diloco.node.island import Island, IslandLearner, island_sampler
+from p2p_diloco.node.island import Island, island_sampler
+from p2p_diloco.node.island_learner import IslandLearner
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments

@@ -39,7 +39,8 @@ from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_lea
 from p2p_diloco.node.bytes import ByteCounter
 from p2p_diloco.node.events import GoodputCounters, PeerEventLog, ReplicaSaver, own_threads
 from p2p_diloco.node.guard import DhtClock, HandlerSlot
-from p2p_diloco.node.island import Island, finish_island
+from p2p_diloco.node.island import Island
+from p2p_diloco.node.island_learner import finish_island
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
 from p2p_diloco.node.options import NodeOptions, check_device

@@ -20,9 +20,7 @@ from p2p_diloco.node.island import (
     CMD_TRAIN,
     Island,
     IslandEnv,
-    IslandLearner,
     backend_for,
-    finish_island,
     island_env,
     params_checksum,
     params_digest,
@@ -30,6 +28,7 @@ from p2p_diloco.node.island import (
     rank_device,
     torchrun_argv,
 )
+from p2p_diloco.node.island_learner import IslandLearner, finish_island
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.learner import Adopt, Reload
