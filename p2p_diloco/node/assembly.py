@@ -131,6 +131,8 @@ def catch_up_at_start(driver: PeerDriver, peer: Peer, now: float, away: float, t
         stats = done.result(timeout=timeout)
     except concurrent.futures.TimeoutError:
         return None
+    if stats is None:  # the catch-up task failed (its note says why)
+        return None
     after = peer.replica.versions()
     sizes = peer.plan.sizes()
     if not replay:  # params and momentum, fp32

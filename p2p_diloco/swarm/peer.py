@@ -106,10 +106,8 @@ class Peer:
             case fx.DeltaArrived():
                 self._emit(fx.Respond(event.answer, self._handle_delta(event.sender, event.frame, event.now)))
             case fx.UpdateArrived():
-                answer = event.answer
                 self.spawn(
-                    self._receive_update(event.sender, event.frame, event.now),
-                    lambda r: self._emit(fx.Respond(answer, r)),
+                    self._receive_update(event.sender, event.frame, event.now), self._respond(event.answer)
                 )
             case fx.UpdatesRequested():
                 frames = self.repair.serve_updates(event.requester, event.fragment, event.after_version)
@@ -125,11 +123,7 @@ class Peer:
             case fx.TaskResult():
                 self._resume(event.task, event.value, event.error)
             case fx.CatchUpRequested():
-                answer = event.answer
-                self.spawn(
-                    self.repair.catch_up(event.now, replay=event.replay),
-                    lambda s: answer and self._emit(fx.Respond(answer, s)),
-                )
+                self.spawn(self.repair.catch_up(event.now, replay=event.replay), self._respond(event.answer))
             case fx.Stopping():
                 released = self._stop(event.now)
                 if event.answer is not None:
@@ -146,6 +140,10 @@ class Peer:
 
     def _emit(self, intent: fx.Intent) -> None:
         self._out.append(intent)
+
+    def _respond(self, answer: fx.Answer | None) -> Callable[[Any], None]:
+        """A task's completion callback that answers `answer` (if any) with the task's result."""
+        return lambda value: None if answer is None else self._emit(fx.Respond(answer, value))
 
     # ---- tasks -------------------------------------------------------------------------------------
 
@@ -170,9 +168,10 @@ class Peer:
             _, on_done = self._tasks.pop(task_id)
             on_done(done.value)
             return
-        except Exception as exc:  # a bug in a task: it ends, the peer goes on
-            self._tasks.pop(task_id, None)
+        except Exception as exc:  # a bug in a task: it ends (answering None), the peer goes on
+            _, on_done = self._tasks.pop(task_id)
             self.journal.note(f"task failed: {type(exc).__name__}: {exc}")
+            on_done(None)
             return
         self._emit(fx.Perform(task_id, request))
 
