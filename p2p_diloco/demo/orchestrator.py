@@ -7,19 +7,19 @@ directory under the work dir, waits until every worker is up (its ``start`` even
 ``kill_sync``, found from the peers' ``published``/``progress`` events), restarts them with the same
 identity and state directory after their down time, evaluates the newest saved global model now and
 then, and feeds the live view. At the end it stops every worker with SIGTERM (they persist), evaluates
-the final global model and returns the raw material of the report (`RunRecord`).
+the final global model and returns the raw material of the report (`RunRecord`). A learner slot
+(`Slot`, `EventTail`) is `demo.slots`; evaluating the saved global model is `demo.saved_models`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.demo.chaos import KILL_SYNC, Fault, Schedule
+from p2p_diloco.demo.saved_models import SavedModels
+from p2p_diloco.demo.slots import EventTail, Slot
 from p2p_diloco.errors import ConfigError
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -37,58 +39,6 @@ DECOUPLED, BASELINE = "decoupled", "baseline"
 
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco", *args]
-
-
-class EventTail:
-    """Reads new complete lines of a state dir's ``events.jsonl`` as they are appended."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-        self.events: list[dict[str, Any]] = []
-
-    def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except OSError:
-            return []
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
-        new = []
-        for line in chunk[: end + 1].splitlines():
-            try:
-                new.append(json.loads(line))
-            except ValueError:
-                continue
-        self.events.extend(new)
-        return new
-
-
-@dataclass
-class Slot:
-    """One learner slot: a stable identity and state dir; successive processes."""
-
-    index: int
-    name: str
-    identity: Path
-    peer_id: str
-    state_dir: Path
-    log_path: Path
-    tail: EventTail
-    proc: subprocess.Popen | None = None
-    launched_at: float = 0.0
-    last_progress: dict[str, Any] = field(default_factory=dict)
-    marks: list[tuple[float, str]] = field(default_factory=list)  # (time, "launch"|"up"|"kill"|"stop")
-    restart_at: float | None = None
-    kills: int = 0
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 @dataclass
@@ -143,8 +93,7 @@ class SwarmRun:
         self.eval_curve: list[tuple[float, float, float]] = []
         self.start_time = 0.0
         self.pending: list[Fault] = sorted(schedule.faults, key=lambda f: f.at)
-        self._model = None
-        self._eval_data = None
+        self.saved = SavedModels(self.manifest, baseline=system == BASELINE)
 
     # ---- processes ---------------------------------------------------------------------------------
 
@@ -271,58 +220,11 @@ class SwarmRun:
     # ---- evaluation --------------------------------------------------------------------------------
 
     def _load_model(self) -> None:
-        if self._model is None:
-            from p2p_diloco.model.data import load_corpus
-            from p2p_diloco.model.gpt import build_model
-
-            self._model = build_model(self.manifest.model)
-            self._eval_data = load_corpus(self.manifest.data).eval
+        self.saved.load()
 
     def evaluate_saved(self) -> float | None:
         """Eval loss of the most advanced global model saved in any state directory (None if none)."""
-        from p2p_diloco.model.data import evaluate
-
-        self._load_model()
-        assert self._model is not None
-        params = self._newest_params()
-        if params is None:
-            return None
-        self._model.load_state_dict(params, strict=False)
-        return evaluate(
-            self._model, self._eval_data, block_size=self.manifest.model.block_size, max_batches=4
-        )
-
-    def _newest_params(self) -> dict[str, torch.Tensor] | None:
-        best: tuple[float, dict[str, torch.Tensor]] | None = None
-        for slot in self.slots:
-            try:
-                if self.system == DECOUPLED:
-                    progress = _saved_versions(slot.state_dir)
-                    if progress is None:
-                        continue
-                    params = self._replica_params(slot.state_dir)
-                else:
-                    from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE, load_checkpoint
-
-                    ckpt, _ = load_checkpoint(slot.state_dir / CHECKPOINT_FILE, self.manifest, self._model)
-                    if ckpt is None:
-                        continue
-                    progress, params = float(ckpt.epoch), ckpt.parameters
-            except Exception:  # noqa: BLE001 - a file being replaced right now: skip it this time
-                continue
-            if params is not None and (best is None or progress > best[0]):
-                best = (progress, params)
-        return best[1] if best else None
-
-    def _replica_params(self, state_dir: Path) -> dict[str, torch.Tensor] | None:
-        from p2p_diloco.node.replica_file import load_replica
-        from p2p_diloco.protocol.fragments import plan_fragments
-
-        assert self._model is not None
-        shapes = [(n, tuple(p.shape)) for n, p in self._model.named_parameters()]
-        plan = plan_fragments(shapes, self.manifest.diloco.fragments, self.manifest.diloco.fragment_pattern)
-        path = state_dir / "replica.pt"
-        return load_replica(path, plan).export_params() if path.exists() else None
+        return self.saved.evaluate(slot.state_dir for slot in self.slots)
 
     def tokens_so_far(self, now: float) -> float:
         from p2p_diloco.demo.accounting import counters_in_window
@@ -411,11 +313,3 @@ class SwarmRun:
             except subprocess.TimeoutExpired:
                 pass
             _killpg(slot.proc, signal.SIGKILL)
-
-
-def _saved_versions(state_dir: Path) -> float | None:
-    try:
-        state = json.loads((state_dir / "peer_state.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return float(sum(state.get("versions", [])))

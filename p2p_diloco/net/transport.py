@@ -2,7 +2,8 @@
 
 One libp2p protocol per operation (`keys.protocol_id`, so other runs and manifests cannot reach these
 handlers). Every payload goes over a stream (no 4 MiB unary cap) in the `streams` envelope. The
-inbound side answers with an `InboundHandlers`; the sender's ID is the authenticated connection's
+inbound side answers with an `InboundHandlers` through a composed `net.serving.InboundServer` (whose
+rejection reasons are re-exported here); the sender's ID is the authenticated connection's
 peer ID (`stream_info.peer_id`), never anything in the payload. Inbound requests are checked against
 the allowlist, a concurrency limit and a size cap before their bodies are read; a handler that raises
 is logged and answered with a ``handler error`` rejection, and the peer keeps serving.
@@ -23,36 +24,52 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Collection
 from typing import Any
 
 import hivemind
 import uvloop
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
 from p2p_diloco.net.addresses import parse_peer_id
+from p2p_diloco.net.serving import (
+    LINGER_SECONDS,
+    REJECT_BAD_REQUEST,
+    REJECT_BUSY,
+    REJECT_HANDLER_ERROR,
+    REJECT_NOT_ALLOWED,
+    REJECT_TOO_LARGE,
+    InboundServer,
+)
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
-from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply, encode_reply
+from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply
 
 log = logging.getLogger(__name__)
 
-# reasons: inbound rejections (sent back to the caller) and local delivery failures (to on_reply)
-REJECT_TOO_LARGE = "frame too large"
-REJECT_NOT_ALLOWED = "peer not allowed"
-REJECT_BUSY = "busy"
-REJECT_BAD_REQUEST = "bad request"
-REJECT_HANDLER_ERROR = "handler error"
+__all__ = [
+    "LINGER_SECONDS",
+    "REJECT_BAD_REQUEST",
+    "REJECT_BUSY",
+    "REJECT_HANDLER_ERROR",
+    "REJECT_NOT_ALLOWED",
+    "REJECT_TOO_LARGE",
+    "REPLY_CLOSED",
+    "REPLY_TIMEOUT",
+    "REPLY_UNREACHABLE",
+    "OnReply",
+    "P2PTransport",
+    "RemoteRejected",
+]
+
+# reasons of local delivery failures (to on_reply); inbound rejections are `net.serving`'s
 REPLY_TIMEOUT = "transport timeout"
 REPLY_UNREACHABLE = "transport unreachable"
 REPLY_CLOSED = "transport closed"
 
 OnReply = Callable[[Reply], None]
-LINGER_SECONDS = 5.0  # how long a rejecting receiver drains a sender that is still writing
 
 
 class RemoteRejected(ConnectionError):
@@ -98,12 +115,19 @@ class P2PTransport:
         self.inbound_timeout = inbound_timeout
         self.max_inbound = max_inbound
         self.answer_timeout = answer_timeout
-        self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
-        self.rejected: Counter[str] = Counter()  # inbound rejections by tag
-        self.served: Counter[str] = Counter()  # inbound requests answered, by op
+        self._inbound = InboundServer(
+            handlers,
+            max_frame_bytes=max_frame_bytes,
+            inbound_timeout=inbound_timeout,
+            max_inbound=max_inbound,
+            allowed_peers=allowed_peers,
+            answer_timeout=answer_timeout,
+        )
+        self.allowed_peers = self._inbound.allowed_peers
+        self.rejected = self._inbound.rejected  # inbound rejections by tag
+        self.served = self._inbound.served  # inbound requests answered, by op
         self._handlers = handlers
         self._protocols = {op: keys.protocol_id(run_id, manifest_hash, op) for op in keys.TRANSPORT_OPS}
-        self._inbound_active = 0
         self._pending: set[concurrent.futures.Future[str]] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -130,7 +154,7 @@ class P2PTransport:
         p2p = await P2P.replicate(daemon_maddr)
         if self._handlers is not None:
             for op, proto in self._protocols.items():
-                await p2p.add_binary_stream_handler(proto, self._make_stream_handler(op))
+                await p2p.add_binary_stream_handler(proto, self._inbound.stream_handler(op))
         return p2p
 
     def close(self, timeout: float = 10.0) -> None:
@@ -292,7 +316,7 @@ class P2PTransport:
         self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
     ) -> tuple[int, list[bytes]]:
         if to_peer == self.peer_id:
-            return await self._answer_local(op, body)
+            return await self._inbound.answer_local(op, self.peer_id, body)
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(
                 PeerID.from_base58(to_peer), self._protocols[op]
@@ -322,119 +346,3 @@ class P2PTransport:
                 task.cancel()
             await asyncio.gather(writing, reading, return_exceptions=True)
             writer.close()
-
-    # ---- inbound ---------------------------------------------------------------------------
-
-    def _make_stream_handler(self, op: str) -> Callable[..., Any]:
-        async def handle(
-            stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-        ) -> None:
-            sender = stream_info.peer_id.to_base58()
-            try:
-                status, items = await asyncio.wait_for(self._answer(op, sender, reader), self.inbound_timeout)
-                await asyncio.wait_for(streams.write_reply(writer, status, items), self.inbound_timeout)
-                if status != streams.STATUS_OK:
-                    await self._linger(reader, writer)
-            except Exception as exc:  # a broken or slow stream must never take the peer down
-                log.info("%s from %s: stream dropped: %r", op, sender, exc)
-            finally:
-                writer.close()
-
-        return handle
-
-    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """After an early rejection: end our side, then discard what the sender still sends until it closes.
-
-        Closing with unread input makes the daemons reset the stream, and a reset can overtake the
-        rejection we just wrote; the sender stops writing and closes as soon as it reads our reply.
-        """
-        if writer.can_write_eof():
-            writer.write_eof()
-        deadline = asyncio.get_running_loop().time() + LINGER_SECONDS
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            if not await asyncio.wait_for(reader.read(streams.WRITE_CHUNK), left):
-                return
-
-    def _reject(self, op: str, sender: str, tag: str, detail: str) -> tuple[int, list[bytes]]:
-        self.rejected[tag] += 1
-        reason = f"{tag}: {detail}"
-        log.info("rejected %s from %s: %s", op, sender, reason)
-        return streams.STATUS_REJECTED, [reason.encode()]
-
-    async def _answer(self, op: str, sender: str, reader: asyncio.StreamReader) -> tuple[int, list[bytes]]:
-        if self.allowed_peers is not None and sender not in self.allowed_peers:
-            return self._reject(op, sender, REJECT_NOT_ALLOWED, f"{sender} is not on this run's allowlist")
-        if self._inbound_active >= self.max_inbound:
-            return self._reject(op, sender, REJECT_BUSY, f"{self.max_inbound} requests already in progress")
-        self._inbound_active += 1
-        try:
-            limit = self._request_limit(op)
-            try:
-                length = await streams.read_request_header(reader, limit)
-            except streams.FrameTooLarge as exc:
-                return self._reject(op, sender, REJECT_TOO_LARGE, str(exc))
-            except streams.BadEnvelope as exc:
-                return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
-            body = await reader.readexactly(length)
-            return await self._dispatch(op, sender, body)
-        finally:
-            self._inbound_active -= 1
-
-    def _request_limit(self, op: str) -> int:
-        if op in (keys.OP_DELTA, keys.OP_UPDATE):
-            return self.max_frame_bytes
-        return streams.FETCH_BODY_BYTES
-
-    async def _answer_local(self, op: str, body: bytes) -> tuple[int, list[bytes]]:
-        """A call to ourselves (the synchronizer is also a learner): same checks, no network."""
-        if self._handlers is None:
-            raise ConnectionError(f"{op} to self: this transport serves no handlers")
-        if len(body) > self._request_limit(op):
-            limit_error = streams.FrameTooLarge(len(body), self._request_limit(op), "frame")
-            return self._reject(op, self.peer_id, REJECT_TOO_LARGE, str(limit_error))
-        return await self._dispatch(op, self.peer_id, body)
-
-    async def _dispatch(self, op: str, sender: str, body: bytes) -> tuple[int, list[bytes]]:
-        handlers = self._handlers
-        assert handlers is not None
-        try:
-            if op == keys.OP_FETCH_UPDATES:
-                fragment, after = streams.decode_fetch(body)
-                call: Callable[[], Any] = lambda: handlers.serve_updates(sender, fragment, after)  # noqa: E731
-            elif op == keys.OP_FETCH_SNAPSHOT:
-                fragment = streams.decode_fragment(body)
-                call = lambda: handlers.serve_snapshot(sender, fragment)  # noqa: E731
-            elif op == keys.OP_DELTA:
-                call = lambda: handlers.handle_delta(sender, body)  # noqa: E731
-            else:
-                call = lambda: handlers.handle_update(sender, body)  # noqa: E731
-        except streams.BadEnvelope as exc:
-            return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
-        try:
-            result = call()
-            if isinstance(result, concurrent.futures.Future):
-                try:
-                    result = await asyncio.wait_for(asyncio.wrap_future(result), self.answer_timeout)
-                except TimeoutError:
-                    detail = f"no answer from the peer within {self.answer_timeout:.0f} s"
-                    return self._reject(op, sender, REJECT_BUSY, detail)
-            items = self._reply_items(op, result)
-        except Exception as exc:
-            log.warning("%s handler failed on a request from %s", op, sender, exc_info=True)
-            return self._reject(op, sender, REJECT_HANDLER_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
-        self.served[op] += 1
-        return streams.STATUS_OK, items
-
-    @staticmethod
-    def _reply_items(op: str, result: Any) -> list[bytes]:
-        if op in (keys.OP_DELTA, keys.OP_UPDATE):
-            if not isinstance(result, Reply):
-                raise TypeError(f"{op} handler returned {type(result).__name__}, expected a Reply")
-            return [encode_reply(result)]
-        if op == keys.OP_FETCH_SNAPSHOT:
-            if not isinstance(result, bytes | bytearray):
-                raise TypeError(f"serve_snapshot returned {type(result).__name__}, expected bytes")
-            return [bytes(result)]
-        if not isinstance(result, list) or not all(isinstance(item, bytes | bytearray) for item in result):
-            raise TypeError("serve_updates must return a list of bytes")
-        return [bytes(item) for item in result]

@@ -20,224 +20,44 @@ Teardown (idempotent) kills every process inside the run's namespaces and delete
 `teardown()`, the context manager, at interpreter exit, and on SIGTERM/SIGINT. A registry record in
 `REGISTRY_DIR` names the owning process, so `cleanup_stale()` (and ``scripts/wan_emulator.py cleanup``)
 can remove what a SIGKILLed owner left behind.
+
+This module owns `WanEmulator` (one run: build, shape, describe, tear down); specs, address plan and
+host checks are `wan.spec`, cleanup and teardown at exit `wan.cleanup`, all re-exported here.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from p2p_diloco.wan.cleanup import LIVE, cleanup, install_handlers, pid_alive, start_ticks
+from p2p_diloco.wan.cleanup import cleanup_stale as cleanup_stale
+from p2p_diloco.wan.cleanup import list_namespaces as list_namespaces
+from p2p_diloco.wan.cleanup import namespace_pids as namespace_pids
 from p2p_diloco.wan.forwarder import READY_LINE, ForwarderConfig
-
-FAMILY = "pdw"  # every run's prefix starts with this; `cleanup --prefix pdw` removes all runs
-REGISTRY_DIR = Path("/run/p2p-diloco-wan")
-PUBLIC_NET = "10.0"
-PRIVATE_NET = "192.168"
-MAX_PEERS = 250
-KILL_GRACE_S = 2.0
-
-
-class EmulatorError(RuntimeError):
-    """A setup command failed; the message names the command and its stderr."""
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """One peer's access link: one-way delay each way (ms) and rate each way (Mbit/s, None = unlimited)."""
-
-    delay_ms: float = 0.0
-    rate_mbit: float | None = None
-    queue_ms: float = 100.0  # tbf queue length in time at the link rate
-
-    def __post_init__(self) -> None:
-        if self.delay_ms < 0 or (self.rate_mbit is not None and self.rate_mbit <= 0) or self.queue_ms <= 0:
-            raise ValueError(f"bad link {self}: delay must be >= 0, rate and queue > 0")
-
-
-@dataclass(frozen=True)
-class PeerSpec:
-    name: str
-    link: LinkSpec = field(default_factory=LinkSpec)
-    nat: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.name.replace("-", "").isalnum() or len(self.name) > 20 or self.name == "router":
-            raise ValueError(
-                f"peer name must be alphanumeric (dashes allowed), <= 20 chars, not 'router': {self.name!r}"
-            )
-
-
-def new_prefix() -> str:
-    return FAMILY + secrets.token_hex(3)
-
-
-def run_cmd(
-    argv: Sequence[str], *, check: bool = True, timeout: float = 30.0
-) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise EmulatorError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def environment_problem() -> str | None:
-    """Why the emulator cannot run here (None if it can): root, `ip`, `tc`, /dev/net/tun, `ip netns add`."""
-    if os.geteuid() != 0:
-        return "the WAN emulator needs root (network namespaces, veth, tc, TUN)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
-    if not os.path.exists("/dev/net/tun"):
-        return "/dev/net/tun is missing (no TUN support)"
-    probe = f"{FAMILY}probe{os.getpid()}"
-    created = run_cmd(["ip", "netns", "add", probe], check=False)
-    if created.returncode != 0:
-        return f"`ip netns add` fails here: {created.stderr.strip()}"
-    run_cmd(["ip", "netns", "delete", probe], check=False)
-    return None
-
-
-def nat_problem() -> str | None:
-    """Why NAT peers cannot be emulated here (None if they can)."""
-    if shutil.which("iptables") is None:
-        return "`iptables` is not installed (Debian/Ubuntu package: iptables)"
-    return None
-
-
-# ---- cleanup (module level: also used for runs whose owner died) ------------------------------------
-
-
-def list_namespaces(prefix: str) -> list[str]:
-    out = run_cmd(["ip", "netns", "list"], check=False).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [name for name in names if name.startswith(prefix)]
-
-
-def namespace_pids(namespace: str) -> list[int]:
-    out = run_cmd(["ip", "netns", "pids", namespace], check=False).stdout
-    return [int(tok) for tok in out.split() if tok.isdigit()]
-
-
-def _kill_pids(pids: Sequence[int], grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM, then SIGKILL whatever is still alive after `grace_s`."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if pid_alive(pid)]
-        if alive:
-            time.sleep(0.05)
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _start_ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def cleanup(prefix: str) -> list[str]:
-    """Kill every process in namespaces named `prefix`*, delete them and their registry files."""
-    if len(prefix) < len(FAMILY) or not prefix.startswith(FAMILY):
-        raise ValueError(
-            f"refusing to clean up namespaces with prefix {prefix!r}: it must start with {FAMILY!r}"
-        )
-    namespaces = list_namespaces(prefix)
-    pids = sorted({pid for ns in namespaces for pid in namespace_pids(ns)})
-    _kill_pids(pids)
-    for ns in namespaces:
-        run_cmd(["ip", "netns", "delete", ns], check=False)
-    if REGISTRY_DIR.is_dir():
-        for file in REGISTRY_DIR.glob(f"{prefix}*"):
-            file.unlink(missing_ok=True)
-    return namespaces
-
-
-def cleanup_stale() -> list[str]:
-    """Remove runs whose owning process is gone (and family namespaces without any registry record)."""
-    removed: list[str] = []
-    live_prefixes: set[str] = set()
-    if REGISTRY_DIR.is_dir():
-        for record_file in REGISTRY_DIR.glob(f"{FAMILY}*.json"):
-            try:
-                record = json.loads(record_file.read_text())
-                prefix, pid, ticks = record["prefix"], int(record["owner_pid"]), record["owner_start"]
-            except (OSError, ValueError, KeyError):
-                continue
-            if pid_alive(pid) and _start_ticks(pid) == ticks:
-                live_prefixes.add(prefix)
-            else:
-                removed += cleanup(prefix)
-    orphans = [ns for ns in list_namespaces(FAMILY) if not any(ns.startswith(p) for p in live_prefixes)]
-    for ns in orphans:
-        removed += cleanup(ns.split("-", 1)[0])
-    return sorted(set(removed))
-
-
-# ---- teardown on exit and signals --------------------------------------------------------------------
-
-_LIVE: list[WanEmulator] = []
-_PREVIOUS_HANDLERS: dict[int, Any] = {}
-_MAIN_PID = os.getpid()
-
-
-def _teardown_all() -> None:
-    for emulator in list(_LIVE):
-        emulator.teardown()
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    if os.getpid() == _MAIN_PID:
-        _teardown_all()
-    previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def _install_handlers() -> None:
-    if _PREVIOUS_HANDLERS or threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        _PREVIOUS_HANDLERS[sig] = signal.signal(sig, _on_signal)
-    atexit.register(_teardown_all)
-
-
-# ---- the emulator --------------------------------------------------------------------------------
+from p2p_diloco.wan.spec import (
+    FAMILY,
+    MAX_PEERS,
+    PRIVATE_NET,
+    PUBLIC_NET,
+    REGISTRY_DIR,
+    EmulatorError,
+    LinkSpec,
+    PeerSpec,
+    nat_problem,
+    new_prefix,
+    run_cmd,
+)
+from p2p_diloco.wan.spec import KILL_GRACE_S as KILL_GRACE_S
+from p2p_diloco.wan.spec import environment_problem as environment_problem
 
 
 class WanEmulator:
@@ -343,8 +163,8 @@ class WanEmulator:
             raise EmulatorError(problem)
         self._started = True
         if self.handle_signals:
-            _install_handlers()
-        _LIVE.append(self)
+            install_handlers()
+        LIVE.append(self)
         REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
         self._write_record()
         try:
@@ -359,7 +179,7 @@ class WanEmulator:
         record = {
             "prefix": self.prefix,
             "owner_pid": self.owner_pid,
-            "owner_start": _start_ticks(self.owner_pid),
+            "owner_start": start_ticks(self.owner_pid),
             "forwarder_pid": self.forwarder.pid if self.forwarder else self._forwarder_pid,
             "mtu": self.mtu,
             "namespaces": self.namespaces(),
@@ -375,8 +195,8 @@ class WanEmulator:
             raise RuntimeError("not started")
         self.owner_pid = self.forwarder.pid
         self._write_record()
-        if self in _LIVE:
-            _LIVE.remove(self)
+        if self in LIVE:
+            LIVE.remove(self)
         self._torn_down = True  # this object no longer tears it down; `cleanup(prefix)` does
 
     @classmethod
@@ -563,8 +383,8 @@ class WanEmulator:
             except subprocess.TimeoutExpired:
                 pass
         cleanup(self.prefix)
-        if self in _LIVE:
-            _LIVE.remove(self)
+        if self in LIVE:
+            LIVE.remove(self)
 
     def __enter__(self) -> WanEmulator:
         return self.start() if not self._started else self

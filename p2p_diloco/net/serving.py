@@ -1,0 +1,177 @@
+"""The inbound side of `P2PTransport`: answering the requests other peers open streams for.
+
+`InboundServer` owns what serving needs: the `InboundHandlers`, the allowlist, the concurrency limit,
+the size caps, the timeouts and the counters of requests answered (`served`) and rejected
+(`rejected`, by tag). Each request is checked against the allowlist, the concurrency limit and the
+size cap before its body is read; a handler may answer with a `concurrent.futures.Future`, awaited up
+to `answer_timeout`; a handler that raises is logged and answered with a ``handler error`` rejection.
+After an early rejection the stream lingers (`LINGER_SECONDS`) so the rejection is not overtaken by a
+reset. The transport composes one and registers `stream_handler(op)` for each operation; calls to
+ourselves go through `answer_local` with the same checks and no network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection
+from typing import Any
+
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+
+from p2p_diloco.net import streams
+from p2p_diloco.wire import keys
+from p2p_diloco.wire.interfaces import InboundHandlers
+from p2p_diloco.wire.replies import Reply, encode_reply
+
+log = logging.getLogger("p2p_diloco.net.transport")  # the transport's logger, as before the split
+
+# reasons of inbound rejections (sent back to the caller)
+REJECT_TOO_LARGE = "frame too large"
+REJECT_NOT_ALLOWED = "peer not allowed"
+REJECT_BUSY = "busy"
+REJECT_BAD_REQUEST = "bad request"
+REJECT_HANDLER_ERROR = "handler error"
+
+LINGER_SECONDS = 5.0  # how long a rejecting receiver drains a sender that is still writing
+
+
+class InboundServer:
+    """Answers inbound requests with `handlers` (module docstring); runs on the transport's loop."""
+
+    def __init__(
+        self,
+        handlers: InboundHandlers | None,
+        *,
+        max_frame_bytes: int,
+        inbound_timeout: float,
+        max_inbound: int,
+        allowed_peers: Collection[str] | None,
+        answer_timeout: float,
+    ):
+        self.handlers = handlers
+        self.max_frame_bytes = max_frame_bytes
+        self.inbound_timeout = inbound_timeout
+        self.max_inbound = max_inbound
+        self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
+        self.answer_timeout = answer_timeout
+        self.rejected: Counter[str] = Counter()  # inbound rejections by tag
+        self.served: Counter[str] = Counter()  # inbound requests answered, by op
+        self._active = 0
+
+    def stream_handler(self, op: str) -> Callable[..., Any]:
+        async def handle(
+            stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            sender = stream_info.peer_id.to_base58()
+            try:
+                status, items = await asyncio.wait_for(self._answer(op, sender, reader), self.inbound_timeout)
+                await asyncio.wait_for(streams.write_reply(writer, status, items), self.inbound_timeout)
+                if status != streams.STATUS_OK:
+                    await self._linger(reader, writer)
+            except Exception as exc:  # a broken or slow stream must never take the peer down
+                log.info("%s from %s: stream dropped: %r", op, sender, exc)
+            finally:
+                writer.close()
+
+        return handle
+
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """After an early rejection: end our side, then discard what the sender still sends until it closes.
+
+        Closing with unread input makes the daemons reset the stream, and a reset can overtake the
+        rejection we just wrote; the sender stops writing and closes as soon as it reads our reply.
+        """
+        if writer.can_write_eof():
+            writer.write_eof()
+        deadline = asyncio.get_running_loop().time() + LINGER_SECONDS
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            if not await asyncio.wait_for(reader.read(streams.WRITE_CHUNK), left):
+                return
+
+    def _reject(self, op: str, sender: str, tag: str, detail: str) -> tuple[int, list[bytes]]:
+        self.rejected[tag] += 1
+        reason = f"{tag}: {detail}"
+        log.info("rejected %s from %s: %s", op, sender, reason)
+        return streams.STATUS_REJECTED, [reason.encode()]
+
+    async def _answer(self, op: str, sender: str, reader: asyncio.StreamReader) -> tuple[int, list[bytes]]:
+        if self.allowed_peers is not None and sender not in self.allowed_peers:
+            return self._reject(op, sender, REJECT_NOT_ALLOWED, f"{sender} is not on this run's allowlist")
+        if self._active >= self.max_inbound:
+            return self._reject(op, sender, REJECT_BUSY, f"{self.max_inbound} requests already in progress")
+        self._active += 1
+        try:
+            limit = self._request_limit(op)
+            try:
+                length = await streams.read_request_header(reader, limit)
+            except streams.FrameTooLarge as exc:
+                return self._reject(op, sender, REJECT_TOO_LARGE, str(exc))
+            except streams.BadEnvelope as exc:
+                return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
+            body = await reader.readexactly(length)
+            return await self._dispatch(op, sender, body)
+        finally:
+            self._active -= 1
+
+    def _request_limit(self, op: str) -> int:
+        if op in (keys.OP_DELTA, keys.OP_UPDATE):
+            return self.max_frame_bytes
+        return streams.FETCH_BODY_BYTES
+
+    async def answer_local(self, op: str, sender: str, body: bytes) -> tuple[int, list[bytes]]:
+        """A call to ourselves (the synchronizer is also a learner): same checks, no network."""
+        if self.handlers is None:
+            raise ConnectionError(f"{op} to self: this transport serves no handlers")
+        if len(body) > self._request_limit(op):
+            limit_error = streams.FrameTooLarge(len(body), self._request_limit(op), "frame")
+            return self._reject(op, sender, REJECT_TOO_LARGE, str(limit_error))
+        return await self._dispatch(op, sender, body)
+
+    async def _dispatch(self, op: str, sender: str, body: bytes) -> tuple[int, list[bytes]]:
+        handlers = self.handlers
+        assert handlers is not None
+        try:
+            if op == keys.OP_FETCH_UPDATES:
+                fragment, after = streams.decode_fetch(body)
+                call: Callable[[], Any] = lambda: handlers.serve_updates(sender, fragment, after)  # noqa: E731
+            elif op == keys.OP_FETCH_SNAPSHOT:
+                fragment = streams.decode_fragment(body)
+                call = lambda: handlers.serve_snapshot(sender, fragment)  # noqa: E731
+            elif op == keys.OP_DELTA:
+                call = lambda: handlers.handle_delta(sender, body)  # noqa: E731
+            else:
+                call = lambda: handlers.handle_update(sender, body)  # noqa: E731
+        except streams.BadEnvelope as exc:
+            return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
+        try:
+            result = call()
+            if isinstance(result, concurrent.futures.Future):
+                try:
+                    result = await asyncio.wait_for(asyncio.wrap_future(result), self.answer_timeout)
+                except TimeoutError:
+                    detail = f"no answer from the peer within {self.answer_timeout:.0f} s"
+                    return self._reject(op, sender, REJECT_BUSY, detail)
+            items = reply_items(op, result)
+        except Exception as exc:
+            log.warning("%s handler failed on a request from %s", op, sender, exc_info=True)
+            return self._reject(op, sender, REJECT_HANDLER_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
+        self.served[op] += 1
+        return streams.STATUS_OK, items
+
+
+def reply_items(op: str, result: Any) -> list[bytes]:
+    """A handler's answer as the items of the reply envelope; TypeError if it is not what `op` answers."""
+    if op in (keys.OP_DELTA, keys.OP_UPDATE):
+        if not isinstance(result, Reply):
+            raise TypeError(f"{op} handler returned {type(result).__name__}, expected a Reply")
+        return [encode_reply(result)]
+    if op == keys.OP_FETCH_SNAPSHOT:
+        if not isinstance(result, bytes | bytearray):
+            raise TypeError(f"serve_snapshot returned {type(result).__name__}, expected bytes")
+        return [bytes(result)]
+    if not isinstance(result, list) or not all(isinstance(item, bytes | bytearray) for item in result):
+        raise TypeError("serve_updates must return a list of bytes")
+    return [bytes(item) for item in result]
