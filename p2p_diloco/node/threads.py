@@ -117,7 +117,7 @@ class ThreadedDriver(PeerDriver):
                 continue
             if item is None:
                 return
-            if callable(item) and not isinstance(item, fx.TaskResult):
+            if callable(item):  # `call`: a function to run here; every other item is an event
                 self._guarded("call", item)
             else:
                 self._guarded(type(item).__name__, lambda item=item: self.process(item))

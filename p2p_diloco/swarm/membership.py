@@ -114,10 +114,8 @@ class Membership:
         self.last_election = decision.reason
         return decision
 
-    def follow(self, holder: str | None, term: int) -> bool:
-        """Follow `holder`'s term; True if that is a different synchronizer (holder or term) than before."""
-        changed = self.holder is not None and (holder, term) != (self.holder, self.holder_term)
-        if changed and holder != self.holder:
+    def follow(self, holder: str | None, term: int) -> None:
+        """Follow `holder`'s term (None: no synchronizer known); another holder after one is a failover."""
+        if None not in (self.holder, holder) and holder != self.holder:
             self.failovers_seen += 1
         self.holder, self.holder_term = holder, term
-        return changed

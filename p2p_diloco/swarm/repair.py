@@ -24,7 +24,6 @@ from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import reconcile
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
 from p2p_diloco.swarm.effects import FetchSnapshots, FetchUpdates, Intent, ReadSwarm, Request, ToLearner
@@ -360,7 +359,3 @@ class Repair:
                 wanted[p] = sources
         stats["snapshots"] = yield from self.fetch_fragments(wanted)
         return stats
-
-
-def record_tip(record: UpdateRecord) -> BranchTip:
-    return BranchTip(record.term, record.to_version, record.checksum)

@@ -20,6 +20,7 @@ from p2p_diloco.wire.codec import (
     encode_tensors,
     frame_size,
 )
+from tests.support.frames import VALID_FRAMES
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # bitsandbytes rounds to one of the two neighbouring codes, so the error is at most one gap of the table.
@@ -296,21 +297,15 @@ def test_garbage_only_raises_decode_error(data):
         assert all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in out.values())
 
 
-_VALID_FRAMES = [
-    encode_tensors({"a": torch.randn(3, 40), "b.bias": torch.randn(7)}, codec="int8", block_size=64),
-    encode_tensors({"a": torch.randn(3, 4), "b": torch.randn(2)}, codec="fp32"),
-]
-
-
 @settings(max_examples=150, deadline=None)
 @given(
-    which=st.integers(0, 1),
+    which=st.integers(0, len(VALID_FRAMES) - 1),
     edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
     cut=st.integers(0, 10_000),
     tail=st.binary(max_size=8),
 )
 def test_mutated_frames_only_raise_decode_error(which, edits, cut, tail):
-    frame = bytearray(_VALID_FRAMES[which])
+    frame = bytearray(VALID_FRAMES[which])
     for position, value in edits:
         frame[position % len(frame)] = value
     candidate = bytes(frame[: max(cut % (len(frame) + 1), 1)]) + tail
