@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write the global model of a peer's state directory as safetensors")
     p.add_argument("manifest", help="the run manifest TOML that peer joined with")
-    p.add_argument("--state-dir", required=True, help="the peer's state directory (holds replica.pt)")
+    p.add_argument("--state-dir", required=True, help="the peer's state directory (holds replica/)")
     p.add_argument("--out", required=True, help="output file (model.safetensors), or folder for --format hf")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument(

@@ -1,7 +1,7 @@
 """Evaluation of the global model a demo run has saved so far, read from its workers' state directories.
 
 `SavedModels` owns the evaluation model and the eval text (loaded once, before the timed run) and
-finds the most advanced global model on disk: for the decoupled system the replica (``replica.pt``) of
+finds the most advanced global model on disk: for the decoupled system the replica (``replica/``) of
 the state dir whose ``peer_state.json`` lists the most versions, for the baseline the checkpoint with
 the highest epoch. Files being replaced at that moment are skipped until the next evaluation.
 """
@@ -71,14 +71,14 @@ class SavedModels:
         return best[1] if best else None
 
     def _replica_params(self, state_dir: Path) -> dict[str, torch.Tensor] | None:
-        from p2p_diloco.node.replica_file import load_replica
+        from p2p_diloco.node.replica_store import ReplicaStore
         from p2p_diloco.protocol.fragments import plan_fragments
 
         assert self.model is not None
         shapes = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
         plan = plan_fragments(shapes, self.manifest.diloco.fragments, self.manifest.diloco.fragment_pattern)
-        path = state_dir / "replica.pt"
-        return load_replica(path, plan).export_params() if path.exists() else None
+        store = ReplicaStore(state_dir / "replica")
+        return store.load(plan).export_params() if store.exists() else None
 
 
 def saved_versions(state_dir: Path) -> float | None:

@@ -1,6 +1,6 @@
 """`p2p-diloco export`: write the current global model of a peer's state directory as safetensors.
 
-The global model is the persisted replica (``replica.pt``, written by a running or stopped `join`),
+The global model is the persisted replica (``replica/``, written by a running or stopped `join`),
 not the peer's local training weights. The fragment plan comes from the manifest's model shapes (built
 on the meta device: no weights are initialized), exactly as `join` builds it, so a replica from another
 model or fragment layout is refused. ``peer_state.json``, when present, must name the manifest's run
@@ -28,8 +28,8 @@ from p2p_diloco.config import ModelKind, RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.external import build_skeleton
 from p2p_diloco.model.gpt import GPT
-from p2p_diloco.node.replica_file import ReplicaFileError, load_replica
-from p2p_diloco.node.state import PEER_STATE_FILE, REPLICA_FILE
+from p2p_diloco.node.replica_store import ReplicaFileError, ReplicaStore
+from p2p_diloco.node.state import PEER_STATE_FILE, REPLICA_DIR
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 
@@ -71,14 +71,14 @@ def load_global_replica(
                 f"--state-dir {directory} belongs to run {run_id!r} with manifest {manifest_hash}, not run "
                 f"{manifest.run_id!r} with manifest {manifest.manifest_hash}: pass the manifest that peer joined with"
             )
-    replica_file = directory / REPLICA_FILE
-    if not replica_file.exists():
+    store = ReplicaStore(directory / REPLICA_DIR)
+    if not store.exists():
         raise ExportError(
-            f"--state-dir {directory} holds no replica ({REPLICA_FILE}): a peer writes it every --persist-every "
+            f"--state-dir {directory} holds no replica ({REPLICA_DIR}/): a peer writes it every --persist-every "
             "seconds and when it stops"
         )
     try:
-        replica = load_replica(replica_file, model_plan(manifest))
+        replica = store.load(model_plan(manifest))
     except ReplicaFileError as exc:
         raise ExportError(f"cannot export: {exc}") from exc
     return replica, peer_state

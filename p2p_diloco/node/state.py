@@ -2,7 +2,8 @@
 
 Layout of ``--state-dir``:
 
-* ``replica.pt``: the `GlobalReplica` (written atomically by `GlobalReplica.save`);
+* ``replica/``: the `GlobalReplica`, one safetensors file per fragment (`node.replica_store`: atomic,
+  only the fragments that changed, read memory-mapped);
 * ``peer_state.json``: run, manifest hash, peer ID, versions, digest and ``last_in_sync`` (DHT time of
   the last save while the peer was live in the swarm); written atomically after the replica;
 * ``events.jsonl``: one JSON object per line, ``{"t": dht_time, "event": kind, ...}``: every decision
@@ -26,11 +27,11 @@ from typing import Any, TextIO
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.files import write_atomic
-from p2p_diloco.node.replica_file import ReplicaFileError, load_replica, save_replica
+from p2p_diloco.node.replica_store import ReplicaFileError, ReplicaStore
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica
 
-REPLICA_FILE = "replica.pt"
+REPLICA_DIR = "replica"
 PEER_STATE_FILE = "peer_state.json"
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = ".lock"
@@ -71,10 +72,11 @@ class StateDir:
         self._events: TextIO = open(self.path / EVENTS_FILE, "a", buffering=1)  # noqa: SIM115
         self._events_lock = threading.Lock()
         self._events_bytes = self._events.tell()
+        self.store = ReplicaStore(self.replica_path)
 
     @property
     def replica_path(self) -> Path:
-        return self.path / REPLICA_FILE
+        return self.path / REPLICA_DIR
 
     # ---- peer state and replica --------------------------------------------------------------------
 
@@ -100,10 +102,10 @@ class StateDir:
 
     def load_replica(self, plan: FragmentPlan) -> GlobalReplica | None:
         """The persisted replica, or None if there is none or it is unusable (noted in the event log)."""
-        if not self.replica_path.exists():
+        if not self.store.exists():
             return None
         try:
-            return load_replica(self.replica_path, plan)
+            return self.store.load(plan)
         except ReplicaFileError as exc:
             self.event("replica_unusable", reason=str(exc))
             return None
@@ -112,7 +114,7 @@ class StateDir:
         self, replica: GlobalReplica, peer_id: str, *, now: float, in_sync: bool, previous: float
     ) -> None:
         """Persist the replica, then the peer state (so the state never claims a replica not on disk)."""
-        save_replica(replica, self.replica_path)
+        self.store.save(replica)
         state = PeerState(
             run_id=self.manifest.run_id,
             manifest_hash=self.manifest.manifest_hash,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -137,6 +137,42 @@ class GlobalReplica:
         self._versions = [0] * plan.num_fragments
         # Checksum cache: valid because internal tensors are never handed out or changed in place.
         self._checksums: list[str | None] = [None] * plan.num_fragments
+
+    @classmethod
+    def from_fragments(
+        cls,
+        plan: FragmentPlan,
+        states: Callable[[int], tuple[int, Mapping[str, Tensor], Mapping[str, Tensor], str]],
+    ) -> GlobalReplica:
+        """A replica built fragment by fragment from `states(p) = (version, Θ_p, m_p, checksum)` (e.g. read
+        from disk one fragment at a time), each checked like `load_fragment`: the peak memory is the replica
+        plus one fragment, not twice the replica. Raises ValueError with the refusal's reason."""
+        replica = cls.__new__(cls)
+        replica.plan = plan
+        replica._params, replica._momentum = [], []
+        replica._versions, replica._checksums = [], []
+        for p in range(plan.num_fragments):
+            version, params, momentum, checksum = states(p)
+            names = plan.names(p)
+            shapes = {name: tuple(params[name].shape) for name in names if name in params}
+            if plan.numels and [params[n].numel() for n in names if n in params] != list(plan.numels[p]):
+                raise ValueError(f"{WRONG_SHAPE}: fragment {p} tensor sizes differ from the plan's")
+            for what, tensors in (("params", params), ("momentum", momentum)):
+                if set(tensors) != set(names):
+                    raise ValueError(f"{WRONG_SHAPE}: fragment {p} {what} do not hold the plan's tensors")
+                check = check_tensors(tensors, shapes, norm_bound=None)
+                if check.action != ACCEPT:
+                    raise ValueError(f"fragment {p} {what}: {check.reason}")
+            got = fragment_checksum(names, params, momentum, version)
+            if got != checksum:
+                raise ValueError(
+                    f"{CHECKSUM_MISMATCH}: fragment {p} v{version} hashes to {got[:16]}, expected {checksum[:16]}"
+                )
+            replica._params.append({name: _cpu_fp32_copy(params[name]) for name in names})
+            replica._momentum.append({name: _cpu_fp32_copy(momentum[name]) for name in names})
+            replica._versions.append(int(version))
+            replica._checksums.append(got)
+        return replica
 
     # ---- reading -------------------------------------------------------------------------------------
 

@@ -94,10 +94,11 @@ def test_clear_errors_for_missing_corrupt_or_foreign_state(tmp_path):
     with pytest.raises(ExportError, match="different fragment plan"):
         export_model(bigger, directory, out)
 
-    (directory / "replica.pt").write_bytes(b"\x00garbage")
+    (directory / "replica" / "fragment-00001.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ExportError, match="unreadable"):
         export_model(manifest, directory, out)
-    (directory / "replica.pt").unlink()
+    for file in (directory / "replica").iterdir():
+        file.unlink()
     with pytest.raises(ExportError, match="holds no replica"):
         export_model(manifest, directory, out)
     assert not out.exists()
