@@ -36,6 +36,7 @@ __all__ = [
     "DataSource",
     "DilocoConfig",
     "InnerOptimizer",
+    "LimitsConfig",
     "LRSchedule",
     "ModelConfig",
     "ModelKind",
@@ -171,6 +172,61 @@ class WireConfig:
         _require(self.norm_bound > 0, "wire.norm_bound must be > 0")
 
 
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one peer may hold beyond its training state (`[limits]`). Local to each peer: peers of one run
+    may differ here, so it is not part of the manifest hash."""
+
+    # Bytes of applied updates kept for replay, over all fragments (each fragment gets its share by size;
+    # the latest update of a fragment is always kept). 0: automatic, 2 x the model's int8 size, at least
+    # `MIN_AUTO_UPDATE_LOG_BYTES`. A peer that needs older updates downloads a snapshot instead.
+    update_log_bytes: int = 0
+    update_log_length: int = 256  # and at most this many updates per fragment
+    snapshot_chunk_bytes: int = 4 * MIB  # a snapshot travels in chunks of at most this many bytes
+    snapshot_sources: int = 4  # a newcomer fetches one fragment's chunks from up to this many peers at once
+    snapshot_chunks_in_flight: int = 2  # chunk requests open per source at once
+    snapshot_pins: int = 8  # fragment states a peer keeps serving to downloaders (most recently used)
+    snapshot_pin_seconds: float = 120.0  # a served state idle this long is dropped
+
+    MIN_AUTO_UPDATE_LOG_BYTES = 16 * MIB
+
+    def __post_init__(self) -> None:
+        _require(
+            type(self.update_log_bytes) is int and self.update_log_bytes >= 0,
+            f"limits.update_log_bytes must be an integer >= 0 (0: 2 x the model's int8 size), "
+            f"got {self.update_log_bytes!r}",
+        )
+        _require(
+            type(self.update_log_length) is int and self.update_log_length >= 1,
+            f"limits.update_log_length must be an integer >= 1, got {self.update_log_length!r}",
+        )
+        _require(
+            type(self.snapshot_chunk_bytes) is int
+            and 4096 <= self.snapshot_chunk_bytes <= 64 * MIB
+            and self.snapshot_chunk_bytes % 4 == 0,
+            f"limits.snapshot_chunk_bytes must be a multiple of 4 in 4096..{64 * MIB} (e.g. {4 * MIB}), "
+            f"got {self.snapshot_chunk_bytes!r}",
+        )
+        for name in ("snapshot_sources", "snapshot_chunks_in_flight", "snapshot_pins"):
+            value = getattr(self, name)
+            _require(
+                type(value) is int and 1 <= value <= 64, f"limits.{name} must be in 1..64, got {value!r}"
+            )
+        _require(
+            self.snapshot_pin_seconds > 0,
+            f"limits.snapshot_pin_seconds must be > 0, got {self.snapshot_pin_seconds}",
+        )
+
+    def update_log_budget(self, num_params: int) -> int:
+        """The update log's byte budget for a model of `num_params` parameters."""
+        if self.update_log_bytes:
+            return self.update_log_bytes
+        return max(2 * num_params, self.MIN_AUTO_UPDATE_LOG_BYTES)
+
+
 @dataclass(frozen=True)
 class RunManifest:
     """Everything peers of one run must agree on. Its `manifest_hash` is part of every key and header."""
@@ -183,6 +239,7 @@ class RunManifest:
     wire: WireConfig = field(default_factory=WireConfig)
     timing: SwarmTiming = field(default_factory=SwarmTiming)
     robust: RobustConfig = field(default_factory=RobustConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     allowlist: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
 
@@ -207,6 +264,7 @@ class RunManifest:
         whose content is pinned otherwise excluded)."""
         d = self.to_dict()
         d.pop("bootstrap")
+        d.pop("limits")  # each peer's own resources
         # Where a peer keeps the run's files is its own business when their content is pinned: the
         # shards by data.digest, a config file by its content (resolved_config), init by weights_digest.
         d["model"].pop("base_dir")
@@ -230,6 +288,7 @@ class RunManifest:
             "wire": WireConfig,
             "timing": SwarmTiming,
             "robust": RobustConfig,
+            "limits": LimitsConfig,
         }
         raw = dict(raw)
         known = set(sections) | {"run_id", "allowlist", "bootstrap"}

@@ -1,6 +1,8 @@
 """Outer updates on a peer: checking an update before it touches the replica, applying it, and the
 bounded log of applied updates (decoded records) that other peers replay from.
 
+The log is a `swarm.update_log.UpdateLog`, bounded in bytes by `[limits]`.
+
 `UpdateBook.apply` is the one path by which an update reaches the replica, for pushed, replayed and the
 synchronizer's own updates alike. It tells the learner (an `Adopt` message), the driver (an `Applied`
 intent, which the ledger and event log follow) and remembers the update's term as the fragment's
@@ -9,7 +11,6 @@ branch tip term (`protocol.reconcile`).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 
@@ -26,11 +27,10 @@ from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.effects import Applied, Intent, ToLearner
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Adopt
+from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.frames import encode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
-
-UPDATE_LOG_LENGTH = 256
 
 
 class UpdateSource(StrEnum):
@@ -58,9 +58,11 @@ class UpdateBook:
         self.robust = robust
         self._emit = emit
         self.has_learner = has_learner
-        self.log: list[deque[UpdateRecord]] = [
-            deque(maxlen=UPDATE_LOG_LENGTH) for _ in range(plan.num_fragments)
-        ]
+        sizes = [sum(_numel(s) for s in replica.shapes(p).values()) for p in range(plan.num_fragments)]
+        limits = manifest.limits
+        self.log = UpdateLog(
+            sizes, budget_bytes=limits.update_log_budget(sum(sizes)), max_length=limits.update_log_length
+        )
         # Per fragment, the term of the update that produced the replica's version (0: initial or unknown,
         # e.g. restored from disk); see protocol/reconcile.py.
         self.tip_terms: list[int] = [0] * plan.num_fragments
@@ -123,7 +125,7 @@ class UpdateBook:
             return Reply(ReplyStatus.REFUSED, decision.reason)
         self.robust.observe_update(p, grad)
         self.tip_terms[p] = record.term
-        self.log[p].append(record)
+        self.log.append(record)
         self.applied += 1
         if self.has_learner:
             self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
@@ -132,8 +134,18 @@ class UpdateBook:
 
     def frames_after(self, fragment: int, after_version: int) -> list[bytes]:
         """The logged updates of `fragment` from `after_version` on, as frames (what a replaying peer gets)."""
-        return [encode_update(r) for r in self.log[fragment] if r.from_version >= after_version]
+        oldest = self.log.oldest_version(fragment)
+        if oldest is not None and oldest > after_version:
+            return []  # dropped out of the bounded log: the requester downloads a snapshot instead
+        return [encode_update(r) for r in self.log.after(fragment, after_version)]
 
     def forget(self, fragment: int) -> None:
         """The fragment was replaced by a snapshot: its logged updates no longer lead to its state."""
-        self.log[fragment].clear()
+        self.log.clear(fragment)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
