@@ -21,10 +21,12 @@ from typing import Any
 
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
 from p2p_diloco.wire.replies import Reply, encode_reply
+from p2p_diloco.wire.snapshot_chunks import CHUNK_REQUEST_BYTES, decode_chunk_request
 
 log = logging.getLogger("p2p_diloco.net.transport")  # the transport's logger, as before the split
 
@@ -34,6 +36,7 @@ REJECT_NOT_ALLOWED = "peer not allowed"
 REJECT_BUSY = "busy"
 REJECT_BAD_REQUEST = "bad request"
 REJECT_HANDLER_ERROR = "handler error"
+REJECT_UNKNOWN_SNAPSHOT = "unknown snapshot"  # a chunk of a state this peer does not (or no longer) serve
 
 LINGER_SECONDS = 5.0  # how long a rejecting receiver drains a sender that is still writing
 
@@ -119,6 +122,8 @@ class InboundServer:
     def _request_limit(self, op: str) -> int:
         if op in (keys.OP_DELTA, keys.OP_UPDATE):
             return self.max_frame_bytes
+        if op == keys.OP_FETCH_CHUNK:
+            return CHUNK_REQUEST_BYTES
         return streams.FETCH_BODY_BYTES
 
     async def answer_local(self, op: str, sender: str, body: bytes) -> tuple[int, list[bytes]]:
@@ -140,6 +145,12 @@ class InboundServer:
             elif op == keys.OP_FETCH_SNAPSHOT:
                 fragment = streams.decode_fragment(body)
                 call = lambda: handlers.serve_snapshot(sender, fragment)  # noqa: E731
+            elif op == keys.OP_FETCH_CHUNK:
+                try:
+                    fragment, chunk, checksum = decode_chunk_request(body)
+                except DecodeError as exc:
+                    raise streams.BadEnvelope(str(exc)) from exc
+                call = lambda: handlers.serve_chunk(sender, fragment, chunk, checksum)  # noqa: E731
             elif op == keys.OP_DELTA:
                 call = lambda: handlers.handle_delta(sender, body)  # noqa: E731
             else:
@@ -155,6 +166,8 @@ class InboundServer:
                     detail = f"no answer from the peer within {self.answer_timeout:.0f} s"
                     return self._reject(op, sender, REJECT_BUSY, detail)
             items = reply_items(op, result)
+        except LookupError as exc:  # a chunk of a state not served here: the requester asks another peer
+            return self._reject(op, sender, REJECT_UNKNOWN_SNAPSHOT, str(exc)[:200])
         except Exception as exc:
             log.warning("%s handler failed on a request from %s", op, sender, exc_info=True)
             return self._reject(op, sender, REJECT_HANDLER_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -168,9 +181,9 @@ def reply_items(op: str, result: Any) -> list[bytes]:
         if not isinstance(result, Reply):
             raise TypeError(f"{op} handler returned {type(result).__name__}, expected a Reply")
         return [encode_reply(result)]
-    if op == keys.OP_FETCH_SNAPSHOT:
+    if op in (keys.OP_FETCH_SNAPSHOT, keys.OP_FETCH_CHUNK):
         if not isinstance(result, bytes | bytearray):
-            raise TypeError(f"serve_snapshot returned {type(result).__name__}, expected bytes")
+            raise TypeError(f"serve_snapshot/serve_chunk returned {type(result).__name__}, expected bytes")
         return [bytes(result)]
     if not isinstance(result, list) or not all(isinstance(item, bytes | bytearray) for item in result):
         raise TypeError("serve_updates must return a list of bytes")

@@ -46,6 +46,7 @@ from p2p_diloco.net.serving import (
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
 from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply
+from p2p_diloco.wire.snapshot_chunks import encode_chunk_request
 
 log = logging.getLogger(__name__)
 
@@ -284,17 +285,26 @@ class P2PTransport:
     def request_snapshot(self, from_peer: str, fragment: int) -> concurrent.futures.Future[bytes]:
         return self._request(keys.OP_FETCH_SNAPSHOT, from_peer, streams.encode_fragment(fragment))
 
-    def _request(self, op: str, from_peer: str, body: bytes) -> concurrent.futures.Future[Any]:
-        """A fetch in the background: a future of its items (one frame for a snapshot)."""
+    def request_chunk(
+        self, from_peer: str, fragment: int, chunk: int, checksum: str, nbytes: int
+    ) -> concurrent.futures.Future[bytes]:
+        """One snapshot chunk; an answer longer than `nbytes` is refused before it is read."""
+        body = encode_chunk_request(fragment, chunk, checksum)
+        return self._request(keys.OP_FETCH_CHUNK, from_peer, body, max_item=nbytes)
+
+    def _request(
+        self, op: str, from_peer: str, body: bytes, max_item: int | None = None
+    ) -> concurrent.futures.Future[Any]:
+        """A fetch in the background: a future of its items (one frame for a snapshot index or chunk)."""
         parse_peer_id(from_peer, what="from_peer")
         if self._closed:
             failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
             failed.set_exception(ConnectionError(f"{REPLY_CLOSED}: transport is closed"))
             return failed
-        return self._submit(self._fetch(op, from_peer, body))
+        return self._submit(self._fetch(op, from_peer, body, max_item or self.max_frame_bytes))
 
-    async def _fetch(self, op: str, from_peer: str, body: bytes) -> Any:
-        call = self._call(op, from_peer, body, self.max_frame_bytes, self.max_reply_bytes)
+    async def _fetch(self, op: str, from_peer: str, body: bytes, max_item: int) -> Any:
+        call = self._call(op, from_peer, body, max_item, self.max_reply_bytes)
         try:
             status, items = await asyncio.wait_for(call, self.fetch_timeout)
         except TimeoutError as exc:
@@ -304,12 +314,10 @@ class P2PTransport:
         if status != streams.STATUS_OK:
             reason = items[0].decode("utf-8", "replace") if items else "no reason given"
             raise RemoteRejected(from_peer, op, reason)
-        if op != keys.OP_FETCH_SNAPSHOT:
+        if op == keys.OP_FETCH_UPDATES:
             return items
         if len(items) != 1:
-            raise ConnectionError(
-                f"{from_peer} answered a snapshot request with {len(items)} items, expected 1"
-            )
+            raise ConnectionError(f"{from_peer} answered a {op} request with {len(items)} items, expected 1")
         return items[0]
 
     async def _call(

@@ -46,6 +46,11 @@ class ByteCounter:
                 counter._on_done(future, lambda frame: counter._count(from_peer, received=len(frame)))
                 return future
 
+            def request_chunk(self, from_peer: str, *args):  # noqa: ANN002, ANN202
+                future = inner.request_chunk(from_peer, *args)
+                counter._on_done(future, lambda data: counter._count(from_peer, received=len(data)))
+                return future
+
         return Counting()
 
     @staticmethod
@@ -80,5 +85,10 @@ class ByteCounter:
                 frame = inner.serve_snapshot(requester, fragment)
                 counter._on_done(frame, lambda got: counter._count(requester, sent=len(got)))
                 return frame
+
+            def serve_chunk(self, requester: str, *args):  # noqa: ANN002, ANN202
+                data = inner.serve_chunk(requester, *args)
+                counter._count(requester, sent=len(data))
+                return data
 
         return Counting()

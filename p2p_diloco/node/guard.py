@@ -96,3 +96,12 @@ class HandlerSlot:
         return self._call(
             "fetch-snapshot", requester, lambda d: d.serve_snapshot(requester, fragment), refuse
         )
+
+    def serve_chunk(self, requester: str, fragment: int, chunk: int, checksum: str) -> bytes:
+        """Answered at once by the driver from its pinned snapshots (no owner round trip)."""
+        driver = self._driver
+        if driver is None:
+            raise ServeRefused(
+                self._refuse("fetch-chunk", requester, REJECT_NOT_READY, "peer is starting").reason
+            )
+        return driver.serve_chunk(requester, fragment, chunk, checksum)

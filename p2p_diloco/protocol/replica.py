@@ -357,11 +357,13 @@ class GlobalReplica:
         expected_checksum: str,
         *,
         force: bool = False,
+        adopt: bool = False,
     ) -> Decision:
         """Replace a fragment with one fetched from a peer, after checking shapes, values and checksum.
 
         A version older than the replica's is refused unless `force` (reconciling after a losing branch);
-        the same version is accepted (refetch after a checksum mismatch).
+        the same version is accepted (refetch after a checksum mismatch). `adopt`: the caller hands over
+        its (contiguous CPU float32) tensors and keeps no reference, so they are installed without a copy.
         """
         p = self._index(fragment)
         if version < self._versions[p] and not force:
@@ -385,8 +387,9 @@ class GlobalReplica:
                 f"{CHECKSUM_MISMATCH}: fragment {p} snapshot v{version} hashes to {got[:16]}, "
                 f"expected {expected_checksum[:16]}; replica unchanged",
             )
-        self._params[p] = {name: _cpu_fp32_copy(params[name]) for name in names}
-        self._momentum[p] = {name: _cpu_fp32_copy(momentum[name]) for name in names}
+        take = _take if adopt else _cpu_fp32_copy
+        self._params[p] = {name: take(params[name]) for name in names}
+        self._momentum[p] = {name: take(momentum[name]) for name in names}
         previous, self._versions[p] = self._versions[p], version
         self._checksums[p] = got
         return Decision(LOAD, f"{LOADED}: fragment {p} v{previous} -> v{version}")
@@ -406,6 +409,13 @@ class GlobalReplica:
 
 def _cpu_fp32_copy(t: Tensor) -> Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+
+
+def _take(t: Tensor) -> Tensor:
+    """`t` itself if it is already a contiguous CPU float32 tensor, else a copy."""
+    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+        return t.detach()
+    return _cpu_fp32_copy(t)
 
 
 def _raw_bytes(t: Tensor) -> memoryview:

@@ -79,6 +79,9 @@ class PeerDriver:
             case fx.Perform(request=fx.FetchSnapshots() as fetch):
                 futures = [self.transport.request_snapshot(source, p) for p, source in fetch.wanted]
                 self._when_done(futures, intent.task, single=False)
+            case fx.Perform(request=fx.FetchChunks() as fetch):
+                futures = [self.transport.request_chunk(*wanted) for wanted in fetch.wanted]
+                self._when_done(futures, intent.task, single=False)
             case fx.SendDelta():
                 send = intent
 
@@ -149,6 +152,13 @@ class PeerDriver:
 
     def serve_snapshot(self, requester: str, fragment: int):  # noqa: ANN201
         return self._answer(self._ask(lambda a: fx.SnapshotRequested(requester, fragment, a)))
+
+    def serve_chunk(self, requester: str, fragment: int, chunk: int, checksum: str) -> bytes:
+        """Answered here, on the transport's thread, from the peer's pinned snapshots (thread-safe,
+        immutable tensors: `swarm.snapshots`), so a download never queues behind the owner."""
+        if not self.peer.membership.allowed(requester):
+            raise PermissionError(f"{requester} is not on this run's allowlist")
+        return self.peer.repair.snapshots.chunk(fragment, chunk, checksum, self.clock.now())
 
     def _answer(self, answer: concurrent.futures.Future):  # noqa: ANN202
         """What a handler returns: the future itself (a threaded driver; the transport awaits it)."""

@@ -3,8 +3,8 @@
 The peer never performs I/O. Handlers, timers and the training loop post events to its driver; the
 peer's handling of each event returns intents, which the driver performs outside the peer's state:
 stores DHT records, sends frames, answers requests, passes messages to the training thread, logs.
-Work that needs an answer from the network (reading the swarm's records, fetching an update log or a
-snapshot) is written as a task: a generator that yields a `Request` and is resumed with its result
+Work that needs an answer from the network (reading the swarm's records, fetching an update log, a
+snapshot's index or its chunks) is written as a task: a generator that yields a `Request` and is resumed with its result
 (`TaskResult`), so catch-up and repair read top to bottom while the peer keeps handling other events.
 
 Inbound requests carry a `Respond` target (any object with `set_result`, e.g. a
@@ -166,7 +166,16 @@ class FetchSnapshots:
     wanted: tuple[tuple[int, str], ...]
 
 
-Request = ReadSwarm | FetchUpdates | FetchSnapshots
+@dataclass(frozen=True)
+class FetchChunks:
+    """Fetch snapshot chunks at once (`wire.snapshot_chunks`): `wanted` is ((source, fragment, chunk,
+    checksum, nbytes), ...); the result is a list with, per item, the chunk's bytes (at most `nbytes`)
+    or the exception its fetch raised."""
+
+    wanted: tuple[tuple[str, int, int, str, int], ...]
+
+
+Request = ReadSwarm | FetchUpdates | FetchSnapshots | FetchChunks
 
 
 # ---- intents ---------------------------------------------------------------------------------------

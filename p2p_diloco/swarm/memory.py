@@ -283,6 +283,25 @@ class InMemoryTransport:
     def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]:
         return _settled(lambda: self.fetch_snapshot(from_peer, fragment))
 
+    def fetch_chunk(self, from_peer: str, fragment: int, chunk: int, checksum: str, nbytes: int) -> bytes:
+        try:
+            data = self._remote(from_peer).serve_chunk(self.peer_id, fragment, chunk, checksum)
+        except LookupError as exc:
+            raise ConnectionError(f"{from_peer}: {exc}") from exc
+        if len(data) > nbytes:
+            raise ConnectionError(
+                f"{from_peer} answered chunk {chunk} with {len(data)} bytes, limit {nbytes}"
+            )
+        self.network.bytes_received[self.peer_id] = self.network.bytes_received.get(self.peer_id, 0) + len(
+            data
+        )
+        return data
+
+    def request_chunk(
+        self, from_peer: str, fragment: int, chunk: int, checksum: str, nbytes: int
+    ) -> Future[bytes]:
+        return _settled(lambda: self.fetch_chunk(from_peer, fragment, chunk, checksum, nbytes))
+
 
 def _settled(call: Callable[[], Any]) -> Future:
     """A future already holding `call`'s result or exception (fake time does not move for a fetch)."""

@@ -8,8 +8,10 @@ skipped, an older snapshot is refused by the replica).
 
 - replay: apply missing updates from a peer's log, each checked like a pushed one (lease, run, order,
   checksum); a mismatch proves a fork (`protocol.reconcile`);
-- snapshots: a fragment's (Theta, momentum) from a peer, checked against the checksum in it, spread
-  over several peers at once for a newcomer;
+- snapshots: a fragment's (Theta, momentum) streamed in chunks (`swarm.snapshots`,
+  `wire.snapshot_chunks`) from several peers at once, each chunk checked against the index's digest and
+  the whole against its checksum; a source that dies midway or sends a bad chunk is dropped and the
+  others finish;
 - reconciliation after a partition: the fragment moves onto the winning branch (`reconcile_fragment`);
 - anti-entropy (`repair_round`): a fragment off the live peers' winning tip for a heartbeat period.
 """
@@ -26,18 +28,28 @@ from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
-from p2p_diloco.swarm.effects import FetchSnapshots, FetchUpdates, Intent, ReadSwarm, Request, ToLearner
+from p2p_diloco.swarm.effects import (
+    FetchChunks,
+    FetchSnapshots,
+    FetchUpdates,
+    Intent,
+    ReadSwarm,
+    Request,
+    ToLearner,
+)
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Reload
 from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.snapshots import ChunkedDownload, SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.frames import FragmentSnapshot, decode_snapshot, decode_update, encode_snapshot
+from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.snapshot_chunks import SnapshotIndex, chunk_layout, decode_index
 
 REJECT_NOT_ALLOWED = "not allowed"
 Task = Generator[Request, Any, Any]
-Downloaded = tuple[FragmentSnapshot, dict, dict]
+Downloaded = tuple[SnapshotIndex, dict, dict]
+MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
 class Repair:
@@ -66,6 +78,15 @@ class Repair:
         self.behind_since: dict[int, float] = {}
         self.reconciliations: list[str] = []  # every `reconciled` line, in order
         self.busy: set[int] = set()  # fragments a repair task is working on
+        limits = manifest.limits
+        self.snapshots = SnapshotServer(
+            manifest.run_id,
+            manifest.manifest_hash,
+            chunk_bytes=limits.snapshot_chunk_bytes,
+            max_pins=limits.snapshot_pins,
+            pin_seconds=limits.snapshot_pin_seconds,
+        )
+        self.last_download: dict[str, int] = {}  # bytes per source of the last snapshot download
 
     # ---- serving -----------------------------------------------------------------------------------
 
@@ -78,25 +99,16 @@ class Repair:
         return self.book.frames_after(fragment, after_version)
 
     def serve_snapshot(self, requester: str, fragment: int) -> bytes:
-        """The fragment's snapshot frame; b"" (which no requester can decode) for a refused request."""
+        """The index of the fragment's current state, pinned for chunk requests (`swarm.snapshots`); b""
+        (which no requester can decode) for a refused request."""
         if not self.membership.allowed(requester):
             self.journal.reject(requester, REJECT_NOT_ALLOWED, "snapshot refused: not in the allowlist")
             return b""
         if not 0 <= fragment < self.plan.num_fragments:
             self.journal.reject(requester, "unknown fragment", f"snapshot of {fragment}")
             return b""
-        version, params, momentum = self.replica.snapshot(fragment)
-        return encode_snapshot(
-            FragmentSnapshot(
-                run_id=self.manifest.run_id,
-                manifest_hash=self.manifest.manifest_hash,
-                fragment=fragment,
-                version=version,
-                checksum=self.replica.checksum(fragment),
-                params=encode_tensors(params, codec="fp32"),
-                momentum=encode_tensors(momentum, codec="fp32"),
-            )
-        )
+        version, params, momentum = self.replica.fragment_state(fragment)
+        return self.snapshots.index(fragment, version, self.replica.checksum(fragment), params, momentum)
 
     # ---- leases behind updates ---------------------------------------------------------------------
 
@@ -155,40 +167,79 @@ class Repair:
 
     # ---- snapshots ---------------------------------------------------------------------------------
 
-    def _decode_snapshot(self, fragment: int, source: str, frame: bytes) -> Downloaded:
-        """Decode and check one fetched fragment snapshot (raises DecodeError on any problem)."""
-        max_bytes = self.manifest.wire.max_message_bytes
-        snap = decode_snapshot(frame, max_bytes=max_bytes)
-        bad = self.book.check_record(snap.run_id, snap.manifest_hash, snap.fragment)
-        if bad or snap.fragment != fragment:
-            raise DecodeError(
-                bad[0] if bad else "wrong fragment", f"snapshot of fragment {fragment} from {source}"
-            )
-        shapes = self.replica.shapes(fragment)
-        params = decode_tensors(snap.params, expected_shapes=shapes, max_bytes=max_bytes)
-        momentum = decode_tensors(snap.momentum, expected_shapes=shapes, max_bytes=max_bytes)
-        return snap, params, momentum
-
-    def _download(self, fragment: int, source: str) -> Task:
-        """One checked snapshot, or None (the failure noted; a malformed one counted)."""
-        (result,) = yield FetchSnapshots(((fragment, source),))
+    def _read_index(self, fragment: int, source: str, result: object) -> SnapshotIndex | None:
+        """One source's index answer, checked (run, manifest, fragment, layout); None if unusable (noted,
+        a malformed one counted against the source)."""
         try:
             if isinstance(result, BaseException):
                 raise result
-            return self._decode_snapshot(fragment, source, result)
+            index = decode_index(result, max_bytes=MAX_INDEX_BYTES)
+            bad = self.book.check_record(index.run_id, index.manifest_hash, index.fragment)
+            if bad or index.fragment != fragment:
+                raise DecodeError(
+                    bad[0] if bad else "wrong fragment", f"snapshot index of fragment {fragment}"
+                )
+            if len(chunk_layout(self.replica.shapes(fragment), index.chunk_bytes)) != index.count:
+                raise DecodeError("bad index", f"{index.count} chunks do not fit fragment {fragment}")
+            return index
         except DecodeError as exc:
-            self.journal.reject(source, exc.reason, "snapshot")
+            self.journal.reject(source, exc.reason, "snapshot index")
             self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
         except (ConnectionError, TimeoutError) as exc:
             self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
         return None
+
+    def _download(self, fragment: int, sources: list[str]) -> Task:
+        """A checked download of `fragment` (index, Θ, m) from up to `[limits] snapshot_sources` of `sources`
+        at once, or None. The sources announcing the most common index (ties: the first source's) share the
+        chunks; a source that fails or sends a bad chunk is dropped and its chunks go to the others. The
+        whole is checked against the index's checksum by `_install`."""
+        limits = self.manifest.limits
+        sources = list(dict.fromkeys(sources))[: limits.snapshot_sources]
+        if not sources:
+            return None
+        answers = yield FetchSnapshots(tuple((fragment, source) for source in sources))
+        groups: dict[SnapshotIndex, list[str]] = {}
+        for source, result in zip(sources, answers):
+            index = self._read_index(fragment, source, result)
+            if index is not None:
+                groups.setdefault(index, []).append(source)
+        if not groups:
+            return None
+        index, group = max(groups.items(), key=lambda item: len(item[1]))  # first of the largest
+        download = ChunkedDownload(
+            index, self.replica.shapes(fragment), group, in_flight=limits.snapshot_chunks_in_flight
+        )
+        while not download.done:
+            wanted = download.requests()
+            if not wanted:
+                self.journal.note(
+                    f"snapshot of fragment {fragment}: every source failed ({download.failed}); "
+                    f"{len(download.missing)} of {index.count} chunks missing"
+                )
+                return None
+            fetches = tuple(
+                (source, fragment, n, index.checksum, download.expected_bytes(n)) for source, n in wanted
+            )
+            results = yield FetchChunks(fetches)
+            for (source, n), result in zip(wanted, results):
+                if source not in download.sources:
+                    download.release(source, n)
+                elif isinstance(result, BaseException):
+                    self.journal.note(f"chunk {n} of fragment {fragment} from {source} failed: {result}")
+                    download.fail(source, str(result)[:200])
+                elif (bad := download.accept(source, n, result)) is not None:
+                    self.journal.reject(source, bad[0], f"snapshot of fragment {fragment}: {bad[1]}")
+                    download.fail(source, bad[0])
+        self.last_download = {s: b for s, b in download.bytes_from.items() if b}
+        return index, download.params, download.momentum
 
     def _install(
         self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False, term=None
     ) -> Task:
         snap, params, momentum = downloaded
         decision = self.replica.load_fragment(
-            fragment, snap.version, params, momentum, snap.checksum, force=force
+            fragment, snap.version, params, momentum, snap.checksum, force=force, adopt=True
         )
         self.journal.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
         if decision.action != Action.LOAD:
@@ -202,7 +253,7 @@ class Repair:
             self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
         return True
 
-    def _snapshot_term(self, fragment: int, source: str, snap: FragmentSnapshot) -> Task:
+    def _snapshot_term(self, fragment: int, source: str, snap: SnapshotIndex) -> Task:
         """The term of the update that produced a loaded snapshot: from the source's published tip if it
         matches, else from the update in the source's log that produced it; 0 (unknown) otherwise. An
         unknown term only makes this replica's tip rank lower, never win wrongly."""
@@ -230,31 +281,26 @@ class Repair:
         return 0
 
     def fetch_fragment(self, fragment: int, sources: list[str]) -> Task:
-        """Download a checked snapshot of one fragment; the learner's copy of it is reset to the global one."""
-        for source in sources:
-            downloaded = yield from self._download(fragment, source)
-            if downloaded is not None and (yield from self._install(fragment, source, downloaded)):
+        """Download a checked snapshot of one fragment, its chunks from several sources at once; the learner's
+        copy of it is reset to the global one. Sources whose state fails its checksum are not asked again."""
+        left = list(dict.fromkeys(sources))
+        while left:
+            downloaded = yield from self._download(fragment, left)
+            if downloaded is None:
+                return False
+            used = list(self.last_download) or left[:1]
+            if (yield from self._install(fragment, used[0], downloaded)):
                 return True
+            left = [s for s in left if s not in used]
         return False
 
     def fetch_fragments(self, wanted: dict[int, list[str]]) -> Task:
-        """Download several fragments at once, each from its first source (a newcomer's load spread over
-        the peers), install them in fragment order; a failed one falls back to its other sources."""
-        if not wanted:
-            return 0
-        order = sorted(wanted)
-        results = yield FetchSnapshots(tuple((p, wanted[p][0]) for p in order))
+        """Download several fragments (a newcomer), one after the other, each from several peers at once
+        (`wanted[p]`: the peers on its winning tip, first the one to ask first): the memory peak is the
+        replica plus one fragment's download, and every source serves at once."""
         installed = 0
-        for p, result in zip(order, results):
-            source = wanted[p][0]
-            ok = False
-            try:
-                if isinstance(result, BaseException):
-                    raise result
-                ok = yield from self._install(p, source, self._decode_snapshot(p, source, result))
-            except (ConnectionError, TimeoutError, DecodeError) as exc:
-                self.journal.note(f"snapshot of fragment {p} from {source} failed: {exc}")
-            installed += ok or (yield from self.fetch_fragment(p, wanted[p][1:]))
+        for p in sorted(wanted):
+            installed += bool((yield from self.fetch_fragment(p, wanted[p])))
         return installed
 
     # ---- reconciliation and anti-entropy -----------------------------------------------------------
@@ -279,7 +325,7 @@ class Repair:
                 )
             )
         for source in sources:
-            downloaded = yield from self._download(fragment, source)
+            downloaded = yield from self._download(fragment, [source])
             if downloaded is None:
                 continue
             snap = downloaded[0]

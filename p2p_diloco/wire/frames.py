@@ -36,6 +36,7 @@ DELTA_MAGIC = b"PDde"
 UPDATE_MAGIC = b"PDup"
 SNAPSHOT_MAGIC = b"PDsn"
 REQUEST_MAGIC = b"PDrq"
+SNAPSHOT_INDEX_MAGIC = b"PDsi"  # wire.snapshot_chunks
 FRAME_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_BYTES = 4096
@@ -52,6 +53,7 @@ _KIND_BY_MAGIC = {
     UPDATE_MAGIC: "update",
     SNAPSHOT_MAGIC: "snapshot",
     REQUEST_MAGIC: "request",
+    SNAPSHOT_INDEX_MAGIC: "snapshot index",
 }
 
 

@@ -60,7 +60,15 @@ class Transport(Protocol):
         """Fetch update frames in the background; the future fails with ConnectionError/TimeoutError."""
         ...
 
-    def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]: ...
+    def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]:
+        """The index frame of the source's current state of `fragment` (`wire.snapshot_chunks`)."""
+        ...
+
+    def request_chunk(
+        self, from_peer: str, fragment: int, chunk: int, checksum: str, nbytes: int
+    ) -> Future[bytes]:
+        """One snapshot chunk; the future fails (ConnectionError) if the answer exceeds `nbytes`."""
+        ...
 
 
 class InboundHandlers(Protocol):
@@ -80,3 +88,8 @@ class InboundHandlers(Protocol):
     ) -> list[bytes] | Future[list[bytes]]: ...
 
     def serve_snapshot(self, requester: str, fragment: int) -> bytes | Future[bytes]: ...
+
+    def serve_chunk(self, requester: str, fragment: int, chunk: int, checksum: str) -> bytes:
+        """A chunk of a pinned snapshot, answered at once off the owner thread; raises LookupError if
+        that state is not served here."""
+        ...

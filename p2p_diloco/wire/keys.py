@@ -28,8 +28,9 @@ RECORD_NAMES = (HEARTBEAT, LEASE, UPDATE_LOG, SNAPSHOTS)
 OP_DELTA = "delta"
 OP_UPDATE = "update"
 OP_FETCH_UPDATES = "fetch-updates"
-OP_FETCH_SNAPSHOT = "fetch-snapshot"
-TRANSPORT_OPS = (OP_DELTA, OP_UPDATE, OP_FETCH_UPDATES, OP_FETCH_SNAPSHOT)
+OP_FETCH_SNAPSHOT = "fetch-snapshot"  # a fragment snapshot's index (wire.snapshot_chunks)
+OP_FETCH_CHUNK = "fetch-chunk"  # one chunk of a snapshot
+TRANSPORT_OPS = (OP_DELTA, OP_UPDATE, OP_FETCH_UPDATES, OP_FETCH_SNAPSHOT, OP_FETCH_CHUNK)
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MANIFEST_HASH_RE = re.compile(r"^[0-9a-f]{16}$")

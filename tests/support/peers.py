@@ -22,6 +22,7 @@ class StubTransport:
 
     def __init__(self) -> None:
         self.snapshot = b""
+        self.chunks: dict[int, bytes] = {}  # chunk number -> answer; others fail
         self.updates: list[bytes] = []
         self.sent: list[str] = []
 
@@ -39,6 +40,11 @@ class StubTransport:
 
     def request_snapshot(self, from_peer, fragment) -> concurrent.futures.Future:  # noqa: ANN001
         return settled(self.snapshot)
+
+    def request_chunk(self, from_peer, fragment, chunk, checksum, nbytes) -> concurrent.futures.Future:  # noqa: ANN001
+        if chunk not in self.chunks:
+            return settled(ConnectionError(f"no chunk {chunk}"))
+        return settled(self.chunks[chunk])
 
 
 class PeerHarness(InlineDriver):
