@@ -18,6 +18,7 @@ skipped, an older snapshot is refused by the replica).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -87,6 +88,7 @@ class Repair:
             pin_seconds=limits.snapshot_pin_seconds,
         )
         self.last_download: dict[str, int] = {}  # bytes per source of the last snapshot download
+        self.downloaded: Counter[str] = Counter()  # snapshot bytes installed, per source, ever
 
     # ---- serving -----------------------------------------------------------------------------------
 
@@ -227,7 +229,7 @@ class Repair:
                     download.release(source, n)
                 elif isinstance(result, BaseException):
                     self.journal.note(f"chunk {n} of fragment {fragment} from {source} failed: {result}")
-                    download.fail(source, str(result)[:200])
+                    download.strike(source, n, str(result)[:200])
                 elif (bad := download.accept(source, n, result)) is not None:
                     self.journal.reject(source, bad[0], f"snapshot of fragment {fragment}: {bad[1]}")
                     download.fail(source, bad[0])
@@ -290,6 +292,7 @@ class Repair:
                 return False
             used = list(self.last_download) or left[:1]
             if (yield from self._install(fragment, used[0], downloaded)):
+                self.downloaded.update(self.last_download)
                 return True
             left = [s for s in left if s not in used]
         return False
@@ -379,6 +382,14 @@ class Repair:
     def catch_up(self, now: float, *, replay: bool) -> Task:
         """Bring the replica to the swarm's versions: replay logs (`replay`) or download snapshots,
         spreading fragments over the up-to-date peers."""
+        held = set(range(self.plan.num_fragments)) - self.busy  # anti-entropy waits for the catch-up
+        self.busy |= held
+        try:
+            return (yield from self._catch_up(now, replay=replay))
+        finally:
+            self.busy -= held
+
+    def _catch_up(self, now: float, *, replay: bool) -> Task:
         self.membership.ingest((yield ReadSwarm()))
         others = {p: i for p, i in self.membership.live_peers.items() if p != self.peer_id and i.versions}
         stats = {"replayed": 0, "snapshots": 0}
@@ -403,5 +414,7 @@ class Repair:
                 stats["replayed"] += self.replica.version(p) - before
             else:
                 wanted[p] = sources
+        before = Counter(self.downloaded)
         stats["snapshots"] = yield from self.fetch_fragments(wanted)
+        stats["from_sources"] = dict(self.downloaded - before)  # snapshot bytes per source
         return stats

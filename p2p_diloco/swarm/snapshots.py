@@ -12,8 +12,9 @@ state is refused (`UnknownSnapshot`) and the requester asks another peer.
 `ChunkedDownload` (requesting side): a pure state machine over the chunks of one fragment and the
 sources that announced the same index. `requests()` hands out up to `in_flight` chunks per source,
 different chunks to different sources; `accept` checks a chunk (exact size, digest) and copies it into
-the target tensors; `fail` drops a source and gives its chunks to the others (a source that dies midway
-costs only its chunks in flight). Memory: the fragment's target tensors plus the chunks in flight.
+the target tensors; `fail` drops a source that sent a bad chunk and gives its chunks to the others,
+`strike` gives a failed request's chunk back and drops the source after `MAX_STRIKES` failures (a source
+that dies midway costs only its chunks in flight). Memory: the fragment's target tensors plus the chunks in flight.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from p2p_diloco.wire.snapshot_chunks import (
 # reasons a chunk is refused (tags of the requester's journal)
 BAD_CHUNK_SIZE = "bad chunk size"
 BAD_CHUNK_DIGEST = "bad chunk digest"
+MAX_STRIKES = 3  # failed chunk requests before a source is dropped
 
 
 class UnknownSnapshot(LookupError):
@@ -54,7 +56,7 @@ class _Pin:
     index: SnapshotIndex
     layout: list[Chunk]
     tensors: tuple[Mapping[str, Tensor], Mapping[str, Tensor]]
-    last_used: float
+    last_used: float | None  # None: pinned by an index request (which carries no time), fresh until seen
 
 
 class SnapshotServer:
@@ -68,7 +70,6 @@ class SnapshotServer:
         self._pins: OrderedDict[tuple[int, str], _Pin] = OrderedDict()
         self._lock = threading.Lock()
         self.chunks_served = 0
-        self._last_now = 0.0  # the latest time a chunk request brought (index requests carry none)
 
     def index(
         self,
@@ -82,9 +83,9 @@ class SnapshotServer:
         """Pin this fragment state (if not yet) and return its index frame. `params`/`momentum` must be the
         replica's own (never changed in place) tensors, in plan order."""
         key = (fragment, checksum)
-        now = self._last_now if now is None else now
         with self._lock:
-            self._expire(now)
+            if now is not None:
+                self._expire(now)
             pin = self._pins.get(key)
             if pin is not None:
                 pin.last_used = now
@@ -107,7 +108,6 @@ class SnapshotServer:
     def chunk(self, fragment: int, number: int, checksum: str, now: float) -> bytes:
         """The raw bytes of chunk `number` of a pinned state; `UnknownSnapshot` if not pinned."""
         with self._lock:
-            self._last_now = max(self._last_now, now)
             self._expire(now)
             pin = self._pins.get((fragment, checksum))
             if pin is None:
@@ -123,6 +123,9 @@ class SnapshotServer:
         return _chunk_bytes(tensors, chunk)
 
     def _expire(self, now: float) -> None:
+        for pin in self._pins.values():
+            if pin.last_used is None:
+                pin.last_used = now
         for key in [k for k, pin in self._pins.items() if now - pin.last_used > self.pin_seconds]:
             del self._pins[key]
 
@@ -156,6 +159,7 @@ class ChunkedDownload:
         self.pending: dict[int, str] = {}  # chunk -> source it was asked from
         self.bytes_from: dict[str, int] = {s: 0 for s in self.sources}
         self.failed: dict[str, str] = {}  # source -> why it was dropped
+        self.strikes: dict[str, int] = {}  # source -> failed requests so far
 
     @property
     def done(self) -> bool:
@@ -197,8 +201,16 @@ class ChunkedDownload:
         self.bytes_from[source] = self.bytes_from.get(source, 0) + len(data)
         return None
 
+    def strike(self, source: str, number: int, reason: str) -> None:
+        """A chunk request to `source` failed (busy, timed out, connection lost): the chunk goes back, and
+        the source is dropped after `MAX_STRIKES` failures (a dead one fails fast)."""
+        self.release(source, number)
+        self.strikes[source] = self.strikes.get(source, 0) + 1
+        if self.strikes[source] >= MAX_STRIKES:
+            self.fail(source, reason)
+
     def fail(self, source: str, reason: str) -> None:
-        """Drop `source`; its open chunks go back to the others."""
+        """Drop `source` (dead, or it sent a bad chunk); its open chunks go back to the others."""
         if source in self.sources:
             self.sources.remove(source)
             self.failed[source] = reason

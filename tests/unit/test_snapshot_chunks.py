@@ -53,7 +53,7 @@ def advanced(steps: int = 2) -> GlobalReplica:
 def harness(peer_id: str, replica: GlobalReplica, transport=None) -> PeerHarness:  # noqa: ANN001
     peer = Peer(peer_id, MANIFEST, PLAN, replica, shapes=SHAPES, has_learner=False)
     return PeerHarness(
-        peer, kv=InMemoryKeyValueStore(), transport=transport or StubTransport(), clock=FakeClock(10.0)
+        peer, kv=InMemoryKeyValueStore(), transport=transport or StubTransport(), clock=FakeClock(1.7e9)
     )
 
 

@@ -1,0 +1,391 @@
+"""Model-size scale on real peers: memory over time, merge/apply speed, a newcomer's snapshot download.
+
+    .venv/bin/python scripts/bench_scale.py --params 125M --out docs/results/scale [--duration 420]
+
+Part 1 (in this process, before any peer starts, one torch thread): on one fragment of the run's model,
+milliseconds per million parameters and GB/s of fp32 parameters for merging M deltas (RDA), the outer step
+(`GlobalReplica.compute_update`, finiteness checks and checksum included), the checksum alone, encoding
+the int8 update and applying an update on a replica (decode, outer step, checksum compare).
+
+Part 2 (real processes on 127.0.0.1): a bootstrap node and two `join` learners (batch 1, the byte GPT
+sized to `--params`) train; once `--join-after` updates have been published a newcomer joins and downloads
+the replica as chunked snapshots from both. Every 2 s the PSS of every peer's process tree (the join
+process, its DHT child and p2pd) is sampled from /proc/PID/smaps_rollup. Reported per peer: PSS over time,
+growth over the last half of the run, PSS minus the training state (model, gradients, AdamW: 16 B/param)
+per parameter; the newcomer's time from its start to its first merged delta and its download MB/s per
+source; bytes per parameter per round sent and received. Writes OUT/scale.json and OUT/scale_pss.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from p2p_diloco.config import ModelConfig  # noqa: E402
+from p2p_diloco.model.gpt import GPT  # noqa: E402
+from p2p_diloco.protocol.fragments import plan_fragments  # noqa: E402
+from p2p_diloco.protocol.merge import merge_deltas  # noqa: E402
+from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum  # noqa: E402
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors  # noqa: E402
+
+FRAGMENTS = 4
+TRAINING_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
+
+
+def parse_params(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMB]?)", text.strip().upper())
+    if not m:
+        raise SystemExit(f"--params must look like 125M, 30M or 1.3B, got {text!r}")
+    return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[m.group(2)])
+
+
+def model_for(params: int) -> ModelConfig:
+    """A byte GPT of about `params` parameters (width by size, then depth)."""
+    width, heads = (768, 12) if params >= 50e6 else (384, 6) if params >= 5e6 else (128, 4)
+    for layers in range(1, 200):
+        config = ModelConfig(n_layer=layers, n_head=heads, n_embd=width, block_size=32)
+        with torch.device("meta"):
+            count = sum(p.numel() for p in GPT(config).parameters())
+        if count >= params:
+            return config
+    raise SystemExit(f"--params {params} is too large")
+
+
+def shapes_of(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in GPT(config).named_parameters()}
+
+
+# ---- part 1: throughput on one fragment ------------------------------------------------------------
+
+
+def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    shapes = shapes_of(config)
+    plan = plan_fragments(list(shapes.items()), FRAGMENTS)
+    names = plan.names(0)
+    gen = torch.Generator().manual_seed(0)
+    frag = {n: torch.randn(shapes[n], generator=gen) * 0.02 for n in names}
+    numel = sum(t.numel() for t in frag.values())
+    one = plan_fragments([(n, shapes[n]) for n in names], 1)
+    replica = GlobalReplica(one, frag)
+    parts = [{n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in names} for _ in range(deltas)]
+
+    def best(fn):  # noqa: ANN001, ANN202
+        seconds, out = float("inf"), None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = fn()
+            seconds = min(seconds, time.perf_counter() - start)
+        return seconds, out
+
+    rows = {}
+
+    def row(name: str, seconds: float) -> None:
+        rows[name] = {
+            "ms_per_mparam": round(seconds * 1e3 / (numel / 1e6), 3),
+            "gb_per_s_fp32": round(numel * 4 / seconds / 1e9, 3),
+            "seconds": round(seconds, 4),
+        }
+
+    s, merged = best(lambda: merge_deltas(parts, [1.0 + i for i in range(deltas)]))
+    row(f"merge_{deltas}_deltas", s)
+    s, _ = best(lambda: replica.compute_update(0, merged, lr=0.7, momentum=0.9))
+    row("outer_step_with_checks_and_checksum", s)
+    version, params, momentum = replica.fragment_state(0)
+    s, _ = best(lambda: fragment_checksum(names, params, momentum, version))
+    row("checksum", s)
+    s, payload = best(lambda: encode_tensors(merged))
+    row("encode_int8", s)
+    grad = decode_tensors(payload)
+    expected = replica.compute_update(0, grad, lr=0.7, momentum=0.9).checksum
+
+    def apply() -> None:
+        twin = replica.frozen()
+        decoded = decode_tensors(payload, expected_shapes=twin.shapes(0))
+        decision = twin.apply(0, 0, decoded, lr=0.7, momentum=0.9, expected_checksum=expected)
+        assert decision.action == "apply", decision
+
+    s, _ = best(apply)
+    row("apply_update_on_a_replica", s)
+    return {"fragment_params": numel, "threads": 1, "rows": rows}
+
+
+# ---- part 2: real peers ----------------------------------------------------------------------------
+
+
+def tree_pss_kib(root: int) -> int:
+    """PSS of `root` and all its descendants, KiB (0 if gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def manifest_text(config: ModelConfig) -> str:
+    return f"""run_id = "scale"
+[diloco]
+inner_steps = 8
+fragments = {FRAGMENTS}
+max_in_flight = 2
+min_quorum = 1
+batch_size = 1
+[model]
+n_layer = {config.n_layer}
+n_head = {config.n_head}
+n_embd = {config.n_embd}
+block_size = {config.block_size}
+[timing]
+heartbeat_period = 2.0
+heartbeat_ttl = 30.0
+lease_ttl = 40.0
+claim_grace = 5.0
+lease_margin = 1.0
+term_rounds = 100000
+rejoin_grace = 60.0
+"""
+
+
+def read_events(state: Path) -> list[dict]:
+    out = []
+    try:
+        for line in (state / "events.jsonl").read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2p_diloco", *args]
+
+
+def run_peers(config: ModelConfig, params: int, out: Path, duration: float, join_after: int) -> dict:
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = work / "scale.toml"
+    manifest.write_text(manifest_text(config))
+    logs, procs = {}, {}
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen:
+        logs[name] = open(work / f"{name}.log", "w")  # noqa: SIM115
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs[name] = subprocess.Popen(args, stdout=logs[name], stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        return procs[name]
+
+    for name in ("boot", "A", "B", "C"):
+        subprocess.run(
+            cli("keygen", "--out", str(work / f"{name}.key"), "--force"), check=True, capture_output=True
+        )
+    spawn("boot", cli("bootstrap", "--identity", str(work / "boot.key"), "--listen", "/ip4/127.0.0.1/tcp/0"))
+    address = None
+    deadline = time.monotonic() + 60
+    while address is None and time.monotonic() < deadline:
+        for line in (work / "boot.log").read_text().splitlines():
+            if line.startswith("bootstrap address: ") and "/tcp/" in line:
+                address = line.split(": ", 1)[1].strip()
+        time.sleep(0.5)
+    if address is None:
+        raise SystemExit("the bootstrap node printed no address")
+
+    def join(name: str) -> None:
+        spawn(name, cli(
+            "join", str(manifest), "--initial-peers", address, "--identity", str(work / f"{name}.key"),
+            "--state-dir", str(work / f"state-{name}"), "--listen", "/ip4/127.0.0.1/tcp/0",
+            "--threads", "1", "--progress-every", "5", "--display", "plain",
+        ))  # fmt: skip
+
+    started = time.time()
+    samples: list[dict] = []
+    join("A")
+    join("B")
+    newcomer_started = None
+    try:
+        while time.time() - started < duration:
+            row = {"t": round(time.time() - started, 1)}
+            for name, proc in procs.items():
+                if proc.poll() is None:
+                    row[name] = tree_pss_kib(proc.pid) / 1024
+                elif name != "boot":
+                    raise SystemExit(
+                        f"peer {name} exited with {proc.returncode}; see {work / (name + '.log')}"
+                    )
+            samples.append(row)
+            published = [
+                e
+                for e in read_events(work / "state-A") + read_events(work / "state-B")
+                if e["event"] == "published"
+            ]
+            if newcomer_started is None and len(published) >= join_after:
+                newcomer_started = time.time()
+                join("C")
+            time.sleep(2.0)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            logs[name].close()
+    return summarize(work, params, samples, started, newcomer_started)
+
+
+def summarize(
+    work: Path, params: int, samples: list[dict], started: float, newcomer_started: float | None
+) -> dict:
+    events = {name: read_events(work / f"state-{name}") for name in ("A", "B", "C")}
+    ids = {
+        name: next((e["peer_id"] for e in ev if e["event"] == "start"), None) for name, ev in events.items()
+    }
+    published = sorted(
+        (e for ev in events.values() for e in ev if e["event"] == "published"), key=lambda e: e["t"]
+    )
+    peers = {}
+    for name in ("A", "B", "C"):
+        series = [(s["t"], s[name]) for s in samples if name in s]
+        if len(series) < 4:
+            continue
+        half = series[len(series) // 2 :]
+        lo, hi = half[0][1], max(v for _, v in half)
+        first_half_end = half[0][1]
+        progress = [e for e in events[name] if e["event"] == "progress"]
+        last = progress[-1] if progress else {}
+        applied = sum(1 for e in events[name] if e["event"] in ("applied", "published"))
+        peers[name] = {
+            "peer_id": ids[name],
+            "pss_mib_last": round(series[-1][1], 1),
+            "pss_mib_max": round(max(v for _, v in series), 1),
+            "growth_last_half_pct": round(100 * (series[-1][1] - first_half_end) / first_half_end, 2),
+            "growth_last_half_max_pct": round(100 * (hi - lo) / lo, 2),
+            "beyond_training_bytes_per_param": round(
+                series[-1][1] * 2**20 / params - TRAINING_BYTES_PER_PARAM, 2
+            ),
+            "updates_seen": applied,
+            "bytes_sent": last.get("bytes_sent"),
+            "bytes_received": last.get("bytes_received"),
+            "steps": last.get("step"),
+        }
+        rounds_params = applied * params / FRAGMENTS
+        if rounds_params and last:
+            peers[name]["sent_bytes_per_param_per_round"] = round(
+                last.get("bytes_sent", 0) / rounds_params, 3
+            )
+            peers[name]["received_bytes_per_param_per_round"] = round(
+                last.get("bytes_received", 0) / rounds_params, 3
+            )
+    newcomer: dict = {"started_s": round(newcomer_started - started, 1) if newcomer_started else None}
+    catch_up = next((e for e in events["C"] if e["event"] == "catch_up"), None)
+    if catch_up:
+        seconds = catch_up["seconds"]
+        newcomer["catch_up"] = {
+            k: catch_up.get(k) for k in ("mode", "seconds", "snapshots", "before", "after")
+        }
+        newcomer["download_mb_per_s_per_source"] = {
+            source: round(b / seconds / 1e6, 1) for source, b in (catch_up.get("from_sources") or {}).items()
+        }
+        newcomer["sources"] = len(catch_up.get("from_sources") or {})
+    merged = next((e for e in published if ids["C"] in (e.get("contributors") or [])), None)
+    if merged and newcomer_started:
+        newcomer["first_merged_delta_s"] = round(merged["t"] - newcomer_started, 1)
+    return {"peers": peers, "newcomer": newcomer, "published": len(published), "pss_samples": samples}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    samples = result["peers_run"]["pss_samples"]
+    for name in ("boot", "A", "B", "C"):
+        pts = [(s["t"], s[name] / 1024) for s in samples if name in s]
+        if pts:
+            ax.plot(*zip(*pts), label={"boot": "bootstrap", "C": "C (newcomer)"}.get(name, f"learner {name}"))
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("PSS of the process tree (GiB)")
+    ax.set_title(f"{result['params'] / 1e6:.0f}M-parameter byte GPT, 2 learners + newcomer, 2 CPU cores")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--params", default="125M")
+    parser.add_argument("--out", default="docs/results/scale")
+    parser.add_argument("--duration", type=float, default=480.0, help="seconds of the peers' run")
+    parser.add_argument(
+        "--join-after", type=int, default=4, help="updates published before the newcomer joins"
+    )
+    parser.add_argument("--deltas", type=int, default=2, help="M, deltas merged in part 1")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-peers", action="store_true", help="part 1 only")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model_for(parse_params(args.params))
+    params = sum(int(torch.Size(s).numel()) for s in shapes_of(config).values())
+    began = time.time()
+    result = {
+        "command": " ".join(["scripts/bench_scale.py", *sys.argv[1:]]),
+        "params": params,
+        "model": {
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "n_embd": config.n_embd,
+            "block_size": 32,
+        },
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "throughput": throughput(config, args.deltas, args.repeats),
+    }
+    print(json.dumps(result["throughput"], indent=1), flush=True)
+    if not args.skip_peers:
+        result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after)
+        result["wall_seconds"] = round(time.time() - began, 1)
+        plot(result, out / "scale_pss.png")
+        brief = {k: v for k, v in result["peers_run"].items() if k != "pss_samples"}
+        print(json.dumps(brief, indent=1), flush=True)
+    (out / "scale.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
