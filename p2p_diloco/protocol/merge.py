@@ -152,25 +152,24 @@ def merge_deltas(
 def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
     acc = torch.zeros(parts[0].shape, dtype=torch.float64)
     for part, w in zip(parts, weights):
-        acc += part.detach().to(device="cpu", dtype=torch.float64) * w
-    return (acc / total).to(torch.float32)
+        acc.add_(part.detach().cpu(), alpha=w)  # accumulated in float64, no float64 copy of the part
+    return acc.div_(total).to(torch.float32)
 
 
 def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
     direction = torch.zeros(parts[0].shape, dtype=torch.float64)
     norm_sum = 0.0
     for part, w in zip(parts, weights):
-        v = part.detach().to(device="cpu", dtype=torch.float64)
-        norm = float(torch.linalg.vector_norm(v))
+        v = part.detach().cpu()
+        norm = float(torch.linalg.vector_norm(v, dtype=torch.float64))
         if norm > 0:  # a zero vector adds its zero norm to the mean but no direction
-            direction += v * (w / norm)
+            direction.add_(v, alpha=w / norm)  # float64 accumulation, no float64 copy of the part
             norm_sum += w * norm
     mean_norm = norm_sum / total
-    direction /= total
-    direction_norm = float(torch.linalg.vector_norm(direction))
+    direction_norm = float(torch.linalg.vector_norm(direction)) / total
     if direction_norm == 0.0 or mean_norm == 0.0:  # all zero, or directions cancel exactly
         return torch.zeros(parts[0].shape, dtype=torch.float32)
-    return (direction * (mean_norm / direction_norm)).to(torch.float32)
+    return direction.mul_(mean_norm / (direction_norm * total)).to(torch.float32)
 
 
 def _preview(names: Sequence[str], limit: int = 5) -> str:

@@ -85,13 +85,12 @@ def nesterov_step(
     """
     mu = torch.tensor(momentum, dtype=torch.float32)
     rate = torch.tensor(lr, dtype=torch.float32)
-    decayed = momentum_buf * mu
-    new_momentum = decayed + grad
-    lookahead = new_momentum * mu
-    direction = grad + lookahead
-    step = direction * rate
-    new_param = param - step
-    return new_param, new_momentum
+    new_momentum = momentum_buf * mu  # decayed
+    new_momentum.add_(grad)  # in place on a fresh tensor: the same rounding as `decayed + grad`
+    direction = new_momentum * mu  # lookahead
+    direction.add_(grad)  # grad + lookahead (IEEE addition commutes exactly)
+    direction.mul_(rate)  # step
+    return param - direction, new_momentum
 
 
 @dataclass(frozen=True)
@@ -267,7 +266,7 @@ class GlobalReplica:
             new_params[name], new_momentum[name] = nesterov_step(
                 param, self._momentum[p][name], outer_grad[name], lr=lr, momentum=momentum
             )
-            if not bool(torch.isfinite(new_params[name]).all() and torch.isfinite(new_momentum[name]).all()):
+            if not (_all_finite(new_params[name]) and _all_finite(new_momentum[name])):
                 return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
         to_version = self._versions[p] + 1
         return PendingUpdate(
@@ -409,6 +408,12 @@ class GlobalReplica:
 
 def _cpu_fp32_copy(t: Tensor) -> Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+
+
+def _all_finite(t: Tensor) -> bool:
+    """Every element finite: a finite sum proves it (NaN and inf propagate); only an overflowing sum
+    needs the full element-wise scan."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _take(t: Tensor) -> Tensor:
