@@ -188,8 +188,10 @@ class LimitsConfig:
     snapshot_chunk_bytes: int = 4 * MIB  # a snapshot travels in chunks of at most this many bytes
     snapshot_sources: int = 4  # a newcomer fetches one fragment's chunks from up to this many peers at once
     snapshot_chunks_in_flight: int = 2  # chunk requests open per source at once
-    snapshot_pins: int = 8  # fragment states a peer keeps serving to downloaders (most recently used)
-    snapshot_pin_seconds: float = 120.0  # a served state idle this long is dropped
+    # Fragment states a peer keeps serving to downloaders (most recently used): one costs nothing while it is
+    # the replica's current state, a fragment's Θ and m (8 B/param of it) once the replica has moved on.
+    snapshot_pins: int = 4
+    snapshot_pin_seconds: float = 60.0  # a served state idle this long is dropped
 
     MIN_AUTO_UPDATE_LOG_BYTES = 16 * MIB
 

@@ -153,7 +153,7 @@ def tree_pss_kib(root: int) -> int:
 def manifest_text(config: ModelConfig) -> str:
     return f"""run_id = "scale"
 [diloco]
-inner_steps = 8
+inner_steps = 16
 fragments = {FRAGMENTS}
 max_in_flight = 2
 min_quorum = 1
@@ -191,7 +191,9 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco", *args]
 
 
-def run_peers(config: ModelConfig, params: int, out: Path, duration: float, join_after: int) -> dict:
+def run_peers(
+    config: ModelConfig, params: int, out: Path, duration: float, join_after: int, step_time: float
+) -> dict:
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     manifest = work / "scale.toml"
@@ -223,8 +225,26 @@ def run_peers(config: ModelConfig, params: int, out: Path, duration: float, join
         spawn(name, cli(
             "join", str(manifest), "--initial-peers", address, "--identity", str(work / f"{name}.key"),
             "--state-dir", str(work / f"state-{name}"), "--listen", "/ip4/127.0.0.1/tcp/0",
-            "--threads", "1", "--progress-every", "5", "--display", "plain",
+            "--threads", "1", "--progress-every", "5", "--display", "plain", "--min-step-time", str(step_time),
         ))  # fmt: skip
+
+    # the runtime alone (python, torch, hivemind's DHT child and p2pd) of a peer with a 1-layer toy model
+    tiny = work / "tiny.toml"
+    toy = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
+    tiny.write_text(manifest_text(toy).replace('"scale"', '"scale-tiny"'))
+    subprocess.run(cli("keygen", "--out", str(work / "T.key"), "--force"), check=True, capture_output=True)
+    spawn("T", cli(
+        "join", str(tiny), "--initial-peers", address, "--identity", str(work / "T.key"),
+        "--state-dir", str(work / "state-T"), "--listen", "/ip4/127.0.0.1/tcp/0", "--threads", "1",
+        "--display", "plain", "--min-step-time", "0.5",
+    ))  # fmt: skip
+    runtime = []
+    for _ in range(20):
+        time.sleep(2.0)
+        runtime.append(tree_pss_kib(procs["T"].pid) / 1024)
+    procs["T"].send_signal(signal.SIGINT)
+    procs["T"].wait(timeout=60)
+    del procs["T"]
 
     started = time.time()
     samples: list[dict] = []
@@ -261,11 +281,16 @@ def run_peers(config: ModelConfig, params: int, out: Path, duration: float, join
             except subprocess.TimeoutExpired:
                 proc.kill()
             logs[name].close()
-    return summarize(work, params, samples, started, newcomer_started)
+    return summarize(work, params, samples, started, newcomer_started, max(runtime[-5:]))
 
 
 def summarize(
-    work: Path, params: int, samples: list[dict], started: float, newcomer_started: float | None
+    work: Path,
+    params: int,
+    samples: list[dict],
+    started: float,
+    newcomer_started: float | None,
+    runtime: float,
 ) -> dict:
     events = {name: read_events(work / f"state-{name}") for name in ("A", "B", "C")}
     ids = {
@@ -291,8 +316,9 @@ def summarize(
             "pss_mib_max": round(max(v for _, v in series), 1),
             "growth_last_half_pct": round(100 * (series[-1][1] - first_half_end) / first_half_end, 2),
             "growth_last_half_max_pct": round(100 * (hi - lo) / lo, 2),
+            "bytes_per_param": round(series[-1][1] * 2**20 / params, 2),
             "beyond_training_bytes_per_param": round(
-                series[-1][1] * 2**20 / params - TRAINING_BYTES_PER_PARAM, 2
+                (series[-1][1] - runtime) * 2**20 / params - TRAINING_BYTES_PER_PARAM, 2
             ),
             "updates_seen": applied,
             "bytes_sent": last.get("bytes_sent"),
@@ -321,7 +347,13 @@ def summarize(
     merged = next((e for e in published if ids["C"] in (e.get("contributors") or [])), None)
     if merged and newcomer_started:
         newcomer["first_merged_delta_s"] = round(merged["t"] - newcomer_started, 1)
-    return {"peers": peers, "newcomer": newcomer, "published": len(published), "pss_samples": samples}
+    return {
+        "runtime_pss_mib": round(runtime, 1),
+        "peers": peers,
+        "newcomer": newcomer,
+        "published": len(published),
+        "pss_samples": samples,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -358,6 +390,12 @@ def main() -> int:
     parser.add_argument("--deltas", type=int, default=2, help="M, deltas merged in part 1")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-peers", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--min-step-time",
+        type=float,
+        default=None,
+        help="pace the learners' inner steps (default 6 s per 125M parameters: two CPU cores must also merge)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -378,7 +416,9 @@ def main() -> int:
     }
     print(json.dumps(result["throughput"], indent=1), flush=True)
     if not args.skip_peers:
-        result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after)
+        step_time = args.min_step_time if args.min_step_time is not None else max(0.5, 6.0 * params / 125e6)
+        result["min_step_time"] = step_time
+        result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after, step_time)
         result["wall_seconds"] = round(time.time() - began, 1)
         plot(result, out / "scale_pss.png")
         brief = {k: v for k, v in result["peers_run"].items() if k != "pss_samples"}

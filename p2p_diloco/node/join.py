@@ -25,6 +25,7 @@ from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresse
 from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.node.heap import bound_heap
 from p2p_diloco.node.island import island_env, prepare_island, run_follower, torchrun_argv
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
@@ -104,6 +105,7 @@ def cli_join(args: argparse.Namespace) -> int:
     if env is not None and nproc not in (1, env.world_size):
         raise ConfigError(f"--nproc {nproc} but torchrun started {env.world_size} ranks")
     _configure_logging(options.verbose)
+    bound_heap()  # freed fragment-sized tensors go back to the system (node/heap.py)
     options, island = prepare_island(options)
     if island is not None and island.rank != 0:
         return run_follower(options, island)

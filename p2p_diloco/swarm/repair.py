@@ -356,6 +356,7 @@ class Repair:
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
         """Fragments off the live peers' winning tip for a whole heartbeat period (not a push still in
         flight): (fragment, winning tip, peers on it, classification), to `reconcile_fragment`."""
+        self.snapshots.expire(now)  # served states nobody asked for lately are dropped, requests or not
         due = []
         period = self.manifest.timing.heartbeat_period
         for p in range(self.plan.num_fragments):

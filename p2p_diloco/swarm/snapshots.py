@@ -122,6 +122,11 @@ class SnapshotServer:
         self.chunks_served += 1
         return _chunk_bytes(tensors, chunk)
 
+    def expire(self, now: float) -> None:
+        """Drop the pins idle longer than `pin_seconds` (the peer calls this every heartbeat period)."""
+        with self._lock:
+            self._expire(now)
+
     def _expire(self, now: float) -> None:
         for pin in self._pins.values():
             if pin.last_used is None:
