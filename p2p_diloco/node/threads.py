@@ -98,6 +98,9 @@ class ThreadedDriver(PeerDriver):
         except RuntimeError:  # shut down
             pass
 
+    def off_owner(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        return self.io(fn)
+
     def io(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the I/O thread (e.g. a replica save) and return its future."""
         return self._io.submit(fn)

@@ -151,7 +151,16 @@ class PeerDriver:
         return self._answer(self._ask(lambda a: fx.UpdatesRequested(requester, fragment, after_version, a)))
 
     def serve_snapshot(self, requester: str, fragment: int):  # noqa: ANN201
+        """The index of the fragment's offered state, made off the owner thread (`swarm.snapshots`);
+        a refused request goes to the owner, which counts it."""
+        snapshots = self.peer.repair.snapshots
+        if self.peer.membership.allowed(requester) and snapshots.offered(fragment):
+            return self.off_owner(lambda: snapshots.index_offered(fragment))
         return self._answer(self._ask(lambda a: fx.SnapshotRequested(requester, fragment, a)))
+
+    def off_owner(self, fn: Callable[[], Any]):  # noqa: ANN201
+        """Run `fn` away from the owner thread: here at once; `ThreadedDriver` on its I/O thread."""
+        return fn()
 
     def serve_chunk(self, requester: str, fragment: int, chunk: int, checksum: str) -> bytes:
         """Answered here, on the transport's thread, from the peer's pinned snapshots (thread-safe,

@@ -88,6 +88,7 @@ class Repair:
             pin_seconds=limits.snapshot_pin_seconds,
         )
         self.last_download: dict[str, int] = {}  # bytes per source of the last snapshot download
+        self.offer_snapshots()
         self.downloaded: Counter[str] = Counter()  # snapshot bytes installed, per source, ever
 
     # ---- serving -----------------------------------------------------------------------------------
@@ -111,6 +112,12 @@ class Repair:
             return b""
         version, params, momentum = self.replica.fragment_state(fragment)
         return self.snapshots.index(fragment, version, self.replica.checksum(fragment), params, momentum)
+
+    def offer_snapshots(self, fragments: range | list[int] | None = None) -> None:
+        """Tell the snapshot server the current state of `fragments` (all by default); see `swarm.snapshots`."""
+        for p in range(self.plan.num_fragments) if fragments is None else fragments:
+            version, params, momentum = self.replica.fragment_state(p)
+            self.snapshots.offer(p, version, self.replica.checksum(p), params, momentum)
 
     # ---- leases behind updates ---------------------------------------------------------------------
 
@@ -250,6 +257,7 @@ class Repair:
             term = yield from self._snapshot_term(fragment, source, snap)
         self.book.tip_terms[fragment] = term
         self.book.forget(fragment)
+        self.offer_snapshots([fragment])
         if self.has_learner:
             view = self.replica.params_view(fragment)
             self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
@@ -357,6 +365,7 @@ class Repair:
         """Fragments off the live peers' winning tip for a whole heartbeat period (not a push still in
         flight): (fragment, winning tip, peers on it, classification), to `reconcile_fragment`."""
         self.snapshots.expire(now)  # served states nobody asked for lately are dropped, requests or not
+        self.offer_snapshots()
         due = []
         period = self.manifest.timing.heartbeat_period
         for p in range(self.plan.num_fragments):

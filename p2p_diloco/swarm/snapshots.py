@@ -1,7 +1,9 @@
 """Streamed snapshots on a peer: serving a fragment state in chunks, and downloading one from several peers.
 
-`SnapshotServer` (serving side). A snapshot request (through the owner thread, `Repair.serve_snapshot`)
-pins the fragment's current state, which costs nothing while the replica holds the same tensors (they
+`SnapshotServer` (serving side). The owner offers each fragment's current state every heartbeat period
+and after loading one (references only). A snapshot request is answered off the owner thread (the
+driver's I/O thread hashes the chunks; the owner may be busy merging for seconds): it pins the offered
+state, which costs nothing while the replica holds the same tensors (they
 are never changed in place) and at most one fragment's Θ and m once the replica moves on, and answers
 the index (`wire.snapshot_chunks`). Chunk requests are then answered from the pinned state directly on
 the transport's thread (the store is locked and its tensors immutable), so a download of hundreds of
@@ -68,6 +70,7 @@ class SnapshotServer:
         self.run_id, self.manifest_hash = run_id, manifest_hash
         self.chunk_bytes, self.max_pins, self.pin_seconds = chunk_bytes, max_pins, pin_seconds
         self._pins: OrderedDict[tuple[int, str], _Pin] = OrderedDict()
+        self._offers: dict[int, tuple[int, str, dict, dict]] = {}
         self._lock = threading.Lock()
         self.chunks_served = 0
 
@@ -126,6 +129,31 @@ class SnapshotServer:
         """Drop the pins idle longer than `pin_seconds` (the peer calls this every heartbeat period)."""
         with self._lock:
             self._expire(now)
+
+    def offer(
+        self,
+        fragment: int,
+        version: int,
+        checksum: str,
+        params: Mapping[str, Tensor],
+        momentum: Mapping[str, Tensor],
+    ) -> None:
+        """The owner's note of a fragment's current state (references: free), which index requests served
+        off the owner thread (`index_offered`) announce; refreshed every heartbeat period and on loads."""
+        with self._lock:
+            self._offers[fragment] = (version, checksum, dict(params), dict(momentum))
+
+    def offered(self, fragment: int) -> bool:
+        with self._lock:
+            return fragment in self._offers
+
+    def index_offered(self, fragment: int) -> bytes:
+        """`index` of the offered state of `fragment` (any thread; hashes it if not pinned yet)."""
+        with self._lock:
+            offer = self._offers.get(fragment)
+        if offer is None:
+            raise UnknownSnapshot(f"fragment {fragment} is not offered here")
+        return self.index(fragment, *offer)
 
     def _expire(self, now: float) -> None:
         for pin in self._pins.values():
