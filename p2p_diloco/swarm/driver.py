@@ -94,7 +94,10 @@ class PeerDriver:
             case fx.PushUpdate():
                 self.transport.push_update(intent.to, intent.frame)
             case fx.Respond():
-                intent.answer.set_result(intent.value)
+                try:
+                    intent.answer.set_result(intent.value)
+                except concurrent.futures.InvalidStateError:  # the asker gave up waiting (transport timeout)
+                    pass
             case fx.ToLearner():
                 if self.learner is not None:
                     self.learner.inbox.put(intent.message)

@@ -123,12 +123,22 @@ def quantize_blockwise_cpu(
     n_blocks = -(-n // block_size)
     padded = torch.cat([flat, flat.new_zeros(n_blocks * block_size - n)]) if n % block_size else flat
     blocks = padded.reshape(n_blocks, block_size)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), -1, 1).reshape(-1)[:n]
-    codes = nearest_codes(scaled, _CODE_BOUNDS if bounds is None else bounds)
-    return codes, absmax
+    bounds = _CODE_BOUNDS if bounds is None else bounds
+    absmax = torch.empty(n_blocks, dtype=blocks.dtype)
+    codes = torch.empty(n_blocks * block_size, dtype=torch.uint8)
+    step = max(1, CACHE_ELEMENTS // block_size)  # whole blocks at a time: temporaries stay in cache
+    for first in range(0, n_blocks, step):
+        part = blocks[first : first + step]
+        top = part.abs().amax(dim=1)
+        absmax[first : first + step] = top
+        scaled = part * (1.0 / top.clamp(min=1e-38)).view(-1, 1)
+        codes[first * block_size : (first + part.shape[0]) * block_size] = nearest_codes(
+            scaled.clamp_(-1, 1).reshape(-1), bounds
+        )
+    return codes[:n], absmax
 
 
+CACHE_ELEMENTS = 1 << 18  # values quantized per pass (1 MiB of float32)
 _LUTS: dict[tuple[float, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
 
@@ -149,7 +159,7 @@ def _lut(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         inside = torch.isfinite(lo) & (lo <= 1.0) & (hi >= -1.0)
         exact = bool(((count_hi - count_lo)[inside] <= 1).all())
         padded = torch.cat([b32, torch.tensor([float("inf")])])
-        _LUTS[key] = (count_lo.to(torch.int64), padded) if exact else None
+        _LUTS[key] = (count_lo.to(torch.int32), padded) if exact else None
     return _LUTS[key]
 
 
