@@ -165,9 +165,9 @@ n_embd = {config.n_embd}
 block_size = {config.block_size}
 [timing]
 heartbeat_period = 2.0
-heartbeat_ttl = 30.0
-lease_ttl = 40.0
-claim_grace = 5.0
+heartbeat_ttl = 60.0
+lease_ttl = 90.0
+claim_grace = 10.0
 lease_margin = 1.0
 term_rounds = 100000
 rejoin_grace = 60.0
@@ -226,6 +226,7 @@ def run_peers(
             "join", str(manifest), "--initial-peers", address, "--identity", str(work / f"{name}.key"),
             "--state-dir", str(work / f"state-{name}"), "--listen", "/ip4/127.0.0.1/tcp/0",
             "--threads", "1", "--progress-every", "5", "--display", "plain", "--min-step-time", str(step_time),
+            "--persist-every", "120",
         ))  # fmt: skip
 
     # the runtime alone (python, torch, hivemind's DHT child and p2pd) of a peer with a 1-layer toy model
@@ -239,7 +240,7 @@ def run_peers(
         "--display", "plain", "--min-step-time", "0.5",
     ))  # fmt: skip
     runtime = []
-    for _ in range(20):
+    for _ in range(12):
         time.sleep(2.0)
         runtime.append(tree_pss_kib(procs["T"].pid) / 1024)
     procs["T"].send_signal(signal.SIGINT)
@@ -385,7 +386,7 @@ def main() -> int:
     parser.add_argument("--out", default="docs/results/scale")
     parser.add_argument("--duration", type=float, default=480.0, help="seconds of the peers' run")
     parser.add_argument(
-        "--join-after", type=int, default=4, help="updates published before the newcomer joins"
+        "--join-after", type=int, default=2, help="updates published before the newcomer joins"
     )
     parser.add_argument("--deltas", type=int, default=2, help="M, deltas merged in part 1")
     parser.add_argument("--repeats", type=int, default=2)
@@ -394,7 +395,7 @@ def main() -> int:
         "--min-step-time",
         type=float,
         default=None,
-        help="pace the learners' inner steps (default 6 s per 125M parameters: two CPU cores must also merge)",
+        help="pace the learners' inner steps (default 10 s per 125M parameters: two CPU cores must also merge)",
     )
     args = parser.parse_args()
     out = Path(args.out)
@@ -416,7 +417,7 @@ def main() -> int:
     }
     print(json.dumps(result["throughput"], indent=1), flush=True)
     if not args.skip_peers:
-        step_time = args.min_step_time if args.min_step_time is not None else max(0.5, 6.0 * params / 125e6)
+        step_time = args.min_step_time if args.min_step_time is not None else max(0.5, 10.0 * params / 125e6)
         result["min_step_time"] = step_time
         result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after, step_time)
         result["wall_seconds"] = round(time.time() - began, 1)
