@@ -349,12 +349,38 @@ def summarize(
     if merged and newcomer_started:
         newcomer["first_merged_delta_s"] = round(merged["t"] - newcomer_started, 1)
     return {
+        "steady_state": steady_state(samples, runtime, params),
         "runtime_pss_mib": round(runtime, 1),
         "peers": peers,
         "newcomer": newcomer,
         "published": len(published),
         "pss_samples": samples,
     }
+
+
+def steady_state(samples: list[dict], runtime: float, params: int) -> dict:
+    """Per peer over the last half of the run: mean PSS, the growth of a least-squares line through it (%
+    of the mean, over that half), the means of its two quarters, and bytes/param beyond the training
+    state (mean and peak: PSS minus the runtime alone minus 16 B/param)."""
+    end = samples[-1]["t"]
+    out = {}
+    for name in ("A", "B", "C"):
+        pts = [(s["t"], s[name]) for s in samples if name in s and s["t"] >= end / 2]
+        if len(pts) < 4:
+            continue
+        ts, vs = [t for t, _ in pts], [v for _, v in pts]
+        mt, mv = sum(ts) / len(ts), sum(vs) / len(vs)
+        slope = sum((t - mt) * (v - mv) for t, v in pts) / sum((t - mt) ** 2 for t in ts)
+        half = len(vs) // 2
+        beyond = lambda mib: round((mib - runtime) * 2**20 / params - TRAINING_BYTES_PER_PARAM, 1)  # noqa: E731
+        out[name] = {
+            "mean_pss_mib": round(mv),
+            "fit_growth_pct": round(100 * slope * (end - ts[0]) / mv, 1),
+            "quarter_means_mib": [round(sum(vs[:half]) / half), round(sum(vs[half:]) / (len(vs) - half))],
+            "beyond_training_bytes_per_param_mean": beyond(mv),
+            "beyond_training_bytes_per_param_peak": beyond(max(vs)),
+        }
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
