@@ -24,8 +24,9 @@ from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.frames import decode_snapshot, encode_delta, encode_update
+from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import OP_DELTA, OP_UPDATE
+from tests.support.snapshots import fetch_fragment_state
 
 pytestmark = pytest.mark.integration
 
@@ -179,19 +180,18 @@ def test_a_correctly_checksummed_update_from_a_peer_without_the_lease_is_refused
     payload = encode_tensors({n: torch.full(s, 5.0) for n, s in fragment_shapes.items()}, codec="int8")
     replies = []
     for _ in range(10):  # the fragment moves on while we compute: retry on "duplicate update"
-        snap = decode_snapshot(transport.fetch_snapshot(target, 0), max_bytes=manifest.wire.max_message_bytes)
-        params = decode_tensors(snap.params, expected_shapes=fragment_shapes, max_bytes=1 << 24)
-        momentum = decode_tensors(snap.momentum, expected_shapes=fragment_shapes, max_bytes=1 << 24)
+        # the peer's exact fragment, streamed as a newcomer gets it: index, then chunks checked by digest
+        version, checksum, params, momentum = fetch_fragment_state(transport, target, 0, fragment_shapes)
         replica = GlobalReplica(
             plan, {**{n: p.detach().clone() for n, p in model.named_parameters()}, **params}
         )
-        replica.load_fragment(0, snap.version, params, momentum, snap.checksum)
+        assert replica.load_fragment(0, version, params, momentum, checksum).action == "load"
         grad = decode_tensors(payload, expected_shapes=fragment_shapes, max_bytes=1 << 24)
         pending = replica.compute_update(
             0, grad, lr=manifest.diloco.outer_lr, momentum=manifest.diloco.outer_momentum
         )
         record = UpdateRecord(
-            run_id=manifest.run_id, manifest_hash=manifest.manifest_hash, fragment=0, from_version=snap.version,
+            run_id=manifest.run_id, manifest_hash=manifest.manifest_hash, fragment=0, from_version=version,
             term=term, leader=transport.peer_id, contributors=((transport.peer_id, 1.0),),
             checksum=pending.checksum, payload=payload,
         )  # fmt: skip
