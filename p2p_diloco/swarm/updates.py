@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from torch import Tensor
 
-from p2p_diloco.config import RunManifest
+from p2p_diloco.config import LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import Action
 from p2p_diloco.protocol.fragments import FragmentPlan
@@ -31,6 +31,10 @@ from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.frames import encode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+# The default count bound of the log per fragment (`[limits] update_log_length`); a fetch of updates
+# answers at most this many frames.
+UPDATE_LOG_LENGTH = LimitsConfig().update_log_length
 
 
 class UpdateSource(StrEnum):
