@@ -14,7 +14,8 @@ RSA-PSS/SHA-256 signature over all of that. The signature never needs the author
 a missing or unreadable ``.sig``, a signer other than ``trust.authority``, an invalid signature, a
 manifest changed after signing, and a present pinned file whose content differs; a pinned file that is
 absent here is skipped (a peer that needs it fails on its own when opening it). Each message names the
-file and the fix. `load_run_manifest` is what ``join``, ``status``, ``bootstrap --manifest`` and
+file and the fix. The manifest is parsed from the very bytes that are verified (`read_manifest`).
+`load_run_manifest` is what ``join``, ``status``, ``bootstrap --manifest`` and
 ``export`` call: it verifies a public manifest and, for one without an authority, prints one warning per
 process and manifest to stderr that any peer can take over such a run.
 """
@@ -26,6 +27,7 @@ import base64
 import hashlib
 import json
 import sys
+import tomllib
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -166,6 +168,22 @@ def pinned_files(manifest: RunManifest) -> list[PinnedFile]:
     return []
 
 
+def read_manifest(path: str | Path) -> tuple[bytes, RunManifest]:
+    """A manifest file's bytes and the manifest parsed from exactly those bytes, so what is verified is
+    what is used even if the file changes meanwhile (errors worded as `RunManifest.load`'s)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"manifest {path} does not exist; see peers/demo.toml for an example")
+    try:
+        blob = path.read_bytes()
+        raw = tomllib.loads(blob.decode())
+    except OSError as exc:
+        raise ConfigError(f"cannot read manifest {path}: {exc.strerror or exc}") from exc
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"manifest {path} is not valid TOML: {exc}") from exc
+    return blob, RunManifest.from_dict(raw, where=str(path), base_dir=str(path.resolve().parent))
+
+
 def _sign_fix(manifest_path: Path) -> str:
     return f"`p2p-diloco manifest sign {manifest_path} --identity ORG.key`"
 
@@ -175,7 +193,7 @@ def sign_manifest(
 ) -> tuple[Path, SignatureRecord]:
     """Sign `manifest_path` with the authority's key file `identity`; write ``MANIFEST.sig`` (or `out`)."""
     manifest_path = Path(manifest_path)
-    manifest = RunManifest.load(manifest_path)
+    blob, manifest = read_manifest(manifest_path)
     key = load_identity(identity)
     proto = public_key_proto(key)
     _, signer = public_key_from_proto(proto)
@@ -211,7 +229,7 @@ def sign_manifest(
         run_id=manifest.run_id,
         manifest=manifest_path.name,
         manifest_hash=manifest.manifest_hash,
-        sha256=hashlib.sha256(manifest_path.read_bytes()).hexdigest(),
+        sha256=hashlib.sha256(blob).hexdigest(),
         files=tuple(files),
         signer=signer,
         public_key=base64.b64encode(proto).decode(),
@@ -243,10 +261,13 @@ def _read_record(manifest_path: Path, sig: Path, authority: str) -> SignatureRec
         ) from exc
 
 
-def verify_manifest(manifest_path: str | Path, manifest: RunManifest | None = None) -> Verified:
+def verify_manifest(manifest_path: str | Path) -> Verified:
     """Check ``MANIFEST.sig`` against the manifest's ``trust.authority`` (module docstring)."""
-    manifest_path = Path(manifest_path)
-    manifest = manifest if manifest is not None else RunManifest.load(manifest_path)
+    blob, manifest = read_manifest(manifest_path)
+    return _verify(Path(manifest_path), blob, manifest)
+
+
+def _verify(manifest_path: Path, blob: bytes, manifest: RunManifest) -> Verified:
     authority = manifest.trust.authority
     if not authority:
         raise ConfigError(f"{manifest_path} has no [trust] authority: there is no signature to check")
@@ -275,7 +296,7 @@ def verify_manifest(manifest_path: str | Path, manifest: RunManifest | None = No
             SignatureProblem.BAD_SIGNATURE,
             f"{sig} does not hold a valid signature (it was altered): {refetch}",
         ) from exc
-    if hashlib.sha256(manifest_path.read_bytes()).hexdigest() != record.sha256:
+    if hashlib.sha256(blob).hexdigest() != record.sha256:
         raise ManifestSignatureError(
             SignatureProblem.MANIFEST_CHANGED,
             f"{manifest_path} was changed after it was signed (its bytes differ from those {sig} signs): "
@@ -337,9 +358,9 @@ def load_run_manifest(path: str | Path, *, err: TextIO | None = None, warn: bool
     (`ManifestSignatureError` otherwise), else warn once per process and manifest on `err` (stderr);
     `warn=False` for processes whose sibling warns already (island ranks other than 0)."""
     path = Path(path)
-    manifest = RunManifest.load(path)
+    blob, manifest = read_manifest(path)
     if manifest.trust.public:
-        verify_manifest(path, manifest)
+        _verify(path, blob, manifest)
     elif warn and path.resolve() not in _warned:
         _warned.add(path.resolve())
         print(untrusted_warning(path, manifest), file=err or sys.stderr, flush=True)
@@ -357,11 +378,11 @@ def cli_manifest(args: argparse.Namespace) -> int:
             print(f"  pins {what} {path}: sha256 {digest[:16]}")
         print(f"publish {Path(args.manifest).name} and {target.name} together", flush=True)
         return 0
-    manifest = RunManifest.load(args.manifest)
+    blob, manifest = read_manifest(args.manifest)
     if not manifest.trust.public:
         print(untrusted_warning(Path(args.manifest), manifest), file=sys.stderr)
         return 1
-    verified = verify_manifest(args.manifest, manifest)
+    verified = _verify(Path(args.manifest), blob, manifest)
     print(
         f"{args.manifest}: signed by the authority {verified.signer}; run {manifest.run_id} "
         f"(manifest {manifest.manifest_hash}); check that this authority is the organizer's published peer ID"

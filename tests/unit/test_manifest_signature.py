@@ -190,6 +190,13 @@ def test_cli_manifest_sign_and_verify(tmp_path, org, capsys):
     assert "changed after it was signed" in capsys.readouterr().err
 
 
+def test_cli_manifest_verify_of_a_manifest_without_an_authority_warns_and_fails(tmp_path, capsys):
+    manifest = tmp_path / "private.toml"
+    manifest.write_text('run_id = "private"\n')
+    assert main(["manifest", "verify", str(manifest)]) == 1
+    assert "has no [trust] authority" in capsys.readouterr().err
+
+
 def test_cli_manifest_sign_with_a_wrong_key_fails_cleanly(tmp_path, org, capsys):
     mallory = key_file(tmp_path, "mallory")
     manifest = write_public_manifest(tmp_path, org.peer_id)
