@@ -17,7 +17,7 @@ POLL_MS = 2000
 _STYLE = """
 body{font:14px system-ui,sans-serif;margin:16px;background:#fafafa;color:#222}
 h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
-.sub{color:#666;margin-bottom:10px} .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(440px,1fr));gap:12px}
+.sub{color:#666;margin-bottom:10px} .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:12px}
 .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px}
 .kpi{display:inline-block;margin-right:22px} .kpi b{font-size:18px;display:block}
 table{border-collapse:collapse;width:100%;font-size:12px} td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right}
@@ -52,12 +52,15 @@ function chart(id, series, opts) {
   const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
   svg.appendChild(el("svg:line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"}));
   svg.appendChild(el("svg:line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"}));
+  const step = Math.max(1, Math.ceil((y1 - y0) / 4));
+  const yticks = opts.integer ? Array.from({length: Math.floor(y1) - Math.ceil(y0) + 1}, (_, i) => Math.ceil(y0) + i).filter(k => k % step === 0)
+                             : [0, 1, 2, 3, 4].map(i => y0 + (y1 - y0) * i / 4);
+  for (const y of yticks) svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 3, class: "lbl", "text-anchor": "end"}, opts.yfmt(y)));
   for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4, x = x0 + (x1 - x0) * i / 4;
-    svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 3, class: "lbl", "text-anchor": "end"}, opts.yfmt(y)));
-    svg.appendChild(el("svg:text", {x: sx(x), y: H - B + 14, class: "lbl", "text-anchor": "middle"}, opts.xfmt(x)));
+    const x = x0 + (x1 - x0) * i / 4;
+    svg.appendChild(el("svg:text", {x: sx(x), y: H - B + 14, class: "lbl", "text-anchor": i === 4 ? "end" : "middle"}, opts.xfmt(x)));
   }
-  svg.appendChild(el("svg:text", {x: W - R, y: H - 2, class: "lbl", "text-anchor": "end"}, opts.xlabel));
+  svg.appendChild(el("svg:text", {x: (L + W - R) / 2, y: H - 2, class: "lbl", "text-anchor": "middle"}, opts.xlabel));
   for (const m of opts.marks || []) {
     if (m.x < x0 || m.x > x1) continue;
     svg.appendChild(el("svg:line", {x1: sx(m.x), y1: T, x2: sx(m.x), y2: H - B, class: "mark"}));
@@ -96,8 +99,8 @@ function render(v) {
   chart("c-loss-tokens", [{name: "eval loss", points: ev.map(p => [p.tokens, p.loss]), dots: true, color: "#2ca02c"}], {xfmt: human, yfmt: y => y.toFixed(2), xlabel: "merged tokens"});
   const S = v.versions.samples, n = v.fragments.length;
   const vs = Array.from({length: n}, (_, i) => ({name: "fragment " + i, points: S.filter(s => s.versions.length > i).map(s => [s.t, s.versions[i]])}));
-  chart("c-versions", vs, {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks});
-  chart("c-terms", [{name: "synchronizer term", points: S.map(s => [s.t, s.term]), color: "#9467bd"}], {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks});
+  chart("c-versions", vs, {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
+  chart("c-terms", [{name: "synchronizer term", points: S.map(s => [s.t, s.term]), color: "#9467bd"}], {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
   table("t-peers", ["peer", "role", "tokens/s", "uptime", "link", "version lag", "device", "loss", "sent", "received"],
     v.peers.map(p => [p.peer_id, p.role, fmt(p.tokens_per_s), p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-", fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
   table("t-eval", ["time", "evaluator", "term", "merged tokens", "versions", "eval loss", "perplexity"],
@@ -131,8 +134,8 @@ _BODY = """
 <div class="card"><h2>Synchronizer term</h2><svg id="c-terms"></svg></div>
 </div>
 <div class="card"><h2>Peers</h2><table id="t-peers"></table><div class="sub" id="bytes"></div></div>
-<div class="grid">
 <div class="card"><h2>Last global evaluations</h2><table id="t-eval"></table></div>
+<div class="grid">
 <div class="card"><h2>Contributions (merged tokens per peer)</h2><table id="t-contrib"></table></div>
 <div class="card"><h2>Rejections by reason</h2><table id="t-reasons"></table></div>
 <div class="card"><h2>Rejections by sender</h2><table id="t-senders"></table></div>

@@ -159,7 +159,7 @@ class GlobalEvaluator:
             self._last, self._ledger_at_last = point, self._ledger_total()
             self.history = merge_points(self.history, [point])
         self.evaluations += 1
-        self.event("global_eval", **{k: v for k, v in point.as_dict().items() if k != "evaluator"})
+        self.event("global_eval", **{k: v for k, v in point.as_dict().items() if k not in ("evaluator", "t")})
         return point
 
     def _ledger_total(self) -> int:
