@@ -25,7 +25,9 @@ A, B = "QmA" + "a" * 40, "QmB" + "b" * 40
 
 
 def point(t: float, loss: float = 2.0, evaluator: str = A, versions=(1, 2)) -> EvalPoint:  # noqa: ANN001
-    return EvalPoint(t=t, tokens=int(t * 100), versions=tuple(versions), loss=loss, evaluator=evaluator, term=1)
+    return EvalPoint(
+        t=t, tokens=int(t * 100), versions=tuple(versions), loss=loss, evaluator=evaluator, term=1
+    )
 
 
 HISTORY = EvalHistory(points=(point(1.0, 3.0), point(2.0, 2.5)), dedicated=True, contributions=((A, 900, 4),))
@@ -128,6 +130,11 @@ def test_peer_stats_round_trip_and_refusals():
     stats = PeerStats(started_at=12.5, device="cuda:0", bytes_sent=10, bytes_received=20)
     assert decode_peer_stats(stats.to_bytes()) == stats
     d = json.loads(stats.to_bytes())
-    for bad in ({**d, "device": "x" * 33}, {**d, "bytes_sent": -1}, {**d, "extra": 0}, {**d, "started_at": "1"}):
+    for bad in (
+        {**d, "device": "x" * 33},
+        {**d, "bytes_sent": -1},
+        {**d, "extra": 0},
+        {**d, "started_at": "1"},
+    ):
         with pytest.raises(RecordError):
             decode_peer_stats(json.dumps(bad).encode())
