@@ -99,7 +99,10 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     try:
         write_identity(work / "boot.key")
-        boot = spawn(cli("bootstrap", "--identity", str(work / "boot.key"), "--listen", "/ip4/127.0.0.1/tcp/0"), work / "boot.log")
+        boot = spawn(
+            cli("bootstrap", "--identity", str(work / "boot.key"), "--listen", "/ip4/127.0.0.1/tcp/0"),
+            work / "boot.log",
+        )
         procs.append(boot)
         initial = first_lines(boot, "bootstrap address: ", 60)
         peers = {}
@@ -113,7 +116,10 @@ def main() -> int:
             )  # fmt: skip
             peers[peer_id] = spawn(cmd, work / f"p{i}.log")
             procs.append(peers[peer_id])
-        dash = spawn(cli("dashboard", str(work / "run.toml"), "--initial-peers", *initial, "--port", "0"), work / "dash.log")
+        dash = spawn(
+            cli("dashboard", str(work / "run.toml"), "--initial-peers", *initial, "--port", "0"),
+            work / "dash.log",
+        )
         procs.append(dash)
         url = first_lines(dash, "dashboard: ", 90)[0]
         print(f"dashboard at {url} (logs in {work})")

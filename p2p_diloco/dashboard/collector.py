@@ -67,10 +67,12 @@ class Collector:
         self.addresses: dict[str, list[str]] = {}  # last addresses of every peer seen (to rejoin the DHT)
         self.ignored: Counter[str] = Counter()
         self.polls = 0
+        self.reconnects = 0  # new DHT nodes the dashboard started (`dashboard.command.Poller`)
         self.errors = 0
         self.last_error = ""
         self.last_poll = 0.0
         self._holder: tuple[str, int] | None = None
+        self._released: deque[tuple[str, int]] = deque(maxlen=64)  # (holder, term) of leases seen released
 
     # ---- reading ------------------------------------------------------------------------------------
 
@@ -150,12 +152,12 @@ class Collector:
                 "holder": holder[0] if holder else None,
             }
         )
+        for lease in status["leases"]:
+            if lease["released"] and (lease["peer_id"], lease["term"]) not in self._released:
+                self._released.append((lease["peer_id"], lease["term"]))
         previous = self._holder
         if holder is not None and previous is not None and holder != previous and holder[0] != previous[0]:
-            released = any(
-                lease["peer_id"] == previous[0] and lease["term"] == previous[1] and lease["released"]
-                for lease in status["leases"]
-            )
+            released = previous in self._released  # seen released in this poll or an earlier one
             self.marks.append(
                 {
                     "t": now,
@@ -243,6 +245,7 @@ class Collector:
                 "health": {
                     "polls": self.polls,
                     "errors": self.errors,
+                    "reconnects": self.reconnects,
                     "last_error": self.last_error,
                     "last_poll_age": now - self.last_poll if self.last_poll else None,
                     "ignored": dict(self.ignored) | dict(status.get("ignored", {})),

@@ -38,7 +38,6 @@ class Poller:
         self.collector, self.initial, self.poll_seconds, self.timeout = collector, initial, poll, timeout
         self.dht: DhtPeer | None = None
         self.kv: DhtKeyValueStore | None = None
-        self.reconnects = 0
         self._bad = 0
         self._last_attempt = 0.0
         self._stop = threading.Event()
@@ -67,7 +66,7 @@ class Poller:
             self._last_attempt = time.monotonic()
             try:
                 self.connect(self.collector.known_addresses())
-                self.reconnects += 1
+                self.collector.reconnects += 1
                 self._bad = 0
             except (ConnectionError, ConfigError) as exc:
                 self.collector.last_error = f"reconnect failed: {exc}"[:300]

@@ -92,7 +92,7 @@ function render(v) {
   document.getElementById("kpi-versions").textContent = v.fragments.map(f => "v" + f.version).join(" ");
   const h = v.health, stale = h.last_poll_age !== null && h.last_poll_age > 15;
   const st = document.getElementById("health");
-  st.textContent = `updated ${clock(v.time)} · ${h.polls} polls, ${h.errors} failed` + (h.last_error ? ` (last: ${h.last_error})` : "") + (stale ? ` · DHT unreachable for ${h.last_poll_age.toFixed(0)} s, showing the last view` : "");
+  st.textContent = `updated ${clock(v.time)} · ${h.polls} polls, ${h.errors} failed, ${h.reconnects} DHT reconnects` + (h.last_error ? ` (last: ${h.last_error})` : "") + (stale ? ` · DHT unreachable for ${h.last_poll_age.toFixed(0)} s, showing the last view` : "");
   st.className = stale ? "sub stale" : "sub";
   const marks = v.versions.marks.map(m => ({x: m.t, label: `${m.kind} → term ${m.term}`}));
   chart("c-loss-time", [{name: "eval loss", points: ev.map(p => [p.t, p.loss]), dots: true}], {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});

@@ -120,6 +120,7 @@ def live_ids(view: dict) -> set[str]:
     return {p["peer_id"] for p in view["peers"]}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("chromium") is None,
     reason="no chromium on PATH (scripts/test.sh installs Debian's chromium when run as root)",

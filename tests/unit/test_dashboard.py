@@ -84,8 +84,11 @@ def test_a_change_of_synchronizer_is_marked_failover_or_rotation_and_history_is_
     kv._data[keys.eval_key(*RUN)].clear()  # and its eval record is gone too
     lease(kv, B, 2, now + 10)
     collector.poll(kv, now + 10)
-    lease(kv, B, 2, now + 20, released=True)  # B rotates out, A takes term 3
-    lease(kv, A, 3, now + 20)
+    lease(kv, B, 2, now + 15, released=True)  # B rotates out (seen released) ...
+    collector.poll(kv, now + 15)
+    kv._data[keys.lease_key(*RUN)].clear()  # ... a poll sees no holder (the released lease expired) ...
+    collector.poll(kv, now + 18)
+    lease(kv, A, 3, now + 20)  # ... then A holds term 3
     collector.poll(kv, now + 20)
     marks = collector.view(now + 20)["versions"]["marks"]
     assert [(m["kind"], m["from"], m["to"], m["term"]) for m in marks] == [
