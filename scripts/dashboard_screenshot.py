@@ -40,12 +40,12 @@ n_head = 2
 n_embd = 64
 block_size = 64
 [timing]
-heartbeat_period = 0.5
-heartbeat_ttl = 2.0
-lease_ttl = 3.0
-claim_grace = 1.0
-lease_margin = 0.5
-term_rounds = 1000
+# the demo's timing: on a loaded machine shorter leases lapse now and then (extra failovers on the page)
+heartbeat_period = 1.0
+heartbeat_ttl = 4.0
+lease_ttl = 6.0
+claim_grace = 2.0
+term_rounds = 100000
 [robust]
 min_cosine = -1.0
 """

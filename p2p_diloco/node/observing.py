@@ -118,10 +118,11 @@ class Observing:
         if point is not None:
             self.driver.run_io(self.evaluator.publish, None)
 
-    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def progress(self, learner, tokens_per_s: float) -> None:  # noqa: ANN001 - swarm.learner.Learner
         """The peer's own numbers to the sinks; merged tokens are this peer's in its ledger."""
         if not self.sinks:
             return
+        step, loss = learner.step, learner.last_loss
         mine = self.ledger.totals.get(self.peer_id) if self.ledger is not None else None
         merged = mine.tokens if mine is not None else 0
         values = {"peer/tokens_per_s": tokens_per_s, "peer/merged_tokens": float(merged)}

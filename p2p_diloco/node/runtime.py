@@ -319,9 +319,7 @@ class PeerNode:
         )
         self.display.show(snapshot, line)
         if self.observing is not None:  # to the --log-to sinks
-            self.observing.progress(
-                learner.step, learner.last_loss, self.telemetry.tokens_per_s(self.training)
-            )
+            self.observing.progress(learner, self.telemetry.tokens_per_s(self.training))
 
     def _take_snapshot(self) -> NodeSnapshot:
         assert self.peer is not None
