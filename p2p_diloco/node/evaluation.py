@@ -5,7 +5,8 @@ lease, unless a dedicated evaluator published recently; ``always`` (`join --eval
 whatever its role and marks its records dedicated, so synchronizers leave the job to it; ``never``
 (`join --no-evaluate`) only follows the history (for `--log-to`).
 
-When: every `every_updates` merged updates (the sum of the fragment versions) and at most once per
+When: once it has read the published history (on its follow job, within `follow_seconds` of becoming
+the evaluator), then every `every_updates` merged updates (the sum of the fragment versions) and at most once per
 `min_seconds`. How: on the training thread between two inner steps (so the peer's owner thread and
 the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), on a private copy of the
 replica's parameters taken on the owner thread (`GlobalReplica.frozen` shares tensors that are never
@@ -62,7 +63,7 @@ class EvalOptions:
     min_seconds: float = 5.0  # and at least this long between two
     batches: int = 4  # eval batches of `batch_size` windows each
     batch_size: int = 8
-    follow_seconds: float = 10.0  # how often a peer that logs the history reads it from the DHT
+    follow_seconds: float = 5.0  # how often a peer that logs the history reads it from the DHT
 
 
 class GlobalEvaluator:
@@ -99,6 +100,7 @@ class GlobalEvaluator:
         self.ignored: Counter[str] = Counter()
         self.dedicated_seen = 0.0  # DHT time of the newest point of another dedicated evaluator
         self.evaluations = 0
+        self.refreshed = False  # read the published history at least once (a first point continues it)
         self._lock = threading.Lock()
         self._last: EvalPoint | None = None  # this peer's own last point
         self._ledger_at_last = 0
@@ -128,8 +130,8 @@ class GlobalEvaluator:
     def maybe_evaluate(self) -> EvalPoint | None:
         """Evaluate the global model if this peer is the evaluator and one is due; the new point."""
         now = self.clock.now()
-        if not self.wants_to_evaluate(now):
-            return None
+        if not self.wants_to_evaluate(now) or not self.refreshed:
+            return None  # not the evaluator, or the history it would continue is not read yet
         updates = sum(self.versions())
         if not self.due(now, updates) or (updates == 0 and self.history):
             return None
@@ -203,6 +205,7 @@ class GlobalEvaluator:
                 self.contributions = max(
                     (h.contributions for h in found), key=lambda rows: sum(r[1] for r in rows)
                 )
+        self.refreshed = True
         self._log_new()
 
     def publish(self) -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -68,14 +69,14 @@ class Run:
         self.peers: dict[str, tuple[str, object]] = {}  # name -> (peer ID, process handle)
         self.url = ""
 
-    def join(self, name: str, *initial: str) -> str:
+    def join(self, name: str, *extra: str) -> str:
         identity = self.tmp / f"{name}.key"
         peer_id = self.peers[name][0] if name in self.peers else write_identity(identity)
         cmd = self.cli(
-            "join", str(self.manifest), "--initial-peers", *(initial or self.bootstrap.addresses),
+            "join", str(self.manifest), "--initial-peers", *self.bootstrap.addresses,
             "--identity", str(identity), "--state-dir", str(self.tmp / f"state-{name}"),
             "--listen", LOOPBACK_LISTEN, "--min-step-time", "0.05", "--persist-every", "1",
-            "--eval-every", "4", "--eval-batches", "2",
+            "--eval-every", "4", "--eval-batches", "2", *extra,
         )  # fmt: skip
         self.peers[name] = (peer_id, self.spawn(cmd))
         return peer_id
@@ -125,8 +126,11 @@ def live_ids(view: dict) -> set[str]:
     shutil.which("chromium") is None,
     reason="no chromium on PATH (scripts/test.sh installs Debian's chromium when run as root)",
 )
-def test_dashboard_page_in_headless_chromium_shows_peers_and_global_loss(run):
-    ids = {run.join(f"p{i}") for i in range(2)}
+def test_dashboard_page_in_headless_chromium_shows_peers_and_global_loss(run, tmp_path):
+    # with tensorboard installed, one peer also logs there (`join --log-to`), checked at the end
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    logged = ("--log-to", f"tensorboard:{tmp_path / 'tb'}") if tensorboard else ()
+    ids = {run.join("p0", *logged), run.join("p1")}
     url = run.dashboard(*run.bootstrap.addresses)
     view = run.wait_view(
         lambda v: live_ids(v) == ids and len(v["eval"]) >= 2 and v["contributions"],
@@ -149,6 +153,17 @@ def test_dashboard_page_in_headless_chromium_shows_peers_and_global_loss(run):
     }
     assert shown.group(1) in losses
     assert 'id="c-loss-time"' in html and "<path" in html[html.index('id="c-loss-time"') :]
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        def scalars() -> set[str]:
+            folders = list((tmp_path / "tb").glob("*"))
+            return set(EventAccumulator(str(folders[0])).Reload().Tags()["scalars"]) if folders else set()
+
+        wanted = {"peer/loss", "peer/tokens_per_s", "peer/merged_tokens", "global/eval_loss"}
+        run.wait_for(
+            lambda: wanted <= scalars(), START_TIMEOUT, f"TensorBoard scalars {sorted(wanted)}", interval=2.0
+        )
 
 
 @pytest.mark.slow

@@ -85,6 +85,8 @@ def test_the_synchronizer_evaluates_every_n_updates_and_publishes_its_history():
     ev = evaluator("QmA", kv, clock, world)
     assert ev.maybe_evaluate() is None and world.snapshots == 0  # not the synchronizer: no copy taken
     world.holder = True
+    assert ev.maybe_evaluate() is None  # the synchronizer, but it has not read the published history yet
+    ev.refresh()
     first = ev.maybe_evaluate()
     assert first is not None and first.versions == (0, 0) and first.evaluator == "QmA" and first.term == 3
     assert math.isclose(first.loss, math.log(256), rel_tol=0.1)  # the untrained model: about uniform bytes
@@ -107,6 +109,7 @@ def test_a_new_evaluator_continues_the_curve_and_its_merged_tokens(tmp_path):
     kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
     world.holder = True
     old = evaluator("QmOld", kv, clock, world)
+    old.refresh()
     old.maybe_evaluate()
     old.publish()
     clock.t += 5
@@ -137,6 +140,7 @@ def test_a_new_evaluator_continues_the_curve_and_its_merged_tokens(tmp_path):
 def test_a_dedicated_evaluator_keeps_the_synchronizer_from_evaluating():
     kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
     dedicated = evaluator("QmDed", kv, clock, world, mode=EvalMode.ALWAYS)
+    dedicated.refresh()
     assert dedicated.maybe_evaluate() is not None  # not the synchronizer, evaluates anyway
     dedicated.publish()
     assert published(kv)["QmDed"].dedicated
@@ -154,6 +158,7 @@ def test_bad_records_are_ignored_with_a_counter_and_sinks_get_each_point_once():
     kv.store(KEY, "QmBad", b'{"points": "junk"}', 1e12)
     world.holder = True
     good = evaluator("QmGood", kv, clock, world)
+    good.refresh()
     good.maybe_evaluate()
     good.publish()
     sink = Sink()
@@ -170,4 +175,5 @@ def test_a_non_finite_loss_is_not_published(monkeypatch, loss):
     world.holder = True
     monkeypatch.setattr("p2p_diloco.node.evaluation.evaluate", lambda *a, **k: loss)
     ev = evaluator("QmA", kv, clock, world)
+    ev.refresh()
     assert ev.maybe_evaluate() is None and ev.history == ()
