@@ -169,3 +169,47 @@ def test_dashboard_command_refuses_bad_arguments(tmp_path, capsys, args, message
     manifest.write_text('run_id = "dash"\n')
     assert main(["dashboard", str(manifest), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_poller_starts_a_new_dht_node_through_the_peers_it_saw_when_reads_fail(monkeypatch):
+    from p2p_diloco.dashboard import command
+
+    now = 1000.0
+    kv = swarm(now)
+    info = HeartbeatInfo(
+        role="learner",
+        may_sync=True,
+        reachable=True,
+        versions=(4, 5),
+        addresses=("/ip4/1.2.3.4/tcp/5/p2p/QmA",),
+    )
+    kv.store(keys.heartbeat_key(*RUN), A, info.to_bytes(), now + 6)  # replaces A's heartbeat (later expiry)
+    stores = iter([kv, Broken(), Broken(), Broken(), kv])
+    connects: list[list[str]] = []
+
+    class FakeDht:
+        def shutdown(self, timeout: float = 0.0) -> None:
+            pass
+
+    def create_dht(initial_peers, client_mode):  # noqa: ANN001, ANN202
+        connects.append(list(initial_peers))
+        return FakeDht()
+
+    monkeypatch.setattr(command, "create_dht", create_dht)
+    monkeypatch.setattr(command, "DhtKeyValueStore", lambda dht, timeout: next(stores))
+    monkeypatch.setattr(command, "get_dht_time", lambda: now)
+    monkeypatch.setattr(command, "RECONNECT_EVERY", 0.0)
+    collector = Collector(MANIFEST)
+    poller = command.Poller(collector, ["/ip4/9.9.9.9/tcp/1/p2p/QmBoot"], poll=1.0, timeout=1.0)
+    poller.connect()
+    poller.poll_once()  # reads the swarm, learns A's address
+    for _ in range(3):
+        poller.kv = next(stores)
+        poller.poll_once()  # the entry peer is gone: three failed reads
+    assert connects == [
+        ["/ip4/9.9.9.9/tcp/1/p2p/QmBoot"],
+        ["/ip4/1.2.3.4/tcp/5/p2p/QmA", "/ip4/9.9.9.9/tcp/1/p2p/QmBoot"],
+    ]
+    assert collector.view(now)["health"]["reconnects"] == 1
+    poller.poll_once()
+    assert collector.view(now)["health"]["errors"] == 3 and len(collector.view(now)["peers"]) == 2
