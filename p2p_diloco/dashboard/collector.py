@@ -25,6 +25,7 @@ from p2p_diloco.wire.observe import (
     decode_eval_history,
     decode_peer_stats,
     merge_points,
+    merge_records,
 )
 from p2p_diloco.wire.records import RecordError, decode_heartbeat
 
@@ -99,9 +100,10 @@ class Collector:
                     self.addresses[peer_id] = fields["addresses"]
             while len(self.addresses) > MAX_ADDRESSES:
                 self.addresses.pop(next(iter(self.addresses)))
-            self.history = merge_points(self.history, *(h.points for h in histories))
+            self.history = merge_points(self.history, merge_records(histories))
             if histories:
-                best = max((h.contributions for h in histories), key=lambda rows: sum(r[1] for r in rows))
+                rows = (h.contributions for h in histories.values())
+                best = max(rows, key=lambda rows: sum(r[1] for r in rows))
                 if sum(r[1] for r in best) >= sum(r[1] for r in self.contributions):
                     self.contributions = best
             self._sample(status, now)
@@ -131,11 +133,13 @@ class Collector:
             out[peer_id] = {**stats.__dict__, "seen": now}
         return out
 
-    def _histories(self, reads: _OnePoll, now: float) -> list[EvalHistory]:
-        out = []
-        for _, stored in reads.get(eval_key(self.manifest.run_id, self.manifest.manifest_hash), now).items():
+    def _histories(self, reads: _OnePoll, now: float) -> dict[str, EvalHistory]:
+        out = {}
+        for writer, stored in reads.get(
+            eval_key(self.manifest.run_id, self.manifest.manifest_hash), now
+        ).items():
             try:
-                out.append(decode_eval_history(stored.value, self.fragments))
+                out[writer] = decode_eval_history(stored.value, self.fragments)
             except RecordError:
                 self.ignored["bad eval history"] += 1
         return out

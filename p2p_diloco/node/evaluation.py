@@ -39,7 +39,7 @@ from p2p_diloco.node.ledger import ContributionLedger, read_ledger
 from p2p_diloco.node.logsinks import SafeSinks
 from p2p_diloco.wire.interfaces import Clock, KeyValueStore
 from p2p_diloco.wire.keys import eval_key
-from p2p_diloco.wire.observe import EvalHistory, EvalPoint, decode_eval_history, merge_points
+from p2p_diloco.wire.observe import EvalHistory, EvalPoint, decode_eval_history, merge_points, merge_records
 from p2p_diloco.wire.records import RecordError
 
 log = logging.getLogger(__name__)
@@ -189,18 +189,19 @@ class GlobalEvaluator:
     def refresh(self) -> None:
         """Merge every evaluator's published history into ours; log points the sinks have not seen."""
         now = self.clock.now()
-        found: list[EvalHistory] = []
+        records: dict[str, EvalHistory] = {}
         for writer, stored in self.kv.get(self.key, now).items():
             try:
                 history = decode_eval_history(stored.value, self.manifest.diloco.fragments)
             except RecordError:
                 self.ignored["bad eval history"] += 1
                 continue
-            found.append(history)
+            records[writer] = history
             if history.dedicated and writer != self.peer_id and history.points:
                 self.dedicated_seen = max(self.dedicated_seen, history.points[-1].t)
+        found = list(records.values())
         with self._lock:
-            self.history = merge_points(self.history, *(h.points for h in found))
+            self.history = merge_points(self.history, merge_records(records))
             if found and not self.contributions:
                 self.contributions = max(
                     (h.contributions for h in found), key=lambda rows: sum(r[1] for r in rows)

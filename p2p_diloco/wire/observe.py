@@ -178,6 +178,29 @@ def merge_points(*histories: Iterable[EvalPoint], limit: int = MAX_EVAL_POINTS) 
     return tuple(merged[k] for k in sorted(merged))[-limit:]
 
 
+def merge_records(records: dict[str, EvalHistory], limit: int = MAX_EVAL_POINTS) -> tuple[EvalPoint, ...]:
+    """The points of several evaluators' records (writer = the signed subkey), `merge_points`-merged.
+
+    A writer speaks for itself: where evaluator E's own record is readable, a point attributed to E in
+    another writer's record is taken only if it is older than everything E's record still holds (E's
+    record keeps only its newest points); E's own copy of a point wins over any relayed one. So a hostile writer cannot rewrite or
+    add to a live evaluator's curve; points of evaluators whose records are gone are taken as relayed.
+    """
+    own = {writer for writer, h in records.items() if any(p.evaluator == writer for p in h.points)}
+    since = {
+        writer: min((p.t for p in h.points if p.evaluator == writer), default=math.inf)
+        for writer, h in records.items()
+    }
+    relayed, first_hand = [], []
+    for writer, history in records.items():
+        for p in history.points:
+            if p.evaluator == writer:
+                first_hand.append(p)
+            elif p.evaluator not in own or p.t < since[p.evaluator]:
+                relayed.append(p)
+    return merge_points(relayed, first_hand, limit=limit)  # a first-hand copy wins over a relayed one
+
+
 @dataclass(frozen=True)
 class PeerStats:
     """What a peer tells the dashboard besides its heartbeat: when it started (DHT time), its device and

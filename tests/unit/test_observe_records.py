@@ -138,3 +138,26 @@ def test_peer_stats_round_trip_and_refusals():
     ):
         with pytest.raises(RecordError):
             decode_peer_stats(json.dumps(bad).encode())
+
+
+def test_a_writer_cannot_rewrite_or_add_to_a_live_evaluators_curve():
+    from p2p_diloco.wire.observe import merge_records
+
+    honest = EvalHistory(points=(point(10.0, 3.0), point(20.0, 2.5)))  # A's own record
+    forged = EvalHistory(
+        points=(
+            point(5.0, 9.0),  # older than all A's record holds: taken as relayed history
+            point(15.0, 0.1),  # "A" at a time A's record covers but does not have: refused
+            point(20.0, 0.1),  # a rewrite of A's point: A's own copy wins
+            point(16.0, 0.2, evaluator=B),  # B's own point
+            point(17.0, 0.3, evaluator="QmGone"),  # an evaluator whose record is gone: relayed
+        )
+    )
+    merged = merge_records({A: honest, B: forged})
+    assert [(p.t, p.evaluator, p.loss) for p in merged] == [
+        (5.0, A, 9.0),
+        (10.0, A, 3.0),
+        (16.0, B, 0.2),
+        (17.0, "QmGone", 0.3),
+        (20.0, A, 2.5),
+    ]
