@@ -58,6 +58,8 @@ class EvalMode(StrEnum):
 
 @dataclass(frozen=True)
 class EvalOptions:
+    """Who evaluates the global model, how often and on how much held-out data (`join --evaluate ...`)."""
+
     mode: EvalMode = EvalMode.AUTO
     every_updates: int = 20  # merged updates (all fragments) between two evaluations
     min_seconds: float = 5.0  # and at least this long between two
@@ -78,7 +80,7 @@ class GlobalEvaluator:
         peer_id: str,
         kv: KeyValueStore,
         clock: Clock,
-        eval_model: torch.nn.Module,
+        make_model: Callable[[], torch.nn.Module],  # a model to load the replica into, on the peer's device
         eval_data,  # noqa: ANN001 - Tensor or TokenData, the run's held-out split
         versions: Callable[[], tuple[int, ...]],
         snapshot: Callable[[], tuple[dict[str, torch.Tensor], tuple[int, ...]]],
@@ -90,7 +92,10 @@ class GlobalEvaluator:
     ):
         self.manifest, self.options, self.peer_id = manifest, options, peer_id
         self.kv, self.clock = kv, clock
-        self.eval_model, self.eval_data = eval_model, eval_data
+        self.make_model, self.eval_data = make_model, eval_data
+        self.eval_model: torch.nn.Module | None = (
+            None  # built at the first evaluation: others never pay for it
+        )
         self.versions, self.snapshot = versions, snapshot  # cheap read; a copy taken on the owner thread
         self.holds_lease, self.term = holds_lease, term
         self.ledger, self.sinks, self.event = ledger, sinks, event
@@ -136,6 +141,8 @@ class GlobalEvaluator:
         if not self.due(now, updates) or (updates == 0 and self.history):
             return None
         params, versions = self.snapshot()
+        if self.eval_model is None:
+            self.eval_model = self.make_model().requires_grad_(False)
         with torch.no_grad():
             for name, p in self.eval_model.named_parameters():
                 p.copy_(params[name].to(p.device))

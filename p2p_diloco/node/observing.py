@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ObserveOptions:
+    """What a `join` process publishes and logs about the run besides training (module docstring)."""
+
     evaluation: EvalOptions = field(default_factory=EvalOptions)
     log_to: tuple[LogSpec, ...] = ()
     stats_seconds: float = 5.0  # how often the peer's stats record is written (it expires after 3x)
@@ -65,19 +67,16 @@ class Observing:
         """Register the periodic jobs on `driver` (before `driver.start`)."""
         self.driver, self.ledger = driver, ledger
         opts = self.options.evaluation
-        device_name = device
 
         def publish_stats() -> None:
             now = self.clock.now()
-            stats = PeerStats(self.started_at, device_name[:32], bytes_counter.sent, bytes_counter.received)
+            stats = PeerStats(self.started_at, device[:32], bytes_counter.sent, bytes_counter.received)
             key = stats_key(self.manifest.run_id, self.manifest.manifest_hash)
             driver.kv.store(key, self.peer_id, stats.to_bytes(), now + 3 * self.options.stats_seconds)
 
         driver.every(self.options.stats_seconds, lambda: driver.run_io(publish_stats, None))
         if opts.mode is EvalMode.NEVER and not self.sinks:
             return
-        eval_model = build_model(self.manifest.model).to(device)
-        eval_model.requires_grad_(False)
 
         def snapshot() -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
             frozen = driver.call(peer.replica.frozen, timeout=10.0)  # shares tensors never changed in place
@@ -89,7 +88,7 @@ class Observing:
             peer_id=self.peer_id,
             kv=driver.kv,
             clock=self.clock,
-            eval_model=eval_model,
+            make_model=lambda: build_model(self.manifest.model).to(device),
             eval_data=eval_data,
             versions=lambda: peer.replica.versions(),
             snapshot=snapshot,

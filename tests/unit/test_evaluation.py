@@ -65,7 +65,7 @@ def evaluator(
         peer_id=peer_id,
         kv=kv,
         clock=clock,
-        eval_model=build_model(MANIFEST.model),
+        make_model=lambda: build_model(MANIFEST.model),
         eval_data=CORPUS.eval,
         versions=lambda: world.versions,
         snapshot=world.snapshot,
