@@ -19,13 +19,13 @@ import time
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.dashboard.collector import Collector
 from p2p_diloco.dashboard.server import DashboardServer
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_peer_addresses
 from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, create_dht
+from p2p_diloco.net.manifest_signature import load_run_manifest
 
 RECONNECT_AFTER = 3  # failed (or empty after non-empty) polls in a row before a new DHT node
 RECONNECT_EVERY = 10.0  # seconds between two attempts
@@ -99,7 +99,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 
 def cli_dashboard(args: argparse.Namespace) -> int:
-    manifest = RunManifest.load(args.manifest)
+    manifest = load_run_manifest(
+        args.manifest
+    )  # a public run's manifest must carry its authority's signature
     initial = check_args(args) or parse_peer_addresses(manifest.bootstrap, what="the manifest's bootstrap")
     if not initial:
         raise ConfigError(
