@@ -91,3 +91,16 @@ def test_a_failing_sink_is_dropped_and_the_others_keep_logging():
     assert good.seen == 2 and len(sinks.sinks) == 1
     sinks.close()
     assert not sinks
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None,
+    reason="wandb is not installed (pip install 'p2p_diloco[wandb]')",
+)
+def test_wandb_sink_logs_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    sink = open_sink(parse_log_to("wandb:p2p-diloco-test"), "run", "QmPeer1234567890abcdef")
+    sink.log({"peer/loss": 3.0}, step=1, wall_time=1000.0)
+    sink.close()
+    assert any(tmp_path.rglob("*.wandb"))
