@@ -45,6 +45,7 @@ from p2p_diloco.node.island import Island
 from p2p_diloco.node.island_learner import finish_island
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
+from p2p_diloco.node.observing import ObserveOptions, Observing
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.reporting import (
     NodeSnapshot,
@@ -78,6 +79,7 @@ class PeerNode:
         stop: threading.Event | None = None,
         out: TextIO = sys.stdout,
         island: Island | None = None,
+        observe: ObserveOptions | None = None,
     ):
         self.options = options
         self.island = island  # set: this process is rank 0 of an island (node/island.py)
@@ -103,6 +105,8 @@ class PeerNode:
         self.bytes = ByteCounter("")
         self.counters = GoodputCounters(self.telemetry)
         self.saver: ReplicaSaver | None = None
+        self.observe = observe or ObserveOptions()  # global eval, stats record, --log-to (node.observing)
+        self.observing: Observing | None = None
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -174,6 +178,10 @@ class PeerNode:
         self.saver = ReplicaSaver(self.state, self.peer, driver, self.clock, last_in_sync, self.event)
         driver.every(opts.persist_every, self.saver.save)
         driver.every(self.display.period(opts.progress_every), self.progress)
+        self.observing = Observing(self.observe, manifest, peer_id, self.clock)
+        self.observing.attach(
+            driver, self.peer, built_model.corpus.eval, opts.device, self.ledger, self.bytes, self.event
+        )
         driver.start()
         self.event(
             "start",
@@ -241,6 +249,8 @@ class PeerNode:
                 self.stop.wait(IDLE_POLL_SECONDS)
             elif opts.min_step_time > 0:  # a paced learner emulates a slower device
                 self.stop.wait(max(0.0, started + opts.min_step_time - time.monotonic()))
+            if self.observing is not None:
+                self.observing.after_step()  # global eval, when this peer is the evaluator and it is due
 
     def _training_done(self) -> bool:
         assert self.learner is not None
@@ -313,6 +323,8 @@ class PeerNode:
             **fields,
         )
         self.display.show(snapshot, line)
+        if self.observing is not None:  # to the --log-to sinks
+            self.observing.progress(learner, self.telemetry.tokens_per_s(self.training))
 
     def _take_snapshot(self) -> NodeSnapshot:
         assert self.peer is not None
@@ -372,6 +384,8 @@ class PeerNode:
         flushed = self.p2p.flush(flush_timeout) if self.p2p is not None else True
         if self.metrics is not None:
             self.metrics.close()
+        if self.observing is not None:
+            self.observing.close()
         self.display.stop()
         if peer is not None:
             self.event(
