@@ -32,12 +32,15 @@ from typing import TextIO
 
 import torch
 
-from p2p_diloco.model.gpt import embedding_parameter_names
-from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
-from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
 from p2p_diloco.net.transport import P2PTransport
-from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_learner, start_node_dht
+from p2p_diloco.node.assembly import (
+    build_training,
+    catch_up_at_start,
+    make_learner,
+    make_peer,
+    start_node_dht,
+)
 from p2p_diloco.node.bytes import ByteCounter
 from p2p_diloco.node.events import GoodputCounters, PeerEventLog, ReplicaSaver, own_threads
 from p2p_diloco.node.guard import DhtClock, HandlerSlot
@@ -59,7 +62,6 @@ from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.wire.signing import PeerKeys
 
 log = logging.getLogger(__name__)
 
@@ -149,18 +151,7 @@ class PeerNode:
         self.learner = make_learner(manifest, opts, built_model, peer_id, self.island)
         if self.island is not None:
             self.telemetry.tokens_per_step *= self.island.world_size
-        self.peer = Peer(
-            peer_id,
-            manifest,
-            plan,
-            replica,
-            shapes=built_model.shapes,
-            keys=PeerKeys(RsaRecordSigner(opts.identity), RsaSignatureCheck()),
-            embedding_names=embedding_parameter_names(built_model.model),
-            may_sync=opts.may_sync,
-            reachable=not opts.behind_nat,
-            loss_probe=loss_probe_for(manifest, replica, built_model.corpus.eval),
-        )
+        self.peer = make_peer(manifest, opts, built_model, peer_id)
         self.driver = ThreadedDriver(
             self.peer,
             kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout),
