@@ -34,6 +34,7 @@ import torch
 
 from p2p_diloco.model.gpt import embedding_parameter_names
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
+from p2p_diloco.net.limits import InboundLimits, priority_peers_of, run_frame_caps
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_learner, start_node_dht
 from p2p_diloco.node.bytes import ByteCounter
@@ -134,7 +135,8 @@ class PeerNode:
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
             handlers=self.bytes.counting_handlers(self.guard),
-            max_frame_bytes=manifest.wire.max_message_bytes,
+            caps=run_frame_caps(manifest, plan, built_model.shapes),
+            limits=InboundLimits(priority_peers=priority_peers_of(manifest)),
             allowed_peers=manifest.allowlist or None,
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
