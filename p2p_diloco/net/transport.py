@@ -139,6 +139,7 @@ class P2PTransport:
         self.allowed_peers = self._inbound.allowed_peers
         self.rejected = self._inbound.rejected  # inbound rejections by tag
         self.served = self._inbound.served  # inbound requests answered, by op
+        self.slots = self._inbound.slots  # inbound streams in progress, per peer
         self._handlers = handlers
         self._protocols = {op: keys.protocol_id(run_id, manifest_hash, op) for op in keys.TRANSPORT_OPS}
         self._pending: set[concurrent.futures.Future[str]] = set()

@@ -48,7 +48,9 @@ def test_an_update_frame_fits_its_bound_even_with_the_most_contributors(name, bl
     bound = frames.update_frame_bound(codec.frame_size(SHAPES, codec=name, block_size=block, density=density))
     peer = "Qm" + "x" * 44
     many = tuple((f"{peer}{i}", 0.123456789) for i in range(5000))
-    record = UpdateRecord(RUN, HASH, 3, frames.MAX_COUNTER - 1, frames.MAX_COUNTER, peer, many, "ab" * 32, payload)
+    record = UpdateRecord(
+        RUN, HASH, 3, frames.MAX_COUNTER - 1, frames.MAX_COUNTER, peer, many, "ab" * 32, payload
+    )
     assert len(frames.encode_update(record)) <= bound
     assert bound - len(payload) <= frames.MAX_HEADER_BYTES + 17  # the header's own cap, no more
 
@@ -88,9 +90,9 @@ def test_run_caps_admit_the_deltas_a_learner_really_sends_and_nothing_larger(wir
         {n: torch.randn(training.shapes[n]) for n in training.plan.names(0)}, codec="fp32"
     )
     if wire.codec != "fp32":  # a frame of another (larger) codec than the run's is over the cap
-        assert len(frames.encode_delta(DeltaHeader(manifest.run_id, manifest.manifest_hash, 0, 1, 1, 1, 1), fp32)) > (
-            caps.request(keys.OP_DELTA)
-        )
+        assert len(
+            frames.encode_delta(DeltaHeader(manifest.run_id, manifest.manifest_hash, 0, 1, 1, 1, 1), fp32)
+        ) > (caps.request(keys.OP_DELTA))
     snapshot_item, snapshot_total = caps.reply(keys.OP_FETCH_SNAPSHOT)
     assert snapshot_item == snapshot_total < 4 * 1024 * 1024  # the tiny model's snapshot, not 256 MiB
     assert caps.request("some-new-op") == manifest.wire.max_message_bytes  # a new op gets the run's limit
