@@ -33,6 +33,7 @@ from typing import TextIO
 import torch
 
 from p2p_diloco.model.gpt import embedding_parameter_names
+from p2p_diloco.net.admission import admission_for
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.limits import InboundLimits, priority_peers_of, run_frame_caps
 from p2p_diloco.net.transport import P2PTransport
@@ -156,7 +157,7 @@ class PeerNode:
         )
         self.driver = ThreadedDriver(
             self.peer,
-            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout),
+            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),
             transport=self.bytes.counting_transport(self.p2p),
             clock=self.clock,
             learner=self.learner,
