@@ -14,17 +14,22 @@ peer can tie up (`net.serving` enforces these):
   run's codec, a snapshot reply at the largest fragment's snapshot. A new operation slots in as a key.
 * `StreamSlots`: the bookkeeping of who holds which stream slots; it holds an entry only for peers with a
   stream in progress, so its state is bounded by the streams it admitted.
+* `OutboundSlots`: the sending side's courtesy: an honest peer opens at most `per_peer` streams to one
+  peer at a time (the rest wait their turn), so it never runs into the receiver's own limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.net import streams
 from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.swarm.updates import UPDATE_LOG_LENGTH
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.codec import frame_size
 from p2p_diloco.wire.frames import delta_frame_bound, snapshot_frame_bound, update_frame_bound
@@ -110,14 +115,15 @@ def run_frame_caps(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     max_reply_bytes: int = DEFAULT_REPLY_BYTES,
+    updates_per_reply: int = UPDATE_LOG_LENGTH,
 ) -> FrameCaps:
     """The caps of a run with fragments `plan` over tensors of `shapes` (name -> shape).
 
     Deltas and updates carry one fragment under `[wire] codec` (sparse codecs keep exactly
     `chunk_keep(density)` entries a chunk, so their size is known too); snapshots carry params and
     momentum as fp32 frames. Every cap is the largest fragment's and at most `wire.max_message_bytes`
-    (what the decoders accept anyway). A fetch of updates answers several update frames: each is capped,
-    their total only by `max_reply_bytes`.
+    (what the decoders accept anyway). A fetch of updates answers at most `updates_per_reply` update
+    frames (a peer's log of a fragment), each capped, together at most `max_reply_bytes`.
     """
     wire = manifest.wire
     fragment_shapes = [{n: tuple(shapes[n]) for n in plan.names(p)} for p in range(plan.num_fragments)]
@@ -135,7 +141,7 @@ def run_frame_caps(
         requests={**uniform.requests, keys.OP_DELTA: delta, keys.OP_UPDATE: update},
         replies={
             **uniform.replies,
-            keys.OP_FETCH_UPDATES: (update, max_reply_bytes),
+            keys.OP_FETCH_UPDATES: (update, min(max_reply_bytes, updates_per_reply * update)),
             keys.OP_FETCH_SNAPSHOT: (snapshot, snapshot),
         },
         default_request=limit,
@@ -172,6 +178,34 @@ class StreamSlots:
 
     def __len__(self) -> int:
         return sum(self.by_peer.values())
+
+
+class OutboundSlots:
+    """At most `per_peer` concurrent outbound streams to one peer; `async with slots.slot(peer)` waits its
+    turn. Runs on one event loop; holds an entry only for peers with a stream open or waiting."""
+
+    def __init__(self, per_peer: int):
+        self.per_peer = per_peer
+        self._slots: dict[str, tuple[asyncio.Semaphore, int]] = {}  # peer -> (semaphore, users)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, peer: str) -> AsyncIterator[None]:
+        semaphore, users = self._slots.get(peer, (None, 0))
+        if semaphore is None:
+            semaphore = asyncio.Semaphore(self.per_peer)
+        self._slots[peer] = (semaphore, users + 1)
+        try:
+            async with semaphore:
+                yield
+        finally:
+            semaphore, users = self._slots[peer]
+            if users > 1:
+                self._slots[peer] = (semaphore, users - 1)
+            else:
+                del self._slots[peer]
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
 
 def priority_peers_of(manifest: RunManifest, extra: Collection[str] = ()) -> frozenset[str]:

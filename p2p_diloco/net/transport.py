@@ -37,7 +37,13 @@ from hivemind.p2p import P2P, PeerID
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
 from p2p_diloco.net.addresses import parse_peer_id
-from p2p_diloco.net.limits import DEFAULT_FRAME_BYTES, DEFAULT_REPLY_BYTES, FrameCaps, InboundLimits
+from p2p_diloco.net.limits import (
+    DEFAULT_FRAME_BYTES,
+    DEFAULT_REPLY_BYTES,
+    FrameCaps,
+    InboundLimits,
+    OutboundSlots,
+)
 from p2p_diloco.net.serving import (
     LINGER_SECONDS,
     REJECT_BAD_REQUEST,
@@ -140,6 +146,7 @@ class P2PTransport:
         self.rejected = self._inbound.rejected  # inbound rejections by tag
         self.served = self._inbound.served  # inbound requests answered, by op
         self.slots = self._inbound.slots  # inbound streams in progress, per peer
+        self._outbound = OutboundSlots(self.limits.per_peer)  # as many to one peer as we would admit
         self._handlers = handlers
         self._protocols = {op: keys.protocol_id(run_id, manifest_hash, op) for op in keys.TRANSPORT_OPS}
         self._pending: set[concurrent.futures.Future[str]] = set()
@@ -333,6 +340,12 @@ class P2PTransport:
     ) -> tuple[int, list[bytes]]:
         if to_peer == self.peer_id:
             return await self._inbound.answer_local(op, self.peer_id, body)
+        async with self._outbound.slot(to_peer):
+            return await self._call_remote(op, to_peer, body, max_item, max_total)
+
+    async def _call_remote(
+        self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
+    ) -> tuple[int, list[bytes]]:
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(
                 PeerID.from_base58(to_peer), self._protocols[op]

@@ -21,6 +21,7 @@ from p2p_diloco.net.limits import (
     REJECT_TOO_SLOW,
     FrameCaps,
     InboundLimits,
+    OutboundSlots,
     StreamSlots,
 )
 from p2p_diloco.net.serving import REJECT_TOO_LARGE, InboundServer
@@ -225,3 +226,22 @@ def test_limits_are_checked():
     with pytest.raises(ValueError, match="min_body_rate"):
         InboundLimits(min_body_rate=0)
     assert InboundLimits(priority_peers=["x"]).priority_peers == frozenset({"x"})  # type: ignore[arg-type]
+
+
+def test_outbound_slots_let_two_streams_to_a_peer_run_and_the_rest_wait_their_turn():
+    async def scenario() -> None:
+        slots = OutboundSlots(per_peer=2)
+        running: list[str] = []
+        most = {"a": 0, "b": 0}
+
+        async def call(peer: str) -> None:
+            async with slots.slot(peer):
+                running.append(peer)
+                most[peer] = max(most[peer], running.count(peer))
+                await asyncio.sleep(0.02)
+                running.remove(peer)
+
+        await asyncio.gather(*(call(p) for p in "aaaaab"))
+        assert most == {"a": 2, "b": 1} and len(slots) == 0  # nothing kept for peers with nothing open
+
+    asyncio.run(scenario())
