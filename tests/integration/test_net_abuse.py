@@ -72,10 +72,13 @@ class RogueStreams:
         async def one() -> int:
             proto = self.transport._protocols[op]
             _, reader, writer = await self.transport._p2p.call_binary_stream_handler(self.target, proto)
-            if data:
-                writer.write(data)
-                await writer.drain()
             self.streams.append((reader, writer))
+            if data:
+                try:
+                    writer.write(data)
+                    await writer.drain()
+                except ConnectionError:  # refused and closed already: `answer` tells what is left
+                    pass
             return len(self.streams) - 1
 
         return [self._run(one()) for _ in range(count)]
@@ -139,8 +142,9 @@ def test_a_rogue_holding_eight_streams_claiming_200_mib_blocks_only_itself(three
     try:
         opened = rogue.open(OP_DELTA, header(CLAIM), count=8)  # under the size cap, body never sent
         answers = [rogue.answer(i, timeout=3.0) for i in opened]
-        assert sorted(answers)[:2] == ["open", "open"], answers  # two streams held by the rogue...
-        assert all(a.startswith(REJECT_PEER_BUSY) for a in answers if a != "open"), answers  # ...six refused
+        assert answers.count("open") == 2, answers  # two streams held by the rogue, six refused at once:
+        # told why, or (when the refusal overtook the rogue's own write: p2pd resets) just closed
+        assert all(a.startswith(REJECT_PEER_BUSY) or a == "closed" for a in answers if a != "open"), answers
         assert server.rejected[REJECT_PEER_BUSY] == 6
         started = time.monotonic()
         assert str(client.send_and_wait(OP_DELTA, server.peer_id, b"honest delta", timeout=20)) == "accepted"
