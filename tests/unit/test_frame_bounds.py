@@ -96,3 +96,25 @@ def test_run_caps_admit_the_deltas_a_learner_really_sends_and_nothing_larger(wir
     snapshot_item, snapshot_total = caps.reply(keys.OP_FETCH_SNAPSHOT)
     assert snapshot_item == snapshot_total < 4 * 1024 * 1024  # the tiny model's snapshot, not 256 MiB
     assert caps.request("some-new-op") == manifest.wire.max_message_bytes  # a new op gets the run's limit
+
+
+def test_run_caps_admit_the_snapshots_a_peer_really_serves():
+    from p2p_diloco.net.limits import run_frame_caps
+
+    manifest = tiny_manifest("caps")
+    training = tiny_training(manifest)
+    cap, total = run_frame_caps(manifest, training.plan, training.shapes).reply(keys.OP_FETCH_SNAPSHOT)
+    sizes = []
+    for p in range(training.plan.num_fragments):  # what `swarm.repair` serves for a snapshot request
+        version, params, momentum = training.replica.snapshot(p)
+        snapshot = FragmentSnapshot(
+            manifest.run_id,
+            manifest.manifest_hash,
+            p,
+            version,
+            training.replica.checksum(p),
+            codec.encode_tensors(params, codec="fp32"),
+            codec.encode_tensors(momentum, codec="fp32"),
+        )
+        sizes.append(len(frames.encode_snapshot(snapshot)))
+    assert max(sizes) <= cap == total < max(sizes) + 200
