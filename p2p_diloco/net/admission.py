@@ -12,6 +12,9 @@ identities are cheap. `RecordAdmission` bounds what `DhtKeyValueStore.get` hands
   writer can only improve by generating identities until one ranks high. The excess is counted and never
   reaches the swarm's record decoders.
 
+`stream_admission` applies the same rule to transport requests before their bodies are read: updates
+only from peers that may synchronize, every other request only from peers that may take part.
+
 This bounds the work and the state a flood of identities costs a reader; it does not tell honest
 strangers from Sybils. Naming the peers in the manifest (`[trust]`, `allowlist`) does.
 """
@@ -79,3 +82,15 @@ def admission_for(manifest: RunManifest, *, max_subkeys: int = DEFAULT_MAX_SUBKE
         return manifest.may_learn(peer) or manifest.may_synchronize(peer)
 
     return RecordAdmission(allows, listed_peers(manifest), max_subkeys)
+
+
+def stream_admission(manifest: RunManifest) -> Callable[[str, str], bool]:
+    """`admit(op, peer)` for `P2PTransport`: an update push only from a peer that may hold the lease,
+    any other request (deltas, fetches) only from a peer that may take part."""
+
+    def admit(op: str, peer: str) -> bool:
+        if op == keys.OP_UPDATE:
+            return manifest.may_synchronize(peer)
+        return manifest.may_learn(peer)
+
+    return admit

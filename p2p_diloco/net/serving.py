@@ -85,11 +85,13 @@ class InboundServer:
         limits: InboundLimits,
         allowed_peers: Collection[str] | None,
         answer_timeout: float,
+        admit: Callable[[str, str], bool] | None = None,
     ):
         self.handlers = handlers
         self.caps = caps
         self.limits = limits
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
+        self.admit = admit  # (op, peer) -> whether the run lets `peer` make this request at all
         self.answer_timeout = answer_timeout
         self.rejected: Counter[str] = Counter()  # inbound rejections by tag
         self.served: Counter[str] = Counter()  # inbound requests answered, by op
@@ -150,6 +152,10 @@ class InboundServer:
     async def _answer(self, op: str, sender: str, reader: asyncio.StreamReader) -> tuple[int, list[bytes]]:
         if self.allowed_peers is not None and sender not in self.allowed_peers:
             return self._reject(op, sender, REJECT_NOT_ALLOWED, f"{sender} is not on this run's allowlist")
+        if self.admit is not None and not self.admit(op, sender):
+            return self._reject(
+                op, sender, REJECT_NOT_ALLOWED, f"{sender} may not send {op} requests in this run"
+            )
         refused = self.slots.acquire(sender)
         if refused is not None:
             return self._reject(op, sender, *refused)

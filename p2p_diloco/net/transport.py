@@ -110,7 +110,8 @@ class P2PTransport:
     `handlers` are called on the transport's loop thread and must return at once: an answer, or a
     future of one (module docstring). `caps` bound request and reply sizes per op (by default every
     frame up to `max_frame_bytes`, a fetch's reply up to `max_reply_bytes`; `net.limits.run_frame_caps`
-    gives a run's exact ones); `limits` bound inbound streams. Create DHTs before transports where possible:
+    gives a run's exact ones); `limits` bound inbound streams; `admit(op, peer)` refuses requests the
+    run does not let a peer make (`net.admission.stream_admission`). Create DHTs before transports where possible:
     hivemind forks the DHT process, and forking while this class's threads run is best avoided.
     """
 
@@ -129,6 +130,7 @@ class P2PTransport:
         fetch_timeout: float = 120.0,
         allowed_peers: Collection[str] | None = None,
         answer_timeout: float = 10.0,
+        admit: Callable[[str, str], bool] | None = None,
     ):
         self.caps = caps if caps is not None else FrameCaps.uniform(max_frame_bytes, max_reply_bytes)
         self.limits = limits if limits is not None else InboundLimits()
@@ -141,6 +143,7 @@ class P2PTransport:
             limits=self.limits,
             allowed_peers=allowed_peers,
             answer_timeout=answer_timeout,
+            admit=admit,
         )
         self.allowed_peers = self._inbound.allowed_peers
         self.rejected = self._inbound.rejected  # inbound rejections by tag

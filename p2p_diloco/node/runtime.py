@@ -33,7 +33,7 @@ from typing import TextIO
 import torch
 
 from p2p_diloco.model.gpt import embedding_parameter_names
-from p2p_diloco.net.admission import admission_for
+from p2p_diloco.net.admission import admission_for, stream_admission
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.limits import InboundLimits, priority_peers_of, run_frame_caps
 from p2p_diloco.net.transport import P2PTransport
@@ -139,6 +139,7 @@ class PeerNode:
             caps=run_frame_caps(manifest, plan, built_model.shapes),
             limits=InboundLimits(priority_peers=priority_peers_of(manifest)),
             allowed_peers=manifest.allowlist or None,
+            admit=stream_admission(manifest),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )

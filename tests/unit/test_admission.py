@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2p_diloco.config import RunManifest, TrustConfig
-from p2p_diloco.net.admission import RecordAdmission, admission_for, listed_peers
+from p2p_diloco.net.admission import RecordAdmission, admission_for, listed_peers, stream_admission
 from p2p_diloco.wire import keys
 
 
@@ -46,3 +46,12 @@ def test_excess_records_are_cut_by_one_rule_listed_peers_first():
     assert admission.bound("k", {"a": 1}) == ({"a": 1}, 0)
     with pytest.raises(ValueError, match="max_subkeys"):
         RecordAdmission(lambda key, p: True, max_subkeys=0)
+
+
+def test_transport_requests_follow_the_same_rule_updates_only_from_synchronizers():
+    trust = TrustConfig(authority=AUTHORITY, synchronizers=(SYNC,), learners=(LEARNER,))
+    admit = stream_admission(RunManifest(run_id="pub", trust=trust))
+    assert admit(keys.OP_UPDATE, SYNC) and not admit(keys.OP_UPDATE, LEARNER)
+    for op in (keys.OP_DELTA, keys.OP_FETCH_UPDATES, keys.OP_FETCH_SNAPSHOT, "a-new-fetch-op"):
+        assert admit(op, LEARNER) and admit(op, SYNC) and not admit(op, STRANGER)
+    assert stream_admission(RunManifest(run_id="open"))(keys.OP_UPDATE, STRANGER)  # no lists: anyone

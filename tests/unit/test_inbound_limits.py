@@ -24,7 +24,7 @@ from p2p_diloco.net.limits import (
     OutboundSlots,
     StreamSlots,
 )
-from p2p_diloco.net.serving import REJECT_TOO_LARGE, InboundServer
+from p2p_diloco.net.serving import REJECT_NOT_ALLOWED, REJECT_TOO_LARGE, InboundServer
 from p2p_diloco.wire.keys import OP_DELTA
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
@@ -243,5 +243,26 @@ def test_outbound_slots_let_two_streams_to_a_peer_run_and_the_rest_wait_their_tu
 
         await asyncio.gather(*(call(p) for p in "aaaaab"))
         assert most == {"a": 2, "b": 1} and len(slots) == 0  # nothing kept for peers with nothing open
+
+    asyncio.run(scenario())
+
+
+def test_requests_the_run_does_not_let_a_peer_make_are_refused_before_their_body():
+    async def scenario() -> None:
+        handlers = Handlers()
+        server = InboundServer(
+            handlers,
+            caps=FrameCaps.uniform(64 * KiB, 64 * KiB),
+            limits=LIMITS,
+            allowed_peers=None,
+            answer_timeout=1.0,
+            admit=lambda op, peer: peer != "stranger",
+        )
+        net = Streams(server)
+        _, stranger = net.open("stranger", request(b"delta"))
+        _, learner = net.open("learner", request(b"delta"))
+        await asyncio.gather(*net.tasks)
+        assert stranger.reason().startswith(REJECT_NOT_ALLOWED) and learner.reason() == "ok"
+        assert handlers.deltas == [("learner", 5)]
 
     asyncio.run(scenario())
