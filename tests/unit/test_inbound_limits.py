@@ -266,3 +266,24 @@ def test_requests_the_run_does_not_let_a_peer_make_are_refused_before_their_body
         assert handlers.deltas == [("learner", 5)]
 
     asyncio.run(scenario())
+
+
+def test_a_body_found_behind_after_our_own_stall_is_judged_on_what_has_arrived_meanwhile():
+    class Clock:  # the body starts at 0; our loop then stalls: the next look at the clock is at 1.0
+        def __init__(self) -> None:
+            self.times = iter([0.0])
+
+        def __call__(self) -> float:
+            return next(self.times, 1.0)
+
+    async def read(buffered: int, length: int) -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(buffered))
+        return await streams.read_body(reader, length, min_rate=100.0, grace=0.5, clock=Clock())
+
+    async def scenario() -> None:
+        assert len(await read(100, 100)) == 100  # due by 1.5 s: in time once counted
+        with pytest.raises(streams.TooSlow, match="10 of 100 bytes"):
+            await read(10, 100)  # due by 0.6 s: too slow even counting what had arrived
+
+    asyncio.run(scenario())
