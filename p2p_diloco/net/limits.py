@@ -25,9 +25,11 @@ import contextlib
 from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.net import streams
+from p2p_diloco.net.admission import stream_admission
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.swarm.updates import UPDATE_LOG_LENGTH
 from p2p_diloco.wire import keys
@@ -213,3 +215,17 @@ def priority_peers_of(manifest: RunManifest, extra: Collection[str] = ()) -> fro
     and its authority (a public run's trusted peers), plus `extra`."""
     trust = manifest.trust
     return frozenset((*trust.synchronizers, *([trust.authority] if trust.authority else ()), *extra))
+
+
+def run_transport_options(
+    manifest: RunManifest, plan: FragmentPlan, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """`P2PTransport` keyword arguments for a peer of `manifest`'s run: its exact frame caps, the default
+    stream limits with its named synchronizers and authority as priority peers, its participants as the
+    allowlist and its trust rules per op."""
+    return {
+        "caps": run_frame_caps(manifest, plan, shapes),
+        "limits": InboundLimits(priority_peers=priority_peers_of(manifest)),
+        "allowed_peers": manifest.participants(),
+        "admit": stream_admission(manifest),
+    }

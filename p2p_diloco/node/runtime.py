@@ -33,9 +33,11 @@ from typing import TextIO
 import torch
 
 from p2p_diloco.model.gpt import embedding_parameter_names
-from p2p_diloco.net.admission import admission_for, stream_admission
+from p2p_diloco.model.probe import loss_probe_for
+from p2p_diloco.net.admission import admission_for
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
-from p2p_diloco.net.limits import InboundLimits, priority_peers_of, run_frame_caps
+from p2p_diloco.net.limits import run_transport_options
+from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_learner, start_node_dht
 from p2p_diloco.node.bytes import ByteCounter
@@ -58,6 +60,7 @@ from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.wire.signing import PeerKeys
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +139,7 @@ class PeerNode:
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
             handlers=self.bytes.counting_handlers(self.guard),
-            caps=run_frame_caps(manifest, plan, built_model.shapes),
-            limits=InboundLimits(priority_peers=priority_peers_of(manifest)),
-            allowed_peers=manifest.allowlist or None,
-            admit=stream_admission(manifest),
+            **run_transport_options(manifest, plan, built_model.shapes),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
@@ -152,9 +152,11 @@ class PeerNode:
             plan,
             replica,
             shapes=built_model.shapes,
+            keys=PeerKeys(RsaRecordSigner(opts.identity), RsaSignatureCheck()),
             embedding_names=embedding_parameter_names(built_model.model),
             may_sync=opts.may_sync,
             reachable=not opts.behind_nat,
+            loss_probe=loss_probe_for(manifest, replica, built_model.corpus.eval),
         )
         self.driver = ThreadedDriver(
             self.peer,

@@ -49,8 +49,9 @@ def test_an_update_frame_fits_its_bound_even_with_the_most_contributors(name, bl
     peer = "Qm" + "x" * 44
     many = tuple((f"{peer}{i}", 0.123456789) for i in range(5000))
     record = UpdateRecord(
-        RUN, HASH, 3, frames.MAX_COUNTER - 1, frames.MAX_COUNTER, peer, many, "ab" * 32, payload
-    )
+        RUN, HASH, 3, frames.MAX_COUNTER - 1, frames.MAX_COUNTER, peer, many, "ab" * 32, payload,
+        signature=bytes(frames.MAX_SIGNATURE_BYTES),
+    )  # fmt: skip
     assert len(frames.encode_update(record)) <= bound
     assert bound - len(payload) <= frames.MAX_HEADER_BYTES + 17  # the header's own cap, no more
 

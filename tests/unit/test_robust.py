@@ -65,6 +65,15 @@ def test_step_claims_beyond_the_cap_are_clipped_with_their_tokens():
     assert (check.steps, check.tokens) == (4 * H, 4 * H * TPS)
 
 
+def test_step_claims_are_bounded_by_the_schedule_h_per_version_since_the_anchor():
+    g = guard()
+    on_current = g.check_counters(10**6 * TPS, 10**6, staleness=0)  # the claim-inflation attack
+    assert (on_current.decision.action, on_current.steps, on_current.tokens) == (robust.CLIP, H, H * TPS)
+    one_behind = g.check_counters(2 * H * TPS, 2 * H, staleness=1)  # a fast learner on a slow link
+    assert (one_behind.decision.action, one_behind.steps) == (robust.ACCEPT, 2 * H)
+    assert g.check_counters(10**6 * TPS, 10**6, staleness=99).steps == 4 * H  # never above max_steps
+
+
 def test_replayed_payload_is_refused_per_sender_and_forgotten_after_memory():
     g = guard(replay_memory=2)
     assert g.check_replay("a", b"one").action == robust.ACCEPT
@@ -272,10 +281,15 @@ def test_synchronizer_never_screens_or_cools_down_its_own_deltas():
     assert str(sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0)).startswith(robust.NORM_OUTLIER)
 
 
-def test_direction_outliers_are_refused_but_never_start_a_cool_down():
-    g = guard(offence_limit=2)
-    assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, float(t)) is None for t in range(10))
-    assert g.cooling(10.0) == frozenset()
+def test_a_direction_outlier_alone_is_no_offence_but_repeated_ones_are():
+    g = guard(offence_limit=2, direction_offence_limit=3, offence_window=30.0)
+    # spread out (an honest learner after a failover now and then): never an offence
+    assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, 40.0 * t) is None for t in range(10))
+    assert g.cooling(400.0) == frozenset()
+    # three within the window count as one offence; two offences start a cool-down
+    started = [g.note_rejection("r", robust.DIRECTION_OUTLIER, 500.0 + t) for t in range(6)]
+    assert [d is not None for d in started] == [False] * 5 + [True]
+    assert "direction outliers" in started[-1].reason and g.cooling(506.0) == frozenset({"r"})
 
 
 def test_rounds_are_held_for_a_first_reference_only_not_after_a_reset():
