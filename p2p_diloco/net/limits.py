@@ -16,6 +16,8 @@ peer can tie up (`net.serving` enforces these):
   stream in progress, so its state is bounded by the streams it admitted.
 * `OutboundSlots`: the sending side's courtesy: an honest peer opens at most `per_peer` streams to one
   peer at a time (the rest wait their turn), so it never runs into the receiver's own limit.
+
+`run_transport_options` gathers a run's caps, limits and admission rules as `P2PTransport` arguments.
 """
 
 from __future__ import annotations
