@@ -138,7 +138,10 @@ def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | Non
     """When the previous term lapsed as far as its visible records tell: its last expiry, or its release."""
     if not previous:
         return None
-    return max(write_time(x, timing) if x.released else x.expires_at for x in previous)
+    released = [write_time(x, timing) for x in previous if x.released]
+    if released:  # a release ends the term, whatever the expiry of the renewals before it
+        return min(released)
+    return max(x.expires_at for x in previous)
 
 
 def counts_as_held(item: SeenLease) -> bool:
