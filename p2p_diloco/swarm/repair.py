@@ -336,9 +336,16 @@ class Repair:
                 for peer, info in self.membership.live_peers.items()
                 if peer != self.peer_id and (tip := info.tip(p)) is not None
             }
-            theirs = self.book.vouchers.trusted_tips(p, reported)  # a lone forged tip moves nothing
+            theirs = self.book.vouchers.trusted_tips(p, reported)
             winner = reconcile.winning_tip([mine, *theirs.values()])
             decision = reconcile.classify(mine, winner)
+            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP) and reported.keys() - theirs.keys():
+                # A tip nobody vouches for may still show I am behind on my own branch: replaying its log
+                # is safe (every record's signature and lease is checked; a snapshot fallback must be
+                # vouched for), a rollback toward it is not.
+                ahead = reconcile.winning_tip([mine, *reported.values()])
+                if reconcile.classify(mine, ahead).action == reconcile.CATCH_UP:
+                    winner, decision, theirs = ahead, reconcile.classify(mine, ahead), reported
             if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):
                 self.book.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
                 self.behind_since.pop(p, None)
