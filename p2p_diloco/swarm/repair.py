@@ -102,10 +102,16 @@ class Repair:
 
     # ---- leases behind updates ---------------------------------------------------------------------
 
-    def verify_lease(self, leader: str, term: int, now: float) -> Task:
+    def verify_lease(self, leader: str, term: int, now: float, *, past_terms: bool = False) -> Task:
         """Whether `leader` held the lease of `term`; re-reads the swarm if unknown (at most once per
-        heartbeat period: every frame of a replayed log used to cost a DHT read)."""
+        heartbeat period: every frame of a replayed log used to cost a DHT read).
+
+        `past_terms` (replays and snapshot vouching, never pushes): a term below the highest this peer
+        trusts, whose lease it never saw (it lagged through it), counts for a leader that may
+        synchronize; in a public run only listed synchronizers, which the organizer trusts, qualify."""
         if self.membership.held_lease(leader, term):
+            return True
+        if past_terms and term < self.membership.term_seen and self.manifest.may_synchronize(leader):
             return True
         if now - self.membership.last_read >= self.manifest.timing.heartbeat_period:
             self.membership.ingest((yield ReadSwarm()))
@@ -150,7 +156,7 @@ class Repair:
         if not self.book.signed_by_leader(record):
             reason = f"replayed update of term {record.term} naming {record.leader}"
             return None, self.journal.reject(source, "bad signature", reason)
-        if not (yield from self.verify_lease(record.leader, record.term, now)):
+        if not (yield from self.verify_lease(record.leader, record.term, now, past_terms=True)):
             reason = f"replayed update of term {record.term} by {record.leader}"
             return None, self.journal.reject(source, "no lease", reason)
         if self.book.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
@@ -245,7 +251,8 @@ class Repair:
                 snap.checksum,
             )
             if produced and self.book.signed_by_leader(record):
-                if (yield from self.verify_lease(record.leader, record.term, self.membership.last_read)):
+                last_read = self.membership.last_read
+                if (yield from self.verify_lease(record.leader, record.term, last_read, past_terms=True)):
                     self.book.vouchers.vouch(record)
                     return record.term
         return None

@@ -139,8 +139,7 @@ class Synchronizer:
         check = validate_delta(tensors, self.expected[p], norm_bound=wire.norm_bound)
         if check.action != "accept":
             return self._reject(sender, _tag(check.reason), check.reason, now)
-        staleness = self.replica.versions()[p] - header.anchor_version
-        counters = self.guard.check_counters(header.tokens, header.steps, staleness)
+        counters = self.guard.check_counters(header.tokens, header.steps, for_weight=True)
         if counters.decision.action not in (ACCEPT, CLIP):
             return self._reject(sender, _tag(counters.decision.reason), counters.decision.reason, now)
         replay = self.guard.check_replay(sender, payload)
