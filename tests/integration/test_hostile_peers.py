@@ -69,7 +69,9 @@ LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 150.0  # two `join`s on a loaded 2-core machine: imports, DHT, first lease, first updates
 ADVANCE_TIMEOUT = 120.0
 ADVANCE = 3  # versions every fragment must gain after an attack
-LOSS_SLACK = 0.05  # nats/byte: eval loss of the global model may not rise by more than this
+# nats/byte the global model's eval loss may rise: early in a run honest outer steps alone move it by up to
+# about 0.35 (measured on this manifest); one destructive update moves it by several nats.
+LOSS_SLACK = 0.5
 INNER_STEPS = 8
 
 # The rejection tags the honest peers count for each attack (any one of them shows the attempt).
@@ -237,6 +239,20 @@ class HostileRun:
             f"honest replicas diverged at versions {honest[0]['versions']}: {digests}"
         )
         return status
+
+    def wait_ticks(self, since: float, n: int = 2) -> dict:
+        """Until every honest peer wrote a heartbeat at least `n - 1` periods after DHT time `since`: each
+        swarm tick writes the heartbeat, then reads the swarm, so by then every peer has read what was
+        stored before `since` (a forged record, say) at least once."""
+        timing = self.manifest.timing
+        due = since + (n - 1) * timing.heartbeat_period
+
+        def ticked(status: dict) -> bool:
+            honest = self.honest(status)
+            written = [status["time"] + p["expires_in"] - timing.heartbeat_ttl for p in honest.values()]
+            return len(honest) == len(self.peers) and min(written) >= due
+
+        return self.wait_status(ticked, 30, f"every honest peer to tick {n} times after the forged record")
 
     def assert_never_synchronizer(self, *rogues: Rogue) -> None:
         bad = {r.peer_id for r in rogues}
@@ -416,9 +432,10 @@ def test_row1_future_lease_and_destructive_update_are_refused(hostile_run: Hosti
     losses = run.eval_losses()
     holder = before["synchronizer"]
     forged_term = holder["term"] + 1000
-    rogue.forge_lease(forged_term, expires_at=rogue.now() + 3600)
-    # give every reader a few heartbeats to see the forged lease before the update arrives
+    forged_at = rogue.now()
+    rogue.forge_lease(forged_term, expires_at=forged_at + 3600)
     run.wait_for(rogue.lease_visible, 20, "the forged lease to be visible in the DHT")
+    run.wait_ticks(forged_at)  # every honest peer has read it before the update arrives
     replies = {
         name: rogue.push_destructive_update(joined.peer_id, forged_term) for name, joined in run.peers.items()
     }
@@ -467,8 +484,10 @@ def test_row2_expired_lease_then_update_is_refused(hostile_run: HostileRun, who:
     before = run.wait_status(run.ready, 30, "a ready swarm")
     losses = run.eval_losses()
     term = before["synchronizer"]["term"]
+    forged_at = rogue.now()
     rogue.forge_expired_lease(term)
     run.wait_for(rogue.lease_visible, 20, "the expired lease to be visible in the DHT")
+    run.wait_ticks(forged_at)  # every honest peer has read it before the update arrives
     holder = before["synchronizer"]["peer_id"]
     replies = {
         name: rogue.push_destructive_update(joined.peer_id, term) for name, joined in run.peers.items()
