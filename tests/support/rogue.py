@@ -361,6 +361,23 @@ class Rogue:
                 replies.append((fragment, self.send_delta(to, fragment, snap.version, delta, steps=steps)))
         return replies
 
+    def send_inflated_deltas(
+        self, to: str, source: str, *, rounds: int = 4, steps: int = 10**6
+    ) -> list[tuple[int, Reply]]:
+        """Claim inflation on deltas that pass every content screen: for each fragment, `rounds` times,
+        the latest merged outer gradient itself (aligned with recent updates, at an honest norm), claiming
+        `steps` inner steps with matching tokens, sent to the synchronizer `to` (state read from
+        `source`). Returns (fragment, reply) per delta sent."""
+        replies = []
+        for _ in range(rounds):
+            for fragment in range(self.plan.num_fragments):
+                like = self.latest_outer_gradient(source, fragment)
+                if like is None:
+                    continue
+                version = self.fetch(source, fragment).snapshot.version
+                replies.append((fragment, self.send_delta(to, fragment, version, like, steps=steps)))
+        return replies
+
     # ---- poisoned snapshots ------------------------------------------------------------------------
 
     def serve_poisoned_snapshot(self, fragment: int, version: int, *, seed: int = 0) -> str:
