@@ -42,6 +42,7 @@ Test names, per row of the issue's table:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -598,44 +599,54 @@ def test_row5_forged_tip_and_poisoned_snapshot_are_not_adopted_by_replicas_or_a_
     rogue = run.rogues["stranger"]
     before = run.wait_status(run.ready, 30, "a ready swarm")
     losses = run.eval_losses()
-    beats = rogue.heartbeats()
-    honest_beat = next(beats[j.peer_id] for j in run.peers.values() if j.peer_id in beats)
     term = before["synchronizer"]["term"]
-    poisoned_version = honest_beat.versions[0] + 5
-    poisoned = rogue.serve_poisoned_snapshot(0, poisoned_version)
-    versions = (poisoned_version, *honest_beat.versions[1:])
-    tips = ((term, poisoned[:16]), *honest_beat.tips[1:])
     period = run.manifest.timing.heartbeat_period
+    poisoned: dict[int, str] = {}  # version -> checksum prefix of the random-weight fragment 0 served at it
+    lock = threading.Lock()  # `poisoned` grows on the rogue's sustain thread
+    ids = {j.peer_id for j in run.peers.values()}
 
-    def poisoned_anywhere(status: dict) -> list[str]:
-        """Honest peers whose fragment 0 is the rogue's (their published tip checksum)."""
-        beats = rogue.heartbeats()
-        return [
-            pid[:12]
-            for pid in run.honest(status)
-            if pid in beats and beats[pid].tips and beats[pid].tips[0][1] == poisoned[:16]
-        ]
+    def forge_tip() -> None:
+        """Keep a tip for fragment 0 five versions ahead of the honest ones (same term), random weights behind."""
+        beats = {p: b for p, b in rogue.heartbeats().items() if p in ids and b.tips}
+        if not beats:
+            return
+        honest_beat = max(beats.values(), key=lambda b: b.versions[0])
+        version = honest_beat.versions[0] + 5
+        if version not in poisoned:
+            checksum = rogue.serve_poisoned_snapshot(0, version)[:16]
+            with lock:
+                poisoned[version] = checksum
+        versions = (version, *honest_beat.versions[1:])
+        rogue.forge_heartbeat(versions, term, tips=((term, poisoned[version]), *honest_beat.tips[1:]))
 
-    with rogue.sustain(lambda: rogue.forge_heartbeat(versions, term, tips=tips), period=period):
+    seen: set[str] = set()
+
+    def poisoned_now(status: dict) -> bool:
+        """Records honest peers whose fragment 0 is the rogue's (their published tip checksum)."""
+        with lock:
+            bad = set(poisoned.values())
+        for pid, beat in rogue.heartbeats().items():
+            if pid in run.honest(status) and beat.tips and beat.tips[0][1] in bad:
+                seen.add(pid[:12])
+        return bool(seen)
+
+    with rogue.sustain(forge_tip, period=period):
         run.wait_status(
             lambda s: any(p["peer_id"] == rogue.peer_id for p in s["peers"]),
             20,
             "the forged tip to be visible",
         )
         newcomer = run.join("newcomer", "--no-sync")
+        ids.add(newcomer.peer_id)
+        start = min(run.floor(before))
         during = run.wait_status(
             lambda s: (
-                poisoned_anywhere(s)
-                or (
-                    newcomer.peer_id in run.honest(s) and min(run.floor(s)) > min(run.floor(before)) + ADVANCE
-                )
+                poisoned_now(s) or (newcomer.peer_id in run.honest(s) and min(run.floor(s)) > start + ADVANCE)
             ),
             ADVANCE_TIMEOUT,
             "the newcomer to join and every honest replica to advance (or to be poisoned)",
         )
-        assert not poisoned_anywhere(during), (
-            f"replicas took the poisoned fragment: {poisoned_anywhere(during)}"
-        )
+        assert not seen, f"replicas took the poisoned fragment 0: {sorted(seen)}"
         run.wait_agreeing()
     run.assert_never_synchronizer(rogue)
     loaded = {
@@ -649,7 +660,9 @@ def test_row5_forged_tip_and_poisoned_snapshot_are_not_adopted_by_replicas_or_a_
     assert not any(loaded.values()), f"peers loaded a fragment from the rogue: {loaded}"
     del run.peers["newcomer"]  # its replica started at the initial weights: not part of the loss check
     run.assert_loss_not_risen(losses)
-    print(f"measured: poisoned snapshots served to {rogue.snapshots_served}")
+    print(
+        f"measured: poisoned snapshots served to {rogue.snapshots_served}; forged versions {sorted(poisoned)}"
+    )
     report(run, "row 5", during)
 
 
