@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -346,37 +347,59 @@ class Rogue:
         payload = encode_tensors(dict(tensors), codec="int8", block_size=wire.block_size)
         return self.transport.send_and_wait(keys.OP_DELTA, to, encode_delta(header, payload), timeout=timeout)
 
-    def send_revert_deltas(
-        self, to: str, source: str, *, rounds: int = 4, steps: int = 10**6
+    def _paced(
+        self,
+        to: str,
+        source: str,
+        rounds: int,
+        steps: int,
+        make: Callable[[int], Mapping | None],
+        timeout: float,
     ) -> list[tuple[int, Reply]]:
-        """The "revert toward the initial weights" attack: for each fragment, `rounds` times, a delta
-        toward the initial weights at the norm of the latest merged outer gradient, claiming `steps` inner
-        steps with matching tokens, sent to the synchronizer `to` (state read from `source`).
-        Returns (fragment, reply) per delta sent."""
-        replies = []
-        for _ in range(rounds):
+        """`rounds` deltas per fragment made by `make(fragment)` (None: skip), each on a newer version of the
+        fragment than the last (the same payload twice is a replay, refused as such: not this attack)."""
+        replies: list[tuple[int, Reply]] = []
+        last: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(replies) < rounds * self.plan.num_fragments:
             for fragment in range(self.plan.num_fragments):
-                like = self.latest_outer_gradient(source, fragment)
-                snap, delta = self.revert_delta(source, fragment, scale_like=like)
-                replies.append((fragment, self.send_delta(to, fragment, snap.version, delta, steps=steps)))
-        return replies
-
-    def send_inflated_deltas(
-        self, to: str, source: str, *, rounds: int = 4, steps: int = 10**6
-    ) -> list[tuple[int, Reply]]:
-        """Claim inflation on deltas that pass every content screen: for each fragment, `rounds` times,
-        the latest merged outer gradient itself (aligned with recent updates, at an honest norm), claiming
-        `steps` inner steps with matching tokens, sent to the synchronizer `to` (state read from
-        `source`). Returns (fragment, reply) per delta sent."""
-        replies = []
-        for _ in range(rounds):
-            for fragment in range(self.plan.num_fragments):
-                like = self.latest_outer_gradient(source, fragment)
-                if like is None:
+                if sum(f == fragment for f, _ in replies) >= rounds:
                     continue
                 version = self.fetch(source, fragment).snapshot.version
-                replies.append((fragment, self.send_delta(to, fragment, version, like, steps=steps)))
+                if last.get(fragment) == version:
+                    continue
+                tensors = make(fragment)
+                if tensors is None:
+                    continue
+                last[fragment] = version
+                replies.append((fragment, self.send_delta(to, fragment, version, tensors, steps=steps)))
+            time.sleep(0.2)  # pacing: wait for the fragments to move on, not synchronization
         return replies
+
+    def send_revert_deltas(
+        self, to: str, source: str, *, rounds: int = 4, steps: int = 10**6, timeout: float = 60.0
+    ) -> list[tuple[int, Reply]]:
+        """The "revert toward the initial weights" attack: per fragment, `rounds` deltas (each on a newer
+        version) toward the initial weights at the norm of the latest merged outer gradient, claiming
+        `steps` inner steps with matching tokens, sent to the synchronizer `to` (state read from
+        `source`). Returns (fragment, reply) per delta sent."""
+
+        def make(fragment: int) -> Mapping | None:
+            like = self.latest_outer_gradient(source, fragment)
+            return self.revert_delta(source, fragment, scale_like=like)[1]
+
+        return self._paced(to, source, rounds, steps, make, timeout)
+
+    def send_inflated_deltas(
+        self, to: str, source: str, *, rounds: int = 4, steps: int = 10**6, timeout: float = 60.0
+    ) -> list[tuple[int, Reply]]:
+        """Claim inflation on deltas that pass every content screen: per fragment, `rounds` times (each on a
+        newer version), the latest merged outer gradient itself (aligned with recent updates, at an honest
+        norm), claiming `steps` inner steps with matching tokens, sent to the synchronizer `to` (state read
+        from `source`). Returns (fragment, reply) per delta sent."""
+        return self._paced(
+            to, source, rounds, steps, lambda fragment: self.latest_outer_gradient(source, fragment), timeout
+        )
 
     # ---- poisoned snapshots ------------------------------------------------------------------------
 
