@@ -78,8 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing key file")
     p.set_defaults(func=_lazy("p2p_diloco.net.identity:cli_keygen"))
 
+    p = sub.add_parser("manifest", help="sign a run manifest as its organizer, or verify a signed one")
+    actions = p.add_subparsers(dest="manifest_command", required=True, metavar="ACTION")
+    a = actions.add_parser("sign", help="write MANIFEST.sig: the authority's signature of the manifest")
+    a.add_argument("manifest", help="run manifest TOML with a [trust] authority")
+    a.add_argument(
+        "--identity", required=True, help="the authority's key file (its peer ID is trust.authority)"
+    )
+    a.add_argument("--out", default=None, help="signature file to write (default: MANIFEST.sig beside it)")
+    a.set_defaults(func=_lazy("p2p_diloco.net.manifest_signature:cli_manifest"))
+    a = actions.add_parser("verify", help="check MANIFEST.sig against the manifest's [trust] authority")
+    a.add_argument("manifest", help="run manifest TOML")
+    a.set_defaults(func=_lazy("p2p_diloco.net.manifest_signature:cli_manifest"))
+
     p = sub.add_parser("bootstrap", help="run a DHT-only bootstrap node (trains nothing)")
     p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
+    p.add_argument(
+        "--manifest",
+        default=None,
+        help="a run manifest to check before starting (a public run's signature, as join checks it)",
+    )
     p.add_argument(
         "--listen",
         action="append",

@@ -275,6 +275,13 @@ class RunManifest:
         """Whether `peer` may send deltas and fetch state: the allowlist (if any) and `trust.learners`."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_learn(peer)
 
+    def participants(self) -> frozenset[str] | None:
+        """The peers that may take part at all, or None when anyone may (no allowlist, learners "any")."""
+        if self.trust.learners == LEARNERS_ANY:
+            return frozenset(self.allowlist) if self.allowlist else None
+        listed = frozenset(self.trust.learners) | frozenset(self.trust.synchronizers)
+        return listed & frozenset(self.allowlist) if self.allowlist else listed
+
     @functools.cached_property
     def manifest_hash(self) -> str:
         """16 hex digits over everything peers must agree on (bootstrap addresses and the paths of files

@@ -19,12 +19,12 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
 from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.island import island_env, prepare_island, run_follower, torchrun_argv
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
@@ -32,7 +32,8 @@ from p2p_diloco.node.runtime import PeerNode
 
 def options_from_args(args: argparse.Namespace) -> NodeOptions:
     """`NodeOptions` from parsed `join` arguments; `ConfigError` naming the bad argument."""
-    manifest = RunManifest.load(args.manifest)
+    env = island_env()
+    manifest = load_run_manifest(args.manifest, warn=env is None or env.rank == 0)
     initial = parse_peer_addresses(args.initial_peers or manifest.bootstrap, what="--initial-peers")
     listen = parse_listen_addresses(args.listen or DEFAULT_HOST_MADDRS, what="--listen")
     announce = parse_listen_addresses(args.announce or (), what="--announce")

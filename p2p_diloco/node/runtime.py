@@ -34,6 +34,7 @@ import torch
 
 from p2p_diloco.model.gpt import embedding_parameter_names
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
+from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_learner, start_node_dht
 from p2p_diloco.node.bytes import ByteCounter
@@ -56,6 +57,7 @@ from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.wire.signing import PeerKeys
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class PeerNode:
             manifest_hash=manifest.manifest_hash,
             handlers=self.bytes.counting_handlers(self.guard),
             max_frame_bytes=manifest.wire.max_message_bytes,
-            allowed_peers=manifest.allowlist or None,
+            allowed_peers=manifest.participants(),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
@@ -148,6 +150,7 @@ class PeerNode:
             plan,
             replica,
             shapes=built_model.shapes,
+            keys=PeerKeys(RsaRecordSigner(opts.identity), RsaSignatureCheck()),
             embedding_names=embedding_parameter_names(built_model.model),
             may_sync=opts.may_sync,
             reachable=not opts.behind_nat,

@@ -24,6 +24,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
+from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
 from p2p_diloco.protocol import election
 from p2p_diloco.wire.interfaces import KeyValueStore
@@ -161,7 +162,7 @@ def local_ledger(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def cli_status(args: argparse.Namespace) -> int:
     """`p2p-diloco status MANIFEST --initial-peers ADDR... [--json] [--wait S]`."""
-    manifest = RunManifest.load(args.manifest)
+    manifest = load_run_manifest(args.manifest)
     ledger = local_ledger(args)
     if getattr(args, "ledger", False):
         print(json.dumps(ledger) if args.json else format_ledger(ledger), flush=True)

@@ -73,6 +73,7 @@ from p2p_diloco.protocol.robust_config import (
     TOKEN_CLAIM,
     RobustConfig,
 )
+from p2p_diloco.protocol.standing import Standing
 
 ACCEPT, CLIP, REJECT = Action.ACCEPT, Action.CLIP, Action.REJECT
 
@@ -148,6 +149,12 @@ class RobustGuard:
         self._cool_until: dict[str, float] = {}
         self.cooldowns: list[tuple[float, str, str]] = []  # (start, sender, last offence)
         self.rejected: Counter[tuple[str, str]] = Counter()  # (sender, tag), every rejection reported
+        self._direction_outliers: dict[str, deque[float]] = {}
+        self.standing = Standing(
+            new_peer_rounds=config.new_peer_rounds if config.enabled else 0,
+            active_window=config.active_window,
+            newcomer_grace=config.newcomer_grace,
+        )
 
     @classmethod
     def from_manifest(cls, manifest, config: RobustConfig | None = None) -> RobustGuard:
@@ -176,7 +183,11 @@ class RobustGuard:
         """Count a rejection of `sender`'s input; returns a COOL_DOWN_STARTED decision when one begins."""
         self.rejected[(sender, tag)] += 1
         cfg = self.config
-        if not cfg.enabled or tag in NON_OFFENCES:
+        if not cfg.enabled:
+            return None
+        if tag == DIRECTION_OUTLIER and self._repeated(self._direction_outliers, sender, now):
+            tag = f"{cfg.direction_offence_limit} {DIRECTION_OUTLIER}s"
+        elif tag in NON_OFFENCES:
             return None
         times = self._offences.setdefault(sender, deque())
         times.append(now)
@@ -192,6 +203,18 @@ class RobustGuard:
             f"{COOL_DOWN_STARTED}: {sender} ignored for {cfg.cooldown:.0f}s after {cfg.offence_limit} "
             f"offences within {cfg.offence_window:.0f}s, the last {tag!r}",
         )
+
+    def _repeated(self, table: dict[str, deque[float]], sender: str, now: float) -> bool:
+        """Note one more event of `sender`; True (and restart) when `direction_offence_limit` fall within
+        `offence_window`."""
+        times = table.setdefault(sender, deque())
+        times.append(now)
+        while times and times[0] < now - self.config.offence_window:
+            times.popleft()
+        if len(times) < self.config.direction_offence_limit:
+            return False
+        times.clear()
+        return True
 
     # ---- counters and replays -----------------------------------------------------------------------
 

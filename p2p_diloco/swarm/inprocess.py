@@ -37,6 +37,7 @@ from p2p_diloco.swarm.memory import (
 )
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.swarm.scenario import Crash, LearnerStats, Partition, SwarmReport, SwarmSpec
+from p2p_diloco.wire.signing import InMemoryKeys
 
 __all__ = ["Crash", "InProcessSwarm", "LearnerStats", "Partition", "SwarmReport", "SwarmSpec", "cli_swarm"]
 
@@ -62,6 +63,7 @@ class InProcessSwarm:
         self.loop = EventLoop(self.clock)
         self.network = SimNetwork(self.loop, base_delay=spec.base_delay, rules=list(spec.link_rules))
         self.kv = PartitionedKeyValueStore() if spec.partitions else InMemoryKeyValueStore()
+        self.keys = InMemoryKeys()  # each peer signs its updates with its own secret
         self.peers: dict[int, Peer] = {}
         self.drivers: dict[int, InlineDriver] = {}
         self.learners: dict[int, Learner] = {}
@@ -114,6 +116,7 @@ class InProcessSwarm:
             self.plan,
             replica,
             shapes=self.shapes,
+            keys=self.keys.for_peer(peer_id),
             embedding_names=self.embeddings,
             may_sync=attack is None,
         )

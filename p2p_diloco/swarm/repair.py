@@ -31,11 +31,13 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Reload
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import FragmentSnapshot, decode_snapshot, decode_update, encode_snapshot
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 REJECT_NOT_ALLOWED = "not allowed"
+UNVOUCHED_SNAPSHOT = "unvouched snapshot"  # a snapshot whose state no checked update or two peers vouch for
 Task = Generator[Request, Any, Any]
 Downloaded = tuple[FragmentSnapshot, dict, dict]
 
@@ -145,12 +147,15 @@ class Repair:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except DecodeError as exc:
             return None, self.journal.reject(source, exc.reason, f"replayed update: {exc}")
+        if not self.book.signed_by_leader(record):
+            reason = f"replayed update of term {record.term} naming {record.leader}"
+            return None, self.journal.reject(source, "bad signature", reason)
         if not (yield from self.verify_lease(record.leader, record.term, now)):
             reason = f"replayed update of term {record.term} by {record.leader}"
             return None, self.journal.reject(source, "no lease", reason)
         if self.book.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
             if record.from_version == self.replica.version(record.fragment):
-                return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED)
+                return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED, now=now)
         return record, Reply(ReplyStatus.REFUSED, "skipped")
 
     # ---- snapshots ---------------------------------------------------------------------------------
@@ -183,18 +188,24 @@ class Repair:
             self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
         return None
 
-    def _install(
-        self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False, term=None
-    ) -> Task:
+    def _install(self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False) -> Task:
+        """Load a downloaded snapshot if its state is vouched for (`swarm.vouching`) and checks out."""
         snap, params, momentum = downloaded
+        term = yield from self._vouched_term(fragment, source, snap)
+        if term is None:
+            self.journal.reject(
+                source,
+                UNVOUCHED_SNAPSHOT,
+                f"fragment {fragment} v{snap.version} {snap.checksum[:12]}: no signed, leased update and no "
+                "two peers vouch for that state",
+            )
+            return False
         decision = self.replica.load_fragment(
             fragment, snap.version, params, momentum, snap.checksum, force=force
         )
         self.journal.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
         if decision.action != Action.LOAD:
             return False
-        if term is None:
-            term = yield from self._snapshot_term(fragment, source, snap)
         self.book.tip_terms[fragment] = term
         self.book.forget(fragment)
         if self.has_learner:
@@ -202,32 +213,42 @@ class Repair:
             self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
         return True
 
-    def _snapshot_term(self, fragment: int, source: str, snap: FragmentSnapshot) -> Task:
-        """The term of the update that produced a loaded snapshot: from the source's published tip if it
-        matches, else from the update in the source's log that produced it; 0 (unknown) otherwise. An
-        unknown term only makes this replica's tip rank lower, never win wrongly."""
-        info = self.membership.live_peers.get(source)
-        tip = info.tip(fragment) if info is not None else None
-        if tip is not None and tip.same_state(BranchTip(0, snap.version, snap.checksum)):
-            return tip.term
+    def _vouched_term(self, fragment: int, source: str, snap: FragmentSnapshot) -> Task:
+        """The term of the update that produced the snapshot's state, if that state is vouched for: by an
+        update record this peer checked, by two live peers' tips, or by the record that produced it in the
+        source's log (its leader's signature and lease checked here); None otherwise."""
+        term = self.book.vouchers.term_of(fragment, snap.version, snap.checksum)
+        if term is not None:
+            return term
+        state = BranchTip(0, snap.version, snap.checksum)
+        alike = [
+            tip.term
+            for peer, info in self.membership.live_peers.items()
+            if peer != self.peer_id and (tip := info.tip(fragment)) is not None and tip.same_state(state)
+        ]
+        if len(alike) >= MIN_INDEPENDENT_PEERS:
+            return min(alike)
         if snap.version == 0:
-            return 0
+            return None
         try:
             frames = yield FetchUpdates(source, fragment, snap.version - 1)
         except (ConnectionError, TimeoutError):
-            return 0
+            return None
         for frame in frames:
             try:
                 record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
             except DecodeError:
                 continue
-            if (record.fragment, record.to_version, record.checksum) == (
+            produced = (record.fragment, record.to_version, record.checksum) == (
                 fragment,
                 snap.version,
                 snap.checksum,
-            ):
-                return record.term if self.membership.held_lease(record.leader, record.term) else 0
-        return 0
+            )
+            if produced and self.book.signed_by_leader(record):
+                if (yield from self.verify_lease(record.leader, record.term, self.membership.last_read)):
+                    self.book.vouchers.vouch(record)
+                    return record.term
+        return None
 
     def fetch_fragment(self, fragment: int, sources: list[str]) -> Task:
         """Download a checked snapshot of one fragment; the learner's copy of it is reset to the global one."""
@@ -291,8 +312,7 @@ class Repair:
                     f"snapshot of fragment {fragment} from {source} ({got}) is not on the branch {winner}"
                 )
                 continue
-            term = winner.term if got.same_state(winner) else None
-            if (yield from self._install(fragment, source, downloaded, force=True, term=term)):
+            if (yield from self._install(fragment, source, downloaded, force=True)):
                 line = reconcile.reconciled_line(
                     fragment, mine, self.book.tip(fragment), source, decision.reason
                 )
@@ -311,11 +331,12 @@ class Repair:
         period = self.manifest.timing.heartbeat_period
         for p in range(self.plan.num_fragments):
             mine = self.book.tip(p)
-            theirs = {
+            reported = {
                 peer: tip
                 for peer, info in self.membership.live_peers.items()
                 if peer != self.peer_id and (tip := info.tip(p)) is not None
             }
+            theirs = self.book.vouchers.trusted_tips(p, reported)  # a lone forged tip moves nothing
             winner = reconcile.winning_tip([mine, *theirs.values()])
             decision = reconcile.classify(mine, winner)
             if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):

@@ -221,7 +221,7 @@ class Synchronizer:
         self, p: int, contributions: list[Contribution], *, live: int
     ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor]]:
         contributions = sorted(contributions, key=lambda c: c.sender)
-        weights = [c.weight for c in contributions]
+        weights = [c.weight * self.guard.standing.ramp(c.sender) for c in contributions]
         merged = merge_deltas(
             [c.payload for c in contributions],
             weights,

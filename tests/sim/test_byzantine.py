@@ -66,7 +66,9 @@ def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manif
     holder = next(p for p in swarm.peers.values() if p.sync is not None)
     if EXPECTED[kind] not in NON_OFFENCES:
         assert HOSTILE in holder.robust.cooling(swarm.clock.now())
-        assert HOSTILE not in holder.membership.live_learners() - holder.robust.cooling(swarm.clock.now())
+        assert HOSTILE not in holder.membership.live_learners(swarm.clock.now()) - holder.robust.cooling(
+            swarm.clock.now()
+        )
     assert all(v >= 5 for v in report.versions), report.versions
     assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
     assert report.digests_equal
