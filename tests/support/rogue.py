@@ -2,10 +2,11 @@
 per attack of issue #12 ("Public runs that survive strangers").
 
 It is built only from the project's public pieces (`write_identity`, `DhtKeyValueStore`, `P2PTransport`,
-`wire.keys`, `wire.records`, `wire.frames`, `wire.codec`, `net.streams`), so it can do exactly what a
-stranger on the internet can: write records under its *own* peer ID (DHT records are owner-signed; it
-cannot write under an honest peer's ID), open streams to honest peers, answer their requests with
-whatever it likes, and read everything that is public (snapshots, update logs, heartbeats).
+`RsaRecordSigner`, `wire.keys`, `wire.records`, `wire.frames`, `wire.codec`, `net.streams`), so it can do
+exactly what a stranger on the internet can: write records under its *own* peer ID (DHT records are
+owner-signed; it cannot write under an honest peer's ID), sign update records with its own key, open
+streams to honest peers, answer their requests with whatever it likes, and read everything that is
+public (snapshots, update logs, heartbeats).
 
 A rogue that is *listed* in the manifest's `[trust] synchronizers` (an insider whose key leaked, or a
 synchronizer gone bad) is the same class started with that key: `forge_lease` then tests the lease rules
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import struct
 import threading
 import time
@@ -37,6 +39,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.net import streams
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
+from p2p_diloco.net.record_signing import RsaRecordSigner
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
@@ -51,6 +54,7 @@ from p2p_diloco.wire.frames import (
     encode_delta,
     encode_snapshot,
     encode_update,
+    update_signing_bytes,
 )
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, encode_lease
 from p2p_diloco.wire.replies import Reply
@@ -99,8 +103,18 @@ class Fetched:
 class Rogue:
     """A hostile peer of `manifest`'s run on `dht_peer` (module docstring). Close it before the DHT peer."""
 
-    def __init__(self, manifest: RunManifest, dht_peer: DhtPeer, *, timeout: float = 20.0):
+    def __init__(
+        self,
+        manifest: RunManifest,
+        dht_peer: DhtPeer,
+        *,
+        key_path: str | os.PathLike[str] | None = None,
+        timeout: float = 20.0,
+    ):
+        """`key_path`: the rogue's identity file; with it, its updates carry its own valid signature (as a
+        synchronizer's do), so they are refused for the lease they lack, not for a missing signature."""
         self.manifest = manifest
+        self.signer = RsaRecordSigner(key_path) if key_path is not None else None
         self.dht_peer = dht_peer
         self.peer_id = dht_peer.peer_id
         self.kv = DhtKeyValueStore(dht_peer, timeout=5.0)
@@ -259,8 +273,8 @@ class Rogue:
     ) -> UpdateRecord:
         """A destructive update of `fragment` (outer gradient `fill` everywhere) by the rogue as leader of
         `term`, built on `source`'s current state so its checksum is right: were its lease believed, the
-        update would apply. `signature`: put in `UpdateRecord.signature` if the record has that field
-        (default: left unsigned)."""
+        update would apply. Signed with the rogue's own key when it has one; `signature` replaces that
+        (e.g. garbage, or another record's)."""
         fetched = self.fetch(source, fragment)
         snap = fetched.snapshot
         shapes = self.shapes(fragment)
@@ -281,9 +295,12 @@ class Rogue:
             checksum=pending.checksum,
             payload=payload,
         )
-        if signature is not None and "signature" in {f.name for f in dataclasses.fields(UpdateRecord)}:
-            fields["signature"] = signature
-        return UpdateRecord(**fields)
+        record = UpdateRecord(**fields)
+        if signature is not None:
+            return dataclasses.replace(record, signature=signature)
+        if self.signer is not None:
+            return dataclasses.replace(record, signature=self.signer.sign(update_signing_bytes(record)))
+        return record
 
     def push_update(self, to: str, record: UpdateRecord, timeout: float = 20.0) -> Reply:
         """Push `record` to `to` as a synchronizer would; the receiver's typed reply."""
