@@ -275,6 +275,12 @@ class RunManifest:
         """Whether `peer` may send deltas and fetch state: the allowlist (if any) and `trust.learners`."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_learn(peer)
 
+    @property
+    def loss_check_on(self) -> bool:
+        """Whether the synchronizer tries each delta on held-out data before merging (`[robust] loss_check`)."""
+        mode = self.robust.loss_check
+        return self.robust.enabled and (mode == "on" or (mode == "auto" and self.trust.public))
+
     def participants(self) -> frozenset[str] | None:
         """The peers that may take part at all, or None when anyone may (no allowlist, learners "any")."""
         if self.trust.learners == LEARNERS_ANY:

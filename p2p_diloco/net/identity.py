@@ -154,7 +154,7 @@ def public_key_from_proto(blob: bytes) -> tuple[rsa.RSAPublicKey, str]:
     key = serialization.load_der_public_key(data)
     if not isinstance(key, rsa.RSAPublicKey):
         raise ValueError("not an RSA public key")
-    return key, _peer_id_of_rsa_public(key)
+    return key, peer_id_of_rsa_public(key)
 
 
 @lru_cache(maxsize=4096)

@@ -33,6 +33,7 @@ from typing import TextIO
 import torch
 
 from p2p_diloco.model.gpt import embedding_parameter_names
+from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
 from p2p_diloco.net.transport import P2PTransport
@@ -154,6 +155,7 @@ class PeerNode:
             embedding_names=embedding_parameter_names(built_model.model),
             may_sync=opts.may_sync,
             reachable=not opts.behind_nat,
+            loss_probe=loss_probe_for(manifest, replica, built_model.corpus.eval),
         )
         self.driver = ThreadedDriver(
             self.peer,

@@ -52,7 +52,7 @@ import hashlib
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +150,8 @@ class RobustGuard:
         self.cooldowns: list[tuple[float, str, str]] = []  # (start, sender, last offence)
         self.rejected: Counter[tuple[str, str]] = Counter()  # (sender, tag), every rejection reported
         self._direction_outliers: dict[str, deque[float]] = {}
+        # model.probe.LossProbe when the loss check is on: delta -> relative change of held-out loss
+        self.loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None
         self.standing = Standing(
             new_peer_rounds=config.new_peer_rounds if config.enabled else 0,
             active_window=config.active_window,

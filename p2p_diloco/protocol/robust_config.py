@@ -19,6 +19,7 @@ NORM_OUTLIER = "norm outlier"
 NORM_CLIPPED = "norm clipped"
 DIRECTION_OUTLIER = "direction outlier"
 COOL_DOWN_STARTED = "cool-down started"
+LOSS_CHECK = "loss check"
 
 # Rejection tags (of any module) that never count as offences. A direction outlier is a statistical call
 # that honest learners also hit (after a failover or an overshooting outer step their deltas can be near
@@ -72,6 +73,12 @@ class RobustConfig:
     # Direction outliers are not offences one by one (honest learners hit them after a failover), but
     # this many within `offence_window` count as one.
     direction_offence_limit: int = 3
+    # The loss check (`model.probe`): before merging, each delta is tried alone on the global model and
+    # refused if the held-out loss rises by more than `loss_tolerance` (relative). "auto": on in public
+    # runs (`[trust] authority` set), off in private ones.
+    loss_check: str = "auto"
+    loss_tolerance: float = 0.02
+    loss_windows: int = 16
 
     def __post_init__(self) -> None:
         positive = (
@@ -106,6 +113,10 @@ class RobustConfig:
             raise ConfigError("robust.min_cosine must be in [-1, 1) and robust.noise_z >= 0")
         if self.round_min < 3:
             raise ConfigError("robust.round_min must be >= 3 (with two deltas no majority can judge)")
+        if self.loss_check not in ("auto", "on", "off"):
+            raise ConfigError(f'robust.loss_check must be "auto", "on" or "off", got {self.loss_check!r}')
+        if not self.loss_tolerance >= 0 or self.loss_windows < 1:
+            raise ConfigError("robust.loss_tolerance must be >= 0 and robust.loss_windows >= 1")
         if self.new_peer_rounds < 0:
             raise ConfigError(f"robust.new_peer_rounds must be >= 0 (0: no ramp), got {self.new_peer_rounds}")
         if self.token_tolerance < 0:

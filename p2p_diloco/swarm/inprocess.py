@@ -20,6 +20,7 @@ import torch
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import BatchSampler, Corpus, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
+from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
@@ -119,6 +120,7 @@ class InProcessSwarm:
             keys=self.keys.for_peer(peer_id),
             embedding_names=self.embeddings,
             may_sync=attack is None,
+            loss_probe=loss_probe_for(cfg, replica, self.corpus.eval),
         )
         self.drivers[i] = InlineDriver(
             peer,

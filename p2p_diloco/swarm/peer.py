@@ -18,8 +18,10 @@ What it is made of, each with explicit dependencies:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection, Generator, Mapping
 from typing import Any
+
+from torch import Tensor
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
@@ -63,6 +65,7 @@ class Peer:
         has_learner: bool = True,
         may_sync: bool = True,
         reachable: bool = True,
+        loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -77,6 +80,7 @@ class Peer:
         emit = self._out.append
         self.journal = Journal(peer_id, emit)
         self.robust = RobustGuard.from_manifest(manifest)  # shared by every synchronizer term of this peer
+        self.robust.loss_probe = loss_probe
         self.membership = Membership(
             peer_id, manifest, plan.num_fragments, self.journal, self.robust.standing
         )

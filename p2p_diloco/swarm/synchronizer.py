@@ -33,6 +33,7 @@ from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
+from p2p_diloco.protocol.robust_config import LOSS_CHECK
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
@@ -211,7 +212,21 @@ class Synchronizer:
         for c, verdict in zip(kept, verdicts):
             if verdict.action != ACCEPT:
                 self._reject(c.sender, _tag(verdict.reason), f"{verdict.reason} (fragment {p})", now)
-        return [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
+        kept = [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
+        return [c for c in kept if self._passes_loss_check(p, c, now)]
+
+    def _passes_loss_check(self, p: int, c: Contribution, now: float) -> bool:
+        probe, tolerance = self.guard.loss_probe, self.guard.config.loss_tolerance
+        if probe is None or c.sender == self.peer_id:
+            return True
+        change = probe(c.payload)
+        if change <= tolerance:
+            return True
+        detail = (
+            f"held-out loss {change:+.1%} with this delta alone (fragment {p}), tolerance {tolerance:.1%}"
+        )
+        self._reject(c.sender, LOSS_CHECK, detail, now)
+        return False
 
     def finish(self, fragment: int, sync_seconds: float) -> None:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
