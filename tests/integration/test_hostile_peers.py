@@ -72,8 +72,9 @@ START_TIMEOUT = 150.0  # two `join`s on a loaded 2-core machine: imports, DHT, f
 ADVANCE_TIMEOUT = 120.0
 ADVANCE = 3  # versions every fragment must gain after an attack
 # nats/byte the global model's eval loss may rise: early in a run honest outer steps alone move it by up to
-# about 0.35 (measured on this manifest); one destructive update moves it by several nats.
-LOSS_SLACK = 0.5
+# about 0.6 (measured on this manifest: 3.03 -> 3.61 between v2 and v5 with every rogue update refused);
+# one destructive update moves it by several nats. Subtler damage (row 3) is checked by merge weights.
+LOSS_SLACK = 1.0
 INNER_STEPS = 8
 
 # The rejection tags the honest peers count for each attack (any one of them shows the attempt).
@@ -680,7 +681,8 @@ def test_row6_idle_streams_claiming_200_mib_do_not_stall_updates_or_deltas(hosti
     print(f"measured: idle streams opened: {opened}")
     try:
         t0 = time.monotonic()
-        during = run.wait_advanced(before)  # while the rogue holds its streams
+        held = run.status()  # the baseline once every stream is held
+        during = run.wait_advanced(held)  # while the rogue holds its streams
         follower_now = run.honest(during)[run.peers[follower].peer_id]
         assert follower_now["updates_applied"] > applied_before, "the follower applied no update"
         age = follower_now["last_contribution_age"]
