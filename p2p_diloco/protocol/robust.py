@@ -137,6 +137,7 @@ class RobustGuard:
         self.config = config
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(1, int(config.max_steps_factor * inner_steps))
+        self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self._norms: dict[tuple[int, str], deque[float]] = {}
         self._reference: dict[int, dict[str, Tensor]] = {}
@@ -220,7 +221,9 @@ class RobustGuard:
 
     # ---- counters and replays -----------------------------------------------------------------------
 
-    def check_counters(self, tokens: int, steps: int) -> CounterCheck:
+    def check_counters(self, tokens: int, steps: int, staleness: int | None = None) -> CounterCheck:
+        """Tokens per step must match the manifest; steps are clipped to what the schedule allows: H per
+        version the fragment moved since the delta's anchor (`staleness`), at most `max_steps`."""
         if not self.config.enabled or steps <= 0:
             return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: counters not checked"), tokens, steps)
         expected = self.tokens_per_step
@@ -234,12 +237,13 @@ class RobustGuard:
                 tokens,
                 steps,
             )
-        if steps > self.max_steps:
-            clipped = round(tokens * self.max_steps / steps)
+        cap = self.max_steps
+        if staleness is not None:
+            cap = min(cap, self.inner_steps * (1 + max(0, staleness)))
+        if steps > cap:
+            clipped = round(tokens * cap / steps)
             return CounterCheck(
-                Decision(CLIP, f"{STEP_CLAIM}: {steps} steps clipped to {self.max_steps} for the weight"),
-                clipped,
-                self.max_steps,
+                Decision(CLIP, f"{STEP_CLAIM}: {steps} steps clipped to {cap} for the weight"), clipped, cap
             )
         return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: {tokens} tokens in {steps} steps"), tokens, steps)
 

@@ -57,9 +57,10 @@ class RobustConfig:
     round_min: int = 3
     warmup_wait: float = 10.0
     token_tolerance: float = 0.01
-    # Steps counted for a delta's weight and per-step norm: at most this many times H. At 1.0 nobody earns
-    # more weight per delta than an honest learner that trained a full H steps, whatever it claims.
-    max_steps_factor: float = 1.0
+    # Steps counted for a delta's weight and per-step norm: at most H x (1 + its anchor's staleness) (what
+    # the schedule allows: H steps per version the fragment moved on while the delta was being made), and
+    # never more than this many times H. A delta on the current version earns at most a full H's weight.
+    max_steps_factor: float = 4.0
     replay_memory: int = 256
     offence_limit: int = 4
     offence_window: float = 30.0

@@ -172,7 +172,9 @@ class Membership:
             verified_newest=verified_newest,
         )
         seen = election.highest_term_seen(view.leases, self.term_seen)
-        self.term_seen = max(self.term_seen, seen, decision.term)
+        # A wait names the term it waits to claim: only a term someone holds (or I claim) is seen.
+        held = decision.action in (election.CLAIM, election.RENEW, election.HOLD, election.FOLLOW)
+        self.term_seen = max(self.term_seen, seen, decision.term if held else 0)
         quiet = decision.action in (election.HOLD, election.RENEW, election.FOLLOW)
         if not quiet or decision.reason.split(":")[0] != self.last_election.split(":")[0]:
             self.journal.note(f"election: {decision}")

@@ -139,7 +139,8 @@ class Synchronizer:
         check = validate_delta(tensors, self.expected[p], norm_bound=wire.norm_bound)
         if check.action != "accept":
             return self._reject(sender, _tag(check.reason), check.reason, now)
-        counters = self.guard.check_counters(header.tokens, header.steps)
+        staleness = self.replica.versions()[p] - header.anchor_version
+        counters = self.guard.check_counters(header.tokens, header.steps, staleness)
         if counters.decision.action not in (ACCEPT, CLIP):
             return self._reject(sender, _tag(counters.decision.reason), counters.decision.reason, now)
         replay = self.guard.check_replay(sender, payload)

@@ -149,3 +149,14 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
         "me", kv.get(lease_key(manifest.run_id, manifest.manifest_hash), clock.now())["me"].value
     )
     assert lease.released and me.peer.sync is None
+
+
+def test_waiting_to_claim_never_raises_the_term_seen():
+    peer, kv, clock, _ = make_peer()  # may not synchronize: waits with "no candidates" forever
+    for _ in range(5):
+        peer.heartbeat(clock.now())
+        assert peer.election_tick(clock.now()).action == election.WAIT
+        clock.advance_to(clock.now() + 1.0)
+    assert peer.peer.term_seen == 0
+    hold(kv, "leader", 1, expires_at=clock.now() + 5.0)
+    assert peer.election_tick(clock.now()).action == election.FOLLOW and peer.peer.term_seen == 1

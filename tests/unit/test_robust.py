@@ -65,6 +65,15 @@ def test_step_claims_beyond_the_cap_are_clipped_with_their_tokens():
     assert (check.steps, check.tokens) == (4 * H, 4 * H * TPS)
 
 
+def test_step_claims_are_bounded_by_the_schedule_h_per_version_since_the_anchor():
+    g = guard()
+    on_current = g.check_counters(10**6 * TPS, 10**6, staleness=0)  # the claim-inflation attack
+    assert (on_current.decision.action, on_current.steps, on_current.tokens) == (robust.CLIP, H, H * TPS)
+    one_behind = g.check_counters(2 * H * TPS, 2 * H, staleness=1)  # a fast learner on a slow link
+    assert (one_behind.decision.action, one_behind.steps) == (robust.ACCEPT, 2 * H)
+    assert g.check_counters(10**6 * TPS, 10**6, staleness=99).steps == 4 * H  # never above max_steps
+
+
 def test_replayed_payload_is_refused_per_sender_and_forgotten_after_memory():
     g = guard(replay_memory=2)
     assert g.check_replay("a", b"one").action == robust.ACCEPT
@@ -107,9 +116,9 @@ def test_norms_are_compared_per_step_so_long_honest_deltas_pass():
     # the same norm claimed as 2 steps is 15x the median per step: refused
     short = g.screen(0, delta(direction(5), rms=small * 15), steps=2).decision
     assert short.action == robust.REJECT and "per step" in short.reason
-    # claiming more steps than max_steps_factor x H widens nothing: counted as H steps
+    # claiming more steps than max_steps_factor x H widens nothing: counted as 32 steps
     huge = g.screen(0, delta(direction(6), rms=small * 200), steps=10_000).decision
-    assert huge.action == robust.REJECT and f"in {g.max_steps} steps" in huge.reason
+    assert huge.action == robust.REJECT and "in 32 steps" in huge.reason
 
 
 def warm(g: RobustGuard, d: torch.Tensor, updates: int = 3) -> None:
