@@ -1,0 +1,60 @@
+"""Lease rules as a peer applies them to what its DHT reads return (found by the hostile-peer suite,
+tests/integration/test_hostile_peers.py::test_row1_early_claim_of_the_next_term_is_refused).
+
+A DHT read returns one record per holder: the holder's *latest* write. `Membership.ingest` screens the
+records of the current read, each with the time this peer first saw it. A listed synchronizer that keeps
+re-writing an early claim of term T + 1 is refused while the honest holder's renewal of term T in the same
+read was first seen before the claim. But the holder renews every `lease_renew_fraction` x TTL, and a
+renewal first seen *after* the claim is left out of "the previous term's records seen before this one"
+(the zombie-renewal rule of `screen_leases`), while the renewal it replaced, which this peer did see
+before the claim and which was live then, is no longer in the read: in that read the claim has no
+previous term to be early against, and counts. One such read lets one honest peer adopt term T + 1 (its
+heartbeat's `term_seen`); the other peers then count the claim as a healed partition that another peer
+reports (`MIN_PEERS_FOR_EARLY_CLAIM`). Measured on the real swarm: one honest peer at term_seen 2.
+"""
+
+from __future__ import annotations
+
+from p2p_diloco.config import TrustConfig
+from p2p_diloco.protocol import lease_rules as rules
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.standing import Standing
+from p2p_diloco.protocol.timing import SwarmTiming
+from p2p_diloco.swarm.effects import SwarmRecords
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.wire.interfaces import StoredValue
+from p2p_diloco.wire.records import encode_lease
+from tests.support.manifests import tiny_manifest
+
+HONEST = "QmHonestHo1derHonestHo1derHonestHo1derHonest"
+INSIDER = "QmRoguekeyRoguekeyRoguekeyRoguekeyRoguekeyRo"
+ME = "QmFo11owerFo11owerFo11owerFo11owerFo11owerFo"
+T = SwarmTiming(heartbeat_period=0.5, heartbeat_ttl=2.0, lease_ttl=3.0, claim_grace=1.0, lease_margin=0.5)
+
+
+def follower() -> Membership:
+    manifest = tiny_manifest(
+        "lease-reads", timing=T, trust=TrustConfig(authority=HONEST, synchronizers=(HONEST, INSIDER))
+    )
+    standing = Standing(new_peer_rounds=1, active_window=60.0, newcomer_grace=60.0)
+    return Membership(ME, manifest, 2, Journal(ME, lambda intent: None), standing)
+
+
+def read(now: float, *leases: LeaseRecord) -> SwarmRecords:
+    """What one DHT read returns: each holder's latest record."""
+    stored = {x.holder: StoredValue(encode_lease(x), x.expires_at + T.lease_ttl) for x in leases}
+    return SwarmRecords(heartbeats={}, leases=stored, now=now)
+
+
+def test_an_early_claim_stays_refused_when_the_holder_renews_after_it_was_read():
+    me = follower()
+    renewed_at = [98.4, 99.9]  # the honest holder renews term 1 every 1.5 s (lease live throughout)
+    claim = LeaseRecord(INSIDER, 2, 99.5 + T.lease_ttl)  # written at 99.5, while term 1 is live
+    me.ingest(read(99.5, LeaseRecord(HONEST, 1, renewed_at[0] + T.lease_ttl), claim))
+    assert me.journal.rejections[rules.EARLY_CLAIM] == 1
+    view = me.ingest(read(100.0, LeaseRecord(HONEST, 1, renewed_at[1] + T.lease_ttl), claim))
+    assert [lease.term for lease in view.leases] == [1], (
+        "the early claim of term 2 counted in the second read"
+    )
+    assert not me.held_lease(INSIDER, 2)
