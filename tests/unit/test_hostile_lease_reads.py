@@ -58,3 +58,38 @@ def test_an_early_claim_stays_refused_when_the_holder_renews_after_it_was_read()
         "the early claim of term 2 counted in the second read"
     )
     assert not me.held_lease(INSIDER, 2)
+
+
+def test_status_names_only_a_synchronizer_the_lease_rules_accept():
+    """`p2p-diloco status` screens leases like the peers do: a stranger's lease, a listed key's term jump
+    with an expiry an hour ahead, and an early claim are listed as refused, never as the synchronizer."""
+    from p2p_diloco.node.status import swarm_status
+    from p2p_diloco.swarm.memory import InMemoryKeyValueStore
+    from p2p_diloco.wire.keys import heartbeat_key, lease_key
+    from p2p_diloco.wire.records import HeartbeatInfo
+
+    stranger = "QmStrangerStrangerStrangerStrangerStrangerSt"
+    manifest = follower().manifest
+    kv = InMemoryKeyValueStore()
+    now = 1000.0
+    for peer in (HONEST, ME):
+        info = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(5, 5), term_seen=3)
+        kv.store(heartbeat_key(manifest.run_id, manifest.manifest_hash), peer, info.to_bytes(), now + 2)
+    leases = {
+        HONEST: LeaseRecord(HONEST, 3, now + 2.0),  # live, renewed a second ago
+        stranger: LeaseRecord(stranger, 4, now + 3.0),
+        INSIDER: LeaseRecord(INSIDER, 1003, now + 3600),
+    }
+    key = lease_key(manifest.run_id, manifest.manifest_hash)
+    for holder, lease in leases.items():
+        kv.store(key, holder, encode_lease(lease), lease.expires_at + 10)
+    status = swarm_status(kv, manifest, now)
+    assert status["synchronizer"]["peer_id"] == HONEST and status["highest_term"] == 3
+    assert {(x["peer_id"], x["reason"]) for x in status["refused_leases"]} == {
+        (stranger, rules.NOT_SYNCHRONIZER),
+        (INSIDER, rules.TOO_LONG),
+    }
+    kv.store(key, INSIDER, encode_lease(LeaseRecord(INSIDER, 4, now + 3.0)), now + 4000)  # T + 1, early
+    status = swarm_status(kv, manifest, now)
+    assert status["synchronizer"]["peer_id"] == HONEST
+    assert (INSIDER, rules.EARLY_CLAIM) in {(x["peer_id"], x["reason"]) for x in status["refused_leases"]}
