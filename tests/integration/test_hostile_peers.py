@@ -517,16 +517,17 @@ def test_row3_revert_deltas_with_inflated_claims_weigh_no_more_than_an_honest_le
     hostile_run: HostileRun,
 ):
     """Two waves to the holder, each claiming 10^6 steps with matching tokens: copies of the latest merged
-    update (which pass every content screen: the claim alone must not buy more merge weight than an honest
-    learner's H steps), then deltas back toward the initial weights at an honest norm (the direction
-    screen of public runs refuses them today; were one merged, its weight is capped the same way)."""
+    update on an anchor a few versions old (they pass every content screen: the claim alone must not buy
+    more merge weight than an honest learner's H steps), then deltas back toward the initial weights at an
+    honest norm (the direction screen of public runs refuses most; a merged one is capped the same way)."""
     run = hostile_run
     rogue = run.rogues["stranger"]
     before = run.wait_status(lambda s: run.ready(s, at_least=3), 60, "a swarm with a few merged updates")
     losses = run.eval_losses()
     holder = before["synchronizer"]["peer_id"]
     source = next(j.peer_id for j in run.peers.values() if j.peer_id != holder)
-    inflated = rogue.send_inflated_deltas(holder, source, rounds=4, steps=10**6)
+    stale = run.manifest.diloco.max_staleness - 1  # an anchor the holder still accepts
+    inflated = rogue.send_inflated_deltas(holder, source, rounds=4, steps=10**6, stale=stale)
     revert = rogue.send_revert_deltas(holder, source, rounds=4, steps=10**6)
     print(f"measured: revert delta replies: {[(f, str(r)[:80]) for f, r in revert]}")
     print(f"measured: inflated-claim delta replies: {[(f, str(r)[:80]) for f, r in inflated]}")

@@ -372,9 +372,11 @@ class Rogue:
         steps: int,
         make: Callable[[int], Mapping | None],
         timeout: float,
+        stale: int = 0,
     ) -> list[tuple[int, Reply]]:
         """`rounds` deltas per fragment made by `make(fragment)` (None: skip), each on a newer version of the
-        fragment than the last (the same payload twice is a replay, refused as such: not this attack)."""
+        fragment than the last (the same payload twice is a replay, refused as such: not this attack),
+        claiming an anchor `stale` versions older than the fragment's current one."""
         replies: list[tuple[int, Reply]] = []
         last: dict[int, int] = {}
         deadline = time.monotonic() + timeout
@@ -389,7 +391,8 @@ class Rogue:
                 if tensors is None:
                     continue
                 last[fragment] = version
-                replies.append((fragment, self.send_delta(to, fragment, version, tensors, steps=steps)))
+                anchor = max(0, version - stale)
+                replies.append((fragment, self.send_delta(to, fragment, anchor, tensors, steps=steps)))
             time.sleep(0.2)  # pacing: wait for the fragments to move on, not synchronization
         return replies
 
@@ -408,15 +411,25 @@ class Rogue:
         return self._paced(to, source, rounds, steps, make, timeout)
 
     def send_inflated_deltas(
-        self, to: str, source: str, *, rounds: int = 4, steps: int = 10**6, timeout: float = 60.0
+        self,
+        to: str,
+        source: str,
+        *,
+        rounds: int = 4,
+        steps: int = 10**6,
+        stale: int = 0,
+        timeout: float = 60.0,
     ) -> list[tuple[int, Reply]]:
         """Claim inflation on deltas that pass every content screen: per fragment, `rounds` times (each on a
         newer version), the latest merged outer gradient itself (aligned with recent updates, at an honest
-        norm), claiming `steps` inner steps with matching tokens, sent to the synchronizer `to` (state read
-        from `source`). Returns (fragment, reply) per delta sent."""
-        return self._paced(
-            to, source, rounds, steps, lambda fragment: self.latest_outer_gradient(source, fragment), timeout
-        )
+        norm), claiming `steps` inner steps with matching tokens and an anchor `stale` versions old (a
+        schedule that allows H steps per version since the anchor then allows more), sent to the
+        synchronizer `to` (state read from `source`). Returns (fragment, reply) per delta sent."""
+
+        def latest(fragment: int) -> Mapping | None:
+            return self.latest_outer_gradient(source, fragment)
+
+        return self._paced(to, source, rounds, steps, latest, timeout, stale=stale)
 
     # ---- poisoned snapshots ------------------------------------------------------------------------
 
