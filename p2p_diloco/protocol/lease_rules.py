@@ -17,10 +17,11 @@ election (`protocol.election`) or the update checks. The rules:
    first) had passed its expiry or was released; other holders of the same term are a tie the election
    breaks.
 
-Rules 3 and 4 have one exception, a healed partition: the other side's terms ran ahead of this side's
-and were claimed while this side's lease was live. Such a lease counts when live peers other than its
-holder report its term in their heartbeats (`MIN_PEERS_FOR_JUMP`, `MIN_PEERS_FOR_EARLY_CLAIM`); a lone
-forger's heartbeat never suffices, and the holder must still be a synchronizer of the run (rule 1).
+Rules 3 and 4 have one exception: a term this peer missed (a term that began and ended between two of
+its reads on a loaded machine) or a healed partition (the other side's terms ran ahead and were claimed
+while this side's lease was live). Such a lease counts when a live peer other than its holder reports its
+term in its heartbeat (`MIN_PEERS_FOR_JUMP`, `MIN_PEERS_FOR_EARLY_CLAIM`); the holder's own heartbeat
+never suffices, and the holder must still be a synchronizer of the run (rule 1).
 
 `counts_as_held` adds the rule for updates: a lease vouches for updates of its term only if it was live
 when this peer first saw it (an already-expired record written to cover a forged update does not).
@@ -38,10 +39,10 @@ NOT_SYNCHRONIZER = "lease holder may not synchronize"
 TOO_LONG = "lease expiry too far ahead"
 TERM_JUMP = "lease term jump"
 EARLY_CLAIM = "lease claimed early"
-# A healed partition: the other side's term may have climbed several steps (two of its peers must report
-# it), and was claimed while this side's lease was live (one of its peers besides the holder suffices: a
-# side of two peers is a holder and one learner).
-MIN_PEERS_FOR_JUMP = 2
+# A term this peer missed (a short term under load, a healed partition) is vouched for by any live peer
+# other than its holder that reports it: in a swarm of three, the holder and one other peer is all there
+# is. A forger still needs a key that may synchronize (rule 1) and a second identity.
+MIN_PEERS_FOR_JUMP = 1
 MIN_PEERS_FOR_EARLY_CLAIM = 1
 
 

@@ -77,11 +77,11 @@ def test_a_healed_partition_counts_when_other_peers_report_the_term():
     held = written("a", 3, 20.0)
     other_side = written("b", 4, 21.0)
     assert screen([held, other_side], floor=3, reported={"b": 4})[1] == {("b", 4): rules.EARLY_CLAIM}
-    valid, refused = screen([held, other_side], floor=3, reported={"b": 4, "c": 4})
+    valid, refused = screen([held, other_side], floor=3, reported={"b": 4, "c": 4})  # c: b's side
     assert refused == {} and {x.term for x in valid} == {3, 4}
-    far = written("b", 9, 40.0)
-    assert screen([far], floor=3, reported={"c": 9})[1] == {("b", 9): rules.TERM_JUMP}
-    assert screen([far], floor=3, reported={"c": 9, "a": 9})[1] == {}
+    far = written("b", 9, 40.0)  # terms this peer missed
+    assert screen([far], floor=3, reported={"b": 9})[1] == {("b", 9): rules.TERM_JUMP}  # only the holder
+    assert screen([far], floor=3, reported={"b": 9, "c": 9})[1] == {}
 
 
 def test_only_a_lease_live_when_first_read_vouches_for_updates():
