@@ -122,15 +122,16 @@ def screen_read(
     record first seen now, and the trusted term the one at least two live peers report (a lone forged
     heartbeat cannot raise it)."""
     reported = sorted((p["term_seen"] for p in peers), reverse=True)
-    floor = (
-        reported[lease_rules.MIN_PEERS_FOR_JUMP - 1] if len(reported) >= lease_rules.MIN_PEERS_FOR_JUMP else 0
-    )
+    floor = reported[1] if len(reported) >= 2 else 0
     return lease_rules.screen_leases(
         [lease_rules.SeenLease(lease, now) for lease in leases],
         term_floor=floor,
         timing=manifest.timing,
         may_synchronize=manifest.may_synchronize,
-        terms_reported={p["peer_id"]: p["term_seen"] for p in peers},
+        # only peers that may synchronize vouch for a term (a stranger's heartbeat is a self-report)
+        terms_reported={
+            p["peer_id"]: p["term_seen"] for p in peers if manifest.may_synchronize(p["peer_id"])
+        },
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol import lease_rules as rules
 from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.lease_rules import SeenLease, screen_leases
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.swarm.effects import SwarmRecords
@@ -93,3 +94,21 @@ def test_status_names_only_a_synchronizer_the_lease_rules_accept():
     status = swarm_status(kv, manifest, now)
     assert status["synchronizer"]["peer_id"] == HONEST
     assert (INSIDER, rules.EARLY_CLAIM) in {(x["peer_id"], x["reason"]) for x in status["refused_leases"]}
+
+
+def test_a_term_jump_is_not_vouched_for_by_a_strangers_heartbeat():
+    """A listed key writes term T + 1000 with an honest-looking expiry; a stranger (learners = "any") puts
+    term_seen = T + 1000 in its own heartbeat. A stranger's self-report must not count as "another peer
+    reports the term" (the healed-partition exception), or one spare key lifts any listed key's jump."""
+    stranger = "QmStrangerStrangerStrangerStrangerStrangerSt"
+    held = SeenLease(LeaseRecord(HONEST, 3, 99.0 + T.lease_ttl), first_seen=99.2)
+    jump = SeenLease(LeaseRecord(INSIDER, 1003, 99.5 + T.lease_ttl), first_seen=99.5)
+    result = screen_leases(
+        [held, jump],
+        term_floor=3,
+        timing=T,
+        may_synchronize={HONEST, INSIDER}.__contains__,
+        terms_reported={HONEST: 3, ME: 3, stranger: 1003},
+    )
+    assert [x.lease.term for x in result.valid] == [3]
+    assert {(lease.holder, tag) for lease, tag, _ in result.refused} == {(INSIDER, rules.TERM_JUMP)}
