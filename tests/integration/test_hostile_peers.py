@@ -30,7 +30,7 @@ Test names, per row of the issue's table:
 
 | attack | tests |
 | --- | --- |
-| lease term + 1000, expiry 1 h ahead, then a destructive update | `test_row1_future_lease_and_destructive_update_are_refused[stranger/insider]`, `test_row1_early_claim_of_the_next_term_is_refused` |
+| lease term + 1000, expiry 1 h ahead, then a destructive update | `test_row1_future_lease_and_destructive_update_are_refused[stranger/insider]`, `test_row1_early_claim_of_the_next_term_is_refused`, `test_row1_term_jump_backed_by_a_strangers_heartbeat_is_refused` |
 | already-expired lease of the current term, then an update | `test_row2_expired_lease_then_update_is_refused[stranger/insider]` |
 | deltas toward the initial weights claiming 10^6 steps | `test_row3_revert_deltas_with_inflated_claims_weigh_no_more_than_an_honest_learner` |
 | forged heartbeat: versions + 1000, term_seen + 1000 | `test_row4_forged_heartbeat_neither_deposes_the_holder_nor_halts_training` |
@@ -477,6 +477,41 @@ def test_row1_early_claim_of_the_next_term_is_refused(hostile_run: HostileRun):
     run.wait_agreeing()
     run.assert_never_synchronizer(rogue)
     report(run, "row 1 (early claim)", rejected)
+
+
+def test_row1_term_jump_backed_by_a_strangers_heartbeat_is_refused(hostile_run: HostileRun):
+    """Collusion: the insider writes term T + 1000 with an honest-looking expiry (renewed like a holder's),
+    while the stranger's heartbeat reports term_seen = T + 1000, as a peer back from a partition would.
+    A stranger's self-report must not vouch for the jump."""
+    run = hostile_run
+    insider, stranger = run.rogues["insider"], run.rogues["stranger"]
+    before = run.wait_status(run.ready, 30, "a ready swarm")
+    losses = run.eval_losses()
+    forged_term = before["synchronizer"]["term"] + 1000
+    ttl = run.manifest.timing.lease_ttl
+    versions = run.floor(before)
+    forged_at = insider.now()
+
+    def collude() -> None:
+        insider.forge_lease(forged_term, insider.now() + ttl)
+        stranger.forge_heartbeat(versions, forged_term, may_sync=False)
+
+    with insider.sustain(collude, period=run.manifest.timing.heartbeat_period):
+        run.wait_ticks(forged_at)
+        replies = {n: insider.push_destructive_update(j.peer_id, forged_term) for n, j in run.peers.items()}
+        print(
+            f"measured: collusion update replies: { {n: [str(r) for r in rs] for n, rs in replies.items()} }"
+        )
+        for name, rs in replies.items():
+            assert not any(r.tag == "applied" for r in rs), f"{name} applied the insider's update: {rs}"
+        during = run.wait_advanced(before)
+        run.assert_terms_not_adopted(during, forged_term)
+        run.assert_honest_holder(during)
+        rejected = run.wait_rejected(REASONS["insider future lease"], "the insider's term jump")
+    run.wait_agreeing()
+    run.assert_loss_not_risen(losses)
+    run.assert_never_synchronizer(insider, stranger)
+    report(run, "row 1 (collusion)", rejected)
 
 
 # ---- row 2: an already-expired lease of the current term, then an update -------------------------------
