@@ -693,12 +693,12 @@ def test_row5_forged_tip_and_poisoned_snapshot_are_not_adopted_by_replicas_or_a_
         for name in run.peers
     }
     assert not any(loaded.values()), f"peers loaded a fragment from the rogue: {loaded}"
-    del run.peers["newcomer"]  # its replica started at the initial weights: not part of the loss check
-    run.assert_loss_not_risen(losses)
     served = rogue.snapshots_served
     print(f"measured: poisoned snapshots served to {served}; forged versions {sorted(poisoned)}")
     if served:  # whoever downloaded the rogue's snapshot refused it, with its reason
         run.wait_rejected(REASONS["poisoned snapshot"], "the poisoned snapshot")
+    del run.peers["newcomer"]  # its replica started at the initial weights: not part of the loss check
+    run.assert_loss_not_risen(losses)
     run.assert_never_synchronizer(rogue)
     report(run, "row 5", run.status())
 
