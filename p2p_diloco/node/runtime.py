@@ -32,7 +32,9 @@ from typing import TextIO
 
 import torch
 
+from p2p_diloco.net.admission import admission_for
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
+from p2p_diloco.net.limits import run_transport_options
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import (
     build_training,
@@ -143,8 +145,7 @@ class PeerNode:
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
             handlers=self.bytes.counting_handlers(self.guard),
-            max_frame_bytes=manifest.wire.max_message_bytes,
-            allowed_peers=manifest.participants(),
+            **run_transport_options(manifest, plan, built_model.shapes),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
@@ -154,7 +155,7 @@ class PeerNode:
         self.peer = make_peer(manifest, opts, built_model, peer_id)
         self.driver = ThreadedDriver(
             self.peer,
-            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout),
+            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),
             transport=self.bytes.counting_transport(self.p2p),
             clock=self.clock,
             learner=self.learner,

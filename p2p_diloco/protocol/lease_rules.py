@@ -19,12 +19,10 @@ election (`protocol.election`) or the update checks. The rules:
 
 Rules 3 and 4 have one exception: a term this peer missed (a term that began and ended between two of
 its reads on a loaded machine) or a healed partition (the other side's terms ran ahead and were claimed
-while this side's lease was live). Such a lease counts when a live peer other than its holder reports its
-term in its heartbeat (`MIN_PEERS_FOR_JUMP`, `MIN_PEERS_FOR_EARLY_CLAIM`); the holder's own heartbeat
-never suffices, and the holder must still be a synchronizer of the run (rule 1).
-
-`counts_as_held` adds the rule for updates: a lease vouches for updates of its term only if it was live
-when this peer first saw it (an already-expired record written to cover a forged update does not).
+while this side's lease was live). Such a lease counts when a live peer other than its holder, itself
+allowed to synchronize, reports its term in its heartbeat (`MIN_PEERS_FOR_JUMP`,
+`MIN_PEERS_FOR_EARLY_CLAIM`): neither the holder's own heartbeat nor a stranger's suffices, and the
+holder must still be a synchronizer of the run (rule 1).
 """
 
 from __future__ import annotations
@@ -72,8 +70,14 @@ def screen_leases(
     timing: SwarmTiming,
     may_synchronize: Callable[[str], bool],
     terms_reported: Mapping[str, int] | None = None,
+    history: Iterable[SeenLease] = (),
 ) -> Screened:
-    """Split `seen` into the records that count and the refused ones (module docstring, rules 1-4)."""
+    """Split `seen` into the records that count and the refused ones (module docstring, rules 1-4).
+
+    `terms_reported`: the terms live peers that may synchronize report; `history`: records that counted
+    in earlier reads (a renewal replaces its predecessor in the DHT, but when the term lapsed as first
+    seen is what rule 4 needs)."""
+    history = list(history)
     refused: list[tuple[LeaseRecord, str, str]] = []
     candidates: list[SeenLease] = []
     for item in seen:
@@ -107,7 +111,9 @@ def screen_leases(
         # Only records of the previous term seen before this one: a late renewal of the old term (a zombie
         # holder) must not turn its successor's valid claim into an early one.
         previous = [
-            v.lease for v in valid if v.lease.term == lease.term - 1 and v.first_seen <= item.first_seen
+            v.lease
+            for v in [*history, *valid]
+            if v.lease.term == lease.term - 1 and v.first_seen <= item.first_seen
         ]
         base = _claim_base(previous, timing)
         early = base is not None and write_time(lease, timing) < base - timing.lease_margin
@@ -132,7 +138,10 @@ def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | Non
     """When the previous term lapsed as far as its visible records tell: its last expiry, or its release."""
     if not previous:
         return None
-    return max(write_time(x, timing) if x.released else x.expires_at for x in previous)
+    released = [write_time(x, timing) for x in previous if x.released]
+    if released:  # a release ends the term, whatever the expiry of the renewals before it
+        return min(released)
+    return max(x.expires_at for x in previous)
 
 
 def counts_as_held(item: SeenLease) -> bool:

@@ -101,6 +101,9 @@ __all__ = [
 ]
 
 
+WEIGHT_SLACK = 2  # steps counted for a delta's weight: at most this many H per version since its anchor
+
+
 @dataclass(frozen=True)
 class CounterCheck:
     decision: Decision
@@ -222,8 +225,11 @@ class RobustGuard:
     # ---- counters and replays -----------------------------------------------------------------------
 
     def check_counters(self, tokens: int, steps: int, staleness: int | None = None) -> CounterCheck:
-        """Tokens per step must match the manifest; steps are clipped to what the schedule allows: H per
-        version the fragment moved since the delta's anchor (`staleness`), at most `max_steps`."""
+        """Tokens per step must match the manifest; steps (and tokens with them) are clipped to
+        `max_steps`, and with `staleness` to what the schedule allows for the merge weight:
+        `WEIGHT_SLACK` x H per version the fragment moved since the delta's anchor (a learner trains on
+        while its delta is in flight, so an honest one may exceed H; a claim of a million steps on the
+        current version counts as 2 H)."""
         if not self.config.enabled or steps <= 0:
             return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: counters not checked"), tokens, steps)
         expected = self.tokens_per_step
@@ -239,7 +245,7 @@ class RobustGuard:
             )
         cap = self.max_steps
         if staleness is not None:
-            cap = min(cap, self.inner_steps * (1 + max(0, staleness)))
+            cap = min(cap, WEIGHT_SLACK * self.inner_steps * (1 + max(0, staleness)))
         if steps > cap:
             clipped = round(tokens * cap / steps)
             return CounterCheck(

@@ -24,6 +24,9 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
+LEASE_HISTORY = 64
+RECORDS_PER_TERM = 8
+
 
 @dataclass(frozen=True)
 class SwarmView:
@@ -49,6 +52,9 @@ class Membership:
         # every lease record read, by its exact content, with the time this peer first read it
         self.first_seen: dict[LeaseRecord, float] = {}
         self.valid_leases: dict[tuple[str, int], SeenLease] = {}  # (holder, term) -> latest valid record
+        # term -> valid records of earlier reads (renewals replace records in the DHT; rule 4 needs when a
+        # term lapsed as first seen): the newest LEASE_HISTORY terms, RECORDS_PER_TERM records each
+        self.lease_history: dict[int, list[SeenLease]] = {}
         self.my_lease: LeaseRecord | None = None
         self.holder: str | None = None  # the synchronizer this peer follows (itself when it holds the lease)
         self.holder_term = 0
@@ -103,7 +109,10 @@ class Membership:
             term_floor=self.term_seen,
             timing=self.manifest.timing,
             may_synchronize=self.manifest.may_synchronize,
-            terms_reported={peer: info.term_seen for peer, info in live.items()},
+            terms_reported={
+                peer: info.term_seen for peer, info in live.items() if self.manifest.may_synchronize(peer)
+            },
+            history=[item for records in self.lease_history.values() for item in records],
         )
         for lease, tag, detail in screened.refused:
             if self.first_seen.get(lease) == records.now:  # count each refused record once
@@ -111,6 +120,9 @@ class Membership:
         leases = []
         for item in screened.valid:
             leases.append(item.lease)
+            kept = self.lease_history.setdefault(item.lease.term, [])
+            if item not in kept:
+                kept[:] = [*kept, item][-RECORDS_PER_TERM:]
             if lease_rules.counts_as_held(item):
                 self.lease_holders.setdefault(item.lease.term, set()).add(item.lease.holder)
                 key = (item.lease.holder, item.lease.term)
@@ -132,8 +144,10 @@ class Membership:
             del self.first_seen[lease]
         for key in [k for k, v in self.valid_leases.items() if v.lease.expires_at < horizon]:
             del self.valid_leases[key]
-        for term in sorted(self.lease_holders)[:-64]:
+        for term in sorted(self.lease_holders)[:-LEASE_HISTORY]:
             del self.lease_holders[term]
+        for term in sorted(self.lease_history)[:-LEASE_HISTORY]:
+            del self.lease_history[term]
 
     def lease_live_at(self, leader: str, term: int, now: float) -> bool:
         """Whether `leader`'s valid lease of `term` is live at `now` (an update pushed now was published

@@ -3,18 +3,17 @@ signature, its leader's lease and its place in the fragment's history were check
 
 A leaseholder is trusted to merge, not to write anything it likes: a replica refuses an update whose
 payload is not in the manifest's codec (an fp32 frame where the run says int8 carries arbitrary values),
-holds a non-finite value, whose outer-gradient RMS is far above those of the updates this replica
-applied recently (`[robust] reject_factor` times their median, once `min_history` are known), or whose
-contributors include peers that may not learn or weights no learner can earn under the schedule (steps
-capped at `max_steps_factor` x H, tokens per step fixed by the manifest). The synchronizer runs the same
-checks on its own updates, so every replica that applied the same history reaches the same verdict.
+holds a non-finite value, has a tensor whose RMS is above what AdamW can move in the most steps a delta
+may count (the bound the synchronizer's delta screen uses, so a merge of screened deltas stays below
+it), or whose contributors include peers that may not learn or weights no learner can earn under the
+schedule (steps capped at `max_steps_factor` x H, tokens per step fixed by the manifest). The checks
+depend on the update and the manifest only, so every replica reaches the same verdict; the synchronizer
+runs them on its own updates too.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from collections.abc import Mapping
 
 import torch
@@ -27,19 +26,18 @@ from p2p_diloco.wire.codec import frame_codec
 
 WRONG_CODEC = "wrong codec"
 NOT_FINITE = "not finite"
-RMS_OUTLIER = "update rms outlier"
+TOO_LARGE = "update too large"
 UNKNOWN_CONTRIBUTOR = "unknown contributor"
 IMPLAUSIBLE_WEIGHT = "implausible weight"
-RMS_HISTORY = 16
 
 
 class UpdateChecks:
     def __init__(self, manifest: RunManifest, num_fragments: int, robust: RobustGuard):
         self.manifest = manifest
         self.robust = robust
-        self.rms: list[deque[float]] = [deque(maxlen=RMS_HISTORY) for _ in range(num_fragments)]
         tps = robust.tokens_per_step * (1 + robust.config.token_tolerance)
         self.max_weight = robust.max_steps * tps * tps * (1 + 1e-6)
+        self.max_rms = robust.config.prior_factor * manifest.diloco.inner_lr * robust.max_steps
 
     def check_payload(self, record: UpdateRecord) -> tuple[str, str] | None:
         """Before decoding: the payload's codec must be the manifest's."""
@@ -57,27 +55,18 @@ class UpdateChecks:
         return None
 
     def check_values(self, fragment: int, grad: Mapping[str, Tensor]) -> tuple[str, str] | None:
-        """After decoding: finite values, and an RMS within bounds of the recently applied updates'."""
-        total, count = 0.0, 0
+        """After decoding: finite values, and no tensor whose RMS exceeds what AdamW can move in the most
+        steps a delta may count (`[robust] prior_factor` x inner_lr x max_steps): a merge of screened
+        deltas never does, a destructive update (random weights, a huge step) does by orders of magnitude."""
         for name, tensor in grad.items():
             if not bool(torch.isfinite(tensor).all()):
                 return NOT_FINITE, f"{name} holds NaN or inf"
-            total += float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
-            count += tensor.numel()
-        rms = math.sqrt(total / max(count, 1))
-        recent = self.rms[fragment]
-        cfg = self.robust.config
-        if cfg.enabled and len(recent) >= cfg.min_history:
-            bound = cfg.reject_factor * statistics.median(recent)
-            if rms > bound:
+            if not self.robust.config.enabled or tensor.numel() == 0:
+                continue
+            rms = float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / math.sqrt(tensor.numel())
+            if rms > self.max_rms:
                 return (
-                    RMS_OUTLIER,
-                    f"rms {rms:.3g} > {cfg.reject_factor} x median of recent updates {bound:.3g}",
+                    TOO_LARGE,
+                    f"{name} RMS {rms:.3g} > {self.max_rms:.3g} (prior_factor x inner_lr x max steps)",
                 )
         return None
-
-    def observe(self, fragment: int, grad: Mapping[str, Tensor]) -> None:
-        """An update was applied: remember its RMS."""
-        total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in grad.values())
-        count = sum(t.numel() for t in grad.values())
-        self.rms[fragment].append(math.sqrt(total / max(count, 1)))

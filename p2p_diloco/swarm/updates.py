@@ -153,7 +153,6 @@ class UpdateBook:
         if decision.action != Action.APPLY:
             return Reply(ReplyStatus.REFUSED, decision.reason)
         self.robust.observe_update(p, grad)
-        self.checks.observe(p, grad)
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
         self.vouchers.vouch(record)
         self.tip_terms[p] = record.term

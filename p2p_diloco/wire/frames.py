@@ -330,6 +330,38 @@ def decode_request(frame: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Fragm
     return request
 
 
+# --- size bounds (what a receiver may cap a frame at before reading it) ---------------------------------
+def _envelope_bytes(header_bytes: int, payload_bytes: int) -> int:
+    return 4 + _PREFIX.size + header_bytes + payload_bytes
+
+
+def _header_bytes(magic: bytes, header: dict[str, Any], schema: dict[str, Check]) -> int:
+    return len(_encode(magic, header, schema)) - _envelope_bytes(0, 0)
+
+
+def delta_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int) -> int:
+    """The largest `encode_delta` frame of this run with a payload of `payload_bytes`: every counter at
+    its maximum, so no valid delta header is longer (`wire.codec.frame_size` gives the payload's size)."""
+    fields: dict[str, Any] = {key: MAX_COUNTER for key in DELTA_SCHEMA}
+    fields.update(run_id=run_id, manifest_hash=manifest_hash, fragment=MAX_FRAGMENT)
+    return _envelope_bytes(_header_bytes(DELTA_MAGIC, fields, DELTA_SCHEMA), payload_bytes)
+
+
+def update_frame_bound(payload_bytes: int) -> int:
+    """The largest `encode_update` frame with a payload of `payload_bytes`. Its header lists the
+    contributors, so it is bounded by `MAX_HEADER_BYTES` rather than by the run."""
+    return _envelope_bytes(MAX_HEADER_BYTES, payload_bytes)
+
+
+def snapshot_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int) -> int:
+    """The largest `encode_snapshot` frame of this run whose params and momentum frames together take
+    `payload_bytes` (a checksum of `MAX_ID_CHARS` characters, every counter at its maximum)."""
+    fields: dict[str, Any] = {key: MAX_COUNTER for key in SNAPSHOT_SCHEMA}
+    fields.update(run_id=run_id, manifest_hash=manifest_hash, fragment=MAX_FRAGMENT)
+    fields.update(checksum="f" * MAX_ID_CHARS, params_len=payload_bytes)  # params_len <= the payload
+    return _envelope_bytes(_header_bytes(SNAPSHOT_MAGIC, fields, SNAPSHOT_SCHEMA), payload_bytes)
+
+
 def with_sender(header: DeltaHeader, sender: str) -> DeltaHeader:
     """The decoded header with the sender taken from the authenticated connection."""
     return replace(header, sender=sender)

@@ -90,3 +90,24 @@ def test_only_a_lease_live_when_first_read_vouches_for_updates():
     assert not counts_as_held(already_expired)
     released = written("a", 1, 10.0, released=True)
     assert counts_as_held(released)
+
+
+def test_an_early_claim_is_caught_after_the_holders_record_was_replaced_by_a_renewal():
+    held = written("a", 3, 20.0)  # seen in an earlier read
+    renewal = written("a", 3, 23.0)  # replaces it in the DHT, first seen after the claim below
+    early = written("b", 4, 22.0, seen=22.5)
+    renewal = SeenLease(renewal.lease, 23.5)
+    result = screen_leases(
+        [renewal, early], term_floor=3, timing=T, may_synchronize=HONEST.__contains__, history=[held]
+    )
+    assert [(lease.holder, tag) for lease, tag, _ in result.refused] == [("b", rules.EARLY_CLAIM)]
+
+
+def test_a_claim_right_after_a_release_is_not_early_whatever_the_renewals_before_it():
+    renewal = written("a", 3, 20.0)  # live until 26
+    released = written("a", 3, 22.0, released=True)  # the term ended at 22 (rotation)
+    successor = written("b", 4, 22.5)
+    result = screen_leases(
+        [released, successor], term_floor=3, timing=T, may_synchronize=HONEST.__contains__, history=[renewal]
+    )
+    assert result.refused == [] and {x.lease.term for x in result.valid} == {3, 4}

@@ -68,9 +68,14 @@ def test_step_claims_beyond_the_cap_are_clipped_with_their_tokens():
 def test_step_claims_are_bounded_by_the_schedule_h_per_version_since_the_anchor():
     g = guard()
     on_current = g.check_counters(10**6 * TPS, 10**6, staleness=0)  # the claim-inflation attack
-    assert (on_current.decision.action, on_current.steps, on_current.tokens) == (robust.CLIP, H, H * TPS)
-    one_behind = g.check_counters(2 * H * TPS, 2 * H, staleness=1)  # a fast learner on a slow link
-    assert (one_behind.decision.action, one_behind.steps) == (robust.ACCEPT, 2 * H)
+    assert (on_current.decision.action, on_current.steps, on_current.tokens) == (
+        robust.CLIP,
+        2 * H,
+        2 * H * TPS,
+    )
+    in_flight = g.check_counters(2 * H * TPS, 2 * H, staleness=0)  # trained on while its delta flew
+    assert (in_flight.decision.action, in_flight.steps) == (robust.ACCEPT, 2 * H)
+    assert g.check_counters(4 * H * TPS, 4 * H, staleness=1).steps == 4 * H
     assert g.check_counters(10**6 * TPS, 10**6, staleness=99).steps == 4 * H  # never above max_steps
 
 
