@@ -1,16 +1,14 @@
-"""Lease rules as a peer applies them to what its DHT reads return (found by the hostile-peer suite,
-tests/integration/test_hostile_peers.py::test_row1_early_claim_of_the_next_term_is_refused).
+"""Lease rules as a peer applies them to what its DHT reads return: regressions for two holes the hostile
+suite (tests/integration/test_hostile_peers.py) found in the first version of `protocol.lease_rules`, and
+for the lease screen of `p2p-diloco status`.
 
-A DHT read returns one record per holder: the holder's *latest* write. `Membership.ingest` screens the
-records of the current read, each with the time this peer first saw it. A listed synchronizer that keeps
-re-writing an early claim of term T + 1 is refused while the honest holder's renewal of term T in the same
-read was first seen before the claim. But the holder renews every `lease_renew_fraction` x TTL, and a
-renewal first seen *after* the claim is left out of "the previous term's records seen before this one"
-(the zombie-renewal rule of `screen_leases`), while the renewal it replaced, which this peer did see
-before the claim and which was live then, is no longer in the read: in that read the claim has no
-previous term to be early against, and counts. One such read lets one honest peer adopt term T + 1 (its
-heartbeat's `term_seen`); the other peers then count the claim as a healed partition that another peer
-reports (`MIN_PEERS_FOR_EARLY_CLAIM`). Measured on the real swarm: one honest peer at term_seen 2.
+* A DHT read returns one record per holder, its *latest* write. A listed key re-writing an early claim of
+  term T + 1 was refused until the honest holder renewed term T after the claim was first read: the
+  renewal was left out as "seen after" (the zombie-renewal rule) and the renewal it replaced was no longer
+  in the read, so the claim counted and one honest peer adopted T + 1 (rule 4 now remembers earlier reads).
+* The healed-partition exception counted any live peer's `term_seen`: a stranger's heartbeat (learners =
+  "any") vouched for a listed key's jump to T + 1000, and both honest peers adopted it (only peers that may
+  synchronize vouch now).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from __future__ import annotations
 from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol import lease_rules as rules
 from p2p_diloco.protocol.election import LeaseRecord
-from p2p_diloco.protocol.lease_rules import SeenLease, screen_leases
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.swarm.effects import SwarmRecords
@@ -100,15 +97,18 @@ def test_a_term_jump_is_not_vouched_for_by_a_strangers_heartbeat():
     """A listed key writes term T + 1000 with an honest-looking expiry; a stranger (learners = "any") puts
     term_seen = T + 1000 in its own heartbeat. A stranger's self-report must not count as "another peer
     reports the term" (the healed-partition exception), or one spare key lifts any listed key's jump."""
+    from p2p_diloco.wire.records import HeartbeatInfo
+
     stranger = "QmStrangerStrangerStrangerStrangerStrangerSt"
-    held = SeenLease(LeaseRecord(HONEST, 3, 99.0 + T.lease_ttl), first_seen=99.2)
-    jump = SeenLease(LeaseRecord(INSIDER, 1003, 99.5 + T.lease_ttl), first_seen=99.5)
-    result = screen_leases(
-        [held, jump],
-        term_floor=3,
-        timing=T,
-        may_synchronize={HONEST, INSIDER}.__contains__,
-        terms_reported={HONEST: 3, ME: 3, stranger: 1003},
+    me = follower()
+    me.term_seen = 3
+    beat = HeartbeatInfo(role="learner", may_sync=False, reachable=True, versions=(5, 5), term_seen=1003)
+    records = read(
+        99.5, LeaseRecord(HONEST, 3, 99.0 + T.lease_ttl), LeaseRecord(INSIDER, 1003, 99.5 + T.lease_ttl)
     )
-    assert [x.lease.term for x in result.valid] == [3]
-    assert {(lease.holder, tag) for lease, tag, _ in result.refused} == {(INSIDER, rules.TERM_JUMP)}
+    records = SwarmRecords(
+        heartbeats={stranger: StoredValue(beat.to_bytes(), 101.5)}, leases=records.leases, now=records.now
+    )
+    view = me.ingest(records)
+    assert [lease.term for lease in view.leases] == [3]
+    assert me.journal.rejections[rules.TERM_JUMP] == 1
