@@ -109,6 +109,7 @@ class InProcessSwarm:
                 seed=self.spec.seed * 1000 + i,
                 codec=wire.codec,
                 block_size=wire.block_size,
+                toward=lambda p: (replica.params_view(p), {n: self.initial[n] for n in self.plan.names(p)}),
             )
         peer = Peer(
             peer_id,
