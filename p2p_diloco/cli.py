@@ -78,8 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing key file")
     p.set_defaults(func=_lazy("p2p_diloco.net.identity:cli_keygen"))
 
+    p = sub.add_parser("manifest", help="sign a run manifest as its organizer, or verify a signed one")
+    actions = p.add_subparsers(dest="manifest_command", required=True, metavar="ACTION")
+    a = actions.add_parser("sign", help="write MANIFEST.sig: the authority's signature of the manifest")
+    a.add_argument("manifest", help="run manifest TOML with a [trust] authority")
+    a.add_argument(
+        "--identity", required=True, help="the authority's key file (its peer ID is trust.authority)"
+    )
+    a.add_argument("--out", default=None, help="signature file to write (default: MANIFEST.sig beside it)")
+    a.set_defaults(func=_lazy("p2p_diloco.net.manifest_signature:cli_manifest"))
+    a = actions.add_parser("verify", help="check MANIFEST.sig against the manifest's [trust] authority")
+    a.add_argument("manifest", help="run manifest TOML")
+    a.set_defaults(func=_lazy("p2p_diloco.net.manifest_signature:cli_manifest"))
+
     p = sub.add_parser("bootstrap", help="run a DHT-only bootstrap node (trains nothing)")
     p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
+    p.add_argument(
+        "--manifest",
+        default=None,
+        help="a run manifest to check before starting (a public run's signature, as join checks it)",
+    )
     p.add_argument(
         "--listen",
         action="append",
@@ -158,6 +176,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="run this learner as an island of N local ranks (execs torchrun --standalone; docs/island.md)",
     )
+    p.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="evaluate the global model on the held-out split and publish the curve (default: the "
+        "synchronizer does, unless a peer with --evaluate is live)",
+    )
+    p.add_argument("--no-evaluate", action="store_true", help="never evaluate the global model")
+    p.add_argument(
+        "--eval-every", type=int, default=None, metavar="N", help="merged updates between evaluations (20)"
+    )
+    p.add_argument(
+        "--eval-batches", type=int, default=None, metavar="B", help="eval batches of 8 windows (4)"
+    )
+    p.add_argument(
+        "--log-to",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="tensorboard:DIR or wandb[:PROJECT] (repeatable): loss, tokens/s, merged tokens, global eval",
+    )
     p.set_defaults(func=_lazy("p2p_diloco.node.join:cli_join"))
 
     p = sub.add_parser("status", help="print the swarm of a run: synchronizer, versions, peers")
@@ -174,6 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--last", type=int, default=0, metavar="N", help="with a ledger: also list its last N updates"
     )
     p.set_defaults(func=_lazy("p2p_diloco.node.status:cli_status"))
+
+    p = sub.add_parser("dashboard", help="serve a live web page of a run: eval curve, versions, peers")
+    p.add_argument("manifest", help="run manifest TOML")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any free port)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between two reads of the swarm")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds for one DHT lookup")
+    p.set_defaults(func=_lazy("p2p_diloco.dashboard.command:cli_dashboard"))
 
     p = sub.add_parser("export", help="write the global model of a peer's state directory as safetensors")
     p.add_argument("manifest", help="the run manifest TOML that peer joined with")

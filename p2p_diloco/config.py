@@ -43,6 +43,7 @@ __all__ = [
     "Precision",
     "RunManifest",
     "TrainConfig",
+    "TrustConfig",
     "WireConfig",
 ]
 
@@ -229,6 +230,70 @@ class LimitsConfig:
         return max(2 * num_params, self.MIN_AUTO_UPDATE_LOG_BYTES)
 
 
+LEARNERS_ANY = "any"
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    """Who may do what in a run (`[trust]`, see docs/security.md).
+
+    `authority`: the organizer's peer ID; when set the run is *public*: the manifest must carry the
+    authority's detached signature (`MANIFEST.sig`, `p2p-diloco manifest sign`), only `synchronizers` may
+    hold the lease, and the public-run defaults of `[robust]` apply. `learners`: "any" or a list of peer IDs
+    that may send deltas. An empty `[trust]` keeps a private run open to every peer (with a warning).
+    """
+
+    authority: str = ""
+    synchronizers: tuple[str, ...] = ()
+    learners: str | tuple[str, ...] = LEARNERS_ANY
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.authority, str), "trust.authority must be a peer ID string (Qm...)")
+        _require(
+            not self.authority or _looks_like_peer_id(self.authority),
+            f"trust.authority must be a peer ID (Qm..., from `p2p-diloco keygen`), got {self.authority!r}",
+        )
+        _require(
+            isinstance(self.synchronizers, tuple)
+            and all(isinstance(p, str) and _looks_like_peer_id(p) for p in self.synchronizers),
+            f"trust.synchronizers must be a list of peer IDs (Qm...), got {self.synchronizers!r}",
+        )
+        _require(
+            not self.authority or bool(self.synchronizers),
+            "a run with trust.authority must list trust.synchronizers (the only peers that may hold the "
+            "lease); add at least one peer ID, e.g. the authority's own",
+        )
+        learners = self.learners
+        if isinstance(learners, list):
+            learners = tuple(learners)
+            object.__setattr__(self, "learners", learners)
+        _require(
+            learners == LEARNERS_ANY
+            or (
+                isinstance(learners, tuple)
+                and all(isinstance(p, str) and _looks_like_peer_id(p) for p in learners)
+            ),
+            f'trust.learners must be "any" or a list of peer IDs (Qm...), got {learners!r}',
+        )
+
+    @property
+    def public(self) -> bool:
+        """A run with an authority: signed manifest, listed synchronizers, strangers expected."""
+        return bool(self.authority)
+
+    def may_synchronize(self, peer: str) -> bool:
+        return not self.synchronizers or peer in self.synchronizers
+
+    def may_learn(self, peer: str) -> bool:
+        return self.learners == LEARNERS_ANY or peer in self.learners or peer in self.synchronizers
+
+
+def _looks_like_peer_id(text: str) -> bool:
+    """A base58 libp2p peer ID (RSA IDs start with Qm); the DHT and transport check the key behind it."""
+    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    return 40 <= len(text) <= 64 and all(c in alphabet for c in text)
+
+
 @dataclass(frozen=True)
 class RunManifest:
     """Everything peers of one run must agree on. Its `manifest_hash` is part of every key and header."""
@@ -242,6 +307,7 @@ class RunManifest:
     timing: SwarmTiming = field(default_factory=SwarmTiming)
     robust: RobustConfig = field(default_factory=RobustConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
     allowlist: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
 
@@ -259,6 +325,27 @@ class RunManifest:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def may_synchronize(self, peer: str) -> bool:
+        """Whether `peer` may hold the lease: on the allowlist (if any) and in `trust.synchronizers` (if any)."""
+        return (not self.allowlist or peer in self.allowlist) and self.trust.may_synchronize(peer)
+
+    def may_learn(self, peer: str) -> bool:
+        """Whether `peer` may send deltas and fetch state: the allowlist (if any) and `trust.learners`."""
+        return (not self.allowlist or peer in self.allowlist) and self.trust.may_learn(peer)
+
+    @property
+    def loss_check_on(self) -> bool:
+        """Whether the synchronizer tries each delta on held-out data before merging (`[robust] loss_check`)."""
+        mode = self.robust.loss_check
+        return self.robust.enabled and (mode == "on" or (mode == "auto" and self.trust.public))
+
+    def participants(self) -> frozenset[str] | None:
+        """The peers that may take part at all, or None when anyone may (no allowlist, learners "any")."""
+        if self.trust.learners == LEARNERS_ANY:
+            return frozenset(self.allowlist) if self.allowlist else None
+        listed = frozenset(self.trust.learners) | frozenset(self.trust.synchronizers)
+        return listed & frozenset(self.allowlist) if self.allowlist else listed
 
     @functools.cached_property
     def manifest_hash(self) -> str:
@@ -291,6 +378,7 @@ class RunManifest:
             "timing": SwarmTiming,
             "robust": RobustConfig,
             "limits": LimitsConfig,
+            "trust": TrustConfig,
         }
         raw = dict(raw)
         known = set(sections) | {"run_id", "allowlist", "bootstrap"}

@@ -8,7 +8,11 @@ The in-process swarm of `scripts/bench_quality.py` (4 learners, 1 / 1 / 1.5 / 2 
 with the grace window, the demo manifest with the default [robust] checks; docs/results/byzantine-* were
 made when the demo manifest had H = 8, it now has H = 32) runs once all honest, then once per attack of
 `p2p_diloco.swarm.hostile` with learner 0 (one of the two fastest) hostile, all at the same total
-token budget (the hostile learner's tokens count: its compute is lost). Also run:
+token budget (the hostile learner's tokens count: its compute is lost). The attacks include issue #12's
+`revert` (honest-looking deltas back toward the initial weights claiming 10^6 steps with matching
+tokens) and `inflated_claim` (the claim alone); for each run `hostile_weight_vs_h` is the largest merge
+weight the hostile learner got, over the weight of an honest learner's H steps (above 1: the claim
+bought extra weight). Also run:
   honest3       the three honest learners alone for the same fake time: what a perfect defence reaches,
                 since the hostile learner's compute is lost whatever the defence does (with learner 0,
                 one of the two fastest, that is 32 % of the tokens: the floor of the ratio below);
@@ -79,6 +83,11 @@ def run(
         stats = report.learners[i]
         result["hostile_merged_steps"] = stats.steps_merged
         result["hostile_steps"] = stats.steps
+        peer = next(iter(swarm.peers.values()))  # every replica applied every update
+        logged = [r for p in range(len(peer.replica.versions())) for r in peer.book.log.after(p, 0)]
+        weights = [w for r in logged for s, w in r.contributors if s == stats.peer_id]
+        honest_h = manifest.diloco.inner_steps * per_step * per_step  # tokens^2 / steps for H steps
+        result["hostile_weight_vs_h"] = max(weights, default=0.0) / honest_h
     return result
 
 
@@ -125,8 +134,9 @@ def main() -> int:
             r["seconds"] = time.perf_counter() - start
             results[name]["seeds"][seed] = r
             r["ratio_vs_honest"] = r["final_eval_loss"] / results["honest"]["seeds"][seed]["final_eval_loss"]
+            weight = f"  weight/H {r['hostile_weight_vs_h']:.2f}" if "hostile_weight_vs_h" in r else ""
             print(
-                f"seed {seed} {name:24s} loss {r['final_eval_loss']:.4f}  x{r['ratio_vs_honest']:.3f}  "
+                f"seed {seed} {name:24s} loss {r['final_eval_loss']:.4f}  x{r['ratio_vs_honest']:.3f}{weight}  "
                 f"({r['seconds']:.0f} s)",
                 flush=True,
             )

@@ -6,15 +6,17 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/_venv.sh" test
-# The wan tier (tests/wan) needs root, iproute2, iptables and ping; when root, install what is missing
-# (best effort: without them those tests skip with the reason).
+# The wan tier (tests/wan) needs root, iproute2, iptables and ping, the dashboard's browser test Chromium;
+# when root, install what is missing (best effort: without them those tests skip with the reason).
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
     missing=()
     command -v ip >/dev/null 2>&1 || missing+=(iproute2)
     command -v iptables >/dev/null 2>&1 || missing+=(iptables)
     command -v ping >/dev/null 2>&1 || missing+=(iputils-ping)
+    # the dashboard's browser test (tests/integration/test_dashboard.py) loads the page in headless Chromium
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     if ((${#missing[@]})); then
-        echo "installing ${missing[*]} for the wan tier" >&2
+        echo "installing ${missing[*]} for the wan tier and the browser test" >&2
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >/dev/null 2>&1 \
             || echo "could not install ${missing[*]}: the tests that need them will skip" >&2
     fi

@@ -3,7 +3,8 @@
 It trains nothing and knows no run: it stores and serves owner-signed records (signature checks
 only), relays for peers behind NAT (libp2p circuit relay v2: p2pd's relay service is on whenever
 relaying is enabled), and prints one ``bootstrap address: <multiaddr>/p2p/<id>`` line per address
-once it is ready. SIGINT or SIGTERM shuts it down cleanly with exit status 0.
+once it is ready. SIGINT or SIGTERM shuts it down cleanly with exit status 0. With ``--manifest`` it
+first checks a run's manifest like ``join`` does (the authority's signature of a public run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from types import FrameType
 
 from p2p_diloco.net.dht_store import create_dht
+from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.manifest_signature import load_run_manifest
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +85,23 @@ def run_bootstrap(
     return 0
 
 
+def check_manifest(manifest_path: str, identity: str | None) -> None:
+    """``bootstrap --manifest``: refuse a public run's manifest whose signature does not hold (as ``join``
+    does), and note when this node's peer ID is not among the manifest's bootstrap addresses."""
+    manifest = load_run_manifest(manifest_path)
+    if identity and not any(a.endswith(f"/p2p/{peer_id_of(identity)}") for a in manifest.bootstrap):
+        print(
+            f"note: {manifest_path} does not list this node ({peer_id_of(identity)}) in bootstrap; volunteers "
+            "will not find it there until the organizer adds its address and signs the manifest again",
+            file=sys.stderr,
+        )
+
+
 def cli_bootstrap(args: argparse.Namespace) -> int:
-    """`p2p-diloco bootstrap [--identity KEY] [--listen MA]... [--announce MA]... [--initial-peers MA...]`."""
+    """`p2p-diloco bootstrap [--identity KEY] [--manifest RUN.toml] [--listen MA]... [--announce MA]...
+    [--initial-peers MA...]`."""
+    if getattr(args, "manifest", None):
+        check_manifest(args.manifest, args.identity)
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
     try:

@@ -7,7 +7,9 @@ the owner tag determines the peer ID (`identity.peer_id_of_public_key`). So:
 
 * `DhtKeyValueStore.store(key, subkey=<own peer ID>, ...)` writes under this peer's owner tag;
   a subkey other than the own peer ID is refused (no peer can write under another's ID);
-* `DhtKeyValueStore.get` maps owner tags back to plain peer IDs and drops anything without one.
+* `DhtKeyValueStore.get` maps owner tags back to plain peer IDs and drops anything without one; with a
+  `net.admission.RecordAdmission` it also ignores records of peers the run does not allow and keeps at
+  most `max_subkeys` per key (a flood of identities costs a reader bounded work and state).
 
 Signatures are checked by hivemind on every store request a node receives and on every record a get
 returns. The schema (owner-tag subkey, bytes value of at most `MAX_RECORD_BYTES`, not expired) is
@@ -34,6 +36,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
 
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
+from p2p_diloco.net.admission import DROP_EXCESS, DROP_NOT_ADMITTED, RecordAdmission
 from p2p_diloco.net.identity import peer_id_of, peer_id_of_public_key, signing_key, write_identity
 from p2p_diloco.net.lifeline import dies_with_parent
 from p2p_diloco.wire.interfaces import StoredValue
@@ -272,13 +275,22 @@ class DhtKeyValueStore:
 
     `get` asks the swarm for the freshest copies (``latest=True``) and raises `TimeoutError` if the DHT
     does not answer within `timeout`; `store` returns False then (hivemind's flag reflects only the last
-    replica that answered: read back what matters).
+    replica that answered: read back what matters). `admission` (None: every signed record) says whose
+    records `get` reads and how many per key (`net.admission`); what it ignores is counted in `dropped`.
     """
 
-    def __init__(self, peer: DhtPeer, *, timeout: float = 10.0, max_value_bytes: int = MAX_RECORD_BYTES):
+    def __init__(
+        self,
+        peer: DhtPeer,
+        *,
+        timeout: float = 10.0,
+        max_value_bytes: int = MAX_RECORD_BYTES,
+        admission: RecordAdmission | None = None,
+    ):
         self.peer = peer
         self.timeout = timeout
         self.max_value_bytes = max_value_bytes
+        self.admission = admission
         self.dropped: Counter[str] = Counter()
 
     def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
@@ -312,9 +324,12 @@ class DhtKeyValueStore:
         if not isinstance(found.value, dict):
             self.dropped[DROP_NOT_DICT] += 1
             return {}
+        admission = self.admission
         out: dict[str, StoredValue] = {}
         for subkey, item in found.value.items():
             peer_id, reason = self._owner_of(subkey)
+            if reason is None and admission is not None and not admission.allows(key, peer_id):
+                reason = DROP_NOT_ADMITTED
             if reason is None:
                 reason = self._value_problem(item.value, item.expiration_time, now)
             if reason is not None:
@@ -323,6 +338,10 @@ class DhtKeyValueStore:
             previous = out.get(peer_id)
             if previous is None or item.expiration_time > previous.expiration:
                 out[peer_id] = StoredValue(value=item.value, expiration=float(item.expiration_time))
+        if admission is not None:
+            out, excess = admission.bound(key, out)
+            if excess:
+                self.dropped[DROP_EXCESS] += excess
         return out
 
     @staticmethod

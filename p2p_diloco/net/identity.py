@@ -121,7 +121,7 @@ def load_identity(key_path: str | os.PathLike[str]) -> rsa.RSAPrivateKey:
     return _decode_identity(blob, f"identity file {path}")
 
 
-def _peer_id_of_rsa_public(public_key: rsa.RSAPublicKey) -> str:
+def peer_id_of_rsa_public(public_key: rsa.RSAPublicKey) -> str:
     der = public_key.public_bytes(
         encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -132,7 +132,29 @@ def _peer_id_of_rsa_public(public_key: rsa.RSAPublicKey) -> str:
 
 def peer_id_of(key_path: str | os.PathLike[str]) -> str:
     """The libp2p peer ID (``Qm...``) that p2pd derives from the identity file `key_path`."""
-    return _peer_id_of_rsa_public(load_identity(key_path).public_key())
+    return peer_id_of_rsa_public(load_identity(key_path).public_key())
+
+
+def public_key_proto(private_key: rsa.RSAPrivateKey) -> bytes:
+    """The libp2p `crypto.pb.PublicKey` protobuf of an identity's public key (what its peer ID hashes)."""
+    der = private_key.public_key().public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return _encode_key_proto(_RSA, der)
+
+
+def public_key_from_proto(blob: bytes) -> tuple[rsa.RSAPublicKey, str]:
+    """The RSA public key in a libp2p `PublicKey` protobuf and the peer ID it gives.
+
+    Raises `ValueError` if the bytes are not such a protobuf holding an RSA key.
+    """
+    key_type, data = _decode_key_proto(blob)
+    if key_type != _RSA:
+        raise ValueError(f"a {KEY_TYPES.get(key_type, f'type {key_type}')} key, not RSA")
+    key = serialization.load_der_public_key(data)
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise ValueError("not an RSA public key")
+    return key, peer_id_of_rsa_public(key)
 
 
 @lru_cache(maxsize=4096)
@@ -144,7 +166,7 @@ def peer_id_of_public_key(ssh_public_key: bytes) -> str:
     key = serialization.load_ssh_public_key(ssh_public_key)
     if not isinstance(key, rsa.RSAPublicKey):
         raise ValueError("owner tag does not hold an RSA public key")
-    return _peer_id_of_rsa_public(key)
+    return peer_id_of_rsa_public(key)
 
 
 def signing_key(key_path: str | os.PathLike[str]) -> RSAPrivateKey:
@@ -202,7 +224,7 @@ def write_identity(key_path: str | os.PathLike[str], *, force: bool = False) -> 
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
         raise
-    return _peer_id_of_rsa_public(key.public_key())
+    return peer_id_of_rsa_public(key.public_key())
 
 
 def _describe_existing(path: Path) -> str:

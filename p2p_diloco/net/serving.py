@@ -1,13 +1,18 @@
 """The inbound side of `P2PTransport`: answering the requests other peers open streams for.
 
-`InboundServer` owns what serving needs: the `InboundHandlers`, the allowlist, the concurrency limit,
-the size caps, the timeouts and the counters of requests answered (`served`) and rejected
-(`rejected`, by tag). Each request is checked against the allowlist, the concurrency limit and the
-size cap before its body is read; a handler may answer with a `concurrent.futures.Future`, awaited up
-to `answer_timeout`; a handler that raises is logged and answered with a ``handler error`` rejection.
-After an early rejection the stream lingers (`LINGER_SECONDS`) so the rejection is not overtaken by a
-reset. The transport composes one and registers `stream_handler(op)` for each operation; calls to
-ourselves go through `answer_local` with the same checks and no network.
+`InboundServer` owns what serving needs: the `InboundHandlers`, the allowlist, the stream slots and
+deadlines of `net.limits.InboundLimits`, the per-op size caps of `net.limits.FrameCaps` and the counters
+of requests answered (`served`) and rejected (`rejected`, by tag). Any peer may be hostile and hold
+streams open, so every stream is bounded before its body is read: the sender must be on the allowlist,
+hold fewer than `per_peer` streams (and all strangers together fewer than `total`), send its header
+within `header_timeout`, claim no more than the op's cap, and then keep the body above `min_body_rate`.
+A stream that breaks a deadline is closed at once (``header timeout``, ``too slow``); other rejections
+are answered with their reason. A handler may answer with a `concurrent.futures.Future`, awaited up to
+`answer_timeout`; a handler that raises is logged and answered with a ``handler error`` rejection.
+After an early rejection the stream lingers (`LINGER_SECONDS`, at most `max_lingering` streams at once)
+so the rejection is not overtaken by a reset. The transport composes one and registers
+`stream_handler(op)` for each operation; calls to ourselves go through `answer_local` with the same
+size checks and no network.
 """
 
 from __future__ import annotations
@@ -23,22 +28,53 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
+from p2p_diloco.net.limits import (
+    REJECT_BUSY,
+    REJECT_HEADER_TIMEOUT,
+    REJECT_PEER_BUSY,
+    REJECT_TOO_SLOW,
+    FrameCaps,
+    InboundLimits,
+    StreamSlots,
+)
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
 from p2p_diloco.wire.replies import Reply, encode_reply
-from p2p_diloco.wire.snapshot_chunks import CHUNK_REQUEST_BYTES, decode_chunk_request
+from p2p_diloco.wire.snapshot_chunks import decode_chunk_request
 
 log = logging.getLogger("p2p_diloco.net.transport")  # the transport's logger, as before the split
 
 # reasons of inbound rejections (sent back to the caller)
 REJECT_TOO_LARGE = "frame too large"
 REJECT_NOT_ALLOWED = "peer not allowed"
-REJECT_BUSY = "busy"
 REJECT_BAD_REQUEST = "bad request"
 REJECT_HANDLER_ERROR = "handler error"
 REJECT_UNKNOWN_SNAPSHOT = "unknown snapshot"  # a chunk of a state this peer does not (or no longer) serve
 
 LINGER_SECONDS = 5.0  # how long a rejecting receiver drains a sender that is still writing
+DROP_WRITE_SECONDS = 1.0  # how long we try to tell a dropped stream why before closing it
+
+__all__ = [
+    "LINGER_SECONDS",
+    "REJECT_BAD_REQUEST",
+    "REJECT_BUSY",
+    "REJECT_HANDLER_ERROR",
+    "REJECT_HEADER_TIMEOUT",
+    "REJECT_NOT_ALLOWED",
+    "REJECT_PEER_BUSY",
+    "REJECT_TOO_LARGE",
+    "REJECT_TOO_SLOW",
+    "InboundServer",
+    "reply_items",
+]
+
+
+class _Dropped(Exception):
+    """A stream that broke a deadline: counted already; told why if it still listens, then closed."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
 
 
 class InboundServer:
@@ -48,30 +84,37 @@ class InboundServer:
         self,
         handlers: InboundHandlers | None,
         *,
-        max_frame_bytes: int,
-        inbound_timeout: float,
-        max_inbound: int,
+        caps: FrameCaps,
+        limits: InboundLimits,
         allowed_peers: Collection[str] | None,
         answer_timeout: float,
+        admit: Callable[[str, str], bool] | None = None,
     ):
         self.handlers = handlers
-        self.max_frame_bytes = max_frame_bytes
-        self.inbound_timeout = inbound_timeout
-        self.max_inbound = max_inbound
+        self.caps = caps
+        self.limits = limits
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
+        self.admit = admit  # (op, peer) -> whether the run lets `peer` make this request at all
         self.answer_timeout = answer_timeout
         self.rejected: Counter[str] = Counter()  # inbound rejections by tag
         self.served: Counter[str] = Counter()  # inbound requests answered, by op
-        self._active = 0
+        self.slots = StreamSlots(limits)
+        self._lingering = 0
 
     def stream_handler(self, op: str) -> Callable[..., Any]:
         async def handle(
             stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         ) -> None:
             sender = stream_info.peer_id.to_base58()
+            timeout = self.limits.request_timeout
             try:
-                status, items = await asyncio.wait_for(self._answer(op, sender, reader), self.inbound_timeout)
-                await asyncio.wait_for(streams.write_reply(writer, status, items), self.inbound_timeout)
+                try:
+                    status, items = await asyncio.wait_for(self._answer(op, sender, reader), timeout)
+                except _Dropped as dropped:  # no lingering: the sender broke a deadline
+                    reply = streams.write_reply(writer, streams.STATUS_REJECTED, [dropped.reason.encode()])
+                    await asyncio.wait_for(reply, DROP_WRITE_SECONDS)
+                    return
+                await asyncio.wait_for(streams.write_reply(writer, status, items), timeout)
                 if status != streams.STATUS_OK:
                     await self._linger(reader, writer)
             except Exception as exc:  # a broken or slow stream must never take the peer down
@@ -89,10 +132,16 @@ class InboundServer:
         """
         if writer.can_write_eof():
             writer.write_eof()
-        deadline = asyncio.get_running_loop().time() + LINGER_SECONDS
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            if not await asyncio.wait_for(reader.read(streams.WRITE_CHUNK), left):
-                return
+        if self._lingering >= self.limits.max_lingering:  # many rejected at once: close, reset or not
+            return
+        self._lingering += 1
+        try:
+            deadline = asyncio.get_running_loop().time() + LINGER_SECONDS
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                if not await asyncio.wait_for(reader.read(streams.WRITE_CHUNK), left):
+                    return
+        finally:
+            self._lingering -= 1
 
     def _reject(self, op: str, sender: str, tag: str, detail: str) -> tuple[int, list[bytes]]:
         self.rejected[tag] += 1
@@ -100,38 +149,47 @@ class InboundServer:
         log.info("rejected %s from %s: %s", op, sender, reason)
         return streams.STATUS_REJECTED, [reason.encode()]
 
+    def _drop(self, op: str, sender: str, tag: str, detail: str) -> _Dropped:
+        return _Dropped(self._reject(op, sender, tag, detail)[1][0].decode())
+
     async def _answer(self, op: str, sender: str, reader: asyncio.StreamReader) -> tuple[int, list[bytes]]:
         if self.allowed_peers is not None and sender not in self.allowed_peers:
             return self._reject(op, sender, REJECT_NOT_ALLOWED, f"{sender} is not on this run's allowlist")
-        if self._active >= self.max_inbound:
-            return self._reject(op, sender, REJECT_BUSY, f"{self.max_inbound} requests already in progress")
-        self._active += 1
+        if self.admit is not None and not self.admit(op, sender):
+            return self._reject(
+                op, sender, REJECT_NOT_ALLOWED, f"{sender} may not send {op} requests in this run"
+            )
+        refused = self.slots.acquire(sender)
+        if refused is not None:
+            return self._reject(op, sender, *refused)
+        limits = self.limits
         try:
-            limit = self._request_limit(op)
+            header = streams.read_request_header(reader, self.caps.request(op))
             try:
-                length = await streams.read_request_header(reader, limit)
+                length = await asyncio.wait_for(header, limits.header_timeout)
+            except TimeoutError:
+                detail = f"no request header within {limits.header_timeout:g} s"
+                raise self._drop(op, sender, REJECT_HEADER_TIMEOUT, detail) from None
             except streams.FrameTooLarge as exc:
                 return self._reject(op, sender, REJECT_TOO_LARGE, str(exc))
             except streams.BadEnvelope as exc:
                 return self._reject(op, sender, REJECT_BAD_REQUEST, str(exc))
-            body = await reader.readexactly(length)
+            try:
+                body = await streams.read_body(
+                    reader, length, min_rate=limits.min_body_rate, grace=limits.body_grace
+                )
+            except streams.TooSlow as exc:
+                raise self._drop(op, sender, REJECT_TOO_SLOW, str(exc)) from None
             return await self._dispatch(op, sender, body)
         finally:
-            self._active -= 1
-
-    def _request_limit(self, op: str) -> int:
-        if op in (keys.OP_DELTA, keys.OP_UPDATE):
-            return self.max_frame_bytes
-        if op == keys.OP_FETCH_CHUNK:
-            return CHUNK_REQUEST_BYTES
-        return streams.FETCH_BODY_BYTES
+            self.slots.release(sender)
 
     async def answer_local(self, op: str, sender: str, body: bytes) -> tuple[int, list[bytes]]:
         """A call to ourselves (the synchronizer is also a learner): same checks, no network."""
         if self.handlers is None:
             raise ConnectionError(f"{op} to self: this transport serves no handlers")
-        if len(body) > self._request_limit(op):
-            limit_error = streams.FrameTooLarge(len(body), self._request_limit(op), "frame")
+        if len(body) > self.caps.request(op):
+            limit_error = streams.FrameTooLarge(len(body), self.caps.request(op), "frame")
             return self._reject(op, sender, REJECT_TOO_LARGE, str(limit_error))
         return await self._dispatch(op, sender, body)
 

@@ -2,19 +2,24 @@
 
 A request is ``MAGIC | u64 length | body``; a reply is ``u8 status | u32 count | (u64 length | item)*``.
 Readers check every declared length against their cap *before* reading the bytes, so an oversized
-frame costs the receiver nothing; writers send in chunks and wait for the stream to drain between
-chunks (backpressure instead of buffering a whole frame twice). All integers are big-endian.
+frame costs the receiver nothing; `read_body` also holds the sender to a minimum average rate
+(`BodyPace`), so a sender that trickles cannot keep a stream for long; writers send in chunks and wait
+for the stream to drain between chunks (backpressure instead of buffering a whole frame twice). All
+integers are big-endian.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 
 MAGIC = b"PDT1"
 STATUS_OK = 0
 STATUS_REJECTED = 1
 WRITE_CHUNK = 1 << 20
+LAST_CHANCE_SECONDS = 0.05  # a body found behind its pace gets one more read this long before it is cut
 MAX_REPLY_ITEMS = 100_000
 
 _U64 = struct.Struct(">Q")
@@ -33,6 +38,35 @@ class FrameTooLarge(ValueError):
 
 class BadEnvelope(ValueError):
     """The bytes on the stream do not follow the envelope format."""
+
+
+class TooSlow(Exception):
+    """A body fell behind its minimum rate; `received` of `length` bytes had arrived."""
+
+    def __init__(self, received: int, length: int, pace: BodyPace):
+        self.received = received
+        self.length = length
+        super().__init__(
+            f"{received} of {length} bytes after {pace.grace + received / pace.min_rate:.1f} s, below the "
+            f"minimum of {pace.min_rate / 1024:.0f} KiB/s (after a grace of {pace.grace:.0f} s)"
+        )
+
+
+@dataclass(frozen=True)
+class BodyPace:
+    """The minimum average rate of a body that began at `started`: by time t at least
+    ``min_rate * (t - started - grace)`` bytes must have arrived (bursts and pauses average out)."""
+
+    started: float
+    min_rate: float
+    grace: float
+
+    def due(self, received: int) -> float:
+        """The time after which `received` bytes are too few (the sender is then too slow)."""
+        return self.started + self.grace + received / self.min_rate
+
+    def behind(self, received: int, now: float) -> bool:
+        return now > self.due(received)
 
 
 async def _write_chunked(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -57,6 +91,38 @@ async def read_request_header(reader: asyncio.StreamReader, limit: int) -> int:
     if length > limit:
         raise FrameTooLarge(length, limit, "frame")
     return length
+
+
+async def read_body(
+    reader: asyncio.StreamReader,
+    length: int,
+    *,
+    min_rate: float,
+    grace: float,
+    clock: Callable[[], float] | None = None,
+) -> bytes:
+    """Read `length` bytes at an average of at least `min_rate` bytes/s after `grace` seconds (`BodyPace`);
+    `TooSlow` as soon as the sender falls behind, `asyncio.IncompleteReadError` if the stream ends first.
+    Memory grows with what arrived, not with what the header claimed."""
+    now = clock or asyncio.get_running_loop().time
+    pace = BodyPace(now(), min_rate, grace)
+    chunks: list[bytes] = []
+    received = 0
+    while received < length:
+        left = pace.due(received) - now()
+        try:  # behind already (our loop was busy?): what has arrived meanwhile still counts
+            chunk = await asyncio.wait_for(
+                reader.read(min(length - received, WRITE_CHUNK)), max(left, LAST_CHANCE_SECONDS)
+            )
+        except TimeoutError:
+            raise TooSlow(received, length, pace) from None
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"".join(chunks), length)
+        chunks.append(chunk)
+        received += len(chunk)
+        if left <= 0 and pace.behind(received, now()):
+            raise TooSlow(received, length, pace)
+    return b"".join(chunks)
 
 
 async def write_reply(writer: asyncio.StreamWriter, status: int, items: list[bytes]) -> None:
@@ -105,6 +171,7 @@ def decode_fetch(body: bytes) -> tuple[int, int]:
 
 
 FETCH_BODY_BYTES = _FETCH.size
+FRAGMENT_BODY_BYTES = _U32.size
 
 
 def encode_fragment(fragment: int) -> bytes:

@@ -5,8 +5,11 @@ handlers). Every payload goes over a stream (no 4 MiB unary cap) in the `streams
 inbound side answers with an `InboundHandlers` through a composed `net.serving.InboundServer` (whose
 rejection reasons are re-exported here); the sender's ID is the authenticated connection's
 peer ID (`stream_info.peer_id`), never anything in the payload. Inbound requests are checked against
-the allowlist, a concurrency limit and a size cap before their bodies are read; a handler that raises
-is logged and answered with a ``handler error`` rejection, and the peer keeps serving.
+the allowlist, per-peer and total stream limits, a header deadline and the op's size cap before their
+bodies are read, and bodies must keep a minimum rate (`net.limits`: any peer may be hostile and hold
+streams open; one that does only blocks itself); a handler that raises is logged and answered with a
+``handler error`` rejection, and the peer keeps serving. Replies are read under the op's cap too
+(`FrameCaps`: a snapshot reply is capped at the largest fragment's snapshot).
 
 Handlers may answer with a `concurrent.futures.Future` (the node's driver posts each request to its
 peer's owner thread); the transport awaits it, up to `answer_timeout`, on its own event loop, so it
@@ -34,13 +37,23 @@ from hivemind.p2p import P2P, PeerID
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
 from p2p_diloco.net.addresses import parse_peer_id
+from p2p_diloco.net.limits import (
+    DEFAULT_FRAME_BYTES,
+    DEFAULT_REPLY_BYTES,
+    FrameCaps,
+    InboundLimits,
+    OutboundSlots,
+)
 from p2p_diloco.net.serving import (
     LINGER_SECONDS,
     REJECT_BAD_REQUEST,
     REJECT_BUSY,
     REJECT_HANDLER_ERROR,
+    REJECT_HEADER_TIMEOUT,
     REJECT_NOT_ALLOWED,
+    REJECT_PEER_BUSY,
     REJECT_TOO_LARGE,
+    REJECT_TOO_SLOW,
     InboundServer,
 )
 from p2p_diloco.wire import keys
@@ -55,8 +68,11 @@ __all__ = [
     "REJECT_BAD_REQUEST",
     "REJECT_BUSY",
     "REJECT_HANDLER_ERROR",
+    "REJECT_HEADER_TIMEOUT",
     "REJECT_NOT_ALLOWED",
+    "REJECT_PEER_BUSY",
     "REJECT_TOO_LARGE",
+    "REJECT_TOO_SLOW",
     "REPLY_CLOSED",
     "REPLY_TIMEOUT",
     "REPLY_UNREACHABLE",
@@ -69,6 +85,10 @@ __all__ = [
 REPLY_TIMEOUT = "transport timeout"
 REPLY_UNREACHABLE = "transport unreachable"
 REPLY_CLOSED = "transport closed"
+# inbound rejections a sender may retry later (the receiver was busy, or its limits cut this stream)
+TRANSIENT_REJECTIONS = frozenset(
+    (REJECT_BUSY, REJECT_PEER_BUSY, REJECT_HANDLER_ERROR, REJECT_HEADER_TIMEOUT, REJECT_TOO_SLOW)
+)
 
 OnReply = Callable[[Reply], None]
 
@@ -89,7 +109,10 @@ class P2PTransport:
     """Transport for one run over the p2pd of `dht` (module docstring). Close it before the DHT.
 
     `handlers` are called on the transport's loop thread and must return at once: an answer, or a
-    future of one (module docstring). Create DHTs before transports where possible:
+    future of one (module docstring). `caps` bound request and reply sizes per op (by default every
+    frame up to `max_frame_bytes`, a fetch's reply up to `max_reply_bytes`; `net.limits.run_frame_caps`
+    gives a run's exact ones); `limits` bound inbound streams; `admit(op, peer)` refuses requests the
+    run does not let a peer make (`net.admission.stream_admission`). Create DHTs before transports where possible:
     hivemind forks the DHT process, and forking while this class's threads run is best avoided.
     """
 
@@ -100,33 +123,34 @@ class P2PTransport:
         run_id: str,
         manifest_hash: str,
         handlers: InboundHandlers | None = None,
-        max_frame_bytes: int = 256 * 1024 * 1024,
-        max_reply_bytes: int = 1024 * 1024 * 1024,
+        max_frame_bytes: int = DEFAULT_FRAME_BYTES,
+        max_reply_bytes: int = DEFAULT_REPLY_BYTES,
+        caps: FrameCaps | None = None,
+        limits: InboundLimits | None = None,
         send_timeout: float = 120.0,
         fetch_timeout: float = 120.0,
-        inbound_timeout: float = 120.0,
-        max_inbound: int = 8,
         allowed_peers: Collection[str] | None = None,
         answer_timeout: float = 10.0,
+        admit: Callable[[str, str], bool] | None = None,
     ):
-        self.max_frame_bytes = max_frame_bytes
-        self.max_reply_bytes = max_reply_bytes
+        self.caps = caps if caps is not None else FrameCaps.uniform(max_frame_bytes, max_reply_bytes)
+        self.limits = limits if limits is not None else InboundLimits()
         self.send_timeout = send_timeout
         self.fetch_timeout = fetch_timeout
-        self.inbound_timeout = inbound_timeout
-        self.max_inbound = max_inbound
         self.answer_timeout = answer_timeout
         self._inbound = InboundServer(
             handlers,
-            max_frame_bytes=max_frame_bytes,
-            inbound_timeout=inbound_timeout,
-            max_inbound=max_inbound,
+            caps=self.caps,
+            limits=self.limits,
             allowed_peers=allowed_peers,
             answer_timeout=answer_timeout,
+            admit=admit,
         )
         self.allowed_peers = self._inbound.allowed_peers
         self.rejected = self._inbound.rejected  # inbound rejections by tag
         self.served = self._inbound.served  # inbound requests answered, by op
+        self.slots = self._inbound.slots  # inbound streams in progress, per peer
+        self._outbound = OutboundSlots(self.limits.per_peer)  # as many to one peer as we would admit
         self._handlers = handlers
         self._protocols = {op: keys.protocol_id(run_id, manifest_hash, op) for op in keys.TRANSPORT_OPS}
         self._pending: set[concurrent.futures.Future[str]] = set()
@@ -253,7 +277,9 @@ class P2PTransport:
     async def _deliver(self, op: str, to_peer: str, frame: bytes, timeout: float) -> Reply:
         """A delta/update round trip turned into one `Reply` (never raises)."""
         try:
-            status, items = await asyncio.wait_for(self._call(op, to_peer, frame, 8192, 8192), timeout)
+            status, items = await asyncio.wait_for(
+                self._call(op, to_peer, frame, *self.caps.reply(op)), timeout
+            )
         except TimeoutError:
             return Reply.transient(REPLY_TIMEOUT, f"no answer from {to_peer} within {timeout:.1f} s")
         except (ConnectionError, OSError, ValueError) as exc:
@@ -263,7 +289,7 @@ class P2PTransport:
         if status != streams.STATUS_OK:  # rejected by the transport before any handler saw it
             reason = items[0].decode("utf-8", "replace")
             tag = reason.split(":", 1)[0]
-            transient = tag in (REJECT_BUSY, REJECT_HANDLER_ERROR)
+            transient = tag in TRANSIENT_REJECTIONS
             return Reply(ReplyStatus.TRANSIENT if transient else ReplyStatus.REFUSED, reason)
         try:
             return decode_reply(items[0])
@@ -301,10 +327,13 @@ class P2PTransport:
             failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
             failed.set_exception(ConnectionError(f"{REPLY_CLOSED}: transport is closed"))
             return failed
-        return self._submit(self._fetch(op, from_peer, body, max_item or self.max_frame_bytes))
+        return self._submit(self._fetch(op, from_peer, body, max_item))
 
-    async def _fetch(self, op: str, from_peer: str, body: bytes, max_item: int) -> Any:
-        call = self._call(op, from_peer, body, max_item, self.max_reply_bytes)
+    async def _fetch(self, op: str, from_peer: str, body: bytes, max_item: int | None = None) -> Any:
+        item_cap, total_cap = self.caps.reply(op)
+        if max_item is not None:  # a chunk: no more than the index says it holds
+            item_cap, total_cap = min(item_cap, max_item), min(total_cap, max_item)
+        call = self._call(op, from_peer, body, item_cap, total_cap)
         try:
             status, items = await asyncio.wait_for(call, self.fetch_timeout)
         except TimeoutError as exc:
@@ -325,6 +354,12 @@ class P2PTransport:
     ) -> tuple[int, list[bytes]]:
         if to_peer == self.peer_id:
             return await self._inbound.answer_local(op, self.peer_id, body)
+        async with self._outbound.slot(to_peer):
+            return await self._call_remote(op, to_peer, body, max_item, max_total)
+
+    async def _call_remote(
+        self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
+    ) -> tuple[int, list[bytes]]:
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(
                 PeerID.from_base58(to_peer), self._protocols[op]

@@ -16,11 +16,13 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import Corpus, load_corpus
-from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
+from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.model.shards import make_sampler
 from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.net.dht_store import PendingDht, identity_check_needed, start_dht
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
 from p2p_diloco.node.island import Island, island_sampler
 from p2p_diloco.node.island_learner import IslandLearner
 from p2p_diloco.node.options import NodeOptions
@@ -31,6 +33,7 @@ from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.driver import PeerDriver
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.wire.signing import PeerKeys
 
 
 @dataclass
@@ -88,6 +91,23 @@ def build_training(manifest: RunManifest, device: str, state: StateDir) -> Built
     model.to(device)
     optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
     return BuiltModel(corpus, model, shapes, plan, replica, restored, optimizer)
+
+
+def make_peer(manifest: RunManifest, opts: NodeOptions, built: BuiltModel, peer_id: str) -> Peer:
+    """The peer state machine: it signs updates with the node's identity and, in public runs, tries each
+    delta on held-out data before merging (`model.probe`)."""
+    return Peer(
+        peer_id,
+        manifest,
+        built.plan,
+        built.replica,
+        shapes=built.shapes,
+        keys=PeerKeys(RsaRecordSigner(opts.identity), RsaSignatureCheck()),
+        embedding_names=embedding_parameter_names(built.model),
+        may_sync=opts.may_sync,
+        reachable=not opts.behind_nat,
+        loss_probe=loss_probe_for(manifest, built.replica, built.corpus.eval),
+    )
 
 
 def make_learner(

@@ -28,6 +28,7 @@ from p2p_diloco.config import ModelKind, RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.external import build_skeleton
 from p2p_diloco.model.gpt import GPT
+from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.replica_store import ReplicaFileError, ReplicaStore
 from p2p_diloco.node.state import PEER_STATE_FILE, REPLICA_DIR
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
@@ -126,7 +127,7 @@ def export_model(
 
 def cli_export(args: argparse.Namespace) -> int:
     """`p2p-diloco export MANIFEST --state-dir DIR --out FILE [--force]`."""
-    manifest = RunManifest.load(args.manifest)
+    manifest = load_run_manifest(args.manifest)
     if getattr(args, "format", "safetensors") == "hf":
         from p2p_diloco.node.export_hf import export_hf
 

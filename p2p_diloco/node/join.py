@@ -19,21 +19,25 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
 from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.manifest_signature import load_run_manifest
+from p2p_diloco.node.evaluation import EvalMode, EvalOptions
 from p2p_diloco.node.heap import bound_heap
 from p2p_diloco.node.island import island_env, prepare_island, run_follower, torchrun_argv
+from p2p_diloco.node.logsinks import missing_package, parse_log_to
+from p2p_diloco.node.observing import ObserveOptions
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
 
 
 def options_from_args(args: argparse.Namespace) -> NodeOptions:
     """`NodeOptions` from parsed `join` arguments; `ConfigError` naming the bad argument."""
-    manifest = RunManifest.load(args.manifest)
+    env = island_env()
+    manifest = load_run_manifest(args.manifest, warn=env is None or env.rank == 0)
     initial = parse_peer_addresses(args.initial_peers or manifest.bootstrap, what="--initial-peers")
     listen = parse_listen_addresses(args.listen or DEFAULT_HOST_MADDRS, what="--listen")
     announce = parse_listen_addresses(args.announce or (), what="--announce")
@@ -82,6 +86,26 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
     )
 
 
+def observe_options_from_args(args: argparse.Namespace) -> ObserveOptions:
+    """Global evaluation and ``--log-to`` from `join` arguments; `ConfigError` naming the bad one
+    (a ``--log-to`` target whose package is missing names the ``pip install`` that adds it)."""
+    evaluate, no_evaluate = getattr(args, "evaluate", False), getattr(args, "no_evaluate", False)
+    if evaluate and no_evaluate:
+        raise ConfigError("--evaluate and --no-evaluate exclude each other")
+    mode = EvalMode.ALWAYS if evaluate else EvalMode.NEVER if no_evaluate else EvalMode.AUTO
+    defaults = EvalOptions()
+    every = getattr(args, "eval_every", None) or defaults.every_updates
+    batches = getattr(args, "eval_batches", None) or defaults.batches
+    if every < 1 or batches < 1:
+        raise ConfigError(f"--eval-every and --eval-batches must be >= 1, got {every} and {batches}")
+    specs = tuple(parse_log_to(value) for value in getattr(args, "log_to", None) or ())
+    for spec in specs:
+        hint = missing_package(spec.target)
+        if hint is not None:
+            raise ConfigError(hint)
+    return ObserveOptions(EvalOptions(mode=mode, every_updates=every, batches=batches), log_to=specs)
+
+
 def _configure_logging(verbose: bool) -> None:
     """The project's own log lines to stderr (hivemind configures its loggers itself)."""
     logger = logging.getLogger("p2p_diloco")
@@ -94,6 +118,7 @@ def _configure_logging(verbose: bool) -> None:
 
 def cli_join(args: argparse.Namespace) -> int:
     options = options_from_args(args)
+    observe = observe_options_from_args(args)
     nproc = getattr(args, "nproc", 1)
     env = island_env()
     if nproc > 1 and env is None:  # checked the arguments above: now run them on nproc torchrun ranks
@@ -116,7 +141,7 @@ def cli_join(args: argparse.Namespace) -> int:
         )
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
-    node = PeerNode(options, stop=stop, island=island)
+    node = PeerNode(options, stop=stop, island=island, observe=observe)
     main_pid = os.getpid()
 
     def on_usr1(signum: int, _frame: FrameType | None) -> None:

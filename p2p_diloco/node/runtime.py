@@ -32,10 +32,17 @@ from typing import TextIO
 
 import torch
 
-from p2p_diloco.model.gpt import embedding_parameter_names
+from p2p_diloco.net.admission import admission_for
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
+from p2p_diloco.net.limits import run_transport_options
 from p2p_diloco.net.transport import P2PTransport
-from p2p_diloco.node.assembly import build_training, catch_up_at_start, make_learner, start_node_dht
+from p2p_diloco.node.assembly import (
+    build_training,
+    catch_up_at_start,
+    make_learner,
+    make_peer,
+    start_node_dht,
+)
 from p2p_diloco.node.bytes import ByteCounter
 from p2p_diloco.node.events import GoodputCounters, PeerEventLog, ReplicaSaver, own_threads
 from p2p_diloco.node.guard import DhtClock, HandlerSlot
@@ -43,6 +50,7 @@ from p2p_diloco.node.island import Island
 from p2p_diloco.node.island_learner import finish_island
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
+from p2p_diloco.node.observing import ObserveOptions, Observing
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.reporting import (
     NodeSnapshot,
@@ -75,6 +83,7 @@ class PeerNode:
         stop: threading.Event | None = None,
         out: TextIO = sys.stdout,
         island: Island | None = None,
+        observe: ObserveOptions | None = None,
     ):
         self.options = options
         self.island = island  # set: this process is rank 0 of an island (node/island.py)
@@ -100,6 +109,8 @@ class PeerNode:
         self.bytes = ByteCounter("")
         self.counters = GoodputCounters(self.telemetry)
         self.saver: ReplicaSaver | None = None
+        self.observe = observe or ObserveOptions()  # global eval, stats record, --log-to (node.observing)
+        self.observing: Observing | None = None
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -134,27 +145,17 @@ class PeerNode:
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
             handlers=self.bytes.counting_handlers(self.guard),
-            max_frame_bytes=manifest.wire.max_message_bytes,
-            allowed_peers=manifest.allowlist or None,
+            **run_transport_options(manifest, plan, built_model.shapes),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
         self.learner = make_learner(manifest, opts, built_model, peer_id, self.island)
         if self.island is not None:
             self.telemetry.tokens_per_step *= self.island.world_size
-        self.peer = Peer(
-            peer_id,
-            manifest,
-            plan,
-            replica,
-            shapes=built_model.shapes,
-            embedding_names=embedding_parameter_names(built_model.model),
-            may_sync=opts.may_sync,
-            reachable=not opts.behind_nat,
-        )
+        self.peer = make_peer(manifest, opts, built_model, peer_id)
         self.driver = ThreadedDriver(
             self.peer,
-            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout),
+            kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),
             transport=self.bytes.counting_transport(self.p2p),
             clock=self.clock,
             learner=self.learner,
@@ -169,6 +170,10 @@ class PeerNode:
         self.saver = ReplicaSaver(self.state, self.peer, driver, self.clock, last_in_sync, self.event)
         driver.every(opts.persist_every, self.saver.save)
         driver.every(self.display.period(opts.progress_every), self.progress)
+        self.observing = Observing(self.observe, manifest, peer_id, self.clock)
+        self.observing.attach(
+            driver, self.peer, built_model.corpus.eval, opts.device, self.ledger, self.bytes, self.event
+        )
         driver.start()
         self.event(
             "start",
@@ -236,6 +241,8 @@ class PeerNode:
                 self.stop.wait(IDLE_POLL_SECONDS)
             elif opts.min_step_time > 0:  # a paced learner emulates a slower device
                 self.stop.wait(max(0.0, started + opts.min_step_time - time.monotonic()))
+            if self.observing is not None:
+                self.observing.after_step()  # global eval, when this peer is the evaluator and it is due
 
     def _training_done(self) -> bool:
         assert self.learner is not None
@@ -308,6 +315,8 @@ class PeerNode:
             **fields,
         )
         self.display.show(snapshot, line)
+        if self.observing is not None:  # to the --log-to sinks
+            self.observing.progress(learner, self.telemetry.tokens_per_s(self.training))
 
     def _take_snapshot(self) -> NodeSnapshot:
         assert self.peer is not None
@@ -367,6 +376,8 @@ class PeerNode:
         flushed = self.p2p.flush(flush_timeout) if self.p2p is not None else True
         if self.metrics is not None:
             self.metrics.close()
+        if self.observing is not None:
+            self.observing.close()
         self.display.stop()
         if peer is not None:
             self.event(

@@ -24,8 +24,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
+from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
-from p2p_diloco.protocol import election
+from p2p_diloco.protocol import election, lease_rules
 from p2p_diloco.wire.interfaces import KeyValueStore
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import RecordError, decode_heartbeat, decode_lease
@@ -34,7 +35,9 @@ from p2p_diloco.wire.records import RecordError, decode_heartbeat, decode_lease
 def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[str, Any]:
     """The swarm as seen in the DHT at `now`: synchronizer, per-fragment versions, live peers, leases.
 
-    ``synchronizer`` is the holder of the live lease with the highest term (None if no lease is live);
+    ``synchronizer`` is the holder of the live lease with the highest term among the leases the run's lease
+    rules accept (`screen_read`; the others are listed in ``refused_leases`` with their reason), None if
+    no such lease is live;
     a fragment's version is the highest any live peer reports; ``ignored`` counts records that failed
     their schema check.
     """
@@ -77,7 +80,9 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
             leases.append(decode_lease(holder, stored.value))
         except RecordError:
             ignored["bad lease"] += 1
-    current = election.current_holder(leases, now)
+    screened = screen_read(leases, peers, manifest, now)
+    valid = [item.lease for item in screened.valid]
+    current = election.current_holder(valid, now)
     versions = [
         max((p["versions"][i] for p in peers if p["versions"]), default=0) for i in range(num_fragments)
     ]
@@ -90,7 +95,7 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
             if current is not None
             else None
         ),
-        "highest_term": election.highest_term(leases),
+        "highest_term": election.highest_term(valid),
         "fragments": [{"index": i, "version": v} for i, v in enumerate(versions)],
         "peers": peers,
         "leases": [
@@ -103,8 +108,31 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
             }
             for lease in sorted(leases, key=lambda x: (x.term, x.holder))
         ],
+        "refused_leases": [
+            {"peer_id": lease.holder, "term": lease.term, "reason": tag} for lease, tag, _ in screened.refused
+        ],
         "ignored": dict(ignored),
     }
+
+
+def screen_read(
+    leases: list[election.LeaseRecord], peers: list[dict[str, Any]], manifest: RunManifest, now: float
+) -> lease_rules.Screened:
+    """The lease rules every peer applies (`protocol.lease_rules`), on one read by a passive observer: every
+    record first seen now, and the trusted term the one at least two live peers report (a lone forged
+    heartbeat cannot raise it)."""
+    reported = sorted((p["term_seen"] for p in peers), reverse=True)
+    floor = reported[1] if len(reported) >= 2 else 0
+    return lease_rules.screen_leases(
+        [lease_rules.SeenLease(lease, now) for lease in leases],
+        term_floor=floor,
+        timing=manifest.timing,
+        may_synchronize=manifest.may_synchronize,
+        # only peers that may synchronize vouch for a term (a stranger's heartbeat is a self-report)
+        terms_reported={
+            p["peer_id"]: p["term_seen"] for p in peers if manifest.may_synchronize(p["peer_id"])
+        },
+    )
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -140,6 +168,8 @@ def format_status(status: dict[str, Any]) -> str:
     for p in status["peers"]:
         for line in p["decisions"][-3:]:
             lines.append(f"{p['peer_id'][:16]}: {line}")
+    for refused in status.get("refused_leases", []):
+        lines.append(f"refused lease: {refused['peer_id']} term {refused['term']}: {refused['reason']}")
     if status["ignored"]:
         lines.append(f"ignored records: {status['ignored']}")
     if status.get("ledger") is not None:
@@ -161,7 +191,7 @@ def local_ledger(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def cli_status(args: argparse.Namespace) -> int:
     """`p2p-diloco status MANIFEST --initial-peers ADDR... [--json] [--wait S]`."""
-    manifest = RunManifest.load(args.manifest)
+    manifest = load_run_manifest(args.manifest)
     ledger = local_ledger(args)
     if getattr(args, "ledger", False):
         print(json.dumps(ledger) if args.json else format_ledger(ledger), flush=True)

@@ -9,8 +9,10 @@ same conclusion.
 The rule, in short:
 - the live lease (not expired, not released) with the highest term is the synchronizer; ties between live
   leases of one term go to the holder ranked first by `rendezvous_rank(LEASE_TIE_SALT, term, holders)`;
-- T = the highest term anyone has seen (lease records still visible, and `term_seen` in heartbeats, so a
-  term survives its lease record disappearing from the DHT). A holder of a term below T steps down;
+- T = the highest term of a valid visible lease or the caller's `term_floor` (the highest valid term this
+  peer has seen, so a term survives its lease record disappearing from the DHT). Heartbeats never raise T:
+  their `term_seen` is a self-report any peer can forge (`swarm.membership` screens leases, see
+  `protocol.lease_rules`). A holder of a term below T steps down;
 - with no live lease of term >= T, the up-to-date eligible peers are ranked for term T+1 by a rendezvous
   hash of (run, T+1, peer ID). From a base time, claim windows of `claim_grace` seconds go to the ranked
   candidates in turn (rank 0 first, then rank 1 if rank 0 never claimed, ..., wrapping around), so at any
@@ -135,9 +137,9 @@ def highest_term(leases: Iterable[LeaseRecord]) -> int:
     return max((lease.term for lease in leases), default=0)
 
 
-def highest_term_seen(leases: Iterable[LeaseRecord], heartbeats: Iterable[PeerHeartbeat]) -> int:
-    """T: the highest term in visible leases or reported by any heartbeat's `term_seen`."""
-    return max(highest_term(leases), max((hb.term_seen for hb in heartbeats), default=0))
+def highest_term_seen(leases: Iterable[LeaseRecord], term_floor: int = 0) -> int:
+    """T: the highest term in visible (valid) leases, or `term_floor` if higher."""
+    return max(highest_term(leases), term_floor)
 
 
 def current_holder(leases: Iterable[LeaseRecord], now: float) -> LeaseRecord | None:
@@ -151,21 +153,33 @@ def current_holder(leases: Iterable[LeaseRecord], now: float) -> LeaseRecord | N
     return of_top[rendezvous_rank(LEASE_TIE_SALT, top, of_top)[0]]
 
 
+def newest_versions(
+    heartbeats: Iterable[PeerHeartbeat], now: float, verified_newest: int | None = None
+) -> int:
+    """The highest sum of fragment versions among live heartbeats, capped at `verified_newest` (the sum
+    the caller has seen backed by validly leased updates): a forged heartbeat claiming versions nobody
+    published must not make honest peers look out of date."""
+    newest = max((sum(hb.versions) for hb in heartbeats if hb.live(now)), default=0)
+    return newest if verified_newest is None else min(newest, verified_newest)
+
+
 def eligible_candidates(
-    heartbeats: Iterable[PeerHeartbeat], now: float, max_lag: int = 0
+    heartbeats: Iterable[PeerHeartbeat], now: float, max_lag: int = 0, verified_newest: int | None = None
 ) -> list[PeerHeartbeat]:
     """Live heartbeats that may synchronize, are reachable and are up to date, sorted by peer ID.
 
-    Up to date: the sum of its fragment versions is within `max_lag` of the highest such sum among *all*
-    live heartbeats (a synchronizer must start from the newest global state, and any peer holding it counts).
+    Up to date: the sum of its fragment versions is within `max_lag` of `newest_versions` (a synchronizer
+    must start from the newest global state, and any peer holding it counts).
     """
     live = [hb for hb in heartbeats if hb.live(now)]
-    newest = max((sum(hb.versions) for hb in live), default=0)
+    newest = newest_versions(live, now, verified_newest)
     ok = [hb for hb in live if hb.may_sync and hb.reachable and sum(hb.versions) >= newest - max_lag]
     return sorted(ok, key=lambda hb: hb.peer_id)
 
 
-def _why_not_eligible(self_id: str, heartbeats: Sequence[PeerHeartbeat], now: float, max_lag: int) -> str:
+def _why_not_eligible(
+    self_id: str, heartbeats: Sequence[PeerHeartbeat], now: float, max_lag: int, verified_newest: int | None
+) -> str:
     mine = [hb for hb in heartbeats if hb.peer_id == self_id and hb.live(now)]
     if not mine:
         return "no live heartbeat of mine"
@@ -174,7 +188,7 @@ def _why_not_eligible(self_id: str, heartbeats: Sequence[PeerHeartbeat], now: fl
         return "may_sync is off"
     if not hb.reachable:
         return "not reachable"
-    newest = max(sum(h.versions) for h in heartbeats if h.live(now))
+    newest = newest_versions(heartbeats, now, verified_newest)
     return f"versions sum {sum(hb.versions)} lags the newest {newest} by more than {max_lag}"
 
 
@@ -213,14 +227,18 @@ def decide(
     my_lease: LeaseRecord | None,
     rounds_done: int,
     max_lag: int = 0,
+    term_floor: int = 0,
+    verified_newest: int | None = None,
 ) -> ElectionDecision:
     """What `self_id` should do about the synchronizer role now.
 
+    `leases` are the records that passed `protocol.lease_rules` (all of them are trusted here);
     `my_lease` is the lease this peer last wrote and still believes it holds (None, or a released record,
-    when it holds none); `rounds_done` counts the rounds it merged in that term.
+    when it holds none); `rounds_done` counts the rounds it merged in that term; `term_floor` and
+    `verified_newest` are what this peer itself has verified (see `highest_term_seen`, `newest_versions`).
     """
     heartbeats, leases = list(heartbeats), list(leases)
-    term_seen = highest_term_seen(leases, heartbeats)
+    term_seen = highest_term_seen(leases, term_floor)
     holder = current_holder(leases, now)
     if my_lease is not None and not my_lease.released:
         if my_lease.holder != self_id:
@@ -244,7 +262,9 @@ def decide(
             holder=holder.holder,
             expires_at=holder.expires_at,
         )
-    return _decide_claim(self_id, run_id, heartbeats, leases, term_seen, now, timing, max_lag)
+    return _decide_claim(
+        self_id, run_id, heartbeats, leases, term_seen, now, timing, max_lag, verified_newest
+    )
 
 
 def _decide_as_holder(
@@ -329,6 +349,7 @@ def _decide_claim(
     now: float,
     timing: SwarmTiming,
     max_lag: int,
+    verified_newest: int | None,
 ) -> ElectionDecision:
     next_term = term_seen + 1
     last = [lease for lease in leases if lease.term == term_seen]
@@ -343,7 +364,7 @@ def _decide_claim(
             holder=old.holder,
             expires_at=old.expires_at,
         )
-    candidates = [hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag)]
+    candidates = [hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)]
     if not candidates:
         live = sum(hb.live(now) for hb in heartbeats)
         return ElectionDecision(
@@ -359,7 +380,7 @@ def _decide_claim(
     turn = ranking[window % len(ranking)]
     if self_id not in ranking:
         why = "previous holder, rotating out" if self_id in rotated_out else None
-        why = why or _why_not_eligible(self_id, heartbeats, now, max_lag)
+        why = why or _why_not_eligible(self_id, heartbeats, now, max_lag, verified_newest)
         return ElectionDecision(
             WAIT, f"{TAG_NOT_ELIGIBLE}: {why}; {turn} may claim term {next_term}", term=next_term, holder=turn
         )

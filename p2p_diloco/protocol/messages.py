@@ -42,6 +42,7 @@ class UpdateRecord:
     contributors: tuple[tuple[str, float], ...]
     checksum: str
     payload: bytes
+    signature: bytes = b""  # the leader's, over `wire.frames.update_signing_bytes` (`wire.signing`)
 
     @property
     def to_version(self) -> int:

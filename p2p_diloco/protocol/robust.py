@@ -52,7 +52,7 @@ import hashlib
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +73,7 @@ from p2p_diloco.protocol.robust_config import (
     TOKEN_CLAIM,
     RobustConfig,
 )
+from p2p_diloco.protocol.standing import Standing
 
 ACCEPT, CLIP, REJECT = Action.ACCEPT, Action.CLIP, Action.REJECT
 
@@ -136,6 +137,7 @@ class RobustGuard:
         self.config = config
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(1, int(config.max_steps_factor * inner_steps))
+        self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self._norms: dict[tuple[int, str], deque[float]] = {}
         self._reference: dict[int, dict[str, Tensor]] = {}
@@ -148,6 +150,14 @@ class RobustGuard:
         self._cool_until: dict[str, float] = {}
         self.cooldowns: list[tuple[float, str, str]] = []  # (start, sender, last offence)
         self.rejected: Counter[tuple[str, str]] = Counter()  # (sender, tag), every rejection reported
+        self._direction_outliers: dict[str, deque[float]] = {}
+        # model.probe.LossProbe when the loss check is on: delta -> relative change of held-out loss
+        self.loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None
+        self.standing = Standing(
+            new_peer_rounds=config.new_peer_rounds if config.enabled else 0,
+            active_window=config.active_window,
+            newcomer_grace=config.newcomer_grace,
+        )
 
     @classmethod
     def from_manifest(cls, manifest, config: RobustConfig | None = None) -> RobustGuard:
@@ -176,7 +186,11 @@ class RobustGuard:
         """Count a rejection of `sender`'s input; returns a COOL_DOWN_STARTED decision when one begins."""
         self.rejected[(sender, tag)] += 1
         cfg = self.config
-        if not cfg.enabled or tag in NON_OFFENCES:
+        if not cfg.enabled:
+            return None
+        if tag == DIRECTION_OUTLIER and self._repeated(self._direction_outliers, sender, now):
+            tag = f"{cfg.direction_offence_limit} {DIRECTION_OUTLIER}s"
+        elif tag in NON_OFFENCES:
             return None
         times = self._offences.setdefault(sender, deque())
         times.append(now)
@@ -193,9 +207,25 @@ class RobustGuard:
             f"offences within {cfg.offence_window:.0f}s, the last {tag!r}",
         )
 
+    def _repeated(self, table: dict[str, deque[float]], sender: str, now: float) -> bool:
+        """Note one more event of `sender`; True (and restart) when `direction_offence_limit` fall within
+        `offence_window`."""
+        times = table.setdefault(sender, deque())
+        times.append(now)
+        while times and times[0] < now - self.config.offence_window:
+            times.popleft()
+        if len(times) < self.config.direction_offence_limit:
+            return False
+        times.clear()
+        return True
+
     # ---- counters and replays -----------------------------------------------------------------------
 
-    def check_counters(self, tokens: int, steps: int) -> CounterCheck:
+    def check_counters(self, tokens: int, steps: int, *, for_weight: bool = False) -> CounterCheck:
+        """Tokens per step must match the manifest; steps (and tokens with them) are clipped to
+        `max_steps`, and for the merge weight (`for_weight`) to H: no claim out-weighs an honest learner
+        that trained a full H steps (an honest delta that trained on while in flight loses the excess
+        weight, not its place in the merge)."""
         if not self.config.enabled or steps <= 0:
             return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: counters not checked"), tokens, steps)
         expected = self.tokens_per_step
@@ -209,12 +239,11 @@ class RobustGuard:
                 tokens,
                 steps,
             )
-        if steps > self.max_steps:
-            clipped = round(tokens * self.max_steps / steps)
+        cap = min(self.max_steps, self.inner_steps) if for_weight else self.max_steps
+        if steps > cap:
+            clipped = round(tokens * cap / steps)
             return CounterCheck(
-                Decision(CLIP, f"{STEP_CLAIM}: {steps} steps clipped to {self.max_steps} for the weight"),
-                clipped,
-                self.max_steps,
+                Decision(CLIP, f"{STEP_CLAIM}: {steps} steps clipped to {cap} for the weight"), clipped, cap
             )
         return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: {tokens} tokens in {steps} steps"), tokens, steps)
 

@@ -19,6 +19,7 @@ NORM_OUTLIER = "norm outlier"
 NORM_CLIPPED = "norm clipped"
 DIRECTION_OUTLIER = "direction outlier"
 COOL_DOWN_STARTED = "cool-down started"
+LOSS_CHECK = "loss check"
 
 # Rejection tags (of any module) that never count as offences. A direction outlier is a statistical call
 # that honest learners also hit (after a failover or an overshooting outer step their deltas can be near
@@ -56,11 +57,29 @@ class RobustConfig:
     round_min: int = 3
     warmup_wait: float = 10.0
     token_tolerance: float = 0.01
+    # Steps counted for a delta's weight and per-step norm: at most H x (1 + its anchor's staleness) (what
+    # the schedule allows: H steps per version the fragment moved on while the delta was being made), and
+    # never more than this many times H. A delta on the current version earns at most a full H's weight.
     max_steps_factor: float = 4.0
     replay_memory: int = 256
     offence_limit: int = 4
     offence_window: float = 30.0
     cooldown: float = 120.0
+    # A new key's merge weight ramps up over its first rounds: (rounds merged + 1) / (new_peer_rounds + 1).
+    new_peer_rounds: int = 4
+    # Live learners (outer scaling, whom a round waits for) are those merged within `active_window`
+    # seconds, or first heard within `newcomer_grace`: idle heartbeats of made-up keys change nothing.
+    active_window: float = 120.0
+    newcomer_grace: float = 60.0
+    # Direction outliers are not offences one by one (honest learners hit them after a failover), but
+    # this many within `offence_window` count as one.
+    direction_offence_limit: int = 3
+    # The loss check (`model.probe`): before merging, each delta is tried alone on the global model and
+    # refused if the held-out loss rises by more than `loss_tolerance` (relative). "auto": on in public
+    # runs (`[trust] authority` set), off in private ones.
+    loss_check: str = "auto"
+    loss_tolerance: float = 0.02
+    loss_windows: int = 16
 
     def __post_init__(self) -> None:
         positive = (
@@ -70,6 +89,8 @@ class RobustConfig:
             "cooldown",
             "max_steps_factor",
             "warmup_wait",
+            "active_window",
+            "newcomer_grace",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -83,6 +104,7 @@ class RobustConfig:
             "offence_limit",
             "replay_memory",
             "direction_window",
+            "direction_offence_limit",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"robust.{name} must be >= 1, got {getattr(self, name)}")
@@ -92,5 +114,11 @@ class RobustConfig:
             raise ConfigError("robust.min_cosine must be in [-1, 1) and robust.noise_z >= 0")
         if self.round_min < 3:
             raise ConfigError("robust.round_min must be >= 3 (with two deltas no majority can judge)")
+        if self.loss_check not in ("auto", "on", "off"):
+            raise ConfigError(f'robust.loss_check must be "auto", "on" or "off", got {self.loss_check!r}')
+        if not self.loss_tolerance >= 0 or self.loss_windows < 1:
+            raise ConfigError("robust.loss_tolerance must be >= 0 and robust.loss_windows >= 1")
+        if self.new_peer_rounds < 0:
+            raise ConfigError(f"robust.new_peer_rounds must be >= 0 (0: no ramp), got {self.new_peer_rounds}")
         if self.token_tolerance < 0:
             raise ConfigError(f"robust.token_tolerance must be >= 0, got {self.token_tolerance}")

@@ -8,14 +8,19 @@ The learner itself trains honestly; `HostileTransport` passes every delta it sen
 - "sign_flip": the negated delta;
 - "nan": the delta with NaN in every tensor (a diverged learner);
 - "stale_replay": the first delta of each fragment, resent verbatim forever (old anchor, old payload);
-- "inflated_tokens": the honest delta claiming `scale` (default 100) times the tokens it trained.
+- "inflated_tokens": the honest delta claiming `scale` (default 100) times the tokens it trained;
+- "inflated_claim": the honest delta claiming `scale` (default 10^6) inner steps with the matching tokens
+  (so the tokens-per-step check passes): a claim for more merge weight;
+- "revert": a delta that looks honest (each tensor at the norm of the honest one) but points from the
+  current global weights back toward the initial ones, claiming `scale` (default 10^6) steps with
+  matching tokens (issue #12). Needs `toward(fragment) -> (global params, initial params)`.
 
 Deterministic for a seed (noise uses its own `torch.Generator`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -25,8 +30,25 @@ from p2p_diloco.wire.frames import decode_delta, encode_delta
 from p2p_diloco.wire.interfaces import Transport
 from p2p_diloco.wire.replies import Reply
 
-ATTACKS = ("scaled", "noise", "sign_flip", "nan", "stale_replay", "inflated_tokens")
-DEFAULT_SCALE = {"scaled": 100.0, "noise": 1.0, "inflated_tokens": 100.0}
+ATTACKS = (
+    "scaled",
+    "noise",
+    "sign_flip",
+    "nan",
+    "stale_replay",
+    "inflated_tokens",
+    "inflated_claim",
+    "revert",
+)
+DEFAULT_SCALE = {
+    "scaled": 100.0,
+    "noise": 1.0,
+    "inflated_tokens": 100.0,
+    "inflated_claim": 1e6,
+    "revert": 1e6,
+}
+# (global params, initial params) of one fragment, for "revert"
+Toward = Callable[[int], tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]
 MAX_FRAME_BYTES = 1 << 31
 
 
@@ -41,9 +63,13 @@ class DeltaAttack:
         seed: int = 0,
         codec: str = "int8",
         block_size: int = 4096,
+        toward: Toward | None = None,
     ):
         if kind not in ATTACKS:
             raise ValueError(f"unknown attack {kind!r}; expected one of {ATTACKS}")
+        if kind == "revert" and toward is None:
+            raise ValueError("the revert attack needs toward(fragment) -> (global params, initial params)")
+        self.toward = toward
         self.kind = kind
         self.scale = DEFAULT_SCALE.get(kind, 1.0) if scale is None else scale
         self.codec = codec
@@ -59,8 +85,17 @@ class DeltaAttack:
             return self.first_frames.setdefault(header.fragment, frame)
         if self.kind == "inflated_tokens":
             return encode_delta(replace(header, tokens=int(header.tokens * self.scale)), payload)
+        if self.kind in ("inflated_claim", "revert"):
+            steps = int(self.scale)
+            header = replace(header, steps=steps, tokens=header.tokens * steps // header.steps)
+            if self.kind == "inflated_claim":
+                return encode_delta(header, payload)
         tensors = decode_tensors(payload, max_bytes=MAX_FRAME_BYTES)
-        bad = {name: self._tensor(t) for name, t in tensors.items()}
+        if self.kind == "revert":
+            assert self.toward is not None
+            bad = _toward_initial(tensors, *self.toward(header.fragment))
+        else:
+            bad = {name: self._tensor(t) for name, t in tensors.items()}
         return encode_delta(header, encode_tensors(bad, codec=self.codec, block_size=self.block_size))
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -73,6 +108,21 @@ class DeltaAttack:
         noise = torch.randn(t.shape, generator=self.generator, dtype=torch.float32)
         norm = float(noise.norm())
         return noise * (float(t.norm()) * self.scale / norm) if norm > 0 else noise
+
+
+def _toward_initial(
+    honest: Mapping[str, torch.Tensor],
+    current: Mapping[str, torch.Tensor],
+    initial: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Per tensor, current - initial at the honest delta's norm: the outer step (Θ - lr·Δ) then moves the
+    global weights back toward their initial values by as much as an honest delta moves them forward."""
+    out = {}
+    for name, t in honest.items():
+        back = current[name].float() - initial[name].float()
+        norm = float(back.norm())
+        out[name] = back * (float(t.norm()) / norm) if norm > 0 else torch.zeros_like(t)
+    return out
 
 
 class HostileTransport:
@@ -90,8 +140,14 @@ class HostileTransport:
 
 
 def hostile_transport(
-    inner: Transport, kind: str, *, seed: int = 0, codec: str = "int8", block_size: int = 4096
+    inner: Transport,
+    kind: str,
+    *,
+    seed: int = 0,
+    codec: str = "int8",
+    block_size: int = 4096,
+    toward: Toward | None = None,
 ) -> HostileTransport:
-    """`inner` with its deltas rewritten by attack `kind` at its default scale."""
-    attack = DeltaAttack(kind, seed=seed, codec=codec, block_size=block_size)
+    """`inner` with its deltas rewritten by attack `kind` at its default scale (`toward`: for "revert")."""
+    attack = DeltaAttack(kind, seed=seed, codec=codec, block_size=block_size, toward=toward)
     return HostileTransport(inner, attack.rewrite)

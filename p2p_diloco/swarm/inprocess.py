@@ -20,6 +20,7 @@ import torch
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import BatchSampler, Corpus, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
+from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
@@ -37,6 +38,7 @@ from p2p_diloco.swarm.memory import (
 )
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.swarm.scenario import Crash, LearnerStats, Partition, SwarmReport, SwarmSpec
+from p2p_diloco.wire.signing import InMemoryKeys
 
 __all__ = ["Crash", "InProcessSwarm", "LearnerStats", "Partition", "SwarmReport", "SwarmSpec", "cli_swarm"]
 
@@ -62,6 +64,7 @@ class InProcessSwarm:
         self.loop = EventLoop(self.clock)
         self.network = SimNetwork(self.loop, base_delay=spec.base_delay, rules=list(spec.link_rules))
         self.kv = PartitionedKeyValueStore() if spec.partitions else InMemoryKeyValueStore()
+        self.keys = InMemoryKeys()  # each peer signs its updates with its own secret
         self.peers: dict[int, Peer] = {}
         self.drivers: dict[int, InlineDriver] = {}
         self.learners: dict[int, Learner] = {}
@@ -106,6 +109,7 @@ class InProcessSwarm:
                 seed=self.spec.seed * 1000 + i,
                 codec=wire.codec,
                 block_size=wire.block_size,
+                toward=lambda p: (replica.params_view(p), {n: self.initial[n] for n in self.plan.names(p)}),
             )
         peer = Peer(
             peer_id,
@@ -113,8 +117,10 @@ class InProcessSwarm:
             self.plan,
             replica,
             shapes=self.shapes,
+            keys=self.keys.for_peer(peer_id),
             embedding_names=self.embeddings,
             may_sync=attack is None,
+            loss_probe=loss_probe_for(cfg, replica, self.corpus.eval),
         )
         self.drivers[i] = InlineDriver(
             peer,

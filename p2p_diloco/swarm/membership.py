@@ -1,23 +1,31 @@
 """Who is in the swarm and who synchronizes: heartbeats, lease records and the election, as one peer
 sees them.
 
-`Membership` keeps what the last read of the DHT showed (live peers' heartbeats, every holder seen for
-each term), the synchronizer this peer follows and its own lease. It decodes records (a bad one is
-counted and skipped, never fatal), runs `protocol.election.decide` and returns the lease records to
-store; the `Peer` turns its decisions into role changes and intents.
+`Membership` keeps what the last read of the DHT showed (live peers' heartbeats, every valid holder seen
+for each term), the synchronizer this peer follows and its own lease. It decodes records (a bad one is
+counted and skipped, never fatal), screens leases with `protocol.lease_rules` (a refused one is counted
+by reason and never reaches the election), runs `protocol.election.decide` and returns the lease records
+to store; the `Peer` turns its decisions into role changes and intents. Heartbeats are self-reports: they
+never raise a term, their `may_sync` counts only for the run's synchronizers, and peers the manifest does
+not let take part are not read at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.protocol import election
+from p2p_diloco.protocol import election, lease_rules
 from p2p_diloco.protocol.election import ElectionDecision, LeaseRecord, PeerHeartbeat
+from p2p_diloco.protocol.lease_rules import SeenLease
+from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.effects import StoreRecord, SwarmRecords
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
+
+LEASE_HISTORY = 64
+RECORDS_PER_TERM = 8
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,10 @@ class SwarmView:
 
 
 class Membership:
-    def __init__(self, peer_id: str, manifest: RunManifest, num_fragments: int, journal: Journal):
+    def __init__(
+        self, peer_id: str, manifest: RunManifest, num_fragments: int, journal: Journal, standing: Standing
+    ):
+        self.standing = standing
         self.peer_id = peer_id
         self.manifest = manifest
         self.num_fragments = num_fragments
@@ -38,6 +49,12 @@ class Membership:
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
         self.lease_holders: dict[int, set[str]] = {}
+        # every lease record read, by its exact content, with the time this peer first read it
+        self.first_seen: dict[LeaseRecord, float] = {}
+        self.valid_leases: dict[tuple[str, int], SeenLease] = {}  # (holder, term) -> latest valid record
+        # term -> valid records of earlier reads (renewals replace records in the DHT; rule 4 needs when a
+        # term lapsed as first seen): the newest LEASE_HISTORY terms, RECORDS_PER_TERM records each
+        self.lease_history: dict[int, list[SeenLease]] = {}
         self.my_lease: LeaseRecord | None = None
         self.holder: str | None = None  # the synchronizer this peer follows (itself when it holds the lease)
         self.holder_term = 0
@@ -47,8 +64,8 @@ class Membership:
         self.last_read = float("-inf")
 
     def allowed(self, peer: str) -> bool:
-        """False for peers outside the manifest's allowlist (an empty allowlist allows everyone)."""
-        return not self.manifest.allowlist or peer in self.manifest.allowlist
+        """False for peers the manifest does not let take part (allowlist, `[trust] learners`)."""
+        return self.manifest.may_learn(peer)
 
     def heartbeat_record(self, info: HeartbeatInfo, now: float) -> StoreRecord:
         expiration = now + self.manifest.timing.heartbeat_ttl
@@ -72,7 +89,11 @@ class Membership:
                 self.journal.note(f"ignored heartbeat of {peer}: {exc}")
                 continue
             live[peer] = info
-            heartbeats.append(info.as_election_record(peer, stored.expiration))
+            record = info.as_election_record(peer, stored.expiration)
+            if record.may_sync and not self.manifest.may_synchronize(peer):
+                record = replace(record, may_sync=False)
+            heartbeats.append(record)
+        seen = []
         for holder, stored in records.leases.items():
             if not self.allowed(holder):
                 continue
@@ -82,20 +103,76 @@ class Membership:
                 self.journal.rejections["bad lease"] += 1
                 self.journal.note(f"ignored lease of {holder}: {exc}")
                 continue
-            leases.append(lease)
-            self.lease_holders.setdefault(lease.term, set()).add(lease.holder)
+            seen.append(SeenLease(lease, self.first_seen.setdefault(lease, records.now)))
+        screened = lease_rules.screen_leases(
+            seen,
+            term_floor=self.term_seen,
+            timing=self.manifest.timing,
+            may_synchronize=self.manifest.may_synchronize,
+            terms_reported={
+                peer: info.term_seen for peer, info in live.items() if self.manifest.may_synchronize(peer)
+            },
+            history=[item for records in self.lease_history.values() for item in records],
+        )
+        for lease, tag, detail in screened.refused:
+            if self.first_seen.get(lease) == records.now:  # count each refused record once
+                self.journal.reject(lease.holder, tag, detail)
+        leases = []
+        for item in screened.valid:
+            leases.append(item.lease)
+            kept = self.lease_history.setdefault(item.lease.term, [])
+            if item not in kept:
+                kept[:] = [*kept, item][-RECORDS_PER_TERM:]
+            if lease_rules.counts_as_held(item):
+                self.lease_holders.setdefault(item.lease.term, set()).add(item.lease.holder)
+                key = (item.lease.holder, item.lease.term)
+                if (
+                    key not in self.valid_leases
+                    or item.lease.expires_at >= self.valid_leases[key].lease.expires_at
+                ):
+                    self.valid_leases[key] = item
+        self._forget_old(records.now)
         self.live_peers = live
+        self.standing.heard(live, records.now)
         self.last_read = records.now
         return SwarmView(heartbeats, leases)
 
-    def live_learners(self) -> frozenset[str]:
-        return frozenset(p for p, info in self.live_peers.items() if info.role in ("learner", "synchronizer"))
+    def _forget_old(self, now: float) -> None:
+        """Bounded memory: records long past their DHT expiration cannot be read again."""
+        horizon = now - 4 * self.manifest.timing.lease_ttl
+        for lease in [x for x in self.first_seen if x.expires_at < horizon]:
+            del self.first_seen[lease]
+        for key in [k for k, v in self.valid_leases.items() if v.lease.expires_at < horizon]:
+            del self.valid_leases[key]
+        for term in sorted(self.lease_holders)[:-LEASE_HISTORY]:
+            del self.lease_holders[term]
+        for term in sorted(self.lease_history)[:-LEASE_HISTORY]:
+            del self.lease_history[term]
+
+    def lease_live_at(self, leader: str, term: int, now: float) -> bool:
+        """Whether `leader`'s valid lease of `term` is live at `now` (an update pushed now was published
+        under it); released leases count up to their release, both within `lease_margin` of clock skew."""
+        item = self.valid_leases.get((leader, term))
+        if item is None:
+            return False
+        lease, margin = item.lease, self.manifest.timing.lease_margin
+        end = lease_rules.write_time(lease, self.manifest.timing) if lease.released else lease.expires_at
+        return now <= end + margin
+
+    def live_learners(self, now: float) -> frozenset[str]:
+        """Live learners that count (`protocol.standing`): merged recently, or new."""
+        live = [p for p, info in self.live_peers.items() if info.role in ("learner", "synchronizer")]
+        if not self.manifest.robust.enabled:
+            return frozenset(live)
+        return self.standing.active(live, now)
 
     def held_lease(self, leader: str, term: int) -> bool:
         """Whether `leader` was seen holding the lease of `term`."""
         return leader in self.lease_holders.get(term, ())
 
-    def decide(self, view: SwarmView, now: float, rounds_done: int) -> ElectionDecision:
+    def decide(
+        self, view: SwarmView, now: float, rounds_done: int, verified_newest: int | None = None
+    ) -> ElectionDecision:
         decision = election.decide(
             self.peer_id,
             self.manifest.run_id,
@@ -105,9 +182,13 @@ class Membership:
             self.manifest.timing,
             my_lease=self.my_lease,
             rounds_done=rounds_done,
+            term_floor=self.term_seen,
+            verified_newest=verified_newest,
         )
-        seen = election.highest_term_seen(view.leases, view.heartbeats)
-        self.term_seen = max(self.term_seen, seen, decision.term)
+        seen = election.highest_term_seen(view.leases, self.term_seen)
+        # A wait names the term it waits to claim: only a term someone holds (or I claim) is seen.
+        held = decision.action in (election.CLAIM, election.RENEW, election.HOLD, election.FOLLOW)
+        self.term_seen = max(self.term_seen, seen, decision.term if held else 0)
         quiet = decision.action in (election.HOLD, election.RENEW, election.FOLLOW)
         if not quiet or decision.reason.split(":")[0] != self.last_election.split(":")[0]:
             self.journal.note(f"election: {decision}")

@@ -18,8 +18,10 @@ What it is made of, each with explicit dependencies:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection, Generator, Mapping
 from typing import Any
+
+from torch import Tensor
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
@@ -41,8 +43,12 @@ from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.signing import PeerKeys
 
 Task = Generator[fx.Request, Any, Any]
+
+BAD_SIGNATURE = "bad signature"  # an update not signed by the leader it names
+LEASE_NOT_LIVE = "lease not live"  # a pushed update whose leader's lease was not live when it arrived
 
 
 class Peer:
@@ -54,10 +60,12 @@ class Peer:
         replica: GlobalReplica,
         *,
         shapes: dict[str, tuple[int, ...]],
+        keys: PeerKeys,
         embedding_names: Collection[str] = (),
         has_learner: bool = True,
         may_sync: bool = True,
         reachable: bool = True,
+        loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -72,9 +80,12 @@ class Peer:
         emit = self._out.append
         self.journal = Journal(peer_id, emit)
         self.robust = RobustGuard.from_manifest(manifest)  # shared by every synchronizer term of this peer
-        self.membership = Membership(peer_id, manifest, plan.num_fragments, self.journal)
+        self.robust.loss_probe = loss_probe
+        self.membership = Membership(
+            peer_id, manifest, plan.num_fragments, self.journal, self.robust.standing
+        )
         self.book = UpdateBook(
-            manifest, plan, replica, self.journal, self.robust, emit, has_learner=has_learner
+            manifest, plan, replica, self.journal, self.robust, emit, keys, has_learner=has_learner
         )
         self.repair = Repair(
             peer_id,
@@ -213,7 +224,7 @@ class Peer:
     def elect(self, view, now: float) -> ElectionDecision:
         rounds = self.sync.rounds_done if self.sync else 0
         membership = self.membership
-        decision = membership.decide(view, now, rounds)
+        decision = membership.decide(view, now, rounds, verified_newest=self.book.verified_newest())
         if decision.action in (election.CLAIM, election.RENEW):
             lease = decision.lease_to_write()
             assert lease is not None
@@ -303,13 +314,20 @@ class Peer:
             return self.journal.reject(
                 sender, "not the leader", f"update of term {record.term} names {record.leader}"
             )
+        if not self.book.signed_by_leader(record):
+            return self.journal.reject(sender, BAD_SIGNATURE, f"update of term {record.term}")
         if not (yield from self.repair.verify_lease(record.leader, record.term, now)):
             return self.journal.reject(
-                sender, "no lease", f"{sender} never held the lease of term {record.term}"
+                sender, "no lease", f"{sender} never held a valid lease of term {record.term}"
             )
+        if not self.membership.lease_live_at(record.leader, record.term, now):
+            return self.journal.reject(
+                sender, LEASE_NOT_LIVE, f"{sender}'s lease of term {record.term} is not live at {now:.2f}"
+            )
+        self.book.vouchers.vouch(record)
         self.membership.term_seen = max(self.membership.term_seen, record.term)
         before = self.book.tip(record.fragment)
-        reply = self.book.apply(record, source=sender, how=UpdateSource.PUSHED)
+        reply = self.book.apply(record, source=sender, how=UpdateSource.PUSHED, now=now)
         if reply.status == ReplyStatus.APPLIED:
             self.deltas.on_merged(record)
             return reply

@@ -43,11 +43,13 @@ from p2p_diloco.swarm.learner import Reload
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.snapshots import ChunkedDownload, SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS
 from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex, chunk_layout, decode_index
 
 REJECT_NOT_ALLOWED = "not allowed"
+UNVOUCHED_SNAPSHOT = "unvouched snapshot"  # a snapshot whose state no checked update or two peers vouch for
 Task = Generator[Request, Any, Any]
 Downloaded = tuple[SnapshotIndex, dict, dict]
 MAX_INDEX_BYTES = 64 * 1024 * 1024
@@ -121,10 +123,16 @@ class Repair:
 
     # ---- leases behind updates ---------------------------------------------------------------------
 
-    def verify_lease(self, leader: str, term: int, now: float) -> Task:
+    def verify_lease(self, leader: str, term: int, now: float, *, past_terms: bool = False) -> Task:
         """Whether `leader` held the lease of `term`; re-reads the swarm if unknown (at most once per
-        heartbeat period: every frame of a replayed log used to cost a DHT read)."""
+        heartbeat period: every frame of a replayed log used to cost a DHT read).
+
+        `past_terms` (replays and snapshot vouching, never pushes): a term below the highest this peer
+        trusts, whose lease it never saw (it lagged through it), counts for a leader that may
+        synchronize; in a public run only listed synchronizers, which the organizer trusts, qualify."""
         if self.membership.held_lease(leader, term):
+            return True
+        if past_terms and term < self.membership.term_seen and self.manifest.may_synchronize(leader):
             return True
         if now - self.membership.last_read >= self.manifest.timing.heartbeat_period:
             self.membership.ingest((yield ReadSwarm()))
@@ -166,12 +174,15 @@ class Repair:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except DecodeError as exc:
             return None, self.journal.reject(source, exc.reason, f"replayed update: {exc}")
-        if not (yield from self.verify_lease(record.leader, record.term, now)):
+        if not self.book.signed_by_leader(record):
+            reason = f"replayed update of term {record.term} naming {record.leader}"
+            return None, self.journal.reject(source, "bad signature", reason)
+        if not (yield from self.verify_lease(record.leader, record.term, now, past_terms=True)):
             reason = f"replayed update of term {record.term} by {record.leader}"
             return None, self.journal.reject(source, "no lease", reason)
         if self.book.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
             if record.from_version == self.replica.version(record.fragment):
-                return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED)
+                return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED, now=now)
         return record, Reply(ReplyStatus.REFUSED, "skipped")
 
     # ---- snapshots ---------------------------------------------------------------------------------
@@ -243,18 +254,24 @@ class Repair:
         self.last_download = {s: b for s, b in download.bytes_from.items() if b}
         return index, download.params, download.momentum
 
-    def _install(
-        self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False, term=None
-    ) -> Task:
+    def _install(self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False) -> Task:
+        """Load a downloaded snapshot if its state is vouched for (`swarm.vouching`) and checks out."""
         snap, params, momentum = downloaded
+        term = yield from self._vouched_term(fragment, source, snap)
+        if term is None:
+            self.journal.reject(
+                source,
+                UNVOUCHED_SNAPSHOT,
+                f"fragment {fragment} v{snap.version} {snap.checksum[:12]}: no signed, leased update and no "
+                "two peers vouch for that state",
+            )
+            return False
         decision = self.replica.load_fragment(
             fragment, snap.version, params, momentum, snap.checksum, force=force, adopt=True
         )
         self.journal.note(f"snapshot of fragment {fragment} from {source}: {decision.reason}")
         if decision.action != Action.LOAD:
             return False
-        if term is None:
-            term = yield from self._snapshot_term(fragment, source, snap)
         self.book.tip_terms[fragment] = term
         self.book.forget(fragment)
         self.offer_snapshots([fragment])
@@ -263,32 +280,43 @@ class Repair:
             self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
         return True
 
-    def _snapshot_term(self, fragment: int, source: str, snap: SnapshotIndex) -> Task:
-        """The term of the update that produced a loaded snapshot: from the source's published tip if it
-        matches, else from the update in the source's log that produced it; 0 (unknown) otherwise. An
-        unknown term only makes this replica's tip rank lower, never win wrongly."""
-        info = self.membership.live_peers.get(source)
-        tip = info.tip(fragment) if info is not None else None
-        if tip is not None and tip.same_state(BranchTip(0, snap.version, snap.checksum)):
-            return tip.term
+    def _vouched_term(self, fragment: int, source: str, snap: SnapshotIndex) -> Task:
+        """The term of the update that produced the snapshot's state, if that state is vouched for: by an
+        update record this peer checked, by two live peers' tips, or by the record that produced it in the
+        source's log (its leader's signature and lease checked here); None otherwise."""
+        term = self.book.vouchers.term_of(fragment, snap.version, snap.checksum)
+        if term is not None:
+            return term
+        state = BranchTip(0, snap.version, snap.checksum)
+        alike = [
+            tip.term
+            for peer, info in self.membership.live_peers.items()
+            if peer != self.peer_id and (tip := info.tip(fragment)) is not None and tip.same_state(state)
+        ]
+        if len(alike) >= MIN_INDEPENDENT_PEERS:
+            return min(alike)
         if snap.version == 0:
-            return 0
+            return None
         try:
             frames = yield FetchUpdates(source, fragment, snap.version - 1)
         except (ConnectionError, TimeoutError):
-            return 0
+            return None
         for frame in frames:
             try:
                 record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
             except DecodeError:
                 continue
-            if (record.fragment, record.to_version, record.checksum) == (
+            produced = (record.fragment, record.to_version, record.checksum) == (
                 fragment,
                 snap.version,
                 snap.checksum,
-            ):
-                return record.term if self.membership.held_lease(record.leader, record.term) else 0
-        return 0
+            )
+            if produced and self.book.signed_by_leader(record):
+                last_read = self.membership.last_read
+                if (yield from self.verify_lease(record.leader, record.term, last_read, past_terms=True)):
+                    self.book.vouchers.vouch(record)
+                    return record.term
+        return None
 
     def fetch_fragment(self, fragment: int, sources: list[str]) -> Task:
         """Download a checked snapshot of one fragment, its chunks from several sources at once; the learner's
@@ -348,8 +376,7 @@ class Repair:
                     f"snapshot of fragment {fragment} from {source} ({got}) is not on the branch {winner}"
                 )
                 continue
-            term = winner.term if got.same_state(winner) else None
-            if (yield from self._install(fragment, source, downloaded, force=True, term=term)):
+            if (yield from self._install(fragment, source, downloaded, force=True)):
                 line = reconcile.reconciled_line(
                     fragment, mine, self.book.tip(fragment), source, decision.reason
                 )
@@ -370,13 +397,21 @@ class Repair:
         period = self.manifest.timing.heartbeat_period
         for p in range(self.plan.num_fragments):
             mine = self.book.tip(p)
-            theirs = {
+            reported = {
                 peer: tip
                 for peer, info in self.membership.live_peers.items()
                 if peer != self.peer_id and (tip := info.tip(p)) is not None
             }
+            theirs = self.book.vouchers.trusted_tips(p, reported)
             winner = reconcile.winning_tip([mine, *theirs.values()])
             decision = reconcile.classify(mine, winner)
+            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP) and reported.keys() - theirs.keys():
+                # A tip nobody vouches for may still show I am behind on my own branch: replaying its log
+                # is safe (every record's signature and lease is checked; a snapshot fallback must be
+                # vouched for), a rollback toward it is not.
+                ahead = reconcile.winning_tip([mine, *reported.values()])
+                if reconcile.classify(mine, ahead).action == reconcile.CATCH_UP:
+                    winner, decision, theirs = ahead, reconcile.classify(mine, ahead), reported
             if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):
                 self.book.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
                 self.behind_since.pop(p, None)

@@ -85,12 +85,13 @@ class SynchronizerRole:
         if self.sync is None:
             return []
         published = []
-        for outcome in self.sync.poll(now, self.membership.live_learners(), cap):
-            record = outcome.record
+        for outcome in self.sync.poll(now, self.membership.live_learners(now), cap):
+            record = self.book.sign(outcome.record)
             reply = self.book.apply(
                 record,
                 source=self.peer_id,
                 how=UpdateSource.OWN,
+                now=now,
                 computed=(outcome.pending, outcome.outer_grad),
             )
             if reply.status != ReplyStatus.APPLIED:

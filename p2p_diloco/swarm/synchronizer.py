@@ -33,6 +33,7 @@ from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
+from p2p_diloco.protocol.robust_config import LOSS_CHECK
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
@@ -138,7 +139,7 @@ class Synchronizer:
         check = validate_delta(tensors, self.expected[p], norm_bound=wire.norm_bound)
         if check.action != "accept":
             return self._reject(sender, _tag(check.reason), check.reason, now)
-        counters = self.guard.check_counters(header.tokens, header.steps)
+        counters = self.guard.check_counters(header.tokens, header.steps, for_weight=True)
         if counters.decision.action not in (ACCEPT, CLIP):
             return self._reject(sender, _tag(counters.decision.reason), counters.decision.reason, now)
         replay = self.guard.check_replay(sender, payload)
@@ -149,7 +150,8 @@ class Synchronizer:
         ):  # its own work: the holder applies the merge anyway, screening gains nothing
             screened = Screened(Decision(ACCEPT, "own delta"), dict(tensors))
         else:
-            screened = self.guard.screen(p, tensors, counters.steps, sender)
+            # norms per step use the claimed steps (up to max_steps): the schedule cap is for weight only
+            screened = self.guard.screen(p, tensors, min(header.steps, self.guard.max_steps), sender)
         if screened.decision.action not in (ACCEPT, CLIP):
             return self._reject(sender, _tag(screened.decision.reason), screened.decision.reason, now)
         contribution = Contribution(
@@ -163,7 +165,7 @@ class Synchronizer:
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
             return self._reject(sender, _tag(decision.reason), decision.reason, now)
-        self.guard.note_accepted(p, screened.tensors, counters.steps)
+        self.guard.note_accepted(p, screened.tensors, min(header.steps, self.guard.max_steps))
         clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
         self.decisions.append(
             f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)
@@ -211,7 +213,21 @@ class Synchronizer:
         for c, verdict in zip(kept, verdicts):
             if verdict.action != ACCEPT:
                 self._reject(c.sender, _tag(verdict.reason), f"{verdict.reason} (fragment {p})", now)
-        return [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
+        kept = [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
+        return [c for c in kept if self._passes_loss_check(p, c, now)]
+
+    def _passes_loss_check(self, p: int, c: Contribution, now: float) -> bool:
+        probe, tolerance = self.guard.loss_probe, self.guard.config.loss_tolerance
+        if probe is None or c.sender == self.peer_id:
+            return True
+        change = probe(c.payload)
+        if change <= tolerance:
+            return True
+        detail = (
+            f"held-out loss {change:+.1%} with this delta alone (fragment {p}), tolerance {tolerance:.1%}"
+        )
+        self._reject(c.sender, LOSS_CHECK, detail, now)
+        return False
 
     def finish(self, fragment: int, sync_seconds: float) -> None:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
@@ -221,7 +237,7 @@ class Synchronizer:
         self, p: int, contributions: list[Contribution], *, live: int
     ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor]]:
         contributions = sorted(contributions, key=lambda c: c.sender)
-        weights = [c.weight for c in contributions]
+        weights = [c.weight * self.guard.standing.ramp(c.sender) for c in contributions]
         merged = merge_deltas(
             [c.payload for c in contributions],
             weights,

@@ -12,6 +12,7 @@ branch tip term (`protocol.reconcile`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from enum import StrEnum
 
 from torch import Tensor
@@ -27,10 +28,13 @@ from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.effects import Applied, Intent, ToLearner
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Adopt
+from p2p_diloco.swarm.update_checks import UpdateChecks
 from p2p_diloco.swarm.update_log import UpdateLog
+from p2p_diloco.swarm.vouching import Vouchers
 from p2p_diloco.wire.codec import decode_tensors
-from p2p_diloco.wire.frames import encode_update
+from p2p_diloco.wire.frames import encode_update, update_signing_bytes
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.signing import PeerKeys
 
 # The default count bound of the log per fragment (`[limits] update_log_length`); a fetch of updates
 # answers at most this many frames.
@@ -52,10 +56,14 @@ class UpdateBook:
         journal: Journal,
         robust: RobustGuard,
         emit: Callable[[Intent], None],
+        keys: PeerKeys,
         *,
         has_learner: bool,
     ):
         self.manifest = manifest
+        self.keys = keys
+        self.vouchers = Vouchers(plan.num_fragments)
+        self.checks = UpdateChecks(manifest, plan.num_fragments, robust)
         self.plan = plan
         self.replica = replica
         self.journal = journal
@@ -80,6 +88,19 @@ class UpdateBook:
     def tips(self) -> list[BranchTip]:
         return [self.tip(p) for p in range(self.plan.num_fragments)]
 
+    def signed_by_leader(self, record: UpdateRecord) -> bool:
+        """Whether the record carries its leader's signature (anyone may relay a record, none may forge one)."""
+        return self.keys.check.verify(record.leader, update_signing_bytes(record), record.signature)
+
+    def sign(self, record: UpdateRecord) -> UpdateRecord:
+        return replace(record, signature=self.keys.signer.sign(update_signing_bytes(record)))
+
+    def verified_newest(self) -> int:
+        """The sum over fragments of the newest version this peer holds or has seen vouched for."""
+        return sum(
+            max(self.replica.version(p), self.vouchers.newest(p)) for p in range(self.plan.num_fragments)
+        )
+
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         """(tag, detail) if a record is not for this run, manifest or fragment layout."""
         if run_id != self.manifest.run_id:
@@ -96,6 +117,7 @@ class UpdateBook:
         *,
         source: str,
         how: UpdateSource,
+        now: float,
         computed: tuple[PendingUpdate, Mapping[str, Tensor]] | None = None,
     ) -> Reply:
         """Apply `record` if it is the next update of its fragment and its result matches its checksum.
@@ -106,8 +128,14 @@ class UpdateBook:
         old = self.replica.params_view(p)
         if computed is not None:
             pending, grad = computed
+            bad = self.checks.check_contributors(record) or self.checks.check_values(p, grad)
+            if bad:
+                return Reply.refused(*bad)
             decision = self.replica.commit(pending, expected_checksum=record.checksum)
         else:
+            bad = self.checks.check_payload(record)
+            if bad:
+                return self.journal.reject(source, bad[0], f"update of fragment {p}: {bad[1]}")
             try:
                 grad = decode_tensors(
                     record.payload,
@@ -116,6 +144,9 @@ class UpdateBook:
                 )
             except DecodeError as exc:
                 return self.journal.reject(source, exc.reason, f"update payload: {exc}")
+            bad = self.checks.check_values(p, grad)
+            if bad:
+                return self.journal.reject(source, bad[0], f"update of fragment {p}: {bad[1]}")
             cfg = self.manifest.diloco
             decision = self.replica.apply(
                 p,
@@ -128,6 +159,8 @@ class UpdateBook:
         if decision.action != Action.APPLY:
             return Reply(ReplyStatus.REFUSED, decision.reason)
         self.robust.observe_update(p, grad)
+        self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
+        self.vouchers.vouch(record)
         self.tip_terms[p] = record.term
         self.log.append(record)
         self.applied += 1

@@ -368,3 +368,12 @@ class ErrorFeedback:
         """L2 norm over all tensors of the fragment's stored residual (0.0 when none)."""
         residual = self._residuals.get(fragment, {})
         return math.sqrt(sum(float(r.double().square().sum()) for r in residual.values()))
+
+
+def frame_codec(data: bytes) -> Codec | None:
+    """The codec a tensor frame says it uses, from its first bytes; None if it is not a tensor frame."""
+    head = bytes(byte_view(data)[: len(MAGIC) + _FRAME_HEAD.size])
+    if len(head) < len(MAGIC) + _FRAME_HEAD.size or not head.startswith(MAGIC):
+        return None
+    _, codec_id, _ = _FRAME_HEAD.unpack(head[len(MAGIC) :])
+    return _CODEC_NAMES.get(codec_id)

@@ -14,6 +14,7 @@ receiver fills it in from the authenticated connection.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -41,6 +42,7 @@ FRAME_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_BYTES = 4096
 MAX_ID_CHARS = 128
+MAX_SIGNATURE_BYTES = 2048  # an RSA-2048 public key and signature take 552
 MAX_FRAGMENT = 65535
 MAX_COUNTER = 2**53 - 1  # exactly representable in every JSON reader
 MAX_CONTRIBUTORS = 10_000
@@ -129,6 +131,17 @@ def _contributors(value: Any) -> str | None:
     return None
 
 
+def _hex(max_bytes: int) -> Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, str) or len(value) > 2 * max_bytes or len(value) % 2:
+            return f"must be a hex string of at most {max_bytes} bytes"
+        if any(c not in "0123456789abcdef" for c in value):
+            return "must be lower-case hex"
+        return None
+
+    return check
+
+
 _COUNTER = _integer(0, MAX_COUNTER)
 _FRAGMENT = _integer(0, MAX_FRAGMENT)
 _IDS: dict[str, Check] = {"run_id": _identifier, "manifest_hash": _identifier, "fragment": _FRAGMENT}
@@ -146,6 +159,7 @@ UPDATE_SCHEMA: dict[str, Check] = {
     "leader": _identifier,
     "contributors": _contributors,
     "checksum": _identifier,
+    "signature": _hex(MAX_SIGNATURE_BYTES),
 }
 SNAPSHOT_SCHEMA: dict[str, Check] = {
     **_IDS,
@@ -250,16 +264,30 @@ def decode_delta(frame: bytes, *, max_bytes: int) -> tuple[DeltaHeader, bytes]:
     return DeltaHeader(**header, sender=""), payload
 
 
-def encode_update(record: UpdateRecord) -> bytes:
+def _update_fields(record: UpdateRecord) -> dict[str, Any]:
     fields = {key: getattr(record, key) for key in UPDATE_SCHEMA}
     fields["contributors"] = [[peer, float(weight)] for peer, weight in record.contributors]
-    return _encode(UPDATE_MAGIC, fields, UPDATE_SCHEMA, record.payload)
+    fields["signature"] = record.signature.hex()
+    return fields
+
+
+def encode_update(record: UpdateRecord) -> bytes:
+    return _encode(UPDATE_MAGIC, _update_fields(record), UPDATE_SCHEMA, record.payload)
 
 
 def decode_update(frame: bytes, *, max_bytes: int) -> UpdateRecord:
     header, payload = _decode(frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes)
     contributors = tuple((peer, weight) for peer, weight in header.pop("contributors"))
-    return UpdateRecord(**header, contributors=contributors, payload=payload)
+    signature = bytes.fromhex(header.pop("signature"))
+    return UpdateRecord(**header, contributors=contributors, payload=payload, signature=signature)
+
+
+def update_signing_bytes(record: UpdateRecord) -> bytes:
+    """What the leader signs: every header field but the signature, and a digest of the payload."""
+    fields = _update_fields(record)
+    fields.pop("signature")
+    header = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return b"".join((UPDATE_MAGIC, b"sig1", header, hashlib.blake2b(record.payload, digest_size=32).digest()))
 
 
 def encode_snapshot(snapshot: FragmentSnapshot) -> bytes:
@@ -302,6 +330,38 @@ def decode_request(frame: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Fragm
     if request.kind == REQUEST_SNAPSHOT and request.after_version != 0:
         raise DecodeError(BAD_HEADER, f"snapshot request with after_version {request.after_version}")
     return request
+
+
+# --- size bounds (what a receiver may cap a frame at before reading it) ---------------------------------
+def _envelope_bytes(header_bytes: int, payload_bytes: int) -> int:
+    return 4 + _PREFIX.size + header_bytes + payload_bytes
+
+
+def _header_bytes(magic: bytes, header: dict[str, Any], schema: dict[str, Check]) -> int:
+    return len(_encode(magic, header, schema)) - _envelope_bytes(0, 0)
+
+
+def delta_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int) -> int:
+    """The largest `encode_delta` frame of this run with a payload of `payload_bytes`: every counter at
+    its maximum, so no valid delta header is longer (`wire.codec.frame_size` gives the payload's size)."""
+    fields: dict[str, Any] = {key: MAX_COUNTER for key in DELTA_SCHEMA}
+    fields.update(run_id=run_id, manifest_hash=manifest_hash, fragment=MAX_FRAGMENT)
+    return _envelope_bytes(_header_bytes(DELTA_MAGIC, fields, DELTA_SCHEMA), payload_bytes)
+
+
+def update_frame_bound(payload_bytes: int) -> int:
+    """The largest `encode_update` frame with a payload of `payload_bytes`. Its header lists the
+    contributors, so it is bounded by `MAX_HEADER_BYTES` rather than by the run."""
+    return _envelope_bytes(MAX_HEADER_BYTES, payload_bytes)
+
+
+def snapshot_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int) -> int:
+    """The largest `encode_snapshot` frame of this run whose params and momentum frames together take
+    `payload_bytes` (a checksum of `MAX_ID_CHARS` characters, every counter at its maximum)."""
+    fields: dict[str, Any] = {key: MAX_COUNTER for key in SNAPSHOT_SCHEMA}
+    fields.update(run_id=run_id, manifest_hash=manifest_hash, fragment=MAX_FRAGMENT)
+    fields.update(checksum="f" * MAX_ID_CHARS, params_len=payload_bytes)  # params_len <= the payload
+    return _envelope_bytes(_header_bytes(SNAPSHOT_MAGIC, fields, SNAPSHOT_SCHEMA), payload_bytes)
 
 
 def with_sender(header: DeltaHeader, sender: str) -> DeltaHeader:

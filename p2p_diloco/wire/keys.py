@@ -22,7 +22,9 @@ HEARTBEAT = "heartbeat"
 LEASE = "lease"
 UPDATE_LOG = "updates"
 SNAPSHOTS = "snapshots"
-RECORD_NAMES = (HEARTBEAT, LEASE, UPDATE_LOG, SNAPSHOTS)
+EVALS = "evals"
+STATS = "stats"
+RECORD_NAMES = (HEARTBEAT, LEASE, UPDATE_LOG, SNAPSHOTS, EVALS, STATS)
 
 # transport operations (one libp2p protocol each)
 OP_DELTA = "delta"
@@ -75,6 +77,17 @@ def update_log_key(run_id: str, manifest_hash: str) -> str:
 def snapshot_key(run_id: str, manifest_hash: str) -> str:
     """Snapshot adverts: subkey = peer ID, value = which fragment versions that peer can serve whole."""
     return record_key(run_id, manifest_hash, SNAPSHOTS)
+
+
+def eval_key(run_id: str, manifest_hash: str) -> str:
+    """Global evaluation history: subkey = evaluator's peer ID (owner-signed), value = its bounded history
+    of eval points (`wire.observe.EvalHistory`); kept after the evaluator leaves, until it expires."""
+    return record_key(run_id, manifest_hash, EVALS)
+
+
+def stats_key(run_id: str, manifest_hash: str) -> str:
+    """Peer facts for the dashboard: subkey = peer ID (owner-signed), value = `wire.observe.PeerStats`."""
+    return record_key(run_id, manifest_hash, STATS)
 
 
 def protocol_id(run_id: str, manifest_hash: str, op: str) -> str:

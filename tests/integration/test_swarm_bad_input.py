@@ -125,8 +125,9 @@ def test_eight_plus_classes_of_bad_input_are_rejected_with_reasons_while_trainin
         "wrong manifest": delta(int8, manifest_hash="0123456789abcdef"),
         "unknown fragment": delta(int8, fragment=7),
         "wrong shape": delta(encode_tensors(wrong_shape, codec="fp32")),
-        "non-finite": delta(encode_tensors(nan, codec="fp32")),
-        "norm bound": delta(encode_tensors(huge, codec="fp32")),
+        # the run's codec: a frame is capped at the exact size of the fragment's frame under it (net.limits)
+        "non-finite": delta(encode_tensors(nan, codec="int8", block_size=manifest.wire.block_size)),
+        "norm bound": delta(encode_tensors(huge, codec="int8", block_size=manifest.wire.block_size)),
         "stale anchor": delta(int8, anchor_version=0),
         "frame too large": bytes(2 * manifest.wire.max_message_bytes),
     }

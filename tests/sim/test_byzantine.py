@@ -3,6 +3,9 @@
 Each attack must be rejected with its expected reason and its sender cooled down (except for direction
 outliers, which honest learners hit too: those deltas are refused one by one), while the three honest
 learners keep training (versions advance, eval loss drops, replicas agree) and are never cooled down.
+The claim attacks of issue #12 (`CLAIMS`: 10^6 claimed steps with matching tokens, alone or on a delta
+back toward the initial weights) must never weigh more in a merge than an honest learner's H steps (or
+than the honest learners' own deltas, whose steps the schedule bounds the same way).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections import Counter
 import pytest
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol.merge import merge_weight
 from p2p_diloco.protocol.robust import NON_OFFENCES, RobustConfig
 from p2p_diloco.swarm.hostile import ATTACKS
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
@@ -28,6 +32,7 @@ EXPECTED = {
     "stale_replay": "replay",
     "inflated_tokens": "token claim",
 }
+CLAIMS = ("inflated_claim", "revert")  # judged by the merge weight they get, not by a rejection
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +42,10 @@ def manifest(manifest) -> RunManifest:
 
 
 def test_every_attack_has_an_expected_reason():
-    assert set(EXPECTED) == set(ATTACKS)
+    assert set(EXPECTED) | set(CLAIMS) == set(ATTACKS)
 
 
-@pytest.mark.parametrize("kind", ATTACKS)
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
 def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manifest, corpus, kind):
     spec = SwarmSpec(manifest=manifest, learners=4, duration=60.0, eval_every=30.0, hostile={3: kind})
     swarm = InProcessSwarm(spec, corpus=corpus)
@@ -62,8 +67,34 @@ def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manif
     holder = next(p for p in swarm.peers.values() if p.sync is not None)
     if EXPECTED[kind] not in NON_OFFENCES:
         assert HOSTILE in holder.robust.cooling(swarm.clock.now())
-        assert HOSTILE not in holder.membership.live_learners() - holder.robust.cooling(swarm.clock.now())
+        assert HOSTILE not in holder.membership.live_learners(swarm.clock.now()) - holder.robust.cooling(
+            swarm.clock.now()
+        )
     assert all(v >= 5 for v in report.versions), report.versions
     assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
     assert report.digests_equal
     assert all(s.steps_merged > 0 for s in report.learners[:3])
+
+
+@pytest.mark.parametrize("kind", CLAIMS)
+def test_claimed_steps_weigh_no_more_than_an_honest_learners_h_steps(manifest, corpus, kind):
+    spec = SwarmSpec(manifest=manifest, learners=4, duration=60.0, eval_every=30.0, hostile={3: kind})
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    report = swarm.run()
+    d = manifest.diloco
+    per_step = d.batch_size * manifest.model.block_size
+    cap = merge_weight(d.inner_steps * per_step, d.inner_steps)  # an honest learner's H steps
+    peer = next(iter(swarm.peers.values()))  # every replica applied every update
+    records = [r for log in peer.book.log for r in log]
+    hostile = [w for r in records for sender, w in r.contributors if sender == HOSTILE]
+    honest = [w for r in records for sender, w in r.contributors if sender != HOSTILE]
+    # Claimed steps are bounded by the schedule (H per version since the delta's anchor): the claim may buy
+    # no more than an honest learner's H steps, or than what the honest learners' own deltas got.
+    bound = max(cap, *honest) if honest else cap
+    assert all(w <= bound * 1.0001 for w in hostile), (
+        f"{kind}: merged with weight {max(hostile)} = {max(hostile) / cap:.1f} x H steps (honest max "
+        f"{max(honest, default=0) / cap:.1f} x)"
+    )
+    assert all(v >= 5 for v in report.versions), report.versions
+    assert report.final_eval_loss < report.eval_curve[0][2] - 0.5
+    assert report.digests_equal

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import replace
 
+from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.driver import InlineDriver
+from p2p_diloco.wire.frames import update_signing_bytes
 from p2p_diloco.wire.replies import Reply
+from p2p_diloco.wire.signing import InMemoryKeys, PeerKeys
 
 
 def settled(value) -> concurrent.futures.Future:  # noqa: ANN001
@@ -90,3 +94,16 @@ class PeerHarness(InlineDriver):
         for intent in self.peer.flush():
             self.perform(intent)
         return published
+
+
+# One keyring for the in-process peers of a test session: a peer signs with its own secret only.
+KEYS = InMemoryKeys()
+
+
+def keys_for(peer_id: str) -> PeerKeys:
+    return KEYS.for_peer(peer_id)
+
+
+def signed(record: UpdateRecord) -> UpdateRecord:
+    """`record` signed by the leader it names (as that leader's own peer would)."""
+    return replace(record, signature=KEYS.signer(record.leader).sign(update_signing_bytes(record)))

@@ -33,8 +33,10 @@ def everyone(*extra: PeerHeartbeat) -> list[PeerHeartbeat]:
     return [hb(p) for p in PEERS if p not in replaced] + list(extra)
 
 
-def run_decide(peer, heartbeats, leases, now, *, my_lease=None, rounds_done=0, timing=T):
-    return decide(peer, RUN, heartbeats, leases, now, timing, my_lease=my_lease, rounds_done=rounds_done)
+def run_decide(peer, heartbeats, leases, now, *, my_lease=None, rounds_done=0, timing=T, **kw):
+    return decide(
+        peer, RUN, heartbeats, leases, now, timing, my_lease=my_lease, rounds_done=rounds_done, **kw
+    )
 
 
 def tag(decision) -> str:
@@ -126,9 +128,12 @@ def test_step_down_when_a_higher_term_is_live_or_was_seen():
     other = LeaseRecord("peer-b", 3, expires_at=18.0)
     d = run_decide("peer-a", everyone(), [mine, other], 12.0, my_lease=mine)
     assert (d.action, tag(d), d.term, d.holder) == (el.STEP_DOWN, el.TAG_HIGHER_TERM, 3, "peer-b")
-    # the term-3 record is gone from the DHT, but a heartbeat remembers it
-    d = run_decide("peer-a", everyone(hb("peer-c", term_seen=3)), [mine], 12.0, my_lease=mine)
+    # the term-3 record is gone from the DHT, but this peer remembers it (its term floor)
+    d = run_decide("peer-a", everyone(), [mine], 12.0, my_lease=mine, term_floor=3)
     assert (d.action, tag(d), d.term) == (el.STEP_DOWN, el.TAG_HIGHER_TERM, 3)
+    # a heartbeat's term_seen is a self-report: it never raises the term
+    d = run_decide("peer-a", everyone(hb("peer-c", term_seen=1001)), [mine], 12.0, my_lease=mine)
+    assert (d.action, d.term) == (el.HOLD, 2)
 
 
 def test_step_down_instead_of_renewing_too_close_to_expiry():

@@ -35,7 +35,7 @@ from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from p2p_diloco.wire.replies import Reply
 from tests.support.manifests import TINY_MODEL, tiny_manifest
-from tests.support.peers import PeerHarness, StubTransport
+from tests.support.peers import PeerHarness, StubTransport, keys_for, signed
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>"
@@ -52,9 +52,17 @@ PEERS = st.sampled_from(["leader", "mallory", "me", "x" * 300, ""])
 
 def make_peer(manifest: RunManifest = MANIFEST) -> PeerHarness:
     kv = InMemoryKeyValueStore()
-    lease = LeaseRecord("leader", 1, expires_at=1e9)
+    lease = LeaseRecord("leader", 1, expires_at=10.0 + manifest.timing.lease_ttl)  # written at 10.0
     kv.store(lease_key(manifest.run_id, manifest.manifest_hash), "leader", encode_lease(lease), 1e9)
-    peer = Peer("me", manifest, PLAN, GlobalReplica(PLAN, INITIAL), shapes=SHAPES, has_learner=False)
+    peer = Peer(
+        "me",
+        manifest,
+        PLAN,
+        GlobalReplica(PLAN, INITIAL),
+        shapes=SHAPES,
+        keys=keys_for("me"),
+        has_learner=False,
+    )
     return PeerHarness(peer, kv=kv, transport=StubTransport(), clock=FakeClock(10.0))
 
 
@@ -67,7 +75,7 @@ def valid_update(fragment: int = 0) -> bytes:
     record = UpdateRecord(
         "fz", MANIFEST.manifest_hash, fragment, 0, 1, "leader", (("a", 1.0),), pending.checksum, payload
     )
-    return encode_update(record)
+    return encode_update(signed(record))
 
 
 def valid_delta(fragment: int = 0) -> bytes:
@@ -338,7 +346,7 @@ def test_replay_stops_at_an_unverifiable_lease_instead_of_reading_the_dht_per_fr
             pending.checksum,
             payload,
         )
-        frames.append(encode_update(record))
+        frames.append(encode_update(signed(record)))
     peer.transport.updates = frames
     peer.transport.snapshot = b"garbage"
     assert not peer.catch_up_fragment(0, ["src"], target=20)

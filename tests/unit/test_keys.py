@@ -11,7 +11,14 @@ from p2p_diloco.errors import ConfigError
 from p2p_diloco.wire import keys
 
 H1, H2 = "0123456789abcdef", "fedcba9876543210"
-BUILDERS = [keys.heartbeat_key, keys.lease_key, keys.update_log_key, keys.snapshot_key]
+BUILDERS = [
+    keys.heartbeat_key,
+    keys.lease_key,
+    keys.update_log_key,
+    keys.snapshot_key,
+    keys.eval_key,
+    keys.stats_key,
+]
 
 
 def all_names(run_id: str, manifest_hash: str) -> list[str]:

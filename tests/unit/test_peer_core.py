@@ -11,14 +11,14 @@ from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
 from tests.support.manifests import tiny_manifest, tiny_training
-from tests.support.peers import StubTransport
+from tests.support.peers import StubTransport, keys_for
 
 MANIFEST = tiny_manifest("core")
 
 
 def make_peer() -> Peer:
     t = tiny_training(MANIFEST)
-    return Peer("me", MANIFEST, t.plan, t.replica, shapes=t.shapes, has_learner=False)
+    return Peer("me", MANIFEST, t.plan, t.replica, shapes=t.shapes, keys=keys_for("me"), has_learner=False)
 
 
 def test_a_failing_task_ends_with_a_note_and_answers_none():

@@ -17,7 +17,7 @@ from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease, encode_lease
 from tests.support.manifests import tiny_manifest, tiny_training
-from tests.support.peers import PeerHarness, StubTransport
+from tests.support.peers import PeerHarness, StubTransport, keys_for
 
 MANIFEST = tiny_manifest("terms")
 
@@ -34,7 +34,9 @@ def make_peer(
     t = tiny_training(manifest)
     learner = Learner(peer_id, manifest, t.plan, t.replica, t.model, t.optimizer, t.sampler)
     kv, clock, transport = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0), StubTransport()
-    peer = Peer(peer_id, manifest, t.plan, t.replica, shapes=t.shapes, may_sync=may_sync)
+    peer = Peer(
+        peer_id, manifest, t.plan, t.replica, shapes=t.shapes, keys=keys_for(peer_id), may_sync=may_sync
+    )
 
     def observe(intent) -> None:
         if isinstance(intent, Published) and published is not None:
@@ -45,6 +47,7 @@ def make_peer(
 
 
 def hold(kv: InMemoryKeyValueStore, holder: str, term: int, expires_at: float) -> None:
+    """A lease record as `holder` writes it (peers read it before `expires_at - lease_ttl` passes)."""
     lease = LeaseRecord(holder, term, expires_at=expires_at)
     kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), holder, encode_lease(lease), expires_at)
 
@@ -56,14 +59,14 @@ def train_and_send(peer: PeerHarness, clock: FakeClock) -> None:
 
 def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one():
     peer, kv, clock, transport = make_peer()
-    hold(kv, "leader", 1, expires_at=110.0)
+    hold(kv, "leader", 1, expires_at=105.0)
     assert peer.election_tick(clock.now()).action == election.FOLLOW
     train_and_send(peer, clock)
     assert transport.sent == ["leader", "leader"] and len(peer.learner.sent) == 2  # tau = 2 in flight
     work = sum(w.steps for w in peer.learner.work)
 
     clock.advance_to(120.0)  # term 1 ended; the same peer holds term 2
-    hold(kv, "leader", 2, expires_at=130.0)
+    hold(kv, "leader", 2, expires_at=125.0)
     decision = peer.election_tick(clock.now())
     assert (decision.action, decision.holder, decision.term) == (election.FOLLOW, "leader", 2)
     assert peer.peer.deltas.in_flight == {}  # released at once ...
@@ -146,3 +149,14 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
         "me", kv.get(lease_key(manifest.run_id, manifest.manifest_hash), clock.now())["me"].value
     )
     assert lease.released and me.peer.sync is None
+
+
+def test_waiting_to_claim_never_raises_the_term_seen():
+    peer, kv, clock, _ = make_peer()  # may not synchronize: waits with "no candidates" forever
+    for _ in range(5):
+        peer.heartbeat(clock.now())
+        assert peer.election_tick(clock.now()).action == election.WAIT
+        clock.advance_to(clock.now() + 1.0)
+    assert peer.peer.term_seen == 0
+    hold(kv, "leader", 1, expires_at=clock.now() + 5.0)
+    assert peer.election_tick(clock.now()).action == election.FOLLOW and peer.peer.term_seen == 1

@@ -65,6 +65,15 @@ def test_step_claims_beyond_the_cap_are_clipped_with_their_tokens():
     assert (check.steps, check.tokens) == (4 * H, 4 * H * TPS)
 
 
+def test_for_the_merge_weight_no_claim_counts_more_than_h_steps():
+    g = guard()
+    inflated = g.check_counters(10**6 * TPS, 10**6, for_weight=True)  # the claim-inflation attack
+    assert (inflated.decision.action, inflated.steps, inflated.tokens) == (robust.CLIP, H, H * TPS)
+    honest = g.check_counters(H * TPS, H, for_weight=True)
+    assert (honest.decision.action, honest.steps) == (robust.ACCEPT, H)
+    assert g.check_counters(10**6 * TPS, 10**6).steps == 4 * H  # norms per step: up to max_steps
+
+
 def test_replayed_payload_is_refused_per_sender_and_forgotten_after_memory():
     g = guard(replay_memory=2)
     assert g.check_replay("a", b"one").action == robust.ACCEPT
@@ -272,10 +281,15 @@ def test_synchronizer_never_screens_or_cools_down_its_own_deltas():
     assert str(sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0)).startswith(robust.NORM_OUTLIER)
 
 
-def test_direction_outliers_are_refused_but_never_start_a_cool_down():
-    g = guard(offence_limit=2)
-    assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, float(t)) is None for t in range(10))
-    assert g.cooling(10.0) == frozenset()
+def test_a_direction_outlier_alone_is_no_offence_but_repeated_ones_are():
+    g = guard(offence_limit=2, direction_offence_limit=3, offence_window=30.0)
+    # spread out (an honest learner after a failover now and then): never an offence
+    assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, 40.0 * t) is None for t in range(10))
+    assert g.cooling(400.0) == frozenset()
+    # three within the window count as one offence; two offences start a cool-down
+    started = [g.note_rejection("r", robust.DIRECTION_OUTLIER, 500.0 + t) for t in range(6)]
+    assert [d is not None for d in started] == [False] * 5 + [True]
+    assert "direction outliers" in started[-1].reason and g.cooling(506.0) == frozenset({"r"})
 
 
 def test_rounds_are_held_for_a_first_reference_only_not_after_a_reset():

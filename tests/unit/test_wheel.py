@@ -15,6 +15,8 @@ SKIP = (".venv", ".git", "build", "*.egg-info", "__pycache__", "*-out", "data", 
 PACKAGED = (
     "p2p_diloco/peers/demo.toml",
     "p2p_diloco/peers/llama-tiny.toml",
+    "p2p_diloco/peers/public.toml",
+    "p2p_diloco/peers/public.toml.sig",
     "p2p_diloco/peers/llama-tiny/tokenizer.json",
     "p2p_diloco/py.typed",
 )

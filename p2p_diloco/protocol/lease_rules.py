@@ -1,0 +1,154 @@
+"""Which lease records count: the rules every reader enforces before the election sees a lease.
+
+A lease record is signed by its holder (the DHT's owner tag), so nobody can write a lease in another's
+name, but a hostile peer can write any lease *for itself*: a huge term, an expiry an hour ahead, an
+already-expired record for the current term to make its updates look leased. Every peer screens what it
+reads with `screen_leases`, a pure function of the records, the time each was first seen by this peer,
+and what this peer already trusts; a refused record is returned with its reason and never reaches the
+election (`protocol.election`) or the update checks. The rules:
+
+1. the holder may synchronize (`RunManifest.may_synchronize`: the allowlist and `[trust] synchronizers`);
+2. its expiry is at most `lease_ttl` (+ `lease_margin` for clock skew) after it was first seen: every
+   honest write sets ``expires_at = now + lease_ttl`` and is read within a heartbeat period;
+3. its term is at most one above the highest term already backed by a valid lease (`term_floor`; a peer
+   that has trusted no term yet trusts the highest live term in view on first use), so terms climb one at
+   a time;
+4. it was written in the claim window: not before the previous term's lease (its records this peer saw
+   first) had passed its expiry, with one renewal of slack (a claimant may have missed the latest
+   renewal), or was released; other holders of the same term are a tie the election breaks.
+
+Rules 3 and 4 have one exception: a term this peer missed (a term that began and ended between two of
+its reads on a loaded machine) or a healed partition (the other side's terms ran ahead and were claimed
+while this side's lease was live). Such a lease counts when a live peer other than its holder, itself
+allowed to synchronize, reports its term in its heartbeat (`MIN_PEERS_FOR_JUMP`,
+`MIN_PEERS_FOR_EARLY_CLAIM`): neither the holder's own heartbeat nor a stranger's suffices, and the
+holder must still be a synchronizer of the run (rule 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.timing import SwarmTiming
+
+NOT_SYNCHRONIZER = "lease holder may not synchronize"
+TOO_LONG = "lease expiry too far ahead"
+TERM_JUMP = "lease term jump"
+EARLY_CLAIM = "lease claimed early"
+# A term this peer missed (a short term under load, a healed partition) is vouched for by any live peer
+# other than its holder that reports it: in a swarm of three, the holder and one other peer is all there
+# is. A forger still needs a key that may synchronize (rule 1) and a second identity.
+MIN_PEERS_FOR_JUMP = 1
+MIN_PEERS_FOR_EARLY_CLAIM = 1
+
+
+@dataclass(frozen=True)
+class SeenLease:
+    """A lease record and when this peer first read that exact record (its write is at or before it)."""
+
+    lease: LeaseRecord
+    first_seen: float
+
+
+def write_time(lease: LeaseRecord, timing: SwarmTiming) -> float:
+    """Every lease write sets `expires_at = now + lease_ttl` (`protocol.election`)."""
+    return lease.expires_at - timing.lease_ttl
+
+
+@dataclass(frozen=True)
+class Screened:
+    valid: list[SeenLease]
+    refused: list[tuple[LeaseRecord, str, str]]  # (record, tag, detail)
+
+
+def screen_leases(
+    seen: Iterable[SeenLease],
+    *,
+    term_floor: int,
+    timing: SwarmTiming,
+    may_synchronize: Callable[[str], bool],
+    terms_reported: Mapping[str, int] | None = None,
+    history: Iterable[SeenLease] = (),
+) -> Screened:
+    """Split `seen` into the records that count and the refused ones (module docstring, rules 1-4).
+
+    `terms_reported`: the terms live peers that may synchronize report; `history`: records that counted
+    in earlier reads (a renewal replaces its predecessor in the DHT, but when the term lapsed as first
+    seen is what rule 4 needs)."""
+    history = list(history)
+    refused: list[tuple[LeaseRecord, str, str]] = []
+    candidates: list[SeenLease] = []
+    for item in seen:
+        lease = item.lease
+        if not may_synchronize(lease.holder):
+            refused.append((lease, NOT_SYNCHRONIZER, f"{lease.holder} is not a synchronizer of this run"))
+        elif lease.expires_at > item.first_seen + timing.lease_ttl + timing.lease_margin:
+            ahead = lease.expires_at - item.first_seen
+            refused.append(
+                (lease, TOO_LONG, f"term {lease.term} expires {ahead:.1f}s after it was first seen, "
+                 f"more than lease_ttl {timing.lease_ttl}s")
+            )  # fmt: skip
+        else:
+            candidates.append(item)
+    floor = term_floor
+    if floor == 0 and candidates:
+        # Trust on first use: a peer that has trusted no term yet starts below the highest term in view
+        # (the live ones if any). From then on terms must climb one at a time.
+        live = [x.lease.term for x in candidates if not x.lease.released and x.lease.live(x.first_seen)]
+        floor = max(live or [x.lease.term for x in candidates]) - 1
+    valid: list[SeenLease] = []
+    for item in sorted(candidates, key=lambda x: x.lease.term):
+        lease = item.lease
+        if lease.term > floor + 1 and not _reported_by_others(
+            lease, terms_reported or {}, MIN_PEERS_FOR_JUMP
+        ):
+            refused.append(
+                (lease, TERM_JUMP, f"term {lease.term} skips terms above {floor} (at most one at a time)")
+            )
+            continue
+        # Only records of the previous term seen before this one: a late renewal of the old term (a zombie
+        # holder) must not turn its successor's valid claim into an early one.
+        previous = [
+            v.lease
+            for v in [*history, *valid]
+            if v.lease.term == lease.term - 1 and v.first_seen <= item.first_seen
+        ]
+        base = _claim_base(previous, timing)
+        early = base is not None and write_time(lease, timing) < base - timing.lease_margin
+        if early and not _reported_by_others(lease, terms_reported or {}, MIN_PEERS_FOR_EARLY_CLAIM):
+            refused.append(
+                (lease, EARLY_CLAIM, f"term {lease.term} was written at {write_time(lease, timing):.2f}, "
+                 f"before term {lease.term - 1} lapsed at {base:.2f}")
+            )  # fmt: skip
+            continue
+        valid.append(item)
+        floor = max(floor, lease.term)
+    return Screened(valid, refused)
+
+
+def _reported_by_others(lease: LeaseRecord, terms_reported: Mapping[str, int], at_least: int) -> bool:
+    """Whether `at_least` live peers other than the holder report having seen `lease.term`."""
+    others = sum(term >= lease.term for peer, term in terms_reported.items() if peer != lease.holder)
+    return others >= at_least
+
+
+def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | None:
+    """When the previous term lapsed as far as its visible records tell: its last expiry, or its release."""
+    if not previous:
+        return None
+    released = [write_time(x, timing) for x in previous if x.released]
+    if released:  # a release ends the term, whatever the expiry of the renewals before it
+        return min(released)
+    # One renewal of slack: a claimant whose read missed the holder's latest renewal (a loaded machine, a
+    # slow DHT) claimed in good faith after the expiry it saw; a claim earlier than that is refused.
+    expiries = sorted({x.expires_at for x in previous})
+    return expiries[-2] if len(expiries) >= 2 else expiries[-1]
+
+
+def counts_as_held(item: SeenLease) -> bool:
+    """Whether the lease vouches for updates of its term: it was live when this peer first saw it."""
+    return item.lease.live(item.first_seen) or (
+        item.lease.released and item.first_seen < item.lease.expires_at
+    )

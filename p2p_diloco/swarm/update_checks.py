@@ -1,0 +1,72 @@
+"""What a replica checks in an update's content before it touches the replica (after the record's
+signature, its leader's lease and its place in the fragment's history were checked by `Peer`/`Repair`).
+
+A leaseholder is trusted to merge, not to write anything it likes: a replica refuses an update whose
+payload is not in the manifest's codec (an fp32 frame where the run says int8 carries arbitrary values),
+holds a non-finite value, has a tensor whose RMS is above what AdamW can move in the most steps a delta
+may count (the bound the synchronizer's delta screen uses, so a merge of screened deltas stays below
+it), or whose contributors include peers that may not learn or weights no learner can earn under the
+schedule (steps capped at `max_steps_factor` x H, tokens per step fixed by the manifest). The checks
+depend on the update and the manifest only, so every replica reaches the same verdict; the synchronizer
+runs them on its own updates too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.robust import RobustGuard
+from p2p_diloco.wire.codec import frame_codec
+
+WRONG_CODEC = "wrong codec"
+NOT_FINITE = "not finite"
+TOO_LARGE = "update too large"
+UNKNOWN_CONTRIBUTOR = "unknown contributor"
+IMPLAUSIBLE_WEIGHT = "implausible weight"
+
+
+class UpdateChecks:
+    def __init__(self, manifest: RunManifest, num_fragments: int, robust: RobustGuard):
+        self.manifest = manifest
+        self.robust = robust
+        tps = robust.tokens_per_step * (1 + robust.config.token_tolerance)
+        self.max_weight = robust.max_steps * tps * tps * (1 + 1e-6)
+        self.max_rms = robust.config.prior_factor * manifest.diloco.inner_lr * robust.max_steps
+
+    def check_payload(self, record: UpdateRecord) -> tuple[str, str] | None:
+        """Before decoding: the payload's codec must be the manifest's."""
+        codec = frame_codec(record.payload)
+        if codec != self.manifest.wire.codec:
+            return WRONG_CODEC, f"payload is {codec}, the manifest says {self.manifest.wire.codec}"
+        return self.check_contributors(record)
+
+    def check_contributors(self, record: UpdateRecord) -> tuple[str, str] | None:
+        for peer, weight in record.contributors:
+            if not self.manifest.may_learn(peer):
+                return UNKNOWN_CONTRIBUTOR, f"{peer} may not learn in this run"
+            if self.robust.config.enabled and weight > self.max_weight:
+                return IMPLAUSIBLE_WEIGHT, f"{peer}'s weight {weight:.3g} > {self.max_weight:.3g} allowed"
+        return None
+
+    def check_values(self, fragment: int, grad: Mapping[str, Tensor]) -> tuple[str, str] | None:
+        """After decoding: finite values, and no tensor whose RMS exceeds what AdamW can move in the most
+        steps a delta may count (`[robust] prior_factor` x inner_lr x max_steps): a merge of screened
+        deltas never does, a destructive update (random weights, a huge step) does by orders of magnitude."""
+        for name, tensor in grad.items():
+            if not bool(torch.isfinite(tensor).all()):
+                return NOT_FINITE, f"{name} holds NaN or inf"
+            if not self.robust.config.enabled or tensor.numel() == 0:
+                continue
+            rms = float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / math.sqrt(tensor.numel())
+            if rms > self.max_rms:
+                return (
+                    TOO_LARGE,
+                    f"{name} RMS {rms:.3g} > {self.max_rms:.3g} (prior_factor x inner_lr x max steps)",
+                )
+        return None

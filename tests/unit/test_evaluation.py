@@ -1,0 +1,179 @@
+"""Global evaluation (`node.evaluation`): who evaluates, when, what is published, and how a new evaluator
+continues the curve of the one before it (a failover), on an in-memory store and the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from p2p_diloco.model.data import load_corpus
+from p2p_diloco.model.gpt import build_model
+from p2p_diloco.node.evaluation import DEDICATED_STALE, EvalMode, EvalOptions, GlobalEvaluator
+from p2p_diloco.node.ledger import ContributionLedger
+from p2p_diloco.node.logsinks import SafeSinks
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.swarm.memory import InMemoryKeyValueStore
+from p2p_diloco.wire.keys import eval_key
+from p2p_diloco.wire.observe import EvalHistory, decode_eval_history
+from tests.support.manifests import tiny_manifest
+
+MANIFEST = tiny_manifest("eval-unit")
+CORPUS = load_corpus(MANIFEST.data)
+KEY = eval_key(MANIFEST.run_id, MANIFEST.manifest_hash)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class World:
+    """What an evaluator sees of its peer: versions, the lease, the replica's parameters."""
+
+    def __init__(self) -> None:
+        self.model = build_model(MANIFEST.model)
+        self.versions = (0, 0)
+        self.holder = False
+        self.snapshots = 0
+
+    def snapshot(self):  # noqa: ANN201
+        self.snapshots += 1
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}, self.versions
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict, int]] = []
+
+    def log(self, values: dict, step: int, wall_time: float) -> None:
+        self.logged.append((values, step))
+
+    def close(self) -> None:
+        pass
+
+
+def evaluator(
+    peer_id: str, kv, clock, world, *, mode=EvalMode.AUTO, ledger=None, sinks=None
+) -> GlobalEvaluator:  # noqa: ANN001
+    return GlobalEvaluator(
+        MANIFEST,
+        EvalOptions(mode=mode, every_updates=4, min_seconds=1.0, batches=1, batch_size=2),
+        peer_id=peer_id,
+        kv=kv,
+        clock=clock,
+        make_model=lambda: build_model(MANIFEST.model),
+        eval_data=CORPUS.eval,
+        versions=lambda: world.versions,
+        snapshot=world.snapshot,
+        holds_lease=lambda: world.holder,
+        term=lambda: 3,
+        ledger=ledger,
+        sinks=sinks,
+    )
+
+
+def published(kv) -> dict[str, EvalHistory]:  # noqa: ANN001
+    return {peer: decode_eval_history(v.value, 2) for peer, v in kv.get(KEY, 0.0).items()}
+
+
+def test_the_synchronizer_evaluates_every_n_updates_and_publishes_its_history():
+    kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
+    ev = evaluator("QmA", kv, clock, world)
+    assert ev.maybe_evaluate() is None and world.snapshots == 0  # not the synchronizer: no copy taken
+    world.holder = True
+    assert ev.maybe_evaluate() is None  # the synchronizer, but it has not read the published history yet
+    ev.refresh()
+    first = ev.maybe_evaluate()
+    assert first is not None and first.versions == (0, 0) and first.evaluator == "QmA" and first.term == 3
+    assert math.isclose(first.loss, math.log(256), rel_tol=0.1)  # the untrained model: about uniform bytes
+    ev.publish()
+    assert published(kv)["QmA"].points == (first,) and not published(kv)["QmA"].dedicated
+    world.versions = (2, 2)
+    clock.t += 0.5
+    assert ev.maybe_evaluate() is None  # 4 updates, but within min_seconds of the last evaluation
+    clock.t += 1.0
+    second = ev.maybe_evaluate()
+    assert second is not None and second.updates == 4
+    clock.t += 10
+    world.versions = (3, 4)
+    assert ev.maybe_evaluate() is None  # 3 updates < every_updates
+    ev.publish()
+    assert [p.updates for p in published(kv)["QmA"].points] == [0, 4]
+
+
+def test_a_new_evaluator_continues_the_curve_and_its_merged_tokens(tmp_path):
+    kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
+    world.holder = True
+    old = evaluator("QmOld", kv, clock, world)
+    old.refresh()
+    old.maybe_evaluate()
+    old.publish()
+    clock.t += 5
+    world.versions = (3, 3)  # the old evaluator dies after these updates
+    ledger = ContributionLedger(tmp_path, MANIFEST)
+    per_credit = 2 * 8 * 2  # batch 2 x block 8 tokens per step, P = 2
+    for p in (0, 1):
+        for v in (1, 2, 3):
+            contributors = (("QmX", 10.0 * per_credit),)
+            record = UpdateRecord(
+                MANIFEST.run_id, MANIFEST.manifest_hash, p, v - 1, 1, "QmOld", contributors, "c", b""
+            )
+            ledger.record(record, 0.0)
+    new = evaluator("QmNew", kv, clock, world, ledger=ledger)
+    new.refresh()  # reads the old evaluator's record: the curve so far
+    point = new.maybe_evaluate()
+    assert point is not None and point.tokens == 6 * 10  # six updates since the old point, 10 tokens each
+    new.publish()
+    mine = published(kv)["QmNew"]
+    assert [p.evaluator for p in mine.points] == [
+        "QmOld",
+        "QmNew",
+    ]  # the old points live on in the new record
+    assert mine.contributions == (("QmX", 60, 6),)
+    ledger.close()
+
+
+def test_a_dedicated_evaluator_keeps_the_synchronizer_from_evaluating():
+    kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
+    dedicated = evaluator("QmDed", kv, clock, world, mode=EvalMode.ALWAYS)
+    dedicated.refresh()
+    assert dedicated.maybe_evaluate() is not None  # not the synchronizer, evaluates anyway
+    dedicated.publish()
+    assert published(kv)["QmDed"].dedicated
+    world.holder = True
+    sync = evaluator("QmSync", kv, clock, world)
+    sync.refresh()
+    assert not sync.wants_to_evaluate(clock.now())
+    clock.t += DEDICATED_STALE + 1  # the dedicated evaluator went silent
+    assert sync.wants_to_evaluate(clock.now())
+    assert not evaluator("QmNo", kv, clock, world, mode=EvalMode.NEVER).wants_to_evaluate(clock.now())
+
+
+def test_bad_records_are_ignored_with_a_counter_and_sinks_get_each_point_once():
+    kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
+    kv.store(KEY, "QmBad", b'{"points": "junk"}', 1e12)
+    world.holder = True
+    good = evaluator("QmGood", kv, clock, world)
+    good.refresh()
+    good.maybe_evaluate()
+    good.publish()
+    sink = Sink()
+    follower = evaluator("QmF", kv, clock, world, mode=EvalMode.NEVER, sinks=SafeSinks([sink]))
+    follower.refresh()
+    follower.refresh()
+    assert follower.ignored["bad eval history"] == 2
+    assert len(sink.logged) == 1 and set(sink.logged[0][0]) == {"global/eval_loss", "global/perplexity"}
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_a_non_finite_loss_is_not_published(monkeypatch, loss):
+    kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
+    world.holder = True
+    monkeypatch.setattr("p2p_diloco.node.evaluation.evaluate", lambda *a, **k: loss)
+    ev = evaluator("QmA", kv, clock, world)
+    ev.refresh()
+    assert ev.maybe_evaluate() is None and ev.history == ()

@@ -1,0 +1,114 @@
+"""Lease rules as a peer applies them to what its DHT reads return: regressions for two holes the hostile
+suite (tests/integration/test_hostile_peers.py) found in the first version of `protocol.lease_rules`, and
+for the lease screen of `p2p-diloco status`.
+
+* A DHT read returns one record per holder, its *latest* write. A listed key re-writing an early claim of
+  term T + 1 was refused until the honest holder renewed term T after the claim was first read: the
+  renewal was left out as "seen after" (the zombie-renewal rule) and the renewal it replaced was no longer
+  in the read, so the claim counted and one honest peer adopted T + 1 (rule 4 now remembers earlier reads).
+* The healed-partition exception counted any live peer's `term_seen`: a stranger's heartbeat (learners =
+  "any") vouched for a listed key's jump to T + 1000, and both honest peers adopted it (only peers that may
+  synchronize vouch now).
+"""
+
+from __future__ import annotations
+
+from p2p_diloco.config import TrustConfig
+from p2p_diloco.protocol import lease_rules as rules
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.standing import Standing
+from p2p_diloco.protocol.timing import SwarmTiming
+from p2p_diloco.swarm.effects import SwarmRecords
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.wire.interfaces import StoredValue
+from p2p_diloco.wire.records import encode_lease
+from tests.support.manifests import tiny_manifest
+
+HONEST = "QmHonestHo1derHonestHo1derHonestHo1derHonest"
+INSIDER = "QmRoguekeyRoguekeyRoguekeyRoguekeyRoguekeyRo"
+ME = "QmFo11owerFo11owerFo11owerFo11owerFo11owerFo"
+T = SwarmTiming(heartbeat_period=0.5, heartbeat_ttl=2.0, lease_ttl=3.0, claim_grace=1.0, lease_margin=0.5)
+
+
+def follower() -> Membership:
+    manifest = tiny_manifest(
+        "lease-reads", timing=T, trust=TrustConfig(authority=HONEST, synchronizers=(HONEST, INSIDER))
+    )
+    standing = Standing(new_peer_rounds=1, active_window=60.0, newcomer_grace=60.0)
+    return Membership(ME, manifest, 2, Journal(ME, lambda intent: None), standing)
+
+
+def read(now: float, *leases: LeaseRecord) -> SwarmRecords:
+    """What one DHT read returns: each holder's latest record."""
+    stored = {x.holder: StoredValue(encode_lease(x), x.expires_at + T.lease_ttl) for x in leases}
+    return SwarmRecords(heartbeats={}, leases=stored, now=now)
+
+
+def test_an_early_claim_stays_refused_when_the_holder_renews_after_it_was_read():
+    me = follower()
+    renewed_at = [98.4, 99.9]  # the honest holder renews term 1 every 1.5 s (lease live throughout)
+    claim = LeaseRecord(INSIDER, 2, 99.5 + T.lease_ttl)  # written at 99.5, while term 1 is live
+    me.ingest(read(99.5, LeaseRecord(HONEST, 1, renewed_at[0] + T.lease_ttl), claim))
+    assert me.journal.rejections[rules.EARLY_CLAIM] == 1
+    view = me.ingest(read(100.0, LeaseRecord(HONEST, 1, renewed_at[1] + T.lease_ttl), claim))
+    assert [lease.term for lease in view.leases] == [1], (
+        "the early claim of term 2 counted in the second read"
+    )
+    assert not me.held_lease(INSIDER, 2)
+
+
+def test_status_names_only_a_synchronizer_the_lease_rules_accept():
+    """`p2p-diloco status` screens leases like the peers do: a stranger's lease, a listed key's term jump
+    with an expiry an hour ahead, and an early claim are listed as refused, never as the synchronizer."""
+    from p2p_diloco.node.status import swarm_status
+    from p2p_diloco.swarm.memory import InMemoryKeyValueStore
+    from p2p_diloco.wire.keys import heartbeat_key, lease_key
+    from p2p_diloco.wire.records import HeartbeatInfo
+
+    stranger = "QmStrangerStrangerStrangerStrangerStrangerSt"
+    manifest = follower().manifest
+    kv = InMemoryKeyValueStore()
+    now = 1000.0
+    for peer in (HONEST, ME):
+        info = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(5, 5), term_seen=3)
+        kv.store(heartbeat_key(manifest.run_id, manifest.manifest_hash), peer, info.to_bytes(), now + 2)
+    leases = {
+        HONEST: LeaseRecord(HONEST, 3, now + 2.0),  # live, renewed a second ago
+        stranger: LeaseRecord(stranger, 4, now + 3.0),
+        INSIDER: LeaseRecord(INSIDER, 1003, now + 3600),
+    }
+    key = lease_key(manifest.run_id, manifest.manifest_hash)
+    for holder, lease in leases.items():
+        kv.store(key, holder, encode_lease(lease), lease.expires_at + 10)
+    status = swarm_status(kv, manifest, now)
+    assert status["synchronizer"]["peer_id"] == HONEST and status["highest_term"] == 3
+    assert {(x["peer_id"], x["reason"]) for x in status["refused_leases"]} == {
+        (stranger, rules.NOT_SYNCHRONIZER),
+        (INSIDER, rules.TOO_LONG),
+    }
+    kv.store(key, INSIDER, encode_lease(LeaseRecord(INSIDER, 4, now + 3.0)), now + 4000)  # T + 1, early
+    status = swarm_status(kv, manifest, now)
+    assert status["synchronizer"]["peer_id"] == HONEST
+    assert (INSIDER, rules.EARLY_CLAIM) in {(x["peer_id"], x["reason"]) for x in status["refused_leases"]}
+
+
+def test_a_term_jump_is_not_vouched_for_by_a_strangers_heartbeat():
+    """A listed key writes term T + 1000 with an honest-looking expiry; a stranger (learners = "any") puts
+    term_seen = T + 1000 in its own heartbeat. A stranger's self-report must not count as "another peer
+    reports the term" (the healed-partition exception), or one spare key lifts any listed key's jump."""
+    from p2p_diloco.wire.records import HeartbeatInfo
+
+    stranger = "QmStrangerStrangerStrangerStrangerStrangerSt"
+    me = follower()
+    me.term_seen = 3
+    beat = HeartbeatInfo(role="learner", may_sync=False, reachable=True, versions=(5, 5), term_seen=1003)
+    records = read(
+        99.5, LeaseRecord(HONEST, 3, 99.0 + T.lease_ttl), LeaseRecord(INSIDER, 1003, 99.5 + T.lease_ttl)
+    )
+    records = SwarmRecords(
+        heartbeats={stranger: StoredValue(beat.to_bytes(), 101.5)}, leases=records.leases, now=records.now
+    )
+    view = me.ingest(records)
+    assert [lease.term for lease in view.leases] == [3]
+    assert me.journal.rejections[rules.TERM_JUMP] == 1

@@ -1,0 +1,55 @@
+"""What a replica checks in an update's content (swarm/update_checks.py): codec, finite values, RMS
+against recent updates, contributors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from p2p_diloco.config import TrustConfig
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.robust import RobustGuard
+from p2p_diloco.swarm import update_checks as uc
+from p2p_diloco.wire.codec import Codec, encode_tensors
+from tests.support.manifests import tiny_manifest
+
+QM = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+MANIFEST = tiny_manifest("checks")
+
+
+def checks(manifest=MANIFEST) -> uc.UpdateChecks:  # noqa: ANN001
+    return uc.UpdateChecks(manifest, 2, RobustGuard.from_manifest(manifest))
+
+
+def record(payload: bytes, contributors=(("a", 1.0),)) -> UpdateRecord:  # noqa: ANN001
+    return UpdateRecord("checks", MANIFEST.manifest_hash, 0, 0, 1, "leader", contributors, "c", payload)
+
+
+def grad(scale: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((64,), scale)}
+
+
+def test_the_payload_must_be_in_the_manifests_codec():
+    c = checks()
+    assert c.check_payload(record(encode_tensors(grad(0.1), codec=Codec.INT8))) is None
+    tag, _ = c.check_payload(record(encode_tensors(grad(0.1), codec=Codec.FP32)))
+    assert tag == uc.WRONG_CODEC
+    assert c.check_payload(record(b"not a tensor frame"))[0] == uc.WRONG_CODEC
+
+
+def test_values_must_be_finite_and_no_larger_than_adamw_can_move():
+    c = checks()
+    assert c.check_values(0, {"w": torch.tensor([1.0, float("nan")])})[0] == uc.NOT_FINITE
+    assert c.check_values(0, grad(0.9 * c.max_rms)) is None
+    tag, detail = c.check_values(0, grad(100 * c.max_rms))  # a destructive update
+    assert tag == uc.TOO_LARGE and "w RMS" in detail
+
+
+def test_contributors_must_be_learners_with_weights_the_schedule_allows():
+    listed = dataclasses.replace(MANIFEST, trust=TrustConfig(learners=(QM,)))
+    c = checks(listed)
+    assert c.check_contributors(record(b"", ((QM, 1.0),))) is None
+    assert c.check_contributors(record(b"", (("stranger", 1.0),)))[0] == uc.UNKNOWN_CONTRIBUTOR
+    heavy = c.max_weight * 4
+    assert c.check_contributors(record(b"", ((QM, heavy),)))[0] == uc.IMPLAUSIBLE_WEIGHT
