@@ -51,7 +51,6 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
-from p2p_diloco.node.replica_file import ReplicaFileError, load_replica
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import evaluate, load_corpus
@@ -60,7 +59,8 @@ from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.net.manifest_signature import load_run_manifest, sign_manifest
 from p2p_diloco.node.ledger import read_ledger
-from p2p_diloco.node.state import read_events
+from p2p_diloco.node.replica_store import ReplicaFileError, load_replica
+from p2p_diloco.node.state import REPLICA_DIR, read_events
 from p2p_diloco.node.status import swarm_status
 from p2p_diloco.protocol.fragments import plan_fragments
 from tests.support.rogue import Rogue
@@ -301,7 +301,7 @@ class HostileRun:
             replica = None
             for _ in range(20):  # between the rename and a concurrent read a save can be missed: retry
                 try:
-                    replica = load_replica(joined.state_dir / "replica.pt", plan)
+                    replica = load_replica(joined.state_dir / REPLICA_DIR, plan)
                     break
                 except ReplicaFileError:
                     time.sleep(0.2)

@@ -85,7 +85,7 @@ def test_claimed_steps_weigh_no_more_than_an_honest_learners_h_steps(manifest, c
     per_step = d.batch_size * manifest.model.block_size
     cap = merge_weight(d.inner_steps * per_step, d.inner_steps)  # an honest learner's H steps
     peer = next(iter(swarm.peers.values()))  # every replica applied every update
-    records = [r for log in peer.book.log for r in log]
+    records = [r for p in range(len(peer.replica.versions())) for r in peer.book.log.records(p)]
     hostile = [w for r in records for sender, w in r.contributors if sender == HOSTILE]
     honest = [w for r in records for sender, w in r.contributors if sender != HOSTILE]
     # Claimed steps are bounded by the schedule (H per version since the delta's anchor): the claim may buy

@@ -10,6 +10,7 @@ import torch
 from p2p_diloco.config import LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
@@ -22,7 +23,7 @@ from p2p_diloco.wire.snapshot_chunks import (
     encode_chunk_request,
 )
 from tests.support.manifests import TINY_DILOCO, TINY_MODEL
-from tests.support.peers import PeerHarness, StubTransport, settled
+from tests.support.peers import PeerHarness, StubTransport, keys_for, settled
 
 SHAPES = {"a": (64, 64), "b": (1000,), "c": (32, 32)}
 PLAN = plan_fragments(list(SHAPES.items()), 2)
@@ -51,7 +52,7 @@ def advanced(steps: int = 2) -> GlobalReplica:
 
 
 def harness(peer_id: str, replica: GlobalReplica, transport=None) -> PeerHarness:  # noqa: ANN001
-    peer = Peer(peer_id, MANIFEST, PLAN, replica, shapes=SHAPES, has_learner=False)
+    peer = Peer(peer_id, MANIFEST, PLAN, replica, shapes=SHAPES, keys=keys_for(peer_id), has_learner=False)
     return PeerHarness(
         peer, kv=InMemoryKeyValueStore(), transport=transport or StubTransport(), clock=FakeClock(1.7e9)
     )
@@ -96,7 +97,14 @@ def setup(*names: str) -> tuple[GlobalReplica, Routing, PeerHarness]:
     state = advanced()
     sources = {name: harness(name, state.frozen()) for name in names}
     routing = Routing(sources)
-    return state, routing, harness("me", GlobalReplica(PLAN, initial()), routing)
+    me = harness("me", GlobalReplica(PLAN, initial()), routing)
+    for p in range(PLAN.num_fragments):  # the newcomer has checked the update records of these states
+        v = state.version(p)
+        record = UpdateRecord(
+            "chunks", MANIFEST.manifest_hash, p, v - 1, 1, "A", (("A", 1.0),), state.checksum(p), b""
+        )
+        me.peer.book.vouchers.vouch(record)
+    return state, routing, me
 
 
 def test_a_fragment_comes_in_chunks_from_two_sources_and_survives_one_dying_midway() -> None:
