@@ -16,7 +16,10 @@ bought extra weight). Also run:
   honest3       the three honest learners alone for the same fake time: what a perfect defence reaches,
                 since the hostile learner's compute is lost whatever the defence does (with learner 0,
                 one of the two fastest, that is 32 % of the tokens: the floor of the ratio below);
+  honest-robust-off  all honest with every robust check off: what the defaults cost honest runs
+                (target: the defended honest run within 1 % of it);
   <kind>-undefended  an attack with the robust checks disabled (`--undefended`, none by default).
+The robust checks run at a public run's defaults (the loss check on) unless `--private`.
 Every run is repeated per seed (data order and initial weights); a run's ratio is its loss over the
 all-honest loss of the same seed, averaged over seeds (runs differ by about 2 % between seeds).
 Writes DIR/byzantine.json (per run and seed: final eval loss, ratio to all-honest, versions, the hostile
@@ -102,12 +105,20 @@ def main() -> int:
     parser.add_argument("--manifest", default="peers/demo.toml")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; ratios are averaged over them")
     parser.add_argument("--hostile-learner", type=int, default=0, choices=range(len(SPEEDS)))
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="the private-run defaults (no loss check) instead of a public run's (loss check on)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # the robust checks at their defaults (the demo manifest turns its direction screen off)
-    base = dataclasses.replace(RunManifest.load(args.manifest), robust=RobustConfig())
+    # the robust checks at a public run's defaults (the demo manifest turns its direction screen off; a
+    # public run, [trust] authority set, turns the loss check on): in-process peers have no peer IDs to
+    # list, so the loss check is set directly
+    robust = RobustConfig() if args.private else RobustConfig(loss_check="on")
+    base = dataclasses.replace(RunManifest.load(args.manifest), robust=robust)
     defended = base
     undefended = dataclasses.replace(base, robust=dataclasses.replace(base.robust, enabled=False))
     corpus = load_corpus(base.data)
@@ -117,6 +128,7 @@ def main() -> int:
     plan: list[tuple[str, RunManifest, dict, tuple[float, ...], int]] = [
         ("honest", defended, {}, SPEEDS, args.tokens),
         ("honest3", defended, {}, honest3_speeds, honest3_tokens),
+        ("honest-robust-off", undefended, {}, SPEEDS, args.tokens),
     ]
     for kind in filter(None, args.kinds.split(",")):
         plan.append((kind, defended, {bad: kind}, SPEEDS, args.tokens))
@@ -163,6 +175,9 @@ def main() -> int:
         "vs_honest3": {k: v["vs_honest3"] for k, v in results.items()},
         "worst_attack": max(attacks, key=attacks.get) if attacks else None,
         "all_within_target": all(r <= 1 + TARGET for r in attacks.values()),
+        "honest_vs_robust_off": results["honest"]["final_eval_loss"]
+        / results["honest-robust-off"]["final_eval_loss"],
+        "public_defaults": not args.private,
         "runs": results,
     }
     (out / "byzantine.json").write_text(json.dumps(summary, indent=2))

@@ -14,8 +14,10 @@ election (`protocol.election`) or the update checks. The rules:
    that has trusted no term yet trusts the highest live term in view on first use), so terms climb one at
    a time;
 4. it was written in the claim window: not before the previous term's lease (its records this peer saw
-   first) had passed its expiry, with one renewal of slack (a claimant may have missed the latest
-   renewal), or was released; other holders of the same term are a tie the election breaks.
+   first) had passed its expiry or was released; other holders of the same term are a tie the election
+   breaks. (A claimant whose reads missed the holder's renewals for a whole renewal interval is refused
+   too; with a third peer reporting its term the exception below admits it, in a swarm of two the two
+   terms stand apart until one lease lapses: a known limit of a machine too loaded to read the DHT.)
 
 Rules 3 and 4 have one exception: a term this peer missed (a term that began and ended between two of
 its reads on a loaded machine) or a healed partition (the other side's terms ran ahead and were claimed
@@ -141,10 +143,7 @@ def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | Non
     released = [write_time(x, timing) for x in previous if x.released]
     if released:  # a release ends the term, whatever the expiry of the renewals before it
         return min(released)
-    # One renewal of slack: a claimant whose read missed the holder's latest renewal (a loaded machine, a
-    # slow DHT) claimed in good faith after the expiry it saw; a claim earlier than that is refused.
-    expiries = sorted({x.expires_at for x in previous})
-    return expiries[-2] if len(expiries) >= 2 else expiries[-1]
+    return max(x.expires_at for x in previous)
 
 
 def counts_as_held(item: SeenLease) -> bool:

@@ -111,13 +111,3 @@ def test_a_claim_right_after_a_release_is_not_early_whatever_the_renewals_before
         [released, successor], term_floor=3, timing=T, may_synchronize=HONEST.__contains__, history=[renewal]
     )
     assert result.refused == [] and {x.lease.term for x in result.valid} == {3, 4}
-
-
-def test_a_claimant_that_missed_the_latest_renewal_is_not_refused_but_an_earlier_claim_is():
-    seen_first = written("a", 3, 20.0)  # live until 26: what the claimant saw last
-    renewal = written("a", 3, 23.0)  # live until 29: the claimant's read missed it
-    good_faith = written("b", 4, 26.5)
-    valid, refused = screen([seen_first, renewal, good_faith], floor=3)
-    assert refused == {} and {x.term for x in valid} == {3, 4}
-    too_early = written("b", 4, 24.0)
-    assert screen([seen_first, renewal, too_early], floor=3)[1] == {("b", 4): rules.EARLY_CLAIM}
