@@ -1,6 +1,8 @@
 """Real swarms: a bootstrap and `p2p-diloco join` processes on 127.0.0.1 (real p2pd, port 0).
 
-Each test starts its own bootstrap and peers with a tiny manifest and short swarm timing, watches the
+Each test starts its own bootstrap and peers with a tiny public manifest (signed by an organizer key,
+the peers listed as its synchronizers: the trust rules of docs/security.md in force) and short swarm
+timing, watches the
 swarm through an in-process passive DHT client (`swarm_status`, what `p2p-diloco status` prints) and
 the peers' state directories, and waits for every condition with a deadline. Every process group is
 killed at teardown, also when a test fails. Measurements (failover time, snapshot rate, memory) are
@@ -21,9 +23,9 @@ from pathlib import Path
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.net.identity import write_identity
+from p2p_diloco.net.manifest_signature import load_run_manifest, sign_manifest
 from p2p_diloco.node.state import read_events, read_peer_state
 from p2p_diloco.node.status import swarm_status
 
@@ -53,6 +55,7 @@ lease_margin = 0.5
 term_rounds = 1000
 rejoin_grace = 30.0
 """
+PEER_NAMES = ("p0", "p1", "p2", "late")
 START_TIMEOUT = 90.0  # process start on a loaded 2-core machine: imports, DHT, catch-up
 STOP_TIMEOUT = 60.0
 
@@ -74,16 +77,23 @@ class Swarm:
         self.wait_for = wait_for
         self.tmp = tmp_path
         self.bootstrap = bootstrap
+        # A signed public run: the organizer's key signs it, the peers' keys are its synchronizers.
+        self.ids = {name: write_identity(tmp_path / f"{name}.key") for name in PEER_NAMES}
+        organizer = write_identity(tmp_path / "org.key")
+        listed = ", ".join(f'"{peer_id}"' for peer_id in self.ids.values())
         self.manifest_path = tmp_path / "tiny.toml"
-        self.manifest_path.write_text(TINY_MANIFEST)
-        self.manifest = RunManifest.load(self.manifest_path)
+        self.manifest_path.write_text(
+            f'{TINY_MANIFEST}[trust]\nauthority = "{organizer}"\nsynchronizers = [{listed}]\n'
+        )
+        sign_manifest(self.manifest_path, tmp_path / "org.key")
+        self.manifest = load_run_manifest(self.manifest_path)
         self.kv = DhtKeyValueStore(observer, timeout=5.0)
         self.peers: dict[str, Joined] = {}
 
     def join(self, name: str, *extra: str) -> Joined:
         """Start (or restart, same identity and state dir) peer `name`."""
         identity = self.tmp / f"{name}.key"
-        peer_id = write_identity(identity) if not identity.exists() else self.peers[name].peer_id
+        peer_id = self.ids[name]
         state_dir = self.tmp / f"state-{name}"
         cmd = self.cli(
             "join", str(self.manifest_path), "--initial-peers", *self.bootstrap.addresses,
