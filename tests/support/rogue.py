@@ -47,17 +47,11 @@ from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.frames import (
-    FragmentSnapshot,
-    decode_snapshot,
-    decode_update,
-    encode_delta,
-    encode_snapshot,
-    encode_update,
-    update_signing_bytes,
-)
+from p2p_diloco.wire.frames import decode_update, encode_delta, encode_update, update_signing_bytes
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, encode_lease
 from p2p_diloco.wire.replies import Reply
+from p2p_diloco.wire.snapshot_chunks import THETA, SnapshotIndex, chunk_digest, chunk_layout, encode_index
+from tests.support.snapshots import fetch_fragment_state
 
 MAX_TENSOR_BYTES = 1 << 28
 # The outer gradient of a forged update, on every entry: it shifts every weight of the fragment by about
@@ -76,7 +70,7 @@ class _RogueHandlers:
     snapshots it was told to serve (`Rogue.serve_poisoned_snapshot`); b"" for any other fragment."""
 
     def __init__(self) -> None:
-        self.snapshots: dict[int, bytes] = {}
+        self.snapshots: dict[int, tuple[bytes, list[bytes]]] = {}  # fragment -> (index frame, chunks)
         self.served: list[tuple[str, int]] = []  # (requester, fragment) of every poisoned snapshot served
 
     def handle_delta(self, sender: str, frame: bytes) -> Reply:
@@ -89,17 +83,31 @@ class _RogueHandlers:
         return []
 
     def serve_snapshot(self, requester: str, fragment: int) -> bytes:
-        frame = self.snapshots.get(fragment, b"")
-        if frame:
+        index, _ = self.snapshots.get(fragment, (b"", []))
+        if index:
             self.served.append((requester, fragment))
-        return frame
+        return index
+
+    def serve_chunk(self, requester: str, fragment: int, chunk: int, checksum: str) -> bytes:
+        _, chunks = self.snapshots.get(fragment, (b"", []))
+        if not 0 <= chunk < len(chunks):
+            raise LookupError(f"no chunk {chunk} of fragment {fragment}")
+        return chunks[chunk]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateId:
+    """Which state of a fragment a peer served: its version and checksum."""
+
+    version: int
+    checksum: str
 
 
 @dataclasses.dataclass
 class Fetched:
     """One honest peer's fragment as served to anyone: its snapshot and decoded tensors."""
 
-    snapshot: FragmentSnapshot
+    snapshot: StateId
     params: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
 
@@ -163,13 +171,10 @@ class Rogue:
 
     def fetch(self, from_peer: str, fragment: int) -> Fetched:
         """`from_peer`'s snapshot of `fragment` (every peer serves them to anyone of the run)."""
-        frame = self.transport.fetch_snapshot(from_peer, fragment)
-        max_bytes = self.manifest.wire.max_message_bytes
-        snap = decode_snapshot(frame, max_bytes=max_bytes)
-        shapes = self.shapes(fragment)
-        params = decode_tensors(snap.params, expected_shapes=shapes, max_bytes=max_bytes)
-        momentum = decode_tensors(snap.momentum, expected_shapes=shapes, max_bytes=max_bytes)
-        return Fetched(snap, params, momentum)
+        version, checksum, params, momentum = fetch_fragment_state(
+            self.transport, from_peer, fragment, self.shapes(fragment)
+        )
+        return Fetched(StateId(version, checksum), params, momentum)
 
     def shapes(self, fragment: int) -> dict[str, tuple[int, ...]]:
         return {n: tuple(self.initial[n].shape) for n in self.plan.names(fragment)}
@@ -326,7 +331,7 @@ class Rogue:
 
     def revert_delta(
         self, source: str, fragment: int, *, scale_like: Mapping[str, torch.Tensor] | None = None
-    ) -> tuple[FragmentSnapshot, dict[str, torch.Tensor]]:
+    ) -> tuple[StateId, dict[str, torch.Tensor]]:
         """A delta of `fragment` pointing from `source`'s current global weights back to the initial ones
         (the outer step Θ - lr·Δ with Δ ∝ Θ - Θ₀ moves Θ toward Θ₀), each tensor scaled to the norm of the
         same tensor in `scale_like` (e.g. the latest merged outer gradient: it then looks honest)."""
@@ -445,17 +450,21 @@ class Rogue:
         params = {n: torch.randn(s, generator=generator) for n, s in shapes.items()}
         momentum = {n: torch.zeros(s) for n, s in shapes.items()}
         checksum = fragment_checksum(self.plan.names(fragment), params, momentum, version)
-        self.handlers.snapshots[fragment] = encode_snapshot(
-            FragmentSnapshot(
-                run_id=self.manifest.run_id,
-                manifest_hash=self.manifest.manifest_hash,
-                fragment=fragment,
-                version=version,
-                checksum=checksum,
-                params=encode_tensors(params, codec="fp32"),
-                momentum=encode_tensors(momentum, codec="fp32"),
-            )
+        chunk_bytes = self.manifest.limits.snapshot_chunk_bytes
+        chunks = []
+        for chunk in chunk_layout(shapes, chunk_bytes):
+            tensor = (params if chunk.part == THETA else momentum)[chunk.name].reshape(-1)
+            chunks.append(tensor[chunk.start : chunk.start + chunk.count].numpy().tobytes())
+        index = SnapshotIndex(
+            run_id=self.manifest.run_id,
+            manifest_hash=self.manifest.manifest_hash,
+            fragment=fragment,
+            version=version,
+            checksum=checksum,
+            chunk_bytes=chunk_bytes,
+            digests=tuple(chunk_digest(c) for c in chunks),
         )
+        self.handlers.snapshots[fragment] = (encode_index(index), chunks)
         return checksum
 
     @property
