@@ -89,7 +89,9 @@ REASONS = {
     "rogue update": {"peer not allowed", "no lease", "lease not live", "bad signature", "not the leader"},
     # a snapshot whose state no checked update record (or two peers) vouches for
     "poisoned snapshot": {"unvouched snapshot"},
-    "idle streams": {"peer busy", "too slow", "header timeout"},
+    # a header claiming 200 MiB is over the exact frame cap: refused before its slot matters; streams
+    # opened together beyond the per-peer slots are busy; a silent or slow one times out
+    "idle streams": {"frame too large", "peer busy", "too slow", "header timeout"},
 }
 
 MANIFEST = """
