@@ -8,8 +8,23 @@ import torch
 from p2p_diloco.wire.snapshot_chunks import THETA, chunk_digest, chunk_layout, decode_index
 
 
-def fetch_fragment_state(transport, peer: str, fragment: int, shapes: dict, timeout: float = 60.0):  # noqa: ANN001, ANN201
-    """(version, checksum, Θ_p, m_p) of `peer`'s fragment over `transport` (`request_snapshot`/`request_chunk`)."""
+def fetch_fragment_state(
+    transport, peer: str, fragment: int, shapes: dict, timeout: float = 60.0, tries: int = 5
+):  # noqa: ANN001, ANN201
+    """(version, checksum, Θ_p, m_p) of `peer`'s fragment over `transport` (`request_snapshot`/`request_chunk`).
+
+    A live peer's state moves on while its chunks are fetched; once the state it announced is no longer
+    pinned, its chunks are refused: the whole fetch starts again from a fresh index (`tries` times)."""
+    for attempt in range(tries):
+        try:
+            return _fetch_once(transport, peer, fragment, shapes, timeout)
+        except ConnectionError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _fetch_once(transport, peer: str, fragment: int, shapes: dict, timeout: float):  # noqa: ANN001, ANN202
     index = decode_index(transport.request_snapshot(peer, fragment).result(timeout=timeout))
     params = {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
     momentum = {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
