@@ -131,16 +131,22 @@ class Membership:
                     or item.lease.expires_at >= self.valid_leases[key].lease.expires_at
                 ):
                     self.valid_leases[key] = item
-        self._forget_old(records.now)
+        self._forget_old(records.now, {item.lease for item in seen})
         self.live_peers = live
         self.standing.heard(live, records.now)
         self.last_read = records.now
         return SwarmView(heartbeats, leases)
 
-    def _forget_old(self, now: float) -> None:
-        """Bounded memory: records long past their DHT expiration cannot be read again."""
+    def _forget_old(self, now: float, current: set[LeaseRecord]) -> None:
+        """Bounded memory: records long past their DHT expiration cannot be read again, and a record gone
+        from the DHT for a while is forgotten whatever expiry it claimed (a forger writing records with
+        far-future expiries must not grow this peer's memory)."""
         horizon = now - 4 * self.manifest.timing.lease_ttl
-        for lease in [x for x in self.first_seen if x.expires_at < horizon]:
+        for lease in [
+            x
+            for x, seen in self.first_seen.items()
+            if x.expires_at < horizon or (x not in current and seen < horizon)
+        ]:
             del self.first_seen[lease]
         for key in [k for k, v in self.valid_leases.items() if v.lease.expires_at < horizon]:
             del self.valid_leases[key]

@@ -112,3 +112,12 @@ def test_a_term_jump_is_not_vouched_for_by_a_strangers_heartbeat():
     view = me.ingest(records)
     assert [lease.term for lease in view.leases] == [3]
     assert me.journal.rejections[rules.TERM_JUMP] == 1
+
+
+def test_forged_far_future_leases_do_not_grow_a_peers_memory():
+    me = follower()
+    for i in range(200):  # the insider rewrites its record every read, each with a new hour-long expiry
+        now = 100.0 + i
+        me.ingest(read(now, LeaseRecord(INSIDER, 1000 + i, now + 3600.0 + i)))
+    assert me.journal.rejections[rules.TOO_LONG] == 200
+    assert len(me.first_seen) <= 4 * T.lease_ttl + 2  # only records of the last few seconds are kept
