@@ -57,9 +57,8 @@ class RobustConfig:
     round_min: int = 3
     warmup_wait: float = 10.0
     token_tolerance: float = 0.01
-    # Steps counted for a delta's weight and per-step norm: at most H x (1 + its anchor's staleness) (what
-    # the schedule allows: H steps per version the fragment moved on while the delta was being made), and
-    # never more than this many times H. A delta on the current version earns at most a full H's weight.
+    # Steps counted for a delta's per-step norm: at most this many times H (a learner trains on while its
+    # delta is in flight). For its merge weight steps count at most H, whatever is claimed.
     max_steps_factor: float = 4.0
     replay_memory: int = 256
     offence_limit: int = 4
