@@ -148,6 +148,4 @@ def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | Non
 
 def counts_as_held(item: SeenLease) -> bool:
     """Whether the lease vouches for updates of its term: it was live when this peer first saw it."""
-    return item.lease.live(item.first_seen) or (
-        item.lease.released and item.first_seen < item.lease.expires_at
-    )
+    return item.first_seen < item.lease.expires_at  # a released one too: its expiry is after its release

@@ -30,8 +30,6 @@ from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
 from p2p_diloco.swarm.effects import (
-    FetchChunks,
-    FetchSnapshots,
     FetchUpdates,
     Intent,
     ReadSwarm,
@@ -41,18 +39,17 @@ from p2p_diloco.swarm.effects import (
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Reload
 from p2p_diloco.swarm.membership import Membership
-from p2p_diloco.swarm.snapshots import ChunkedDownload, SnapshotServer
+from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader
+from p2p_diloco.swarm.snapshots import SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS
 from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
-from p2p_diloco.wire.snapshot_chunks import SnapshotIndex, chunk_layout, decode_index
+from p2p_diloco.wire.snapshot_chunks import SnapshotIndex
 
 REJECT_NOT_ALLOWED = "not allowed"
 UNVOUCHED_SNAPSHOT = "unvouched snapshot"  # a snapshot whose state no checked update or two peers vouch for
 Task = Generator[Request, Any, Any]
-Downloaded = tuple[SnapshotIndex, dict, dict]
-MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
 class Repair:
@@ -89,9 +86,14 @@ class Repair:
             max_pins=limits.snapshot_pins,
             pin_seconds=limits.snapshot_pin_seconds,
         )
-        self.last_download: dict[str, int] = {}  # bytes per source of the last snapshot download
+        self.downloader = SnapshotDownloader(manifest, replica, book, journal)
         self.offer_snapshots()
         self.downloaded: Counter[str] = Counter()  # snapshot bytes installed, per source, ever
+
+    @property
+    def last_download(self) -> dict[str, int]:
+        """Bytes per source of the last snapshot download."""
+        return self.downloader.last_download
 
     # ---- serving -----------------------------------------------------------------------------------
 
@@ -187,73 +189,6 @@ class Repair:
 
     # ---- snapshots ---------------------------------------------------------------------------------
 
-    def _read_index(self, fragment: int, source: str, result: object) -> SnapshotIndex | None:
-        """One source's index answer, checked (run, manifest, fragment, layout); None if unusable (noted,
-        a malformed one counted against the source)."""
-        try:
-            if isinstance(result, BaseException):
-                raise result
-            index = decode_index(result, max_bytes=MAX_INDEX_BYTES)
-            bad = self.book.check_record(index.run_id, index.manifest_hash, index.fragment)
-            if bad or index.fragment != fragment:
-                raise DecodeError(
-                    bad[0] if bad else "wrong fragment", f"snapshot index of fragment {fragment}"
-                )
-            if len(chunk_layout(self.replica.shapes(fragment), index.chunk_bytes)) != index.count:
-                raise DecodeError("bad index", f"{index.count} chunks do not fit fragment {fragment}")
-            return index
-        except DecodeError as exc:
-            self.journal.reject(source, exc.reason, "snapshot index")
-            self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
-        except (ConnectionError, TimeoutError) as exc:
-            self.journal.note(f"snapshot of fragment {fragment} from {source} failed: {exc}")
-        return None
-
-    def _download(self, fragment: int, sources: list[str]) -> Task:
-        """A checked download of `fragment` (index, Θ, m) from up to `[limits] snapshot_sources` of `sources`
-        at once, or None. The sources announcing the most common index (ties: the first source's) share the
-        chunks; a source that fails or sends a bad chunk is dropped and its chunks go to the others. The
-        whole is checked against the index's checksum by `_install`."""
-        limits = self.manifest.limits
-        sources = list(dict.fromkeys(sources))[: limits.snapshot_sources]
-        if not sources:
-            return None
-        answers = yield FetchSnapshots(tuple((fragment, source) for source in sources))
-        groups: dict[SnapshotIndex, list[str]] = {}
-        for source, result in zip(sources, answers):
-            index = self._read_index(fragment, source, result)
-            if index is not None:
-                groups.setdefault(index, []).append(source)
-        if not groups:
-            return None
-        index, group = max(groups.items(), key=lambda item: len(item[1]))  # first of the largest
-        download = ChunkedDownload(
-            index, self.replica.shapes(fragment), group, in_flight=limits.snapshot_chunks_in_flight
-        )
-        while not download.done:
-            wanted = download.requests()
-            if not wanted:
-                self.journal.note(
-                    f"snapshot of fragment {fragment}: every source failed ({download.failed}); "
-                    f"{len(download.missing)} of {index.count} chunks missing"
-                )
-                return None
-            fetches = tuple(
-                (source, fragment, n, index.checksum, download.expected_bytes(n)) for source, n in wanted
-            )
-            results = yield FetchChunks(fetches)
-            for (source, n), result in zip(wanted, results):
-                if source not in download.sources:
-                    download.release(source, n)
-                elif isinstance(result, BaseException):
-                    self.journal.note(f"chunk {n} of fragment {fragment} from {source} failed: {result}")
-                    download.strike(source, n, str(result)[:200])
-                elif (bad := download.accept(source, n, result)) is not None:
-                    self.journal.reject(source, bad[0], f"snapshot of fragment {fragment}: {bad[1]}")
-                    download.fail(source, bad[0])
-        self.last_download = {s: b for s, b in download.bytes_from.items() if b}
-        return index, download.params, download.momentum
-
     def _install(self, fragment: int, source: str, downloaded: Downloaded, *, force: bool = False) -> Task:
         """Load a downloaded snapshot if its state is vouched for (`swarm.vouching`) and checks out."""
         snap, params, momentum = downloaded
@@ -323,7 +258,7 @@ class Repair:
         copy of it is reset to the global one. Sources whose state fails its checksum are not asked again."""
         left = list(dict.fromkeys(sources))
         while left:
-            downloaded = yield from self._download(fragment, left)
+            downloaded = yield from self.downloader.download(fragment, left)
             if downloaded is None:
                 return False
             used = list(self.last_download) or left[:1]
@@ -364,7 +299,7 @@ class Repair:
                 )
             )
         for source in sources:
-            downloaded = yield from self._download(fragment, [source])
+            downloaded = yield from self.downloader.download(fragment, [source])
             if downloaded is None:
                 continue
             snap = downloaded[0]

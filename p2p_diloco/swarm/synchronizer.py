@@ -150,8 +150,8 @@ class Synchronizer:
         ):  # its own work: the holder applies the merge anyway, screening gains nothing
             screened = Screened(Decision(ACCEPT, "own delta"), dict(tensors))
         else:
-            # norms per step use the claimed steps (up to max_steps): the schedule cap is for weight only
-            screened = self.guard.screen(p, tensors, min(header.steps, self.guard.max_steps), sender)
+            # norms per step use the claimed steps (the guard caps them at max_steps); H is for weight only
+            screened = self.guard.screen(p, tensors, header.steps, sender)
         if screened.decision.action not in (ACCEPT, CLIP):
             return self._reject(sender, _tag(screened.decision.reason), screened.decision.reason, now)
         contribution = Contribution(
@@ -165,7 +165,7 @@ class Synchronizer:
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
             return self._reject(sender, _tag(decision.reason), decision.reason, now)
-        self.guard.note_accepted(p, screened.tensors, min(header.steps, self.guard.max_steps))
+        self.guard.note_accepted(p, screened.tensors, header.steps)
         clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
         self.decisions.append(
             f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)
