@@ -159,3 +159,21 @@ def parse_listen_addresses(texts: Iterable[str], *, what: str) -> list[str]:
             raise ConfigError(f"{what}: {text!r} must not contain /p2p/<peer id>; e.g. {EXAMPLE_ADDRESS}")
         out.append(str(addr))
     return out
+
+
+def tcp_endpoints(texts: Iterable[str]) -> list[tuple[str, int]]:
+    """(host, port) of the plain TCP addresses among `texts` (``/ip4|ip6/HOST/tcp/PORT[/p2p/ID]``); relayed,
+    QUIC, websocket and unparsable ones are skipped."""
+    out = []
+    for text in texts:
+        try:
+            addr = multiaddr.Multiaddr(text)
+            names = [p.name for p in addr.protocols()]
+        except Exception:  # noqa: BLE001 - a heartbeat's self-reported address: skip what does not parse
+            continue
+        if names[:2] not in (["ip4", "tcp"], ["ip6", "tcp"]) or names[2:] not in ([], ["p2p"]):
+            continue
+        host = addr.value_for_protocol(multiaddr.protocols.protocol_with_name(names[0]).code)
+        port = int(addr.value_for_protocol(multiaddr.protocols.P_TCP))
+        out.append((host, port))
+    return out

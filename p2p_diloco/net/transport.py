@@ -27,7 +27,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import hivemind
@@ -36,7 +36,7 @@ from hivemind.p2p import P2P, PeerID
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
-from p2p_diloco.net.addresses import parse_peer_id
+from p2p_diloco.net.addresses import parse_peer_id, tcp_endpoints
 from p2p_diloco.net.limits import (
     DEFAULT_FRAME_BYTES,
     DEFAULT_REPLY_BYTES,
@@ -57,8 +57,8 @@ from p2p_diloco.net.serving import (
     InboundServer,
 )
 from p2p_diloco.wire import keys
-from p2p_diloco.wire.interfaces import InboundHandlers
-from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply
+from p2p_diloco.wire.interfaces import InboundHandlers, Liveness
+from p2p_diloco.wire.replies import PEER_DOWN, Reply, ReplyStatus, decode_reply
 from p2p_diloco.wire.snapshot_chunks import encode_chunk_request
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,36 @@ TRANSIENT_REJECTIONS = frozenset(
 )
 
 OnReply = Callable[[Reply], None]
+PROBE_TIMEOUT = 1.0
+# libp2p's dial error when an address refused the connection: nobody listens there, the process is gone.
+# A timeout (frozen process, lost link) proves nothing, so a mix of refusals and timeouts is not "down".
+_REFUSED = "connection refused"
+
+
+async def _probe_endpoint(host: str, port: int) -> Liveness:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_TIMEOUT)
+    except ConnectionRefusedError:
+        return Liveness.DOWN
+    except (TimeoutError, OSError):
+        return Liveness.UNKNOWN
+    writer.close()
+    return Liveness.ALIVE
+
+
+async def _probe_endpoints(endpoints: Sequence[tuple[str, int]]) -> Liveness:
+    seen = set(await asyncio.gather(*(_probe_endpoint(host, port) for host, port in endpoints)))
+    if Liveness.ALIVE in seen:
+        return Liveness.ALIVE
+    return Liveness.DOWN if seen == {Liveness.DOWN} else Liveness.UNKNOWN
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether a failed call's error says the peer's address refused the connection (and nothing timed
+    out): its process is gone. The text is the libp2p daemon's. After one failed dial libp2p answers "dial
+    backoff" for a while, whatever the cause: `probe` does not depend on this text."""
+    text = str(exc).lower()
+    return _REFUSED in text and "timeout" not in text and "timed out" not in text
 
 
 class RemoteRejected(ConnectionError):
@@ -283,7 +313,7 @@ class P2PTransport:
         except TimeoutError:
             return Reply.transient(REPLY_TIMEOUT, f"no answer from {to_peer} within {timeout:.1f} s")
         except (ConnectionError, OSError, ValueError) as exc:
-            return Reply.transient(REPLY_UNREACHABLE, str(exc))
+            return Reply.transient(PEER_DOWN if refused(exc) else REPLY_UNREACHABLE, str(exc))
         if len(items) != 1:
             return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}")
         if status != streams.STATUS_OK:  # rejected by the transport before any handler saw it
@@ -295,6 +325,18 @@ class P2PTransport:
             return decode_reply(items[0])
         except DecodeError as exc:
             return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}: {exc}")
+
+    def probe(self, peer: str, addresses: Sequence[str] = ()) -> concurrent.futures.Future[Liveness]:
+        """`Liveness` of `peer` from plain TCP connects to its `addresses` (its heartbeat's), not through
+        libp2p, whose dial backoff after any failure hides why a dial failed: DOWN only if every address
+        refused the connection (nobody listens: the process is gone). A frozen process's kernel still
+        accepts connections, so it is never DOWN; a peer without a plain TCP address is UNKNOWN."""
+        future: concurrent.futures.Future[Liveness] = concurrent.futures.Future()
+        endpoints = tcp_endpoints(addresses)
+        if self._closed or not endpoints:
+            future.set_result(Liveness.UNKNOWN)
+            return future
+        return self._submit(_probe_endpoints(endpoints))
 
     def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
         return self.request_updates(from_peer, fragment, after_version).result(timeout=self.fetch_timeout + 5)

@@ -93,6 +93,7 @@ class PeerNode:
         self.clock = DhtClock()
         self.state: StateDir | None = None
         self.dht_peer: DhtPeer | None = None
+        self.addresses: tuple[str, ...] = ()  # this peer's multiaddrs, announced in every heartbeat
         self.p2p: P2PTransport | None = None
         self.guard = HandlerSlot()
         self.peer: Peer | None = None
@@ -174,6 +175,8 @@ class PeerNode:
         self.observing.attach(
             driver, self.peer, built_model.corpus.eval, opts.device, self.ledger, self.bytes, self.event
         )
+        # the named successor probes them (`Peer._maybe_probe`) to see this process gone
+        self.addresses = tuple(self.dht_peer.visible_addresses())
         driver.start()
         self.event(
             "start",
@@ -182,7 +185,7 @@ class PeerNode:
             manifest_hash=manifest.manifest_hash,
             restored=restored,
             versions=list(replica.versions()),
-            addresses=self.dht_peer.visible_addresses(),
+            addresses=list(self.addresses),
             startup={**startup, "total": seconds_since_launch()},
         )
         self.say(f"peer id: {peer_id}")
@@ -277,6 +280,7 @@ class PeerNode:
             self.clock.now(), peer, self.learner, self.guard, self.p2p, training=self.training
         )
         learner = self.learner
+        fields["addresses"] = self.addresses[:16]
         fields["step"] = learner.step
         fields["loss"] = learner.last_loss if learner.last_loss == learner.last_loss else 0.0
         if self.island is not None:

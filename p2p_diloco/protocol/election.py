@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from p2p_diloco.protocol.decisions import Action, Decision
@@ -65,6 +65,7 @@ TAG_LEASE_GRACE = "lease grace"  # wait: the last lease has not yet passed expir
 TAG_CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is open
 TAG_NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable, lagging, or just rotated out
 TAG_NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
+TAG_SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
 # should_accept_update(): actions and tags
 ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE
 TAG_CURRENT_TERM = "current term"
@@ -100,6 +101,7 @@ class LeaseRecord:
     expires_at: float
     rounds_done: int = 0
     released: bool = False
+    successor: str = ""  # who may claim the next term at once if the holder is seen down ("": nobody)
 
     def live(self, now: float) -> bool:
         return not self.released and now < self.expires_at
@@ -114,12 +116,15 @@ class ElectionDecision(Decision):
     holder: str | None = None
     expires_at: float | None = None
     rounds_done: int = 0
+    successor: str = ""
 
     def lease_to_write(self) -> LeaseRecord | None:
         """The record to store for a claim or renewal; None for every other action."""
         if self.action not in (CLAIM, RENEW) or self.holder is None or self.expires_at is None:
             return None
-        return LeaseRecord(self.holder, self.term, self.expires_at, self.rounds_done)
+        return LeaseRecord(
+            self.holder, self.term, self.expires_at, self.rounds_done, successor=self.successor
+        )
 
 
 def _score(run_id: str, term: int, peer_id: str) -> int:
@@ -177,6 +182,23 @@ def eligible_candidates(
     return sorted(ok, key=lambda hb: hb.peer_id)
 
 
+def named_successor(
+    self_id: str,
+    run_id: str,
+    heartbeats: Iterable[PeerHeartbeat],
+    now: float,
+    next_term: int,
+    max_lag: int = 0,
+    verified_newest: int | None = None,
+) -> str:
+    """Who a holder names in its lease to claim `next_term` at once if it dies: the eligible peer (not
+    itself) ranked first for that term, or "" if there is none. Named in advance, so a holder's crash
+    needs no election, and a restarting holder never stands in its successor's way."""
+    others = [hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)]
+    ranking = rendezvous_rank(run_id, next_term, [p for p in others if p != self_id])
+    return ranking[0] if ranking else ""
+
+
 def _why_not_eligible(
     self_id: str, heartbeats: Sequence[PeerHeartbeat], now: float, max_lag: int, verified_newest: int | None
 ) -> str:
@@ -229,21 +251,31 @@ def decide(
     max_lag: int = 0,
     term_floor: int = 0,
     verified_newest: int | None = None,
+    down: Collection[str] = (),
+    successor_lag: int = 0,
 ) -> ElectionDecision:
     """What `self_id` should do about the synchronizer role now.
 
     `leases` are the records that passed `protocol.lease_rules` (all of them are trusted here);
     `my_lease` is the lease this peer last wrote and still believes it holds (None, or a released record,
     when it holds none); `rounds_done` counts the rounds it merged in that term; `term_floor` and
-    `verified_newest` are what this peer itself has verified (see `highest_term_seen`, `newest_versions`).
+    `verified_newest` are what this peer itself has verified (see `highest_term_seen`, `newest_versions`);
+    `down`: peers this peer has just seen dead (connections refused: the process is gone, not frozen);
+    `successor_lag`: how far behind (in summed versions) a peer's heartbeat may be and still be named
+    successor (heartbeats are up to a period old, and the holder publishes meanwhile).
     """
     heartbeats, leases = list(heartbeats), list(leases)
     term_seen = highest_term_seen(leases, term_floor)
     holder = current_holder(leases, now)
+
+    def successor(next_term: int) -> str:
+        return named_successor(self_id, run_id, heartbeats, now, next_term, successor_lag, verified_newest)
+
     if my_lease is not None and not my_lease.released:
         if my_lease.holder != self_id:
             raise ValueError(f"my_lease is held by {my_lease.holder!r}, not by this peer {self_id!r}")
-        return _decide_as_holder(my_lease, holder, term_seen, leases, now, timing, rounds_done)
+        decision = _decide_as_holder(my_lease, holder, term_seen, leases, now, timing, rounds_done)
+        return _naming(decision, successor(decision.term + 1)) if decision.action == RENEW else decision
 
     if holder is not None and holder.term >= term_seen:
         if holder.holder == self_id:  # my own lease from before a restart: let it lapse, do not resume
@@ -255,6 +287,16 @@ def decide(
                 holder=self_id,
                 expires_at=holder.expires_at,
             )
+        eligible = {hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)}
+        if holder.holder in down and holder.successor == self_id and self_id in eligible:
+            claim = ElectionDecision(
+                CLAIM,
+                f"{TAG_SUCCESSION}: {holder.holder} (term {holder.term}) is down and named me its successor",
+                term=holder.term + 1,
+                holder=self_id,
+                expires_at=now + timing.lease_ttl,
+            )
+            return _naming(claim, successor(holder.term + 2))
         return ElectionDecision(
             FOLLOW,
             f"{TAG_HELD_BY}: {holder.holder} term {holder.term} until {holder.expires_at:.2f}",
@@ -262,8 +304,16 @@ def decide(
             holder=holder.holder,
             expires_at=holder.expires_at,
         )
-    return _decide_claim(
+    decision = _decide_claim(
         self_id, run_id, heartbeats, leases, term_seen, now, timing, max_lag, verified_newest
+    )
+    return _naming(decision, successor(decision.term + 1)) if decision.action == CLAIM else decision
+
+
+def _naming(decision: ElectionDecision, successor: str) -> ElectionDecision:
+    """A claim or renewal that names `successor` in the lease it writes (and says so in its reason)."""
+    return replace(
+        decision, successor=successor, reason=f"{decision.reason}; successor {successor or 'none'}"
     )
 
 

@@ -19,6 +19,12 @@ election (`protocol.election`) or the update checks. The rules:
    too; with a third peer reporting its term the exception below admits it, in a swarm of two the two
    terms stand apart until one lease lapses: a known limit of a machine too loaded to read the DHT.)
 
+Succession. A holder names in every claim and renewal the peer ranked first for the next term
+(`election.named_successor`); when its process is gone (connections refused, not merely silent) that
+peer claims the next term at once instead of waiting out the lease. Rule 4 admits such a claim when the
+previous term's newest record names its holder: the old holder chose it, every reader sees the choice,
+and a frozen old holder that wakes up finds a higher term and is fenced out of it like any zombie.
+
 Rules 3 and 4 have one exception: a term this peer missed (a term that began and ended between two of
 its reads on a loaded machine) or a healed partition (the other side's terms ran ahead and were claimed
 while this side's lease was live). Such a lease counts when a live peer other than its holder, itself
@@ -119,6 +125,8 @@ def screen_leases(
         ]
         base = _claim_base(previous, timing)
         early = base is not None and write_time(lease, timing) < base - timing.lease_margin
+        if early and named_next(previous, lease.holder):
+            early = False  # succession: the holder named this claimant to take over if it dies
         if early and not _reported_by_others(lease, terms_reported or {}, MIN_PEERS_FOR_EARLY_CLAIM):
             refused.append(
                 (lease, EARLY_CLAIM, f"term {lease.term} was written at {write_time(lease, timing):.2f}, "
@@ -128,6 +136,14 @@ def screen_leases(
         valid.append(item)
         floor = max(floor, lease.term)
     return Screened(valid, refused)
+
+
+def named_next(previous: list[LeaseRecord], claimant: str) -> bool:
+    """Whether the previous term's newest record (the holder's latest renewal) names `claimant` as the
+    successor who may claim the next term before the lease runs out (`election.named_successor`)."""
+    if not previous:
+        return False
+    return max(previous, key=lambda x: x.expires_at).successor == claimant
 
 
 def _reported_by_others(lease: LeaseRecord, terms_reported: Mapping[str, int], at_least: int) -> bool:

@@ -13,6 +13,7 @@ to inbound requests, messages to the learner's inbox, and telemetry for the `obs
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,8 @@ class PeerDriver:
         self.clock = clock
         self.learner = learner
         self.observer = observer or (lambda intent: None)
+        self._stores: dict[tuple[str, str], fx.StoreRecord] = {}  # DHT writes not yet started
+        self._stores_lock = threading.Lock()
         if bind:  # else the caller routes inbound requests here (the real node's `HandlerSlot`)
             transport.bind(self)
 
@@ -68,11 +71,11 @@ class PeerDriver:
     def perform(self, intent: fx.Intent) -> None:
         match intent:
             case fx.StoreRecord():
-                self.run_io(
-                    lambda: self.kv.store(intent.key, intent.subkey, intent.value, intent.expiration), None
-                )
+                self._store_latest(intent)
             case fx.Perform(request=fx.ReadSwarm()):
                 self.run_io(self._read_swarm, intent.task)
+            case fx.Perform(request=fx.Probe() as probe):
+                self._when_done([self.transport.probe(probe.peer, probe.addresses)], intent.task, single=True)
             case fx.Perform(request=fx.FetchUpdates() as fetch):
                 future = self.transport.request_updates(fetch.source, fetch.fragment, fetch.after_version)
                 self._when_done([future], intent.task, single=True)
@@ -107,9 +110,24 @@ class PeerDriver:
     def _read_swarm(self) -> fx.SwarmRecords:
         now = self.clock.now()
         membership = self.peer.membership
-        return fx.SwarmRecords(
-            self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now), now
-        )
+        heartbeats, leases = self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now)
+        return fx.SwarmRecords(heartbeats, leases, self.clock.now())  # as of the end of a (maybe slow) read
+
+    def _store_latest(self, record: fx.StoreRecord) -> None:
+        """Store `record`; while an earlier write to the same key and subkey still waits for the DHT, only
+        the newest is kept (a frozen DHT node makes every call wait out hivemind's RPC timeout: heartbeats
+        and lease renewals must not queue up behind each other)."""
+        slot = (record.key, record.subkey)
+        with self._stores_lock:
+            queued = slot in self._stores
+            self._stores[slot] = record
+        if not queued:
+            self.run_io(lambda: self._store_now(slot), None)
+
+    def _store_now(self, slot: tuple[str, str]) -> bool:
+        with self._stores_lock:
+            record = self._stores.pop(slot)
+        return self.kv.store(record.key, record.subkey, record.value, record.expiration)
 
     def run_io(self, call: Callable[[], Any], task: int | None) -> None:
         """Run a blocking DHT call; its result (or error) goes to `task` if one waits for it."""

@@ -152,6 +152,14 @@ class SwarmRecords:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """Is `peer`'s process there (at `addresses`, from its heartbeat)? The result is a `Liveness`."""
+
+    peer: str
+    addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class FetchUpdates:
     source: str
     fragment: int
@@ -175,7 +183,7 @@ class FetchChunks:
     wanted: tuple[tuple[str, int, int, str, int], ...]
 
 
-Request = ReadSwarm | FetchUpdates | FetchSnapshots | FetchChunks
+Request = ReadSwarm | Probe | FetchUpdates | FetchSnapshots | FetchChunks
 
 
 # ---- intents ---------------------------------------------------------------------------------------

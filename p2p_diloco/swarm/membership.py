@@ -12,6 +12,7 @@ not let take part are not read at all.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
 
 from p2p_diloco.config import RunManifest
@@ -62,6 +63,9 @@ class Membership:
         self.last_election = ""
         self.failovers_seen = 0
         self.last_read = float("-inf")
+        self._own_sums: deque[tuple[float, int]] = deque()  # (time, this replica's versions sum)
+        self.down: dict[str, float] = {}  # peer -> when its address last refused a connection
+        self.followed: LeaseRecord | None = None  # the lease of the synchronizer this peer follows
 
     def allowed(self, peer: str) -> bool:
         """False for peers the manifest does not let take part (allowlist, `[trust] learners`)."""
@@ -177,12 +181,25 @@ class Membership:
         return leader in self.lease_holders.get(term, ())
 
     def decide(
-        self, view: SwarmView, now: float, rounds_done: int, verified_newest: int | None = None
+        self,
+        view: SwarmView,
+        now: float,
+        rounds_done: int,
+        verified_newest: int | None = None,
+        own_versions: tuple[int, ...] | None = None,
     ) -> ElectionDecision:
+        """The election on `view`; `own_versions` (this peer's replica now) stand in for the versions of
+        its own heartbeat, which are up to a heartbeat period old."""
+        heartbeats = view.heartbeats
+        if own_versions is not None:
+            heartbeats = [
+                replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats
+            ]
+        lag = self._published_lately(now, sum(own_versions) if own_versions is not None else 0)
         decision = election.decide(
             self.peer_id,
             self.manifest.run_id,
-            view.heartbeats,
+            heartbeats,
             view.leases,
             now,
             self.manifest.timing,
@@ -190,7 +207,14 @@ class Membership:
             rounds_done=rounds_done,
             term_floor=self.term_seen,
             verified_newest=verified_newest,
+            down=self.seen_down(now),
+            successor_lag=lag,
         )
+        self.followed = None
+        if decision.action == election.FOLLOW:
+            self.followed = next(
+                (x for x in view.leases if (x.holder, x.term) == (decision.holder, decision.term)), None
+            )
         seen = election.highest_term_seen(view.leases, self.term_seen)
         # A wait names the term it waits to claim: only a term someone holds (or I claim) is seen.
         held = decision.action in (election.CLAIM, election.RENEW, election.HOLD, election.FOLLOW)
@@ -200,6 +224,37 @@ class Membership:
             self.journal.note(f"election: {decision}")
         self.last_election = decision.reason
         return decision
+
+    def _published_lately(self, now: float, versions_sum: int) -> int:
+        """How many versions this replica gained in the last two heartbeat periods, plus one per fragment:
+        how far a peer in sync may seem behind in a heartbeat that is up to a period old."""
+        window = 2 * self.manifest.timing.heartbeat_period
+        self._own_sums.append((now, versions_sum))
+        while len(self._own_sums) > 1 and self._own_sums[1][0] <= now - window:
+            self._own_sums.popleft()
+        return max(0, versions_sum - self._own_sums[0][1]) + self.num_fragments
+
+    def mark_down(self, peer: str, now: float) -> None:
+        """`peer`'s address refused a connection at `now` (its process is gone)."""
+        self.down[peer] = now
+
+    def mark_alive(self, peer: str) -> None:
+        self.down.pop(peer, None)
+
+    def seen_down(self, now: float) -> frozenset[str]:
+        """Peers seen down within a heartbeat TTL (a restarted peer's heartbeat soon says otherwise)."""
+        ttl = self.manifest.timing.heartbeat_ttl
+        for peer in [p for p, at in self.down.items() if now - at > ttl]:
+            del self.down[peer]
+        return frozenset(self.down)
+
+    def successor_of_followed(self) -> str | None:
+        """The holder this peer follows, if its lease names this peer to succeed it (so this peer
+        watches it: a refused probe lets it take over at once)."""
+        lease = self.followed
+        if lease is None or lease.successor != self.peer_id or lease.holder == self.peer_id:
+            return None
+        return lease.holder
 
     def follow(self, holder: str | None, term: int) -> None:
         """Follow `holder`'s term (None: no synchronizer known); another holder after one is a failover."""

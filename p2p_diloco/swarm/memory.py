@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2p_diloco.wire.interfaces import InboundHandlers, StoredValue
-from p2p_diloco.wire.replies import Reply
+from p2p_diloco.wire.interfaces import InboundHandlers, Liveness, StoredValue
+from p2p_diloco.wire.replies import PEER_DOWN, Reply
 
 
 class FakeClock:
@@ -224,8 +224,11 @@ class SimNetwork:
 
         def arrive() -> None:
             handlers = self.handlers.get(dst)
-            if handlers is None:
+            if handlers is None:  # a crashed peer's address refuses the connection
                 self.dropped += 1
+                if on_reply is not None:
+                    down = Reply.transient(PEER_DOWN, f"{dst} refused the connection")
+                    self.loop.call_later(self.base_delay, lambda: on_reply(down) if self.is_up(src) else None)
                 return
             self.bytes_received[dst] = self.bytes_received.get(dst, 0) + len(frame)
             handle = handlers.handle_delta if kind == "delta" else handlers.handle_update
@@ -276,6 +279,14 @@ class InMemoryTransport:
             frame
         )
         return frame
+
+    def probe(self, peer: str, addresses: Sequence[str] = ()) -> Future[Liveness]:
+        """DOWN for a peer that is not running (crashed), UNKNOWN behind a dropped link."""
+        if self.network.blocked(self.peer_id, peer):
+            liveness = Liveness.UNKNOWN
+        else:
+            liveness = Liveness.ALIVE if self.network.is_up(peer) else Liveness.DOWN
+        return _settled(lambda: liveness)
 
     def request_updates(self, from_peer: str, fragment: int, after_version: int) -> Future[list[bytes]]:
         return _settled(lambda: self.fetch_updates(from_peer, fragment, after_version))

@@ -41,8 +41,9 @@ from p2p_diloco.swarm.role import SynchronizerRole
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import decode_update
+from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.records import HeartbeatInfo
-from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.replies import PEER_DOWN, Reply, ReplyStatus
 from p2p_diloco.wire.signing import PeerKeys
 
 Task = Generator[fx.Request, Any, Any]
@@ -104,6 +105,8 @@ class Peer:
             self.membership, self.journal, emit,
         )  # fmt: skip
         self._tasks: dict[int, tuple[Task, Callable[[Any], None]]] = {}
+        self._probing = False  # a probe of the holder this peer would succeed is in flight
+        self._electing = False  # an election round's DHT read is in flight
         self._task_ids = itertools.count(1)
 
     # ---- the entry point ---------------------------------------------------------------------------
@@ -131,6 +134,11 @@ class Peer:
                 self._route_delta(event)
             case fx.DeltaReplied():
                 self.deltas.on_reply(event)
+                if event.holder == self.membership.holder != self.peer_id:
+                    if event.reply.tag == PEER_DOWN:
+                        self._holder_down(event.holder)
+                    elif event.reply.status == ReplyStatus.TRANSIENT:
+                        self._maybe_probe()
             case fx.TaskResult():
                 self._resume(event.task, event.value, event.error)
             case fx.CatchUpRequested():
@@ -203,17 +211,58 @@ class Peer:
     def _swarm_tick(self, tick: fx.Tick) -> None:
         self._emit(self.membership.heartbeat_record(self.heartbeat_info(**tick.heartbeat_fields), tick.now))
         self.deltas.expire(tick.now)
-        self.spawn(self._election_round(tick.now))
+        if not self._electing:  # a slow DHT read (a frozen node) must not pile up reads behind it
+            self.spawn(self._election_round(tick.now))
 
     def _election_round(self, now: float) -> Task:
-        view = self.membership.ingest((yield fx.ReadSwarm()))
-        self.elect(view, now)
+        self._electing = True
+        try:
+            records = yield fx.ReadSwarm()
+        finally:
+            self._electing = False
+        view = self.membership.ingest(records)
+        self.elect(view, max(now, records.now))  # decide on the time the records were read by
+        self._maybe_probe()
         if self.sync is not None:
             for info in self.membership.live_peers.values():
                 if info.step_time > 0:
                     self.sync.observe_step_time(info.step_time)
         for fragment, winner, sources, decision in self.repair.due_repairs(now):
             self._start_repair(fragment, self.repair.reconcile_fragment(fragment, winner, sources, decision))
+
+    def _maybe_probe(self) -> None:
+        """The named successor probes its holder every swarm tick and whenever a delta to it fails; a
+        refused connection means the holder's process is gone, and the successor takes over at once
+        (`election.TAG_SUCCESSION`)."""
+        holder = self.membership.successor_of_followed()
+        if holder is None or self._probing:
+            return
+        self._probing = True
+        info = self.membership.live_peers.get(holder)
+        self.spawn(self._watch_holder(holder, info.addresses if info is not None else ()))
+
+    def _watch_holder(self, holder: str, addresses: tuple[str, ...]) -> Task:
+        try:
+            liveness = yield fx.Probe(holder, addresses)
+        finally:
+            self._probing = False
+        if liveness == Liveness.ALIVE:
+            self.membership.mark_alive(holder)
+        elif liveness == Liveness.DOWN:
+            self._holder_down(holder)
+
+    def _holder_down(self, holder: str) -> None:
+        """The synchronizer's address refused us: run the election now rather than at the next tick."""
+        if holder in self.membership.down:
+            return  # already acted on; the next ticks re-read the swarm
+        self.membership.mark_down(holder, self.membership.last_read)
+        self.journal.note(f"synchronizer {holder} refused a connection: its process is gone")
+        self.spawn(self._after_holder_down(holder))
+
+    def _after_holder_down(self, holder: str) -> Task:
+        records = yield fx.ReadSwarm()
+        self.membership.mark_down(holder, records.now)
+        self.elect(self.membership.ingest(records), records.now)
 
     def _start_repair(self, fragment: int, task: Task) -> None:
         if fragment in self.repair.busy:
@@ -224,7 +273,13 @@ class Peer:
     def elect(self, view, now: float) -> ElectionDecision:
         rounds = self.sync.rounds_done if self.sync else 0
         membership = self.membership
-        decision = membership.decide(view, now, rounds, verified_newest=self.book.verified_newest())
+        decision = membership.decide(
+            view,
+            now,
+            rounds,
+            verified_newest=self.book.verified_newest(),
+            own_versions=self.replica.versions(),
+        )
         if decision.action in (election.CLAIM, election.RENEW):
             lease = decision.lease_to_write()
             assert lease is not None

@@ -6,9 +6,10 @@ in-process swarm use `p2p_diloco.swarm.memory`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 from p2p_diloco.wire.replies import Reply
@@ -36,6 +37,15 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
 
+class Liveness(StrEnum):
+    """What a probe of a peer showed. DOWN only when its address refused the connection: the process is
+    gone. A frozen or unreachable peer is UNKNOWN (silence proves nothing; leases handle it)."""
+
+    ALIVE = "alive"
+    DOWN = "down"
+    UNKNOWN = "unknown"
+
+
 class Transport(Protocol):
     """Point-to-point messages between peers: deltas to the synchronizer, updates and snapshots back.
 
@@ -55,6 +65,11 @@ class Transport(Protocol):
     def push_update(
         self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None
     ) -> None: ...
+
+    def probe(self, peer: str, addresses: Sequence[str] = ()) -> Future[Liveness]:
+        """Whether `peer`'s process is there (reached at `addresses`, its heartbeat's), within about a
+        second; the future never fails."""
+        ...
 
     def request_updates(self, from_peer: str, fragment: int, after_version: int) -> Future[list[bytes]]:
         """Fetch update frames in the background; the future fails with ConnectionError/TimeoutError."""

@@ -188,21 +188,32 @@ def encode_lease(lease: LeaseRecord) -> bytes:
             "expires_at": lease.expires_at,
             "rounds_done": lease.rounds_done,
             "released": lease.released,
+            "successor": lease.successor,
         },
         separators=(",", ":"),
     ).encode()
 
 
+_LEASE_KEYS = {"term", "expires_at", "rounds_done", "released"}
+MAX_PEER_ID_CHARS = 128
+
+
 def decode_lease(holder: str, raw: bytes) -> LeaseRecord:
     d = _load(raw)
-    if set(d) != {"term", "expires_at", "rounds_done", "released"}:
-        raise RecordError(f"lease keys {sorted(d)} are not term, expires_at, rounds_done, released")
+    if set(d) - {"successor"} != _LEASE_KEYS:
+        raise RecordError(
+            f"lease keys {sorted(d)} are not term, expires_at, rounds_done, released (and successor)"
+        )
     if not isinstance(d["released"], bool):
         raise RecordError("released must be a boolean")
+    successor = d.get("successor", "")
+    if not isinstance(successor, str) or len(successor) > MAX_PEER_ID_CHARS:
+        raise RecordError(f"successor must be a peer ID of at most {MAX_PEER_ID_CHARS} characters")
     return LeaseRecord(
         holder=holder,
         term=int(_num(d["term"], "term", integer=True, lo=1)),
         expires_at=float(_num(d["expires_at"], "expires_at")),
         rounds_done=int(_num(d["rounds_done"], "rounds_done", integer=True)),
         released=d["released"],
+        successor=successor,
     )

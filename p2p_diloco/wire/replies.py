@@ -17,6 +17,8 @@ from enum import StrEnum
 from p2p_diloco.errors import DecodeError
 
 MAX_REASON_BYTES = 4096
+# A local reply: the receiver's address refused the connection (its process is gone, not merely slow).
+PEER_DOWN = "peer down"
 
 
 class ReplyStatus(StrEnum):

@@ -28,6 +28,9 @@ from p2p_diloco.net.identity import write_identity
 from p2p_diloco.net.manifest_signature import load_run_manifest, sign_manifest
 from p2p_diloco.node.state import read_events, read_peer_state
 from p2p_diloco.node.status import swarm_status
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.wire.keys import lease_key
+from p2p_diloco.wire.records import decode_lease
 
 pytestmark = pytest.mark.integration
 
@@ -197,6 +200,17 @@ class Swarm:
               f"{failover:.2f} s")  # fmt: skip
         return victim, failover
 
+    def live_lease(self, with_successor: bool = False) -> LeaseRecord | None:
+        """The live lease of the highest term in the DHT (optionally: only one that names a successor)."""
+        now = get_dht_time()
+        try:
+            stored = self.kv.get(lease_key(self.manifest.run_id, self.manifest.manifest_hash), now)
+        except TimeoutError:
+            return None
+        leases = [decode_lease(holder, value.value) for holder, value in stored.items()]
+        live = [x for x in leases if x.live(now) and (x.successor or not with_successor)]
+        return max(live, key=lambda x: (x.term, x.expires_at), default=None)
+
     def stop_all(self) -> None:
         live = self.live()
         for joined in live:
@@ -238,6 +252,12 @@ def incarnations(state_dir: Path) -> list[list[dict]]:
             runs.append([])
         runs[-1].append(event)
     return runs
+
+
+def catch_up_of(joined: Joined) -> dict | None:
+    """The catch-up event of `joined`'s latest process start (None before it caught up)."""
+    runs = incarnations(joined.state_dir)
+    return next((e for e in runs[-1] if e["event"] == "catch_up"), None) if runs else None
 
 
 def assert_no_update_applied_twice(swarm: Swarm) -> None:
@@ -339,10 +359,6 @@ def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     swarm.join(victim.name)
     late = swarm.join("late")
 
-    def catch_up_of(joined: Joined) -> dict | None:
-        runs = incarnations(joined.state_dir)
-        return next((e for e in runs[-1] if e["event"] == "catch_up"), None) if runs else None
-
     rejoined = swarm.wait_for(lambda: catch_up_of(victim) if len(incarnations(victim.state_dir)) == 2 else None,
                           START_TIMEOUT, "the restarted peer's catch-up")  # fmt: skip
     assert rejoined["mode"] == "replay" and rejoined["replayed"] > 0, rejoined
@@ -380,4 +396,86 @@ def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     saved = {j.name: read_peer_state(j.state_dir)["digest"] for j in stopped}
     assert len(set(saved.values())) == 1, saved
     assert saved[stopped[0].name][:16] == final["peers"][0]["digest"]
+    assert_no_update_applied_twice(swarm)
+
+
+def claims_of(joined: Joined, above_term: int) -> list[dict]:
+    return [e for e in read_events(joined.state_dir) if e["event"] == "claim" and e["term"] > above_term]
+
+
+@pytest.mark.slow
+def test_crashed_holder_is_succeeded_at_once_and_a_frozen_one_is_fenced_out(swarm):
+    """SIGKILL: the holder's named successor sees its connections refused and claims the next term
+    before the lease would have run out. SIGSTOP (a frozen holder: connections not refused): the swarm
+    waits out its lease, another peer claims in the ordinary way, and once thawed the zombie steps down
+    and its late updates are refused by term; the replicas end identical."""
+    timing = swarm.manifest.timing
+    for i in range(3):
+        swarm.join(f"p{i}")
+    at_kill = swarm.wait_status(
+        lambda s: (
+            len(s["peers"]) == 3 and s["synchronizer"] and min(f["version"] for f in s["fragments"]) >= 3
+        ),
+        START_TIMEOUT,
+        "3 live peers, a synchronizer and every fragment at v3 or later",
+    )
+    # the holder names its successor in every renewal: wait for two renewals naming the same peer, so the
+    # successor has read one and is watching
+    first = swarm.wait_for(lambda: swarm.live_lease(with_successor=True), 20, "a lease naming a successor")
+    swarm.wait_for(
+        lambda: (
+            (lease := swarm.live_lease(with_successor=True)) is not None
+            and lease.successor == first.successor
+            and lease.expires_at > first.expires_at
+        ),
+        20,
+        "a renewal naming the same successor",
+    )
+    at_kill = swarm.wait_status(lambda s: s["synchronizer"] and len(s["peers"]) == 3, 10, "a synchronizer")
+    old_term = at_kill["synchronizer"]["term"]
+    killed_at = time.time()
+    victim, failover = swarm.kill_synchronizer(at_kill)
+    claim = swarm.wait_for(
+        lambda: next((c for j in swarm.live() for c in claims_of(j, old_term)), None),
+        15,
+        "the new term's claim",
+    )
+    assert claim["reason"].startswith("succession"), claim
+    print(f"measured: SIGKILL -> successor's claim {claim['t'] - killed_at:.2f} s (lease_ttl {timing.lease_ttl} s), "
+          f"-> first update of the new term {failover:.2f} s")  # fmt: skip
+
+    back = swarm.join(victim.name)  # back, with the same identity: three peers again
+    swarm.wait_for(lambda: catch_up_of(back) if len(incarnations(back.state_dir)) == 2 else None,
+                   START_TIMEOUT, "the restarted peer's catch-up")  # fmt: skip
+    held = swarm.wait_for(
+        lambda: (lease := swarm.live_lease()) is not None and lease.term > old_term and lease,
+        30,
+        "a live lease above the killed holder's term",
+    )
+    frozen_term = held.term
+    zombie = swarm.by_id(held.holder)
+    os.killpg(zombie.handle.pid, signal.SIGSTOP)  # python, its DHT child and p2pd: alive but silent
+    try:
+        others = [j for j in swarm.live() if j is not zombie]
+        taken = swarm.wait_for(
+            lambda: next((c for j in others for c in claims_of(j, frozen_term)), None),
+            timing.lease_ttl + timing.lease_margin + 3 * timing.claim_grace + 20,
+            "another peer to claim after the frozen holder's lease",
+        )
+        assert not taken["reason"].startswith("succession"), taken  # silence is not death
+    finally:
+        os.killpg(zombie.handle.pid, signal.SIGCONT)
+    swarm.wait_for(
+        lambda: any(
+            e["event"] == "note" and "higher term" in e["line"] for e in incarnations(zombie.state_dir)[-1]
+        ),
+        30,
+        "the thawed zombie to step down for the higher term",
+    )
+    final = swarm.quiesce(3)
+    assert final["synchronizer"]["term"] > frozen_term
+    stopped = swarm.live()
+    swarm.stop_all()
+    saved = {j.name: read_peer_state(j.state_dir)["digest"] for j in stopped}
+    assert len(set(saved.values())) == 1, saved
     assert_no_update_applied_twice(swarm)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.driver import InlineDriver
 from p2p_diloco.wire.frames import update_signing_bytes
+from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.signing import InMemoryKeys, PeerKeys
 
@@ -29,6 +30,10 @@ class StubTransport:
         self.chunks: dict[int, bytes] = {}  # chunk number -> answer; others fail
         self.updates: list[bytes] = []
         self.sent: list[str] = []
+        self.liveness = Liveness.ALIVE  # what a probe of any peer shows
+
+    def probe(self, peer, addresses=()) -> concurrent.futures.Future:  # noqa: ANN001
+        return settled(self.liveness)
 
     def bind(self, handlers) -> None:  # noqa: ANN001
         pass

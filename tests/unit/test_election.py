@@ -120,7 +120,9 @@ def test_hold_then_renew_once_the_renew_fraction_has_elapsed():
     assert (hold.action, tag(hold), hold.term) == (el.HOLD, el.TAG_HOLDING, 2)
     renew = run_decide("peer-a", everyone(), [mine], 13.0, my_lease=mine, rounds_done=3)
     assert (renew.action, tag(renew), renew.term, renew.expires_at) == (el.RENEW, el.TAG_RENEW, 2, 19.0)
-    assert renew.lease_to_write() == LeaseRecord("peer-a", 2, 19.0, rounds_done=3)
+    # every renewal names the successor: the eligible peer other than the holder ranked first for term 3
+    successor = rendezvous_rank(RUN, 3, ["peer-b", "peer-c"])[0]
+    assert renew.lease_to_write() == LeaseRecord("peer-a", 2, 19.0, rounds_done=3, successor=successor)
 
 
 def test_step_down_when_a_higher_term_is_live_or_was_seen():
@@ -202,7 +204,8 @@ def test_top_candidate_claims_first_and_the_others_wait_their_turn_in_order():
         ds = decisions(now)
         claimer = ranked[slot % 3]
         assert (ds[claimer].action, tag(ds[claimer]), ds[claimer].term) == (el.CLAIM, el.TAG_CLAIM, 4)
-        assert ds[claimer].lease_to_write() == LeaseRecord(claimer, 4, now + T.lease_ttl)
+        successor = rendezvous_rank(RUN, 5, set(PEERS) - {claimer})[0]
+        assert ds[claimer].lease_to_write() == LeaseRecord(claimer, 4, now + T.lease_ttl, successor=successor)
         for p in set(PEERS) - {claimer}:
             assert (ds[p].action, tag(ds[p]), ds[p].holder) == (el.WAIT, el.TAG_CLAIM_GRACE, claimer)
     second = decisions(12.49)[ranked[1]]
