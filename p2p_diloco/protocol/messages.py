@@ -22,6 +22,13 @@ class DeltaHeader:
     steps: int
     seq: int
     sender: str = ""
+    # the oldest of the sender's deltas of this fragment whose work this one carries: deltas that went back
+    # to the learner (a term change) are folded into its next one; 0 means just `seq`
+    since_seq: int = 0
+
+    @property
+    def carries_since(self) -> int:
+        return self.since_seq or self.seq
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,13 @@ class UpdateRecord:
     checksum: str
     payload: bytes
     signature: bytes = b""  # the leader's, over `wire.frames.update_signing_bytes` (`wire.signing`)
+    seqs: tuple[int, ...] = ()  # the `DeltaHeader.seq` each contributor's merged delta had (or none)
+
+    def seq_of(self, peer: str) -> int | None:
+        """The seq of `peer`'s delta this update merged (None: not a contributor, or seqs not recorded)."""
+        if len(self.seqs) != len(self.contributors):
+            return None
+        return next((seq for (who, _), seq in zip(self.contributors, self.seqs) if who == peer), None)
 
     @property
     def to_version(self) -> int:

@@ -30,6 +30,7 @@ NON_OFFENCES = frozenset(
         "stale anchor",
         "future anchor",
         "round closed",
+        "already merged",  # a delta released at a term change that the old holder merged after all
         "wrong run",
         "wrong manifest",
         "not allowed",

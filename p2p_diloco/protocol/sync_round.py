@@ -59,6 +59,7 @@ class Contribution:
     steps: int
     received_at: float
     payload: Any
+    seq: int = 0  # the sender's `DeltaHeader.seq`
 
     @property
     def weight(self) -> float:

@@ -78,12 +78,12 @@ class DeltaRouting:
         self.target: Target | None = None
         self.held: tuple[Target, float] | None = None
 
-    def _release(self, fragment: int, why: str) -> None:
+    def _release(self, fragment: int, why: str, *, resend: bool = False) -> None:
         sent = self.in_flight.pop(fragment, None)
         if sent is None:
             return
         self.feedback.reset(fragment)
-        self._emit(ToLearner(Release(fragment, sent.seq)))
+        self._emit(ToLearner(Release(fragment, sent.seq, resend=resend)))
         if why:
             self.journal.note(why)
 
@@ -100,7 +100,7 @@ class DeltaRouting:
             if stale:
                 self.journal.note(f"synchronizer is now {target}: resending the work of fragments {stale}")
             for p in stale:
-                self._release(p, "")
+                self._release(p, "", resend=True)
         self._publish_gate()
 
     def route(self, ready: DeltaReady) -> bytes | None:
@@ -108,13 +108,13 @@ class DeltaRouting:
         (the caller sends it, or hands it to itself as synchronizer), or None if it went back."""
         target = self.target
         if target is None or not self.gate.open(ready.now):
-            self._emit(ToLearner(Release(ready.fragment, ready.seq)))
+            self._emit(ToLearner(Release(ready.fragment, ready.seq, sent_out=False)))
             return None
         try:
             payload, _ = self.feedback.compress(ready.fragment, ready.delta)
         except ValueError as exc:  # a non-finite delta: never sent, the residual untouched
             self.journal.note(f"delta for fragment {ready.fragment} not sent: {exc}")
-            self._emit(ToLearner(Release(ready.fragment, ready.seq)))
+            self._emit(ToLearner(Release(ready.fragment, ready.seq, sent_out=False)))
             return None
         self.in_flight[ready.fragment] = InFlight(ready.seq, target, ready.now)
         return encode_delta(ready.header, payload)
@@ -139,8 +139,11 @@ class DeltaRouting:
 
     def on_merged(self, record: UpdateRecord) -> None:
         """An applied update merged this peer's delta of its fragment: no longer in flight."""
-        if any(peer == self.peer_id for peer, _ in record.contributors):
-            self.in_flight.pop(record.fragment, None)
+        sent = self.in_flight.get(record.fragment)
+        seq = record.seq_of(self.peer_id)
+        mine = any(peer == self.peer_id for peer, _ in record.contributors)
+        if sent is not None and mine and seq in (None, sent.seq):
+            del self.in_flight[record.fragment]
 
     def expire(self, now: float) -> None:
         """Backstop only: a failover already released deltas sent to the old synchronizer. Releasing one

@@ -53,10 +53,16 @@ class Adopt:
 
 @dataclass(frozen=True)
 class Release:
-    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work."""
+    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work.
+
+    `sent_out`: it left this peer (a holder that stepped down may still merge it: kept in `released` to
+    recognise that by its seq); `resend`: send the fragment at the next step, not at its turn (a new
+    synchronizer took over)."""
 
     fragment: int
     seq: int
+    sent_out: bool = True
+    resend: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,10 @@ class Learner:
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.work = [FragmentWork() for _ in range(plan.num_fragments)]
         self.sent: dict[int, SentDelta] = {}
+        # per fragment, the oldest delta that went back unmerged after it left (its work is in every later
+        # delta of the fragment); an update that merges it after all is adopted as this learner's own
+        self.released: dict[int, SentDelta] = {}
+        self.urgent: set[int] = set()  # fragments to send at the next step (their deltas went back)
         self.anchors: list[tuple[int, Tensors]] = [
             (replica.version(p), replica.params_view(p)) for p in range(plan.num_fragments)
         ]
@@ -176,10 +186,12 @@ class Learner:
         self.settle()
         if gate is not None and not gate.open(now):
             return None
-        decision = self.schedule.on_step(self.step, frozenset(self.sent))
-        if decision.action != "send" or decision.fragment is None:
-            return None
-        p = decision.fragment
+        p = self._urgent_fragment()
+        if p is None:
+            decision = self.schedule.on_step(self.step, frozenset(self.sent))
+            if decision.action != "send" or decision.fragment is None:
+                return None
+            p = decision.fragment
         work = self.work[p]
         if work.steps == 0:
             return None
@@ -194,6 +206,7 @@ class Learner:
             tokens=work.tokens,
             steps=work.steps,
             seq=self.seq,
+            since_seq=self.released[p].seq if p in self.released else 0,
         )
         at_send = {name: t.clone() for name, t in theta.items()}  # theta may share the live parameters
         self.sent[p] = SentDelta(self.seq, work.tokens, work.steps, work.seconds, at_send)
@@ -216,16 +229,25 @@ class Learner:
                 self._adopt(message)
                 changed.add(message.record.fragment)
             elif isinstance(message, Release):
-                self._release(message.fragment, message.seq)
+                self._release(message)
             else:
                 self._load(message.fragments)
                 changed.update(message.fragments)
         if changed:
             self.on_params_changed(sorted(changed))
 
-    def _release(self, fragment: int, seq: int) -> None:
+    def _urgent_fragment(self) -> int | None:
+        """A fragment whose delta went back at a change of synchronizer, if one can go out now (tau)."""
+        for p in sorted(self.urgent):
+            self.urgent.discard(p)
+            if p not in self.sent and self.work[p].steps > 0 and len(self.sent) < self.schedule.max_in_flight:
+                return p
+        return None
+
+    def _release(self, message: Release) -> None:
+        fragment = message.fragment
         sent = self.sent.get(fragment)
-        if sent is None or sent.seq != seq:
+        if sent is None or sent.seq != message.seq:
             return
         del self.sent[fragment]
         work = self.work[fragment]
@@ -233,12 +255,21 @@ class Learner:
         work.steps += sent.steps
         work.seconds += sent.seconds
         self.deltas_rejected += 1
+        if message.sent_out:
+            self.released.setdefault(fragment, sent)
+        if message.resend:
+            self.urgent.add(fragment)
 
     def _adopt(self, message: Adopt) -> None:
         record, old_global, new_global = message.record, message.old_global, message.new_global
         p = record.fragment
-        sent = self.sent.get(p)
-        contributed = sent is not None and any(peer == self.peer_id for peer, _ in record.contributors)
+        sent, released = self.sent.get(p), self.released.get(p)
+        mine = any(peer == self.peer_id for peer, _ in record.contributors)
+        seq = record.seq_of(self.peer_id)  # None: not mine, or a record without seqs
+        contributed = sent is not None and mine and seq in (None, sent.seq)
+        if not contributed and released is not None and seq is not None and seq == released.seq:
+            self._adopt_released(message, released)
+            return
         mode = self.manifest.diloco.adoption
         with torch.no_grad():
             for name in self.plan.names(p):
@@ -257,14 +288,41 @@ class Learner:
                     new_theta = theta + shift
                     if sent is not None:
                         sent.theta_at_send[name] += shift
+                    if released is not None:
+                        released.theta_at_send[name] += shift
                 param.copy_(new_theta.to(param.device, param.dtype))
         self.anchors[p] = (message.version, new_global)
         if contributed:
             del self.sent[p]
+            self.released.pop(p, None)  # its work went out again in this delta, now merged
             self.steps_merged += sent.steps / self.plan.num_fragments
             self.compute_merged += sent.seconds / self.plan.num_fragments
             if mode == "overwrite":
                 self.work[p] = FragmentWork()
+
+    def _adopt_released(self, message: Adopt, released: SentDelta) -> None:
+        """An update merged a delta that had gone back to this learner (an old holder merged it after
+        all): theta moves to the new global plus the progress since that delta was sent, so its work is
+        not sent again. A delta in flight that repeats it is dropped (synchronizers refuse it as
+        "already merged"); what it carried beyond the released work goes out with the next one."""
+        p, new_global = message.record.fragment, message.new_global
+        with torch.no_grad():
+            for name in self.plan.names(p):
+                param = self.params[name]
+                theta = param.detach().to("cpu", torch.float32)
+                new_theta = new_global[name] + (theta - released.theta_at_send[name])
+                param.copy_(new_theta.to(param.device, param.dtype))
+        self.anchors[p] = (message.version, new_global)
+        del self.released[p]
+        again = self.sent.pop(p, None)
+        if again is not None:  # carried the released work and more: keep the more, drop the repeat
+            work = self.work[p]
+            work.tokens += max(0, again.tokens - released.tokens)
+            work.steps += max(0, again.steps - released.steps)
+            work.seconds += max(0.0, again.seconds - released.seconds)
+            self.urgent.add(p)
+        self.steps_merged += released.steps / self.plan.num_fragments
+        self.compute_merged += released.seconds / self.plan.num_fragments
 
     def _load(self, fragments: Mapping[int, tuple[int, Tensors]]) -> None:
         with torch.no_grad():
@@ -273,4 +331,5 @@ class Learner:
                     self.params[name].copy_(value.to(self.params[name].device, self.params[name].dtype))
                 self.anchors[p] = (version, values)
                 self.sent.pop(p, None)
+                self.released.pop(p, None)
                 self.work[p] = FragmentWork()

@@ -75,6 +75,7 @@ class SynchronizerRole:
             shapes=self.shapes,
             guard=self.robust,
             outer_feedback=self.outer_feedback,
+            merged_already=self.book.merged_already,
         )
         self.membership.term_seen = max(self.membership.term_seen, term)
         self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")

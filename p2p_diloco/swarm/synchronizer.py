@@ -20,7 +20,7 @@ as live learners in the outer scaling: a cool-down must not change the honest sw
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,7 @@ REJECT_WRONG_RUN = "wrong run"
 REJECT_WRONG_MANIFEST = "wrong manifest"
 REJECT_UNKNOWN_FRAGMENT = "unknown fragment"
 REJECT_NOT_ALLOWED = "not allowed"
+REJECT_ALREADY_MERGED = "already merged"  # the delta repeats work an applied update merged before
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,14 @@ class Synchronizer:
         shapes: dict[str, tuple[int, ...]],
         guard: RobustGuard | None = None,
         outer_feedback: ErrorFeedback | None = None,
+        merged_already: Callable[[str, int, int], int | None] = lambda sender, fragment, since: None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
         self.plan = plan
         self.replica = replica
         self.term = term
+        self.merged_already = merged_already  # `UpdateBook.merged_already`: work an update merged before
         self.embedding_names = frozenset(embedding_names)
         self.expected = [{n: tuple(shapes[n]) for n in plan.names(p)} for p in range(plan.num_fragments)]
         cfg = manifest.diloco
@@ -130,6 +133,15 @@ class Synchronizer:
             return self._reject(
                 sender, REJECT_UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
             )
+        merged = self.merged_already(sender, p, header.carries_since)
+        if merged is not None:
+            # a delta released at a term change that the old holder merged after all: its work is in the
+            # model; the learner adopts that update and resends only what came after
+            detail = (
+                f"fragment {p}: delta {header.seq} carries work since delta {header.carries_since}, and "
+                f"delta {merged} was merged already; adopt that update and resend the rest"
+            )
+            return self._reject(sender, REJECT_ALREADY_MERGED, detail, now)
         try:
             tensors = decode_tensors(
                 payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes
@@ -161,6 +173,7 @@ class Synchronizer:
             steps=counters.steps,
             received_at=now,
             payload=screened.tensors,
+            seq=header.seq,
         )
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
@@ -266,6 +279,7 @@ class Synchronizer:
             term=self.term,
             leader=self.peer_id,
             contributors=tuple((c.sender, float(w)) for c, w in zip(contributions, weights)),
+            seqs=tuple(c.seq for c in contributions),
             checksum=pending.checksum,
             payload=payload,
         )

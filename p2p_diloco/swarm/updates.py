@@ -70,6 +70,9 @@ class UpdateBook:
         self.robust = robust
         self._emit = emit
         self.has_learner = has_learner
+        # (learner, fragment) -> the highest delta seq of it an applied update merged: a delta carrying
+        # work of an older one (resent after a term change) must not count it twice (`merged_already`)
+        self.merged_seqs: dict[tuple[str, int], int] = {}
         sizes = [sum(_numel(s) for s in replica.shapes(p).values()) for p in range(plan.num_fragments)]
         limits = manifest.limits
         self.log = UpdateLog(
@@ -162,12 +165,21 @@ class UpdateBook:
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
         self.vouchers.vouch(record)
         self.tip_terms[p] = record.term
+        for (peer, _), seq in zip(record.contributors, record.seqs):
+            key = (peer, p)
+            self.merged_seqs[key] = max(seq, self.merged_seqs.get(key, 0))
         self.log.append(record)
         self.applied += 1
         if self.has_learner:
             self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
         self._emit(Applied(record, source, how))
         return Reply(ReplyStatus.APPLIED, decision.reason)
+
+    def merged_already(self, sender: str, fragment: int, carries_since: int) -> int | None:
+        """The seq of `sender`'s delta of `fragment` already merged that a delta carrying work since
+        `carries_since` repeats (None if it repeats none)."""
+        merged = self.merged_seqs.get((sender, fragment), 0)
+        return merged if merged >= carries_since else None
 
     def frames_after(self, fragment: int, after_version: int) -> list[bytes]:
         """The logged updates of `fragment` from `after_version` on, as frames (what a replaying peer gets)."""

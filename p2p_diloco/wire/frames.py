@@ -131,6 +131,14 @@ def _contributors(value: Any) -> str | None:
     return None
 
 
+def _seqs(value: Any) -> str | None:
+    if not isinstance(value, list) or len(value) > MAX_CONTRIBUTORS:
+        return f"must be a list of at most {MAX_CONTRIBUTORS} delta sequence numbers"
+    if any(type(seq) is not int or not 0 <= seq <= MAX_COUNTER for seq in value):
+        return f"entries must be integers in [0, {MAX_COUNTER}]"
+    return None
+
+
 def _hex(max_bytes: int) -> Check:
     def check(value: Any) -> str | None:
         if not isinstance(value, str) or len(value) > 2 * max_bytes or len(value) % 2:
@@ -151,6 +159,7 @@ DELTA_SCHEMA: dict[str, Check] = {
     "tokens": _COUNTER,
     "steps": _integer(1, MAX_COUNTER),
     "seq": _COUNTER,
+    "since_seq": _COUNTER,
 }
 UPDATE_SCHEMA: dict[str, Check] = {
     **_IDS,
@@ -158,6 +167,7 @@ UPDATE_SCHEMA: dict[str, Check] = {
     "term": _COUNTER,
     "leader": _identifier,
     "contributors": _contributors,
+    "seqs": _seqs,
     "checksum": _identifier,
     "signature": _hex(MAX_SIGNATURE_BYTES),
 }
@@ -267,6 +277,7 @@ def decode_delta(frame: bytes, *, max_bytes: int) -> tuple[DeltaHeader, bytes]:
 def _update_fields(record: UpdateRecord) -> dict[str, Any]:
     fields = {key: getattr(record, key) for key in UPDATE_SCHEMA}
     fields["contributors"] = [[peer, float(weight)] for peer, weight in record.contributors]
+    fields["seqs"] = list(record.seqs)
     fields["signature"] = record.signature.hex()
     return fields
 
@@ -278,8 +289,11 @@ def encode_update(record: UpdateRecord) -> bytes:
 def decode_update(frame: bytes, *, max_bytes: int) -> UpdateRecord:
     header, payload = _decode(frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes)
     contributors = tuple((peer, weight) for peer, weight in header.pop("contributors"))
+    seqs = tuple(header.pop("seqs"))
+    if seqs and len(seqs) != len(contributors):
+        raise DecodeError(BAD_HEADER, f"update names {len(contributors)} contributors but {len(seqs)} seqs")
     signature = bytes.fromhex(header.pop("signature"))
-    return UpdateRecord(**header, contributors=contributors, payload=payload, signature=signature)
+    return UpdateRecord(**header, contributors=contributors, payload=payload, signature=signature, seqs=seqs)
 
 
 def update_signing_bytes(record: UpdateRecord) -> bytes:
