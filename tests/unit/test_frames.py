@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
@@ -253,3 +254,15 @@ def test_mutated_frames_only_raise_decode_error(kind, edits, cut, tail):
         DECODERS[kind](candidate)
     except DecodeError:
         pass
+
+
+def test_updates_carry_each_contributors_delta_seq():
+    record = UpdateRecord(
+        "r", "0123456789abcdef", 0, 3, 2, "lead", (("a", 1.0), ("b", 2.0)), "c0ffee", b"p", seqs=(7, 9)
+    )
+    back = frames.decode_update(frames.encode_update(record), max_bytes=1 << 20)
+    assert back == record and back.seq_of("b") == 9 and back.seq_of("z") is None
+    assert dataclasses.replace(record, seqs=()).seq_of("a") is None  # no seqs recorded: unknown
+    bad = frames.encode_update(dataclasses.replace(record, seqs=(7,)))  # one seq for two contributors
+    with pytest.raises(DecodeError, match="2 contributors but 1 seqs"):
+        frames.decode_update(bad, max_bytes=1 << 20)

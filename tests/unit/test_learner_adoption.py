@@ -171,3 +171,56 @@ def test_take_due_follows_the_schedule_and_waits_while_the_gate_is_shut(corpus):
     gate.state = (("holder", 1), 100.0)  # held until t = 100
     learner.train_step()
     assert learner.take_due(7.0, gate) is None
+
+
+def with_seqs(message: Adopt, *seqs: int) -> Adopt:
+    return dataclasses.replace(message, record=dataclasses.replace(message.record, seqs=seqs))
+
+
+def test_a_released_delta_goes_out_again_at_once_carrying_its_seq(corpus):
+    learner, _, _ = make(corpus)
+    first = train_until_delta(learner)
+    p = first.fragment
+    learner.inbox.put(Release(p, first.seq, resend=True))  # a new synchronizer took over
+    learner.train_step()
+    again = learner.take_due(now=float(learner.step))  # not its turn in the round robin, sent anyway
+    assert again is not None and again.fragment == p and again.seq > first.seq
+    assert again.header.since_seq == first.seq  # it repeats the released delta's work
+    assert again.header.steps == first.header.steps + 1
+
+
+def test_an_update_that_merged_a_released_delta_is_adopted_as_own_and_its_resend_dropped(corpus):
+    """The double count at a term change: the old holder merges delta s after the learner took it back
+    and resent its work in s'. The learner recognises s by its seq: theta keeps only the progress made
+    since s was sent, s' is dropped (synchronizers refuse it as "already merged"), and what s' carried
+    beyond s goes out with the next delta."""
+    learner, replica, _ = make(corpus)
+    first = train_until_delta(learner)
+    p = first.fragment
+    at_send = {n: t.clone() for n, t in learner.sent[p].theta_at_send.items()}
+    learner.inbox.put(Release(p, first.seq, resend=True))
+    learner.train_step()
+    resent = learner.take_due(now=float(learner.step))
+    assert resent is not None and resent.header.since_seq == first.seq
+    learner.train_step()
+    before = theta(learner, p)
+    learner.inbox.put(with_seqs(adopt_message(replica, p, (("me", 1.0),)), first.seq))
+    learner.settle()
+    new_global = replica.params_view(p)
+    for n in before:
+        torch.testing.assert_close(learner.params[n].detach(), new_global[n] + (before[n] - at_send[n]))
+    assert p not in learner.sent and p not in learner.released
+    assert learner.work[p].steps == 2  # the step in the dropped resend beyond s, and the one after it
+    nxt = learner.take_due(now=float(learner.step))
+    assert nxt is not None and nxt.fragment == p and nxt.header.since_seq == 0
+    for n in before:  # exactly the work since s was sent, nothing of s itself
+        torch.testing.assert_close(nxt.delta[n], new_global[n] - learner.params[n].detach())
+
+
+def test_an_update_with_another_seq_of_mine_does_not_count_as_my_in_flight_delta(corpus):
+    learner, replica, _ = make(corpus)
+    p = train_until_delta(learner).fragment
+    sent = learner.sent[p]
+    learner.inbox.put(with_seqs(adopt_message(replica, p, (("me", 1.0),)), sent.seq + 7))
+    learner.settle()
+    assert learner.sent[p] is sent  # still in flight: that update merged some other delta

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.swarm.deltas import InFlight
 from p2p_diloco.swarm.effects import Published, StoreRecord
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease, encode_lease
 from tests.support.manifests import tiny_manifest, tiny_training
@@ -160,3 +165,28 @@ def test_waiting_to_claim_never_raises_the_term_seen():
     assert peer.peer.term_seen == 0
     hold(kv, "leader", 1, expires_at=clock.now() + 5.0)
     assert peer.election_tick(clock.now()).action == election.FOLLOW and peer.peer.term_seen == 1
+
+
+def test_a_synchronizer_refuses_a_delta_repeating_work_an_applied_update_merged():
+    """A learner's delta s went back at a term change and its work was resent in s' (since_seq = s); an
+    update of the old holder that merged s after all reached this holder first. s' would count s twice."""
+    me, _, clock, _ = make_peer(may_sync=True)
+    me.peer.role.take(1)
+    me.peer.book.merged_seqs[("other", 0)] = 5  # what applying that update recorded
+    names = me.peer.plan.names(0)
+    payload = encode_tensors(
+        {n: torch.zeros(me.peer.shapes[n]) for n in names}, codec=MANIFEST.wire.codec, block_size=64
+    )
+    steps, per_step = 4, MANIFEST.diloco.batch_size * MANIFEST.model.block_size
+
+    def delta(seq: int, since_seq: int) -> str:
+        header = DeltaHeader(
+            MANIFEST.run_id, MANIFEST.manifest_hash, 0, 0, steps * per_step, steps, seq, "", since_seq
+        )
+        return me.handle_delta("other", encode_delta(header, payload))
+
+    repeat = delta(7, since_seq=5)
+    assert repeat.startswith("already merged") and "delta 5 was merged already" in repeat
+    assert not delta(8, since_seq=6).startswith("already merged")  # only work since s: fine
+    assert me.peer.sync.rejections["already merged"] == 1
+    assert "other" not in me.peer.robust.cooling(clock.now())  # not an offence
