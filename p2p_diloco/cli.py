@@ -61,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
     p.add_argument("--chaos", action="store_true", help="inject failures from a seeded schedule")
-    p.add_argument("--compare", action="store_true", help="also run the lock-step baseline")
     p.add_argument(
-        "--baseline", choices=["hivemind"], default=None, help="the baseline for --compare (implies it)"
+        "--compare",
+        nargs="?",
+        const="dp",
+        default=None,
+        metavar="{dp,diloco,all}",
+        help="also run baselines under the same schedule: dp (the default of a bare --compare: elastic data "
+        "parallel on hivemind.Optimizer), diloco (synchronous DiLoCo on hivemind), or all",
+    )
+    p.add_argument(
+        "--baseline", choices=["hivemind"], default=None, help="old spelling of --compare dp (implies it)"
     )
     p.add_argument("--out", default="demo-out", help="directory for report.json and PNGs")
     p.add_argument("--seed", type=int, default=0)
@@ -262,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "baseline-worker",
-        help="one elastic data-parallel peer on hivemind.Optimizer (the lock-step baseline)",
+        help="one baseline peer: elastic data parallel on hivemind.Optimizer (--mode dp, the lock-step "
+        "baseline) or synchronous DiLoCo on hivemind (--mode diloco)",
     )
     p.add_argument("manifest", help="run manifest TOML (the same one the DiLoCo learners use)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
@@ -271,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--listen", action="append", default=None, metavar="MULTIADDR", help="default /ip4/127.0.0.1/tcp/0"
     )
-    p.add_argument("--learners", type=int, default=4, help="peers expected (sets the default target batch)")
+    p.add_argument(
+        "--learners",
+        type=int,
+        default=4,
+        help="peers expected (dp: the default target batch; diloco: the all-reduce group size)",
+    )
     p.add_argument(
         "--target-batch-size",
         type=int,
@@ -298,6 +312,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-every", type=float, default=1.0, help="seconds between progress events")
     p.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds between checkpoints")
     p.add_argument("--verbose", action="store_true", help="hivemind logs every round to stderr")
+    p.add_argument(
+        "--mode",
+        choices=["dp", "diloco"],
+        default="dp",
+        help="dp: elastic data parallel on hivemind.Optimizer; diloco: synchronous DiLoCo (H local AdamW "
+        "steps, then an all-reduce of outer gradients and the manifest's outer Nesterov step)",
+    )
+    p.add_argument(
+        "--wait-for-peers",
+        type=float,
+        default=30.0,
+        help="--mode diloco: seconds a round waits for slower peers before going on without them",
+    )
     p.set_defaults(func=_lazy("p2p_diloco.baseline.command:cli_baseline_worker"))
 
     return parser

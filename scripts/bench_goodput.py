@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Goodput benchmark: `p2p-diloco demo --chaos --compare` over several seeds, one table.
 
-    scripts/bench_goodput.py --out DIR [--seeds 0 1 2] [--duration 180] [--learners 4] [--no-baseline]
+    scripts/bench_goodput.py --out DIR [--seeds 0 1 2] [--duration 180] [--learners 4]
+                             [--compare dp|diloco|all] [--no-baseline]
     scripts/bench_goodput.py --out DIR --tabulate     # the table again from DIR's reports, no runs
 
-Each seed runs the decoupled swarm and (unless --no-baseline or the baseline is missing) the
-hivemind.Optimizer baseline under the same seeded chaos schedule and time budget, in DIR/seed-S/.
+Each seed runs the decoupled swarm and (unless --no-baseline) the baselines `--compare` names under the
+same seeded chaos schedule and time budget, in DIR/seed-S/: dp (default; the hivemind.Optimizer
+baseline, rows "baseline"), diloco (synchronous DiLoCo on hivemind, rows "diloco") or all.
 Writes DIR/goodput.json (rows per seed and system with where the rest of the slot time went: blocked,
 down incl. restarts, computed but unmerged; means; the goal, met on the mean and on every seed) and
 DIR/goodput.png. The timing goals live here, never in tests.
@@ -23,13 +25,15 @@ from pathlib import Path
 GOALS = {"decoupled_goodput_min": 0.9}  # with the synchronizer SIGKILLed twice per run
 FIELDS = ("goodput", "uptime", "final_eval_loss", "tokens", "failovers")
 BREAKDOWN = ("compute_fraction", "blocked_fraction", "down_fraction", "unmerged_fraction")
+BASELINES = ("baseline", "diloco")  # report.json sections: elastic data parallel, synchronous DiLoCo
+SYSTEMS_OF = ("dp", "diloco", "all")  # --compare values (p2p-diloco demo --compare)
 
 
 def run_seed(seed: int, args: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "p2p_diloco", "demo", "--chaos", "--learners", str(args.learners),
            "--duration", str(args.duration), "--seed", str(seed), "--out", str(out)]  # fmt: skip
     if not args.no_baseline:
-        cmd.append("--compare")
+        cmd += ["--compare", args.compare]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((out / "report.json").read_text())
@@ -76,6 +80,12 @@ def main() -> int:
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--no-baseline", action="store_true", help="decoupled only")
     parser.add_argument(
+        "--compare",
+        choices=SYSTEMS_OF,
+        default="dp",
+        help="baselines to run: dp (elastic data parallel, rows 'baseline'), diloco (synchronous DiLoCo), all",
+    )
+    parser.add_argument(
         "--tabulate", action="store_true", help="run nothing: rebuild the table from DIR/seed-S/report.json"
     )
     args = parser.parse_args()
@@ -90,7 +100,7 @@ def main() -> int:
             report = json.loads((seed_dir / "report.json").read_text())
         else:
             report = run_seed(seed, args, seed_dir)
-        for system in ("decoupled", "baseline"):
+        for system in ("decoupled", *BASELINES):
             if system in report:
                 r = report[system]
                 row = {"seed": seed, "system": system, **{f: r[f] for f in FIELDS}}

@@ -1,5 +1,8 @@
 """`p2p-diloco baseline-worker`: checks of its arguments (parsed in `p2p_diloco.cli`) and the handler.
 
+``--mode dp`` (default) runs the elastic data-parallel peer (`worker.BaselineWorker`), ``--mode diloco``
+a synchronous DiLoCo peer (`diloco.DilocoWorker`: H, outer lr and momentum from the manifest).
+
 Every address and the identity file are checked before anything starts (exit status 2 with a message
 naming the argument); SIGINT/SIGTERM stop the worker after its current step and it exits 0.
 """
@@ -14,6 +17,7 @@ import threading
 from pathlib import Path
 
 from p2p_diloco.baseline.elastic import ElasticSettings, hivemind_run_id
+from p2p_diloco.baseline.rounds import DilocoSettings
 from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
@@ -22,6 +26,7 @@ from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.identity import peer_id_of
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+MODES = ("dp", "diloco")
 
 
 def options_from_args(args: argparse.Namespace) -> BaselineOptions:
@@ -49,9 +54,24 @@ def options_from_args(args: argparse.Namespace) -> BaselineOptions:
         raise ConfigError(f"--max-steps must be >= 0, got {args.max_steps}")
     if args.min_step_time < 0:
         raise ConfigError("--min-step-time must be >= 0 seconds")
+    mode = getattr(args, "mode", "dp")
+    if mode not in MODES:
+        raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    wait_for_peers = getattr(args, "wait_for_peers", 30.0)
+    if wait_for_peers < 0:
+        raise ConfigError(f"--wait-for-peers must be >= 0 seconds, got {wait_for_peers}")
     batch = manifest.diloco.batch_size
+    diloco = None
+    if mode == "diloco":
+        diloco = DilocoSettings(
+            inner_steps=manifest.diloco.inner_steps,
+            outer_lr=manifest.diloco.outer_lr,
+            outer_momentum=manifest.diloco.outer_momentum,
+            group_size=args.learners,
+            wait_limit=wait_for_peers,
+        )
     elastic = ElasticSettings(
-        run_id=hivemind_run_id(manifest),
+        run_id=hivemind_run_id(manifest, "baseline" if mode == "dp" else mode),
         target_batch_size=args.target_batch_size or args.learners * batch,
         batch_size_per_step=batch,
         matchmaking_time=args.matchmaking_time,
@@ -74,6 +94,7 @@ def options_from_args(args: argparse.Namespace) -> BaselineOptions:
         min_step_time=args.min_step_time,
         progress_every=args.progress_every,
         checkpoint_every=args.checkpoint_every,
+        diloco=diloco,
     )
 
 
@@ -81,7 +102,12 @@ def cli_baseline_worker(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
-    worker = BaselineWorker(options, stop=stop)
+    if options.diloco is not None:
+        from p2p_diloco.baseline.diloco import DilocoWorker
+
+        worker: BaselineWorker = DilocoWorker(options, stop=stop)
+    else:
+        worker = BaselineWorker(options, stop=stop)
     try:
         status = worker.run()
     except ConnectionError as exc:

@@ -40,9 +40,9 @@ from p2p_diloco.model.gpt import make_inner_optimizer
 COMPRESSIONS = {"fp32": (NoCompression, 4), "fp16": (Float16Compression, 2)}
 
 
-def hivemind_run_id(manifest: RunManifest) -> str:
-    """``<run_id>-<manifest hash>-baseline`` with '.' replaced (hivemind prefixes may not contain it)."""
-    return f"{manifest.run_id}-{manifest.manifest_hash}-baseline".replace(".", "_")
+def hivemind_run_id(manifest: RunManifest, system: str = "baseline") -> str:
+    """``<run_id>-<manifest hash>-<system>`` with '.' replaced (hivemind prefixes may not contain it)."""
+    return f"{manifest.run_id}-{manifest.manifest_hash}-{system}".replace(".", "_")
 
 
 @dataclass(frozen=True)

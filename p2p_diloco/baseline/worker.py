@@ -13,6 +13,10 @@ hivemind (settings in `elastic`). Lifecycle (`BaselineWorker.run`):
    peer would keep counting as a member in hivemind's progress records): final checkpoint, ``stopped``
    event with the parameter digest, leave the swarm, exit 0.
 
+`start`, `train_step` and the hooks `epochs`, `checkpoint_state`, `finish_rounds` and `close_hivemind`
+are what `diloco.DilocoWorker` (``--mode diloco``) replaces; it keeps the loop, books, events, checkpoint
+file and shutdown.
+
 Events (``{"t": DHT time, "event": kind, ...}``): ``start``; ``progress`` with the cumulative counters of
 `ledger.LedgerCounters` plus ``epoch`` (the global step this peer's model is at), ``global_epoch`` (the
 highest epoch in hivemind's progress records), ``loss`` and ``compute_pending``; ``global_step`` (epoch,
@@ -29,7 +33,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -48,6 +52,7 @@ from p2p_diloco.baseline.elastic import (
     state_bytes,
 )
 from p2p_diloco.baseline.ledger import AVERAGED, StepLedger, allreduce_bytes, step_outcome
+from p2p_diloco.baseline.rounds import DilocoSettings
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model
@@ -74,15 +79,21 @@ class BaselineOptions:
     min_step_time: float = 0.0
     progress_every: float = 1.0
     checkpoint_every: float = 10.0
+    diloco: DilocoSettings | None = None  # `--mode diloco`: synchronous DiLoCo (`baseline.diloco`)
 
 
-def parameter_digest(model: nn.Module) -> str:
-    """blake2b over the parameters' names and float32 bytes, in `named_parameters()` order."""
+def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """blake2b over names and float32 bytes, in the order given."""
     h = hashlib.blake2b(digest_size=16)
-    for name, p in model.named_parameters():
+    for name, p in named:
         h.update(name.encode())
         h.update(p.detach().cpu().float().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """`tensors_digest` of the parameters in `named_parameters()` order."""
+    return tensors_digest(model.named_parameters())
 
 
 class BaselineWorker:
@@ -274,15 +285,20 @@ class BaselineWorker:
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
-    def progress(self) -> None:
+    def epochs(self) -> tuple[int, int] | None:
+        """(this peer's global step, the highest one in the swarm's progress records); None before start."""
         opt = self.opt
-        if opt is None:
+        return None if opt is None else (opt.local_epoch, opt.tracker.global_epoch)
+
+    def progress(self) -> None:
+        epochs = self.epochs()
+        if epochs is None:
             return
         self.event(
             "progress",
             **self.ledger.snapshot(time.perf_counter()),
-            epoch=opt.local_epoch,
-            global_epoch=opt.tracker.global_epoch,
+            epoch=epochs[0],
+            global_epoch=epochs[1],
             loss=self.last_loss if math.isfinite(self.last_loss) else None,
         )
 
@@ -290,18 +306,19 @@ class BaselineWorker:
         while not self._reporter_stop.wait(self.options.progress_every):
             self.progress()
 
+    def checkpoint_state(self) -> tuple[nn.Module, dict, int] | None:
+        """(the module holding the global model, optimizer state, epoch) to save; None before start."""
+        if self.model is None or self.opt is None:
+            return None
+        return self.model, self.opt.state_dict(), self.opt.local_epoch
+
     def checkpoint(self) -> None:
         """Save `baseline.pt` (call between steps: no optimizer step runs then)."""
-        if self.model is None or self.opt is None or self.state is None:
+        saved = self.checkpoint_state()
+        if saved is None or self.state is None:
             return
         try:
-            save_checkpoint(
-                self.state.path / CHECKPOINT_FILE,
-                self.manifest,
-                self.model,
-                self.opt.state_dict(),
-                self.opt.local_epoch,
-            )
+            save_checkpoint(self.state.path / CHECKPOINT_FILE, self.manifest, *saved)
         except OSError as exc:
             self.event("checkpoint_failed", error=str(exc))
 
@@ -317,30 +334,26 @@ class BaselineWorker:
         self._reporter_stop.set()
         if self._reporter is not None:
             self._reporter.join(timeout=5)
-        opt, model = self.opt, self.model
-        if opt is not None and model is not None:
-            # apply a parameter-averaging round that finished in the background
-            if not _bounded(
-                lambda: opt.state_averager.step(wait_for_delayed_updates=True), SHUTDOWN_STEP_TIMEOUT
-            ):
-                self.event("final_averaging_timeout", seconds=SHUTDOWN_STEP_TIMEOUT)
+        self.finish_rounds()
+        saved = self.checkpoint_state()
+        if saved is not None:
             self.progress()
             self.checkpoint()
+            model, _, epoch = saved
             digest = parameter_digest(model)
             counters = self.ledger.snapshot()
             self.event(
                 "stopped",
                 steps=counters["steps"],
-                epoch=opt.local_epoch,
+                epoch=epoch,
                 digest=digest,
                 compute_merged=counters["compute_merged"],
             )
-            self.say(f"stopped: epoch {opt.local_epoch}, steps {counters['steps']}, digest {digest[:16]}")
+            self.say(f"stopped: epoch {epoch}, steps {counters['steps']}, digest {digest[:16]}")
         dht_peer = self.dht_peer
 
         def teardown() -> None:
-            if opt is not None:
-                opt.shutdown()
+            self.close_hivemind()
             if dht_peer is not None:
                 dht_peer.shutdown()
 
@@ -349,6 +362,19 @@ class BaselineWorker:
             self.event("teardown_timeout", seconds=SHUTDOWN_TEARDOWN_TIMEOUT)
         if self.state is not None:
             self.state.close()
+
+    def finish_rounds(self) -> None:
+        """Apply a parameter-averaging round that finished in the background (bounded)."""
+        opt = self.opt
+        if opt is not None and not _bounded(
+            lambda: opt.state_averager.step(wait_for_delayed_updates=True), SHUTDOWN_STEP_TIMEOUT
+        ):
+            self.event("final_averaging_timeout", seconds=SHUTDOWN_STEP_TIMEOUT)
+
+    def close_hivemind(self) -> None:
+        """Stop the hivemind parts other than the DHT (called in a bounded teardown thread)."""
+        if self.opt is not None:
+            self.opt.shutdown()
 
 
 def _bounded(fn: Callable[[], object], timeout: float) -> bool:

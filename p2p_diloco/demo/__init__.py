@@ -1,8 +1,10 @@
 """`p2p-diloco demo`: the main job. Real processes on 127.0.0.1: a bootstrap node and N `join` learners
 from `peers/demo.toml` train the tiny GPT; `--chaos` SIGKILLs the synchronizer (twice) and a learner
-from a seeded schedule and restarts them, with one throttled learner; `--compare` then runs the
-lock-step baseline (`p2p-diloco baseline-worker`, elastic data-parallel on `hivemind.Optimizer`) under
-the same schedule and time budget. Writes ``report.json`` and PNGs to ``--out``.
+from a seeded schedule and restarts them, with one throttled learner; `--compare` then runs baselines
+under the same schedule and time budget (`COMPARE`): ``dp``, the lock-step baseline (`p2p-diloco
+baseline-worker`, elastic data-parallel on `hivemind.Optimizer`; a bare `--compare` means it, as it always
+did; section "baseline" of the report), ``diloco``, synchronous DiLoCo on hivemind (`baseline-worker
+--mode diloco`; section "diloco"), or ``all``. Writes ``report.json`` and PNGs to ``--out``.
 
 Modules: `chaos` (the schedule), `orchestrator` (processes), `accounting` (goodput, uptime: pure),
 `report` (numbers, plots), `live` (progress view). The in-process swarm is `p2p-diloco swarm`.
@@ -21,6 +23,23 @@ from p2p_diloco.demo.chaos import Schedule, calm_schedule, chaos_schedule
 from p2p_diloco.errors import ConfigError
 
 DEMO_MANIFEST = Path(__file__).resolve().parents[1] / "peers" / "demo.toml"  # package data
+COMPARE = {"dp": ("baseline",), "diloco": ("diloco",), "all": ("baseline", "diloco")}  # --compare: systems
+
+
+def compared_systems(args: argparse.Namespace) -> tuple[str, ...]:
+    """The baseline systems `--compare` (and the old `--baseline hivemind`) ask for; `ConfigError` names
+    the allowed values for anything else."""
+    compare = getattr(args, "compare", None)
+    if compare is True:  # a namespace built by hand with the old boolean flag
+        compare = "dp"
+    baseline = getattr(args, "baseline", None)
+    if baseline is not None and baseline != "hivemind":
+        raise ConfigError(f"--baseline {baseline}: the only baseline is 'hivemind' (or use --compare)")
+    if compare in (None, False):
+        return COMPARE["dp"] if baseline else ()
+    if compare not in COMPARE:
+        raise ConfigError(f"--compare {compare}: choose one of {', '.join(COMPARE)} (a bare --compare is dp)")
+    return COMPARE[compare]
 
 
 def baseline_available() -> bool:
@@ -72,13 +91,9 @@ def cli_demo(args: argparse.Namespace) -> int:
         raise ConfigError("--learners must be at least 2 for a swarm")
     if args.duration <= 0:
         raise ConfigError("--duration must be > 0 seconds")
-    baseline = getattr(args, "baseline", None) or ("hivemind" if args.compare else None)
-    if baseline is not None and baseline != "hivemind":
-        raise ConfigError(f"--baseline {baseline}: the only baseline is 'hivemind'")
-    if baseline and not baseline_available():
-        raise ConfigError(
-            "--compare/--baseline hivemind needs `p2p-diloco baseline-worker`, which this install lacks"
-        )
+    baselines = compared_systems(args)
+    if baselines and not baseline_available():
+        raise ConfigError("--compare needs `p2p-diloco baseline-worker`, which this install lacks")
     schedule = build_schedule(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,9 +107,9 @@ def cli_demo(args: argparse.Namespace) -> int:
     started = time.time()
     report: dict[str, Any] = {"schedule": schedule.to_dict()}
     report["decoupled"] = run_system("decoupled", args, schedule, out)
-    if baseline:
+    for system in baselines:
         period = report["decoupled"]["nominal_round_seconds"] if "decoupled" in report else None
-        report["baseline"] = run_system("baseline", args, schedule, out, period)
+        report[system] = run_system(system, args, schedule, out, period)
     report["wall_seconds"] = time.time() - started
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     from p2p_diloco.demo.report import plot_all, print_summary

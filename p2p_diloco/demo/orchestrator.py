@@ -1,7 +1,7 @@
 """Runs one system of the demo as real processes on 127.0.0.1 and executes the chaos schedule.
 
 `SwarmRun` starts a bootstrap node and N worker processes (`p2p-diloco join`, or `p2p-diloco
-baseline-worker` for the lock-step baseline), each in its own process group with a fresh key and state
+baseline-worker` for the lock-step baseline, `baseline-worker --mode diloco` for synchronous DiLoCo), each in its own process group with a fresh key and state
 directory under the work dir, waits until every worker is up (its ``start`` event), then runs for
 `schedule.duration` seconds: SIGKILLs victims at the scheduled times (the current synchronizer for
 ``kill_sync``, found from the peers' ``published``/``progress`` events), restarts them with the same
@@ -34,7 +34,7 @@ from p2p_diloco.errors import ConfigError
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0  # imports, DHT and model on a loaded 2-core machine
 STOP_TIMEOUT = 20.0
-DECOUPLED, BASELINE = "decoupled", "baseline"
+DECOUPLED, BASELINE, DILOCO = "decoupled", "baseline", "diloco"  # BASELINE: elastic data parallel
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -76,7 +76,7 @@ class SwarmRun:
         on_tick: Callable[[SwarmRun], None] | None = None,
         eval_every: float = 20.0,
     ):
-        if system not in (DECOUPLED, BASELINE):
+        if system not in (DECOUPLED, BASELINE, DILOCO):
             raise ConfigError(f"unknown system {system!r}")
         self.system = system
         self.manifest_path = manifest_path
@@ -93,7 +93,7 @@ class SwarmRun:
         self.eval_curve: list[tuple[float, float, float]] = []
         self.start_time = 0.0
         self.pending: list[Fault] = sorted(schedule.faults, key=lambda f: f.at)
-        self.saved = SavedModels(self.manifest, baseline=system == BASELINE)
+        self.saved = SavedModels(self.manifest, baseline=system != DECOUPLED)  # both baselines: baseline.pt
 
     # ---- processes ---------------------------------------------------------------------------------
 
@@ -141,8 +141,9 @@ class SwarmRun:
         ]  # fmt: skip
         if self.system == DECOUPLED:
             return python_cmd("join", *common, "--persist-every", "5")
+        mode = ["--mode", "diloco"] if self.system == DILOCO else []
         return python_cmd(
-            "baseline-worker", *common, "--learners", str(self.learners), "--checkpoint-every", "5"
+            "baseline-worker", *common, "--learners", str(self.learners), "--checkpoint-every", "5", *mode
         )
 
     def _launch(self, slot: Slot, now: float) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.demo import accounting
-from p2p_diloco.demo.orchestrator import BASELINE, RunRecord
+from p2p_diloco.demo.orchestrator import BASELINE, DECOUPLED, DILOCO, RunRecord
+
+SYSTEMS = (DECOUPLED, BASELINE, DILOCO)  # report.json sections, in the order they are shown
 
 
 def summarize_record(record: RunRecord, manifest: RunManifest, period: float | None = None) -> dict[str, Any]:
@@ -26,7 +28,7 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
         start=record.start,
         end=record.end,
         learners=record.learners,
-        paced_as_compute=record.system == BASELINE,
+        paced_as_compute=record.system != DECOUPLED,  # the baselines' throttled worker sleeps
     )
     all_events = [e for events in record.events.values() for e in events]
     if period is None:
@@ -70,7 +72,7 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
 
 
 def print_summary(report: dict[str, Any], out: Path) -> None:
-    for system in ("decoupled", "baseline"):
+    for system in SYSTEMS:
         r = report.get(system)
         if not r:
             continue
@@ -91,7 +93,7 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = [s for s in ("decoupled", "baseline") if report.get(s)]
+    systems = [s for s in SYSTEMS if report.get(s)]
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4))
     for system in systems:
         curve = report[system]["eval_curve"]

@@ -1,0 +1,330 @@
+"""`p2p-diloco baseline-worker --mode diloco`: one peer of synchronous DiLoCo on hivemind, the stronger baseline.
+
+Every peer trains what a decoupled learner trains (the manifest's model and initial weights, its own
+stream of the corpus, batch size, AdamW and the ``[train]`` inner step of `model.trainer`) for H inner
+steps (the manifest's `inner_steps`), then all peers all-reduce their outer gradients Θ − θ through
+hivemind (`outer_averager.OuterAverager`) and each applies the manifest's outer Nesterov step to Θ and
+trains on from it (θ ← Θ). Nobody trains while waiting for a round: that is what makes it synchronous.
+
+Round rules (`rounds.decide_round`): wait for the peers of this epoch to report their round done (one
+silent for a grace period past when its progress records said it would be done is skipped; at most
+`wait_limit` s in all) and for peers whose record is behind; all-reduce with whoever joined within the
+matchmaking window; a failed all-reduce is tried again; a peer that finds another one ahead (it missed a
+round or restarted) loads Θ, momentum and epoch from the most advanced peer and drops its own round; a
+peer with no other peer done steps alone. A SIGKILLed peer loses its unfinished round; restarted, it resumes from its
+``baseline.pt`` (Θ, momentum, AdamW state, epoch: `checkpoint` format with this mode's optimizer dict)
+or from a peer that is ahead.
+
+The books, events, checkpoint file and shutdown are `worker.BaselineWorker`'s, so the demo accounts both
+baselines alike: compute (forward, backward and AdamW of every inner step) is merged when its round is
+averaged or stepped alone, dropped on a reload; the wait and the all-reduce are blocked time.
+``global_step`` events add ``local_digest`` (Θ had this peer applied only its own outer gradient) and
+``attempts``; ``round_failed`` reports an all-reduce that will be tried again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+import torch
+from hivemind.compression import NoCompression
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from p2p_diloco.baseline.elastic import COMPRESSIONS
+from p2p_diloco.baseline.ledger import ALONE, allreduce_bytes
+from p2p_diloco.baseline.outer_averager import EXACT_DTYPE, OuterAverager, RoundTracker
+from p2p_diloco.baseline.rounds import Decision, decide_round, outer_gradients, outer_step, round_outcome
+from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker, parameter_digest, tensors_digest
+from p2p_diloco.model.data import load_corpus
+from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.model.shards import make_sampler
+from p2p_diloco.model.trainer import make_trainer
+from p2p_diloco.net.dht_store import create_dht
+from p2p_diloco.net.identity import signing_key
+from p2p_diloco.node.state import StateDir
+
+MODE = "diloco"
+RELOAD_BACKOFF = 3.0  # seconds between two tries to load a peer's state
+GRACE_MIN, GRACE_WINDOWS = 3.0, 3  # a silent peer is waited for max(3 s, 3 matchmaking times) past its due
+
+
+class DilocoWorker(BaselineWorker):
+    """One synchronous DiLoCo peer (module docstring); `run`, `loop` and the books are the base class's."""
+
+    def __init__(
+        self, options: BaselineOptions, *, stop: threading.Event | None = None, out: TextIO = sys.stdout
+    ):
+        super().__init__(options, stop=stop, out=out)
+        if options.diloco is None:
+            raise ValueError("DilocoWorker needs BaselineOptions.diloco")
+        self.settings = options.diloco
+        self.global_model: torch.nn.Module | None = None  # Θ
+        self.momentum: list[torch.Tensor] = []
+        self.epoch = 0  # outer steps Θ has taken
+        self.round_steps = 0  # inner steps since θ was last set to Θ
+        self.trainer: Any = None
+        self.inner: torch.optim.Optimizer | None = None
+        self.averager: OuterAverager | None = None
+        self.tracker: RoundTracker | None = None
+        self.me = b""
+        self._lock = threading.Lock()  # Θ, momentum and epoch against hivemind's state-sharing thread
+        self._next_reload = 0.0
+
+    # ---- start -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        opts, manifest, settings = self.options, self.manifest, self.settings
+        torch.set_num_threads(opts.threads)
+        self.state = StateDir(opts.state_dir, manifest)
+        self.dht_peer = create_dht(
+            initial_peers=opts.initial_peers, identity_path=opts.identity, host_maddrs=opts.listen
+        )
+        peer_id, dht = self.dht_peer.peer_id, self.dht_peer.dht
+        self.me = dht.peer_id.to_bytes()
+        corpus = load_corpus(manifest.data)
+        self.model = build_model(manifest.model)
+        self.global_model = build_model(manifest.model).requires_grad_(False)
+        self.momentum = [torch.zeros_like(p) for p in self.global_model.parameters()]
+        self.inner = make_inner_optimizer(
+            self.model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay
+        )
+        restored = self._restore()
+        self._adopt_global()
+        salt = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
+        self.sampler = make_sampler(manifest, peer_id, corpus, salt=salt)
+        self.trainer = make_trainer(manifest, self.model, self.inner, self.sampler)
+        elastic = opts.elastic
+        self.tracker = RoundTracker(
+            dht=dht, prefix=elastic.run_id, target_batch_size=self._round_samples(), min_refresh_period=0.5,
+            max_refresh_period=1.0, default_refresh_period=1.0, metadata_expiration=elastic.peer_expiration,
+            private_key=signing_key(opts.identity), start=True,
+        )  # fmt: skip
+        self.tracker.report_local_progress(self.epoch, samples_accumulated=0)
+        shapes = [p.shape for p in self.global_model.parameters()]
+        dtype = EXACT_DTYPE if elastic.compression == "fp32" else torch.float32  # see outer_averager
+        self.averager = OuterAverager(
+            shapes, dht, state=self._shared_state, prefix=f"{elastic.run_id}_outer",
+            target_group_size=settings.group_size, min_matchmaking_time=elastic.matchmaking_time,
+            request_timeout=elastic.matchmaking_time / 2, allreduce_timeout=elastic.averaging_timeout,
+            compression=COMPRESSIONS[elastic.compression][0](), state_compression=NoCompression(),
+            dtype=dtype,
+        )  # fmt: skip
+        self.averager.state_sharing_priority = self.epoch
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self._gradient_bytes = n_params * (dtype.itemsize if elastic.compression == "fp32" else 2)
+        self._state_bytes = 2 * n_params * 4  # Θ and momentum, float32
+        addresses = self.dht_peer.visible_addresses()
+        self.event(
+            "start", role=MODE, peer_id=peer_id, run_id=manifest.run_id, manifest_hash=manifest.manifest_hash,
+            hivemind_run_id=elastic.run_id, restored_epoch=restored, inner_steps=settings.inner_steps,
+            parameters=n_params, addresses=addresses,
+        )  # fmt: skip
+        self.say(f"peer id: {peer_id}")
+        for address in addresses:
+            self.say(f"address: {address}")
+        self.say(
+            f"diloco worker joined {elastic.run_id}: {n_params} parameters, H = {settings.inner_steps}, "
+            f"{'restored epoch ' + str(restored) if restored is not None else 'fresh state'}"
+        )
+        if self.tracker.global_epoch > self.epoch:
+            self._reload()
+
+    def _restore(self) -> int | None:
+        """Θ, momentum, AdamW state and epoch from ``baseline.pt`` if it is one of this mode; its epoch."""
+        assert self.global_model is not None and self.inner is not None
+        checkpoint, why = load_checkpoint(
+            self.options.state_dir / CHECKPOINT_FILE, self.manifest, self.global_model
+        )
+        state = checkpoint.optimizer if checkpoint is not None else None
+        if checkpoint is None or not isinstance(state, dict) or state.get("mode") != MODE:
+            if why != "no checkpoint":
+                self.event("checkpoint_ignored", reason=why or "not a diloco checkpoint")
+            return None
+        with torch.no_grad():
+            for name, p in self.global_model.named_parameters():
+                p.copy_(checkpoint.parameters[name])
+            for buf, saved in zip(self.momentum, state["momentum"], strict=True):
+                buf.copy_(saved)
+        self.inner.load_state_dict(state["inner"])
+        self.epoch = checkpoint.epoch
+        return checkpoint.epoch
+
+    def _round_samples(self) -> int:
+        return self.settings.inner_steps * self.manifest.diloco.batch_size
+
+    @torch.no_grad()
+    def _adopt_global(self) -> None:
+        """θ ← Θ: a new round starts from the global model."""
+        assert self.model is not None and self.global_model is not None
+        for local, glob in zip(self.model.parameters(), self.global_model.parameters(), strict=True):
+            local.copy_(glob)
+        self.round_steps = 0
+
+    def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a peer downloads in `load_state_from_peers` (hivemind's state thread calls it)."""
+        assert self.global_model is not None
+        with self._lock:
+            tensors = [p.detach().clone() for p in self.global_model.parameters()]
+            tensors += [m.clone() for m in self.momentum]
+            return {"run": self.options.elastic.run_id, "epoch": self.epoch}, tensors
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def train_step(self) -> None:
+        """One inner step; after the H-th, the outer round (accounted: `ledger`, module docstring)."""
+        assert self.tracker is not None and self.trainer is not None
+        started = time.perf_counter()
+        loss, tokens = self.trainer.step()
+        self.ledger.local_step(time.perf_counter() - started, tokens=tokens)
+        if loss is not None:
+            self.last_loss = loss
+        self.round_steps += 1
+        self.tracker.report_local_progress(self.epoch, self.round_steps * self.manifest.diloco.batch_size)
+        if self.tracker.global_epoch > self.epoch and time.monotonic() >= self._next_reload:
+            self._reload()  # the others finished a round without this peer: its round is lost
+        elif self.round_steps >= self.settings.inner_steps:
+            self.outer_round()
+
+    def outer_round(self) -> None:
+        assert self.tracker is not None and self.averager is not None and self.global_model is not None
+        elastic = self.options.elastic
+        began = time.perf_counter()
+        self.ledger.blocking_started(began)
+        names = [name for name, _ in self.global_model.named_parameters()]
+        local = outer_gradients(list(self.global_model.parameters()), list(self.model.parameters()))
+        digest = parameter_digest(self.global_model)
+        outcome, grads, group, attempts, stepped = None, local, 1, 0, 0.0
+        try:
+            while outcome is None and not self.stop.is_set():
+                view = decide_round(
+                    self.me, self.epoch, self.tracker.fetch_peers(), target_samples=self._round_samples(),
+                    now=get_dht_time(), grace=self._grace(), waited=time.perf_counter() - began,
+                    wait_limit=self.settings.wait_limit, expected_peers=self.settings.group_size,
+                )  # fmt: skip
+                if view.decision == Decision.WAIT:
+                    self.stop.wait(0.1)
+                elif view.decision == Decision.RELOAD:
+                    if time.monotonic() >= self._next_reload and self._reload():
+                        return
+                    self.stop.wait(0.5)
+                elif view.decision == Decision.ALONE:
+                    outcome = ALONE
+                else:
+                    attempts += 1
+                    result = self.averager.average(
+                        local, epoch=self.epoch, digest=digest, timeout=elastic.averaging_timeout
+                    )
+                    if isinstance(result, str):
+                        self.event("round_failed", epoch=self.epoch, attempt=attempts, reason=result[:300])
+                        continue
+                    gathered, averaged = result
+                    outcome = round_outcome(self.epoch, gathered)
+                    if outcome is None:
+                        self.event(
+                            "round_failed", epoch=self.epoch, attempt=attempts, reason=f"gathered {gathered}"
+                        )
+                        continue
+                    grads, group = averaged, len(gathered)
+                    if any(g.get("digest") != digest for g in gathered):  # type: ignore[union-attr]
+                        self.event("global_models_differ", epoch=self.epoch, gathered=gathered)
+            if outcome is None:
+                return  # stopped while waiting: the round's work stays pending (never merged)
+            local_digest = self._alone_digest(names, local) if group > 1 else None
+            t0 = time.perf_counter()
+            with self._lock:
+                outer_step(
+                    list(self.global_model.parameters()), self.momentum, grads,
+                    lr=self.manifest.diloco.outer_lr, mu=self.manifest.diloco.outer_momentum,
+                )  # fmt: skip
+                self.epoch += 1
+            self._adopt_global()
+            stepped = time.perf_counter() - t0
+        finally:
+            self.ledger.blocking_ended(time.perf_counter() - began - stepped)
+        self.averager.state_sharing_priority = self.epoch
+        self.tracker.report_local_progress(self.epoch, samples_accumulated=0)
+        self.ledger.global_step(outcome, stepped)
+        if group > 1:
+            self.ledger.add_bytes(*allreduce_bytes(self._gradient_bytes, group))
+        self.event(
+            "global_step", epoch=self.epoch, outcome=outcome, group_size=group, peers_seen=view.peers_at_epoch,
+            attempts=attempts, digest=parameter_digest(self.global_model), local_digest=local_digest,
+        )  # fmt: skip
+
+    def _grace(self) -> float:
+        """Seconds past its expected finish a silent peer of this epoch is still waited for."""
+        return max(GRACE_MIN, GRACE_WINDOWS * self.options.elastic.matchmaking_time)
+
+    def _alone_digest(self, names: list[str], local: list[torch.Tensor]) -> str:
+        """Digest of the Θ this peer would have stepped to with only its own outer gradient."""
+        assert self.global_model is not None
+        params = [p.detach().clone() for p in self.global_model.parameters()]
+        momentum = [m.clone() for m in self.momentum]
+        diloco = self.manifest.diloco
+        outer_step(params, momentum, local, lr=diloco.outer_lr, mu=diloco.outer_momentum)
+        return tensors_digest(zip(names, params, strict=True))
+
+    def _reload(self) -> bool:
+        """Load Θ, momentum and epoch from the most advanced peer; drop this round. False if none served."""
+        assert self.averager is not None and self.global_model is not None and self.tracker is not None
+        self._next_reload = time.monotonic() + RELOAD_BACKOFF
+        loaded = self.averager.load(self.options.elastic.load_state_timeout)
+        params = list(self.global_model.parameters())
+        if loaded is None:
+            self.event("reload_failed", epoch=self.epoch, reason="no peer served its state")
+            return False
+        metadata, tensors = loaded
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        shapes_ok = len(tensors) == 2 * len(params) and all(
+            t.shape == p.shape for t, p in zip(tensors, params + params, strict=True)
+        )
+        if metadata.get("run") != self.options.elastic.run_id or not isinstance(epoch, int) or not shapes_ok:
+            self.event("reload_failed", epoch=self.epoch, reason="foreign or malformed state")
+            return False
+        if epoch <= self.epoch:
+            self.event("reload_failed", epoch=self.epoch, reason=f"the peer served epoch {epoch}")
+            return False
+        with self._lock, torch.no_grad():
+            for p, t in zip(params, tensors, strict=False):
+                p.copy_(t)
+            for m, t in zip(self.momentum, tensors[len(params) :], strict=True):
+                m.copy_(t)
+            self.epoch = epoch
+        self._adopt_global()
+        self.averager.state_sharing_priority = self.epoch
+        self.tracker.report_local_progress(self.epoch, samples_accumulated=0)
+        self.ledger.reloaded()
+        self.ledger.add_bytes(0.0, self._state_bytes)
+        self.event("reloaded", epoch=self.epoch, digest=parameter_digest(self.global_model))
+        return True
+
+    # ---- hooks of the base class -------------------------------------------------------------------
+
+    def epochs(self) -> tuple[int, int] | None:
+        if self.tracker is None:
+            return None
+        return self.epoch, max(self.epoch, self.tracker.global_epoch)
+
+    def checkpoint_state(self) -> tuple[torch.nn.Module, dict, int] | None:
+        if self.global_model is None or self.inner is None:
+            return None
+        state = {
+            "mode": MODE,
+            "inner": self.inner.state_dict(),
+            "momentum": [m.clone() for m in self.momentum],
+        }
+        return self.global_model, state, self.epoch
+
+    def finish_rounds(self) -> None:
+        pass  # rounds run in the training thread: none is left in the background
+
+    def close_hivemind(self) -> None:
+        if self.tracker is not None:
+            self.tracker.shutdown(timeout=5)  # withdraws its record: nobody waits for this peer
+        if self.averager is not None:
+            self.averager.shutdown()
