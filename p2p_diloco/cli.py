@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
     p.add_argument("--chaos", action="store_true", help="inject failures from a seeded schedule")
     p.add_argument(
+        "--chaos-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="long chaos: a seeded fault about every SECONDS for the whole run (kill the synchronizer or a "
+        "learner, SIGSTOP a learner, restart the bootstrap node), then check replicas and resume",
+    )
+    p.add_argument(
         "--compare",
         nargs="?",
         const="dp",

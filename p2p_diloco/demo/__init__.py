@@ -4,10 +4,14 @@ from a seeded schedule and restarts them, with one throttled learner; `--compare
 under the same schedule and time budget (`COMPARE`): ``dp``, the lock-step baseline (`p2p-diloco
 baseline-worker`, elastic data-parallel on `hivemind.Optimizer`; a bare `--compare` means it, as it always
 did; section "baseline" of the report), ``diloco``, synchronous DiLoCo on hivemind (`baseline-worker
---mode diloco`; section "diloco"), or ``all``. Writes ``report.json`` and PNGs to ``--out``.
+--mode diloco`; section "diloco"), or ``all``. `--chaos-every S` instead injects a seeded fault about every S seconds for the whole
+run (SIGSTOPs and bootstrap restarts included), then checks replicas, no loss and resume. Writes
+``report.json`` and PNGs to ``--out``.
 
-Modules: `chaos` (the schedule), `orchestrator` (processes), `accounting` (goodput, uptime: pure),
-`report` (numbers, plots), `live` (progress view). The in-process swarm is `p2p-diloco swarm`.
+Modules: `chaos` (the schedules), `orchestrator` (processes), `faults` (the long schedule's executor),
+`endgame` (the long run's end checks), `accounting` (goodput, uptime: pure), `stalls` (stalls around
+synchronizer kills: pure), `checks` (no state lost: pure), `report` (numbers, plots), `live` (progress
+view). The in-process swarm is `p2p-diloco swarm`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.demo.chaos import Schedule, calm_schedule, chaos_schedule
+from p2p_diloco.demo.chaos import Schedule, calm_schedule, chaos_schedule, long_chaos_schedule
 from p2p_diloco.errors import ConfigError
 
 DEMO_MANIFEST = Path(__file__).resolve().parents[1] / "peers" / "demo.toml"  # package data
@@ -81,6 +85,13 @@ def run_system(
 
 
 def build_schedule(args: argparse.Namespace) -> Schedule:
+    every = getattr(args, "chaos_every", None)
+    if every is not None:
+        if every <= 0:
+            raise ConfigError("--chaos-every must be > 0 seconds")
+        return long_chaos_schedule(
+            args.learners, args.duration, args.seed, every, slow_step_time=args.slow_step_time
+        )
     if args.chaos:
         return chaos_schedule(args.learners, args.duration, args.seed, slow_step_time=args.slow_step_time)
     return calm_schedule(args.duration, args.seed)
@@ -99,6 +110,10 @@ def cli_demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for fault in schedule.faults:
         print(f"chaos: {fault.action} at {fault.at:.0f} s, back after {fault.down:.0f} s", flush=True)
+    if schedule.every:
+        print(
+            f"chaos: a fault about every {schedule.every:.0f} s ({len(schedule.faults)} in all)", flush=True
+        )
     if schedule.slow_learner is not None:
         print(
             f"chaos: learner-{schedule.slow_learner} throttled to {schedule.slow_step_time} s/step",

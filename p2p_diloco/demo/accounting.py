@@ -16,8 +16,9 @@ Definitions (N learner slots, wall = end - start):
 
 * goodput = sum of compute_merged / (N * wall): compute whose tokens reached the global model. Time a
   slot is down, restarting or catching up, blocked, and compute never merged all count against it.
-* uptime = |union of [a, a + 2 * period) over global-model advances a| / wall, clipped to the window:
-  the fraction of wall time in which the global model advanced within the last two nominal round periods.
+* uptime = |union of [a, a + period) over global-model advances a| / wall, clipped to the window: the
+  fraction of wall times t such that the global model advanced in (t - period, t], i.e. within the last
+  nominal round period (one expected round). Stalls around synchronizer kills: `demo.stalls`.
 * failovers = how often the peer publishing global updates changed (by term order).
 """
 
@@ -174,14 +175,14 @@ def version_advances(events: Iterable[Event]) -> list[float]:
 
 
 def uptime(advances: Sequence[float], *, start: float, end: float, period: float) -> float:
-    """Fraction of [start, end] covered by [a, a + 2 * period) for the advances a (module docstring)."""
+    """Fraction of [start, end] covered by [a, a + period) for the advances a (module docstring)."""
     if not end > start:
         raise ValueError(f"the window needs end > start, got {start} .. {end}")
     if period <= 0:
         raise ValueError(f"period must be > 0, got {period}")
     covered, reach = 0.0, start
     for a in sorted(advances):
-        lo, hi = max(a, reach), min(a + 2 * period, end)
+        lo, hi = max(a, reach), min(a + period, end)
         if hi > lo:
             covered += hi - lo
             reach = hi

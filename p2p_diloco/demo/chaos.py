@@ -1,9 +1,12 @@
-"""The demo's seeded failure schedule: which learner dies when, for how long, and which one is slow.
+"""The demo's seeded failure schedules: which learner dies when, for how long, and which one is slow.
 
-Pure: `chaos_schedule` turns (learners, duration, seed) into a `Schedule`; the orchestrator executes it.
-A ``kill_sync`` entry means "SIGKILL whoever holds the synchronizer role at that moment"; `fallback` is
-the learner a system without a synchronizer (the lock-step baseline) loses instead, so both systems
-lose a learner at the same times.
+Pure: `chaos_schedule` (``--chaos``: three faults) and `long_chaos_schedule` (``--chaos-every S``: a
+fault every S seconds for the whole run) turn (learners, duration, seed) into a `Schedule`; the
+orchestrator executes it. A ``kill_sync`` entry means "SIGKILL whoever holds the synchronizer role at
+that moment"; its `learner` is the fallback a system without a synchronizer (the lock-step baseline)
+loses instead, so both systems lose a learner at the same times. ``stop_learner`` SIGSTOPs a learner
+(its whole process group) for `down` seconds, then SIGCONTs it; ``kill_bootstrap`` SIGKILLs the
+bootstrap node and restarts it after `down` seconds on the same address and identity.
 """
 
 from __future__ import annotations
@@ -13,14 +16,23 @@ from dataclasses import asdict, dataclass, field
 
 KILL_SYNC = "kill_sync"
 KILL_LEARNER = "kill_learner"
+STOP_LEARNER = "stop_learner"
+KILL_BOOTSTRAP = "kill_bootstrap"
+LONG_KINDS = (KILL_SYNC, KILL_LEARNER, STOP_LEARNER, KILL_BOOTSTRAP)
+DOWN_SECONDS = {  # (low, high) of the uniform down time per kind, for --chaos-every
+    KILL_SYNC: (3.0, 8.0),
+    KILL_LEARNER: (3.0, 8.0),
+    STOP_LEARNER: (10.0, 20.0),
+    KILL_BOOTSTRAP: (2.0, 5.0),
+}
 
 
 @dataclass(frozen=True)
 class Fault:
     at: float  # seconds after the swarm is up
-    action: str  # KILL_SYNC or KILL_LEARNER
-    learner: int  # the victim for KILL_LEARNER; the fallback victim for KILL_SYNC
-    down: float  # seconds until the victim is restarted (same identity and state dir)
+    action: str  # one of LONG_KINDS (--chaos uses KILL_SYNC and KILL_LEARNER only)
+    learner: int  # the victim for KILL_LEARNER/STOP_LEARNER; the fallback victim for KILL_SYNC
+    down: float  # seconds until the victim is restarted (same identity and state dir) or continued
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,7 @@ class Schedule:
     slow_learner: int | None = None
     slow_step_time: float = 0.0  # --min-step-time of the slow learner
     extra: dict = field(default_factory=dict)
+    every: float = 0.0  # --chaos-every: seconds between faults (0: a one-shot schedule)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,6 +80,45 @@ def chaos_schedule(
         faults=faults,
         slow_learner=learners - 1,
         slow_step_time=slow_step_time,
+    )
+
+
+def long_chaos_schedule(
+    learners: int,
+    duration: float,
+    seed: int,
+    every: float,
+    *,
+    slow_step_time: float = 0.5,
+    margin: float = 2.0,
+) -> Schedule:
+    """A fault about every `every` seconds (jittered by up to 15 %) until `margin` seconds before the
+    end. Kinds come in blocks of four, each block a seeded shuffle of `LONG_KINDS`, so any four
+    consecutive faults cover every kind; victims and down times (`DOWN_SECONDS`) are seeded draws. The
+    last learner is throttled to `slow_step_time`, as with `chaos_schedule`."""
+    if learners < 2:
+        raise ValueError("chaos needs at least 2 learners")
+    if every <= 0:
+        raise ValueError(f"--chaos-every must be > 0 seconds, got {every}")
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    block: list[str] = []
+    k = 1
+    while (at := round(every * k + rng.uniform(-0.15, 0.15) * every, 1)) <= duration - margin:
+        if not block:
+            block = list(LONG_KINDS)
+            rng.shuffle(block)
+        kind = block.pop(0)
+        low, high = DOWN_SECONDS[kind]
+        faults.append(Fault(max(at, 0.1), kind, rng.randrange(learners), round(rng.uniform(low, high), 1)))
+        k += 1
+    return Schedule(
+        seed=seed,
+        duration=duration,
+        faults=tuple(faults),
+        slow_learner=learners - 1,
+        slow_step_time=slow_step_time,
+        every=every,
     )
 
 

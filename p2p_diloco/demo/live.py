@@ -17,9 +17,8 @@ def _rows(run: Any) -> list[tuple[str, ...]]:
     rows = []
     for slot in run.slots:
         p = slot.last_progress
-        state = (
-            "down" if not slot.alive else ("up" if slot.marks and slot.marks[-1][1] == "up" else "starting")
-        )
+        last = slot.marks[-1][1] if slot.marks else ""
+        state = "down" if not slot.alive else {"up": "up", "pause": "stopped"}.get(last, "starting")
         loss = p.get("loss")
         rows.append(
             (

@@ -9,6 +9,9 @@ identity and state directory after their down time, evaluates the newest saved g
 then, and feeds the live view. At the end it stops every worker with SIGTERM (they persist), evaluates
 the final global model and returns the raw material of the report (`RunRecord`). A learner slot
 (`Slot`, `EventTail`) is `demo.slots`; evaluating the saved global model is `demo.saved_models`.
+A long schedule (``--chaos-every``) is executed by `demo.faults.FaultInjector` instead (also SIGSTOPs
+and bootstrap restarts), and its end of run (replica agreement, stop all, restart, resume) is
+`demo.endgame`; its findings go to `RunRecord.checks`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.demo.chaos import KILL_SYNC, Fault, Schedule
+from p2p_diloco.demo.faults import FaultInjector
 from p2p_diloco.demo.saved_models import SavedModels
 from p2p_diloco.demo.slots import EventTail, Slot
 from p2p_diloco.errors import ConfigError
@@ -53,6 +57,7 @@ class RunRecord:
     eval_curve: list[tuple[float, float, float]]  # (seconds since start, tokens so far, eval loss)
     final_eval_loss: float | None
     peer_ids: dict[str, str]
+    checks: dict[str, Any] | None = None  # the long chaos mode's end-of-run findings (demo.endgame)
 
 
 def _killpg(proc: subprocess.Popen | None, sig: int) -> None:
@@ -94,6 +99,8 @@ class SwarmRun:
         self.start_time = 0.0
         self.pending: list[Fault] = sorted(schedule.faults, key=lambda f: f.at)
         self.saved = SavedModels(self.manifest, baseline=system != DECOUPLED)  # both baselines: baseline.pt
+        self.bootstrap_key = workdir / "bootstrap.key"
+        self.injector: FaultInjector | None = FaultInjector(self) if schedule.every > 0 else None
 
     # ---- processes ---------------------------------------------------------------------------------
 
@@ -107,15 +114,15 @@ class SwarmRun:
                 start_new_session=True,  # its own group: a kill takes its DHT child and p2pd too
             )
 
+    def bootstrap_cmd(self, listen: list[str]) -> list[str]:
+        return python_cmd("bootstrap", "--identity", str(self.bootstrap_key), "--listen", *listen)
+
     def _start_bootstrap(self) -> None:
         from p2p_diloco.net.identity import write_identity
 
-        key = self.workdir / "bootstrap.key"
-        write_identity(key, force=True)
+        write_identity(self.bootstrap_key, force=True)
         log_path = self.workdir / "bootstrap.log"
-        self.bootstrap = self._spawn(
-            python_cmd("bootstrap", "--identity", str(key), "--listen", LOOPBACK), log_path
-        )
+        self.bootstrap = self._spawn(self.bootstrap_cmd([LOOPBACK]), log_path)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             lines = log_path.read_text(errors="replace").splitlines()
@@ -152,6 +159,10 @@ class SwarmRun:
         slot.marks.append((now, "launch"))
 
     def _kill(self, slot: Slot, now: float, fault: Fault, why: str) -> None:
+        # whatever the fault, was the victim the synchronizer? (the stall table counts every such kill)
+        was_sync = why == "the current synchronizer" or (
+            self.system == DECOUPLED and self.current_synchronizer() is slot
+        )
         _killpg(slot.proc, signal.SIGKILL)
         if slot.proc is not None:
             slot.proc.wait(timeout=10)
@@ -160,7 +171,7 @@ class SwarmRun:
         slot.restart_at = now + fault.down
         self.kills.append(
             {"t": now - self.start_time, "learner": slot.name, "peer_id": slot.peer_id, "action": fault.action,
-             "why": why, "down": fault.down}
+             "why": why, "down": fault.down, "synchronizer": was_sync}
         )  # fmt: skip
 
     # ---- observation -------------------------------------------------------------------------------
@@ -200,6 +211,9 @@ class SwarmRun:
         return (up or live or [None])[0]
 
     def _apply_faults(self, now: float) -> None:
+        if self.injector is not None:
+            self.injector.apply(now)
+            return
         while self.pending and now - self.start_time >= self.pending[0].at:
             fault = self.pending.pop(0)
             victim: Slot | None = None
@@ -280,8 +294,15 @@ class SwarmRun:
             if self.on_tick is not None:
                 self.on_tick(self)
             time.sleep(0.25)
-        self._stop_all()
-        final = self.evaluate_saved()
+        checks = None
+        if self.injector is not None:
+            from p2p_diloco.demo.endgame import finish_long_run
+
+            checks = finish_long_run(self, end)  # agreement, stop all, final eval inside, restart, resume
+            final = checks.pop("final_eval_loss")
+        else:
+            self._stop_all()
+            final = self.evaluate_saved()
         if final is not None:
             self.eval_curve.append((end - self.start_time, self.tokens_so_far(end), final))
         for slot in self.slots:
@@ -297,6 +318,7 @@ class SwarmRun:
             eval_curve=self.eval_curve,
             final_eval_loss=final,
             peer_ids={s.name: s.peer_id for s in self.slots},
+            checks=checks,
         )
 
     def _stop_all(self) -> None:

@@ -1,8 +1,12 @@
 """Turns `RunRecord`s into the demo's report: numbers (`summarize_record`), `report.json`, PNGs, text.
 
 Plots (one PNG each): ``eval_loss.png`` (eval loss of the global model vs seconds and vs tokens),
-``versions.png`` (global-model advances over time with kill marks), ``timeline.png`` (per learner:
-busy, restarting, down).
+``versions.png`` (global-model advances over time with kill marks, each synchronizer kill's stall
+shaded and the new holder's first accepted delta marked), ``timeline.png`` (per learner: busy,
+restarting, down, stopped).
+
+Per system the report has ``stalls`` (one row per synchronizer kill, `demo.stalls`) and
+``stall_summary``; a long chaos run (``--chaos-every``) adds ``checks`` (`demo.endgame`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.demo import accounting
+from p2p_diloco.demo import accounting, stalls
 from p2p_diloco.demo.orchestrator import BASELINE, DECOUPLED, DILOCO, RunRecord
 
 SYSTEMS = (DECOUPLED, BASELINE, DILOCO)  # report.json sections, in the order they are shown
@@ -47,6 +51,12 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
         for c in accounting.failovers(all_events)
         if record.start <= c["t"] <= record.end
     ]
+    wall = record.end - record.start
+    accepts = [
+        {**a, "t": a["t"] - record.start, "peer": names.get(a["peer"], a["peer"])}
+        for a in stalls.first_accepts(record.events)
+    ]
+    stall_rows = stalls.sync_kill_stalls(record.kills, advances, accepts, end=wall)
     return {
         "goodput": books["goodput"],
         "uptime": accounting.uptime(advances, start=0.0, end=record.end - record.start, period=period),
@@ -68,6 +78,9 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
             name: [(t - record.start, what) for t, what in marks] for name, marks in record.marks.items()
         },
         "per_peer": books["per_peer"],
+        "stalls": stall_rows,
+        "stall_summary": stalls.stall_summary(stall_rows),
+        **({"checks": record.checks} if record.checks is not None else {}),
     }
 
 
@@ -84,7 +97,81 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
             f"{'n/a' if loss is None else f'{loss:.3f}'}  tokens {r['tokens']:.0f}  failovers {r['failovers']}  "
             f"MB/learner sent {sent:.1f} received {received:.1f}  kills {len([k for k in r['kills'] if 'skipped' not in k])}"
         )
+        for line in stall_lines(r) + check_lines(r.get("checks")):
+            print(f"{'':11}{line}")
     print(f"report: {out / 'report.json'}; plots: {', '.join(sorted(p.name for p in out.glob('*.png')))}")
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} s"
+
+
+def stall_lines(r: dict[str, Any]) -> list[str]:
+    """The stall per synchronizer kill: one line per kill and worst/median (empty without sync kills)."""
+    rows, summary = r.get("stalls") or [], r.get("stall_summary") or {}
+    if not rows:
+        return []
+    lines = [
+        f"sync kill at {row['t']:.1f} s ({row['learner']}): stall {row['stall']:.1f} s"
+        + ("" if row["resolved"] else " (no update after it)")
+        + f", first delta accepted by the new holder after {_seconds(row['to_first_accept'])}"
+        + (f" ({row['new_holder']}, term {row['term']})" if row.get("new_holder") else "")
+        for row in rows
+    ]
+    lines.append(
+        f"stall per sync kill: worst {_seconds(summary['worst_stall'])}, median {_seconds(summary['median_stall'])};"
+        f" to first accepted delta: worst {_seconds(summary['worst_to_first_accept'])},"
+        f" median {_seconds(summary['median_to_first_accept'])}"
+    )
+    return lines
+
+
+def check_lines(checks: dict[str, Any] | None) -> list[str]:
+    """The long chaos mode's verdicts in words (empty when the run had none)."""
+    if not checks:
+        return []
+    faults = checks["faults"]
+    lines = [
+        "faults: "
+        + (", ".join(f"{k} {n}" for k, n in faults["executed"].items()) or "none")
+        + (f"; skipped {faults['skipped']}" if faults["skipped"] else "")
+    ]
+    for exit in checks.get("exits", []):
+        lines.append(
+            f"{exit['learner']} exited on its own at {exit['t']:.1f} s (code {exit['code']}): {exit['last_line']}"
+        )
+    for restart in checks.get("bootstrap_restarts", []):
+        lines.append(
+            f"bootstrap restarted at {restart['t']:.1f} s: "
+            + ("up again" if restart.get("up") is not None else "NOT up")
+            + (", same address" if restart.get("same_address") else ", address CHANGED")
+        )
+    if "replicas" in checks:
+        rep = checks["replicas"]
+        group = rep.get("largest_group") or {}
+        lines.append(
+            f"replicas: {rep['peers']} live peers (status), {'agree' if rep['agree'] else 'DISAGREE'}; "
+            f"{group.get('peers', 0)} at versions {group.get('versions')} "
+            f"(digest {', '.join(group.get('digests', [])) or 'n/a'}); "
+            f"{rep['fragment_versions_compared']} fragment versions compared"
+            + (f"; status error: {checks['status_error']}" if checks.get("status_error") else "")
+            + ("" if checks.get("settled", True) else "; versions had not settled")
+        )
+    went_back = checks["versions_went_back"]
+    lines.append(
+        "versions never went back"
+        if not went_back
+        else f"versions WENT BACK {len(went_back)} times: {went_back[:3]}"
+    )
+    if "resume" in checks:
+        resume = checks["resume"]
+        lines.append(
+            f"stopped all and restarted: {'resumed' if resume['resumed'] else 'DID NOT resume'} at "
+            f"{resume['swarm_after']} (stopped at {resume['swarm_before']})"
+            + (f"; not checked: {', '.join(resume['not_checked'])}" if resume.get("not_checked") else "")
+        )
+    lines.append(f"no global state lost: {'yes' if checks['no_state_lost'] else 'NO'}")
+    return lines
 
 
 def plot_all(report: dict[str, Any], out: Path) -> None:
@@ -119,12 +206,24 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
         ax.step(advances, range(1, len(advances) + 1), where="post", label=f"{system} global advances")
         for kill in report[system]["kills"]:
             if "skipped" not in kill:
-                color = "red" if "synchronizer" in kill.get("why", "") else "black"
+                color = "red" if stalls.is_sync_kill(kill) else "black"
                 ax.axvline(kill["t"], color=color, alpha=0.5, linestyle=":")
-                ax.text(kill["t"], 0, f" kill {kill['learner']}", fontsize=7, rotation=90, color=color)
+                what = {"stop_learner": "stop", "kill_bootstrap": "kill"}.get(kill.get("action", ""), "kill")
+                ax.text(kill["t"], 0, f" {what} {kill['learner']}", fontsize=7, rotation=90, color=color)
         for change in report[system]["failover_log"]:
             ax.axvline(change["t"], color="green", alpha=0.4)
-    ax.set_xlabel("seconds (red: synchronizer killed, black: learner killed, green: new synchronizer)")
+        for row in report[system].get("stalls", []):
+            lo = row["last_before"] if row["last_before"] is not None else 0.0
+            hi = row["first_after"] if row["first_after"] is not None else report[system]["wall_seconds"]
+            ax.axvspan(lo, hi, color="red", alpha=0.12)
+            ax.text(lo, len(advances) * 0.9, f" {row['stall']:.1f} s", fontsize=7, color="red")
+            if row.get("first_accept") is not None:
+                ax.axvline(row["first_accept"], color="purple", alpha=0.6, linestyle="--")
+    ax.set_xlabel(
+        "seconds (red: synchronizer killed, shaded: its stall, purple: first delta the new holder accepted, "
+        "black: learner killed, green: new synchronizer)",
+        fontsize=8,
+    )
     ax.set_ylabel("global updates")
     ax.legend()
     fig.tight_layout()
@@ -143,7 +242,9 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
                 ax.broken_barh([(lo, hi - lo)], (row - 0.4, 0.8), color=color)
         ax.set_yticks(range(len(r["timeline"])), sorted(r["timeline"]))
         ax.set_xlim(0, wall)
-        ax.set_title(f"{system}: green busy, orange starting/catching up, red down", fontsize=9)
+        ax.set_title(
+            f"{system}: green busy, orange starting/catching up, red down, purple stopped", fontsize=9
+        )
     axes[-1].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(out / "timeline.png", dpi=100)
@@ -151,7 +252,14 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
 
 
 def _segments(marks: list[tuple[float, str]], wall: float) -> list[tuple[float, float, str]]:
-    color_after = {"launch": "orange", "up": "green", "kill": "red", "stop": None}
+    color_after = {
+        "launch": "orange",
+        "up": "green",
+        "kill": "red",
+        "exit": "red",
+        "pause": "purple",
+        "stop": None,
+    }
     segments, state, since = [], None, 0.0
     for t, what in sorted(marks):
         t = min(max(t, 0.0), wall)

@@ -9,7 +9,8 @@ Metric names (prefix ``p2p_diloco_``): steps_total, tokens_total, loss, tokens_p
 role{role}, term, synchronizer_info{holder,term}, fragment_version{fragment}, live_peers,
 bytes_sent_total, bytes_received_total (transport payload bytes: frames sent, pushed, fetched and served;
 framing, libp2p and DHT traffic excluded), rejections_total{reason}, rejections_by_sender_total{sender,reason},
-deltas_sent_total, deltas_rejected_total, deltas_merged_total, updates_applied_total,
+deltas_sent_total, deltas_rejected_total, deltas_merged_total, deltas_accepted_total (remote deltas accepted
+as synchronizer), updates_applied_total,
 failovers_seen_total, rounds_merged (this term, as synchronizer), tick_errors_total{error},
 ledger_tokens_total{peer}, ledger_weight_total{peer}, ledger_updates_total{peer}.
 """
@@ -88,6 +89,7 @@ def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
     )
     yield _counter("deltas_sent", "fragment deltas this peer sent", s.deltas_sent)
     yield _counter("deltas_rejected", "deltas of this peer the synchronizer refused", s.deltas_rejected)
+    yield _counter("deltas_accepted", "remote deltas this peer accepted as synchronizer", s.deltas_accepted)
     yield _counter(
         "deltas_merged", "applied updates that merged a delta of this peer (ledger)", s.deltas_merged
     )

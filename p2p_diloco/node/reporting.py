@@ -107,13 +107,19 @@ class NodeSnapshot:
     bytes_received: int = 0
     tick_errors: dict[str, int] = field(default_factory=dict)
     ledger: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer -> tokens, weight, share, updates
+    deltas_accepted: int = 0  # remote deltas this process accepted as synchronizer
+    first_accepts: tuple[tuple[int, float], ...] = ()  # (term, DHT time of its first accepted delta)
 
     def event_fields(self) -> dict[str, Any]:
-        """What a ``progress`` event adds to the runtime's own counters."""
+        """What a ``progress`` event adds to the runtime's own counters (``first_accepts``: the demo times
+        a new synchronizer's first accepted delta from it; ``digest``: the replica's, with ``versions``)."""
         return {
             "deltas_sent": self.deltas_sent,
             "deltas_merged": self.deltas_merged,
             "rejected": sum(self.rejections.values()),
+            "deltas_accepted": self.deltas_accepted,
+            "first_accepts": [list(pair) for pair in self.first_accepts],
+            "digest": self.digest,
         }
 
 
@@ -222,6 +228,8 @@ class Telemetry:
             bytes_received=bytes_received,
             tick_errors=dict(tick_errors or {}),
             ledger=ledger_rows,
+            deltas_accepted=guard.accepts.count if guard is not None else 0,
+            first_accepts=guard.accepts.first_accepts() if guard is not None else (),
         )
 
 

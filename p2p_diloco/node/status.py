@@ -60,6 +60,7 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
                 "ranks": info.ranks,
                 "digest": info.digest,
                 "versions": list(info.versions),
+                "tips": [list(tip) for tip in info.tips],  # per fragment: [term, checksum prefix]
                 "step": info.step,
                 "loss": info.loss,
                 "tokens": info.tokens,

@@ -74,10 +74,15 @@ def test_paced_time_counts_as_compute_merged_in_proportion():
     assert books["compute_fraction"] == pytest.approx(1.4)
 
 
-def test_uptime_is_the_union_of_two_period_windows_after_each_advance():
-    assert accounting.uptime([10, 12, 30, 80], start=0.0, end=100.0, period=5.0) == pytest.approx(0.32)
-    assert accounting.uptime([95], start=0.0, end=100.0, period=5.0) == pytest.approx(0.05)
+def test_uptime_is_the_union_of_one_period_windows_after_each_advance():
+    # [10, 15) + [15, 17) + [30, 35) + [80, 85): 17 of 100 s had an advance within the last 5 s
+    assert accounting.uptime([10, 12, 30, 80], start=0.0, end=100.0, period=5.0) == pytest.approx(0.17)
+    assert accounting.uptime([97], start=0.0, end=100.0, period=5.0) == pytest.approx(0.03)
     assert accounting.uptime([], start=0.0, end=100.0, period=5.0) == 0.0
+    # an advance every period keeps it at 1; a 12 s gap in updates every 2 s costs 12 - 2 s
+    assert accounting.uptime([2.0 * k for k in range(50)], start=0.0, end=100.0, period=2.0) == 1.0
+    gap = [2.0 * k for k in range(50) if not 20 < 2.0 * k < 32]
+    assert accounting.uptime(gap, start=0.0, end=100.0, period=2.0) == pytest.approx(0.9)
 
 
 def test_version_advances_take_the_first_sighting_and_ignore_stale_epochs():

@@ -38,6 +38,8 @@ SNAPSHOT = NodeSnapshot(
     bytes_received=654_321,
     tick_errors={"TimeoutError": 1},
     ledger={"QmSelf": {"tokens": 6144, "weight": 3.0e6, "share": 2.5, "updates": 12, "fragments": [0, 1]}},
+    deltas_accepted=21,
+    first_accepts=((3, 1000.5),),
 )
 
 
@@ -74,6 +76,7 @@ def test_exposition_holds_every_figure_of_the_snapshot():
         ("p2p_diloco_deltas_sent_total", ()): 15,
         ("p2p_diloco_deltas_rejected_total", ()): 1,
         ("p2p_diloco_deltas_merged_total", ()): 12,
+        ("p2p_diloco_deltas_accepted_total", ()): 21,
         ("p2p_diloco_updates_applied_total", ()): 13,
         ("p2p_diloco_failovers_seen_total", ()): 2,
         ("p2p_diloco_rounds_merged", ()): 4,
@@ -142,3 +145,9 @@ def test_plain_display_prints_lines_and_live_display_draws_a_panel():
     ):
         assert fragment in text, fragment
     assert "ignored in live mode" not in text
+
+
+def test_progress_event_fields_carry_accepts_and_the_replica_digest():
+    fields = SNAPSHOT.event_fields()
+    assert fields["deltas_accepted"] == 21 and fields["first_accepts"] == [[3, 1000.5]]
+    assert fields["digest"] == "ab" * 8 and fields["deltas_sent"] == 15

@@ -61,6 +61,43 @@ def test_handler_slot_answers_with_reasons_and_never_raises_from_handle():
     assert slot.rejections == {REJECT_NOT_READY: 3, REJECT_HANDLER_ERROR: 2}
 
 
+class FuturesDriver:
+    """Answers deltas through futures set later (the owner thread), as the threaded driver does."""
+
+    def __init__(self, sync_term: int | None):
+        self.peer = type("P", (), {"term_seen": 9})()
+        self.peer.sync = None if sync_term is None else type("S", (), {"term": sync_term})()
+        self.answers: list[concurrent.futures.Future] = []
+
+    def handle_delta(self, sender: str, frame: bytes) -> concurrent.futures.Future:
+        self.answers.append(concurrent.futures.Future())
+        return self.answers[-1]
+
+
+def test_handler_slot_notes_accepted_deltas_and_the_first_one_per_term():
+    slot = HandlerSlot()
+    driver = FuturesDriver(sync_term=4)
+    slot.attach(driver)
+    for _ in range(3):
+        slot.handle_delta("a", b"x")
+    driver.answers[0].set_result(Reply(ReplyStatus.REFUSED, "stale anchor: v1"))
+    driver.answers[1].set_result(Reply(ReplyStatus.ACCEPTED, "accepted"))
+    driver.answers[2].set_exception(TimeoutError())
+    assert slot.accepts.count == 1 and [term for term, _ in slot.accepts.first_accepts()] == [4]
+    first = slot.accepts.first_accepts()[0][1]
+    driver.peer.sync.term = 5
+    slot.handle_delta("b", b"x")
+    slot.handle_delta("b", b"x")
+    driver.answers[3].set_result(Reply(ReplyStatus.ACCEPTED, "accepted"))
+    driver.answers[4].set_result(Reply(ReplyStatus.ACCEPTED, "replaced"))
+    accepts = slot.accepts.first_accepts()
+    assert slot.accepts.count == 3 and [term for term, _ in accepts] == [4, 5]
+    assert accepts[0][1] == first <= accepts[1][1]
+    for term in range(6, 20):  # only the last few terms are kept
+        slot.accepts.note(term, 1.0)
+    assert [term for term, _ in slot.accepts.first_accepts()] == list(range(12, 20))
+
+
 def test_state_dir_round_trip_lock_and_foreign_manifest(tmp_path):
     plan = plan_fragments([("a", (4,)), ("b", (3,))], 2)
     replica = GlobalReplica(plan, {"a": torch.ones(4), "b": torch.zeros(3)})
