@@ -47,6 +47,12 @@ class BuiltModel:
     optimizer: torch.optim.Optimizer
 
 
+def first_delta_seq() -> int:
+    """Delta seqs of this start of the peer begin at the wall clock in ms, above every seq of its earlier
+    lives (`Learner.seq`)."""
+    return time.time_ns() // 1_000_000
+
+
 def start_node_dht(opts: NodeOptions, previous_peer_id: str | None) -> PendingDht:
     """Fork the DHT node (`start_dht`); hivemind's identity check only where it is needed.
 
@@ -120,7 +126,8 @@ def make_learner(
     if island is None:
         # this peer's own stream of the run's data, fresh for every start (salt): a restarted peer does
         # not repeat the batches of its previous life
-        learner = Learner(*args, make_sampler(manifest, peer_id, built.corpus, salt=seed), device=opts.device)
+        sampler = make_sampler(manifest, peer_id, built.corpus, salt=seed)
+        learner = Learner(*args, sampler, device=opts.device, first_seq=first_delta_seq())
         learner.trainer = make_trainer(
             manifest,
             built.model,
@@ -132,6 +139,7 @@ def make_learner(
         return learner
     sampler = island_sampler(built.corpus.train, opts, island, island.share_seed(seed))
     learner = IslandLearner(island, *args, sampler, device=opts.device, state_dir=opts.state_dir)
+    learner.seq = first_delta_seq()
     learner.trainer = make_trainer(
         manifest, learner.ddp, built.optimizer, sampler, micro_batch=opts.micro_batch, device=opts.device
     )

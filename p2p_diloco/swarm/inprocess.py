@@ -98,7 +98,8 @@ class InProcessSwarm:
             seed=self.spec.seed * 1000 + incarnation,
         )
         peer_id = self.stats[i].peer_id
-        learner = Learner(peer_id, cfg, self.plan, replica, model, optimizer, sampler)
+        first_seq = int(self.clock.now() * 1000)  # above every seq of this learner's earlier lives
+        learner = Learner(peer_id, cfg, self.plan, replica, model, optimizer, sampler, first_seq=first_seq)
         transport = InMemoryTransport(self.network, peer_id)
         attack = self.spec.hostile.get(i)
         if attack is not None:

@@ -108,6 +108,7 @@ class Learner:
         *,
         device: str = "cpu",
         on_params_changed: Callable[[Iterable[int]], None] | None = None,
+        first_seq: int = 0,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -132,7 +133,9 @@ class Learner:
         ]
         self.ranks = 1  # processes whose equal batches one inner step trains on (an island's world size)
         self.step = 0
-        self.seq = 0
+        # delta seqs keep increasing across restarts of the peer (a driver starts them at its clock in ms):
+        # synchronizers recognise work merged already by them (`UpdateBook.merged_already`)
+        self.seq = first_seq
         self.tokens_trained = 0
         # Inner steps (and their compute seconds) whose work reached the global model, counted per
         # fragment: a step counts 1/P each time one of its fragments' deltas is merged.

@@ -33,7 +33,7 @@ from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
-from p2p_diloco.protocol.robust_config import LOSS_CHECK
+from p2p_diloco.protocol.robust_config import LOSS_CHECK, REPLAY
 from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
@@ -134,6 +134,8 @@ class Synchronizer:
                 sender, REJECT_UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
             )
         merged = self.merged_already(sender, p, header.carries_since)
+        if merged is not None and header.seq <= merged:  # this very delta was merged: resent as is
+            return self._reject(sender, REPLAY, f"delta {header.seq} of fragment {p} was merged already", now)
         if merged is not None:
             # a delta released at a term change that the old holder merged after all: its work is in the
             # model; the learner adopts that update and resends only what came after

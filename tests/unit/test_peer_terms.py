@@ -188,5 +188,6 @@ def test_a_synchronizer_refuses_a_delta_repeating_work_an_applied_update_merged(
     repeat = delta(7, since_seq=5)
     assert repeat.startswith("already merged") and "delta 5 was merged already" in repeat
     assert not delta(8, since_seq=6).startswith("already merged")  # only work since s: fine
+    assert delta(5, since_seq=0).startswith("replay")  # the merged delta itself again: an offence
     assert me.peer.sync.rejections["already merged"] == 1
     assert "other" not in me.peer.robust.cooling(clock.now())  # not an offence
