@@ -44,6 +44,7 @@ from p2p_diloco.net.limits import (
     InboundLimits,
     OutboundSlots,
 )
+from p2p_diloco.net.liveness import probe_endpoints, refused
 from p2p_diloco.net.serving import (
     LINGER_SECONDS,
     REJECT_BAD_REQUEST,
@@ -91,36 +92,6 @@ TRANSIENT_REJECTIONS = frozenset(
 )
 
 OnReply = Callable[[Reply], None]
-PROBE_TIMEOUT = 1.0
-# libp2p's dial error when an address refused the connection: nobody listens there, the process is gone.
-# A timeout (frozen process, lost link) proves nothing, so a mix of refusals and timeouts is not "down".
-_REFUSED = "connection refused"
-
-
-async def _probe_endpoint(host: str, port: int) -> Liveness:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_TIMEOUT)
-    except ConnectionRefusedError:
-        return Liveness.DOWN
-    except (TimeoutError, OSError):
-        return Liveness.UNKNOWN
-    writer.close()
-    return Liveness.ALIVE
-
-
-async def _probe_endpoints(endpoints: Sequence[tuple[str, int]]) -> Liveness:
-    seen = set(await asyncio.gather(*(_probe_endpoint(host, port) for host, port in endpoints)))
-    if Liveness.ALIVE in seen:
-        return Liveness.ALIVE
-    return Liveness.DOWN if seen == {Liveness.DOWN} else Liveness.UNKNOWN
-
-
-def refused(exc: BaseException) -> bool:
-    """Whether a failed call's error says the peer's address refused the connection (and nothing timed
-    out): its process is gone. The text is the libp2p daemon's. After one failed dial libp2p answers "dial
-    backoff" for a while, whatever the cause: `probe` does not depend on this text."""
-    text = str(exc).lower()
-    return _REFUSED in text and "timeout" not in text and "timed out" not in text
 
 
 class RemoteRejected(ConnectionError):
@@ -336,7 +307,7 @@ class P2PTransport:
         if self._closed or not endpoints:
             future.set_result(Liveness.UNKNOWN)
             return future
-        return self._submit(_probe_endpoints(endpoints))
+        return self._submit(probe_endpoints(endpoints))
 
     def fetch_updates(self, from_peer: str, fragment: int, after_version: int) -> list[bytes]:
         return self.request_updates(from_peer, fragment, after_version).result(timeout=self.fetch_timeout + 5)

@@ -175,7 +175,7 @@ class PeerNode:
         self.observing.attach(
             driver, self.peer, built_model.corpus.eval, opts.device, self.ledger, self.bytes, self.event
         )
-        # the named successor probes them (`Peer._maybe_probe`) to see this process gone
+        # the named successor probes them (`swarm.succession.HolderWatch`) to see this process gone
         self.addresses = tuple(self.dht_peer.visible_addresses())
         driver.start()
         self.event(

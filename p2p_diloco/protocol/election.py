@@ -20,6 +20,12 @@ The rule, in short:
   grace"), or its release time for a released lease (rotation: no margin, and the previous holder is left
   out of the ranking if anyone else is eligible). With no record of term T visible the windows are aligned
   on time 0;
+- succession: every claim and renewal names a successor, the eligible peer (not the holder) ranked first
+  for the next term (`candidates.named_successor`, eligible within `successor_lag` versions: heartbeats
+  are up to a period old). A follower named so that sees the holder down (`down`: its addresses refused
+  connections, see `swarm.succession`) and is itself up to date claims the next term at once
+  (`TAG_SUCCESSION`) instead of waiting for the lease to lapse; readers accept that claim
+  (`protocol.lease_rules`);
 - fencing: a holder stops merging once `now >= expires_at - lease_margin` (it steps down instead of renewing
   late), while claimants wait until `expires_at + lease_margin`. Clocks may disagree by up to
   `lease_margin` and the two sides still never overlap. Updates carry their term and replicas ignore
@@ -35,11 +41,17 @@ Record conventions (the swarm layer writes these; `ElectionDecision.lease_to_wri
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from p2p_diloco.protocol.candidates import (
+    PeerHeartbeat,
+    eligible_candidates,
+    named_successor,
+    rendezvous_rank,
+    why_not_eligible,
+)
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.timing import SwarmTiming
 
@@ -73,23 +85,6 @@ TAG_NEWER_TERM = "newer term"
 TAG_LOWER_TERM = "lower term"
 
 LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves
-
-
-@dataclass(frozen=True)
-class PeerHeartbeat:
-    """One peer's heartbeat as read from the heartbeat key (subkey = peer ID). `versions` are its replica's
-    fragment versions; `term_seen` is the highest lease term it has seen (keeps terms monotonic after lease
-    records vanish)."""
-
-    peer_id: str
-    may_sync: bool
-    reachable: bool
-    versions: tuple[int, ...]
-    expires_at: float
-    term_seen: int = 0
-
-    def live(self, now: float) -> bool:
-        return now < self.expires_at
 
 
 @dataclass(frozen=True)
@@ -127,16 +122,6 @@ class ElectionDecision(Decision):
         )
 
 
-def _score(run_id: str, term: int, peer_id: str) -> int:
-    digest = hashlib.blake2b(f"{run_id}/{term}/{peer_id}".encode(), digest_size=16).digest()
-    return int.from_bytes(digest, "big")
-
-
-def rendezvous_rank(run_id: str, term: int, peer_ids: Iterable[str]) -> list[str]:
-    """Distinct `peer_ids` ordered by blake2b(run_id/term/peer_id), highest score first (ID breaks ties)."""
-    return sorted(set(peer_ids), key=lambda p: (_score(run_id, term, p), p), reverse=True)
-
-
 def highest_term(leases: Iterable[LeaseRecord]) -> int:
     """The highest term among all visible lease records, expired and released ones included (0 if none)."""
     return max((lease.term for lease in leases), default=0)
@@ -156,62 +141,6 @@ def current_holder(leases: Iterable[LeaseRecord], now: float) -> LeaseRecord | N
     top = max(lease.term for lease in live)
     of_top = {lease.holder: lease for lease in sorted(live, key=lambda x: x.expires_at) if lease.term == top}
     return of_top[rendezvous_rank(LEASE_TIE_SALT, top, of_top)[0]]
-
-
-def newest_versions(
-    heartbeats: Iterable[PeerHeartbeat], now: float, verified_newest: int | None = None
-) -> int:
-    """The highest sum of fragment versions among live heartbeats, capped at `verified_newest` (the sum
-    the caller has seen backed by validly leased updates): a forged heartbeat claiming versions nobody
-    published must not make honest peers look out of date."""
-    newest = max((sum(hb.versions) for hb in heartbeats if hb.live(now)), default=0)
-    return newest if verified_newest is None else min(newest, verified_newest)
-
-
-def eligible_candidates(
-    heartbeats: Iterable[PeerHeartbeat], now: float, max_lag: int = 0, verified_newest: int | None = None
-) -> list[PeerHeartbeat]:
-    """Live heartbeats that may synchronize, are reachable and are up to date, sorted by peer ID.
-
-    Up to date: the sum of its fragment versions is within `max_lag` of `newest_versions` (a synchronizer
-    must start from the newest global state, and any peer holding it counts).
-    """
-    live = [hb for hb in heartbeats if hb.live(now)]
-    newest = newest_versions(live, now, verified_newest)
-    ok = [hb for hb in live if hb.may_sync and hb.reachable and sum(hb.versions) >= newest - max_lag]
-    return sorted(ok, key=lambda hb: hb.peer_id)
-
-
-def named_successor(
-    self_id: str,
-    run_id: str,
-    heartbeats: Iterable[PeerHeartbeat],
-    now: float,
-    next_term: int,
-    max_lag: int = 0,
-    verified_newest: int | None = None,
-) -> str:
-    """Who a holder names in its lease to claim `next_term` at once if it dies: the eligible peer (not
-    itself) ranked first for that term, or "" if there is none. Named in advance, so a holder's crash
-    needs no election, and a restarting holder never stands in its successor's way."""
-    others = [hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)]
-    ranking = rendezvous_rank(run_id, next_term, [p for p in others if p != self_id])
-    return ranking[0] if ranking else ""
-
-
-def _why_not_eligible(
-    self_id: str, heartbeats: Sequence[PeerHeartbeat], now: float, max_lag: int, verified_newest: int | None
-) -> str:
-    mine = [hb for hb in heartbeats if hb.peer_id == self_id and hb.live(now)]
-    if not mine:
-        return "no live heartbeat of mine"
-    hb = max(mine, key=lambda x: x.expires_at)
-    if not hb.may_sync:
-        return "may_sync is off"
-    if not hb.reachable:
-        return "not reachable"
-    newest = newest_versions(heartbeats, now, verified_newest)
-    return f"versions sum {sum(hb.versions)} lags the newest {newest} by more than {max_lag}"
 
 
 def release_lease(lease: LeaseRecord, now: float, timing: SwarmTiming, rounds_done: int) -> LeaseRecord:
@@ -430,7 +359,7 @@ def _decide_claim(
     turn = ranking[window % len(ranking)]
     if self_id not in ranking:
         why = "previous holder, rotating out" if self_id in rotated_out else None
-        why = why or _why_not_eligible(self_id, heartbeats, now, max_lag, verified_newest)
+        why = why or why_not_eligible(self_id, heartbeats, now, max_lag, verified_newest)
         return ElectionDecision(
             WAIT, f"{TAG_NOT_ELIGIBLE}: {why}; {turn} may claim term {next_term}", term=next_term, holder=turn
         )

@@ -20,7 +20,7 @@ election (`protocol.election`) or the update checks. The rules:
    terms stand apart until one lease lapses: a known limit of a machine too loaded to read the DHT.)
 
 Succession. A holder names in every claim and renewal the peer ranked first for the next term
-(`election.named_successor`); when its process is gone (connections refused, not merely silent) that
+(`candidates.named_successor`); when its process is gone (connections refused, not merely silent) that
 peer claims the next term at once instead of waiting out the lease. Rule 4 admits such a claim when the
 previous term's newest record names its holder: the old holder chose it, every reader sees the choice,
 and a frozen old holder that wakes up finds a higher term and is fenced out of it like any zombie.
@@ -140,7 +140,7 @@ def screen_leases(
 
 def named_next(previous: list[LeaseRecord], claimant: str) -> bool:
     """Whether the previous term's newest record (the holder's latest renewal) names `claimant` as the
-    successor who may claim the next term before the lease runs out (`election.named_successor`)."""
+    successor who may claim the next term before the lease runs out (`candidates.named_successor`)."""
     if not previous:
         return False
     return max(previous, key=lambda x: x.expires_at).successor == claimant

@@ -12,7 +12,8 @@ What it is made of, each with explicit dependencies:
 - `Repair`: catch-up, snapshots, reconciliation and anti-entropy, as tasks;
 - `DeltaRouting`: the learner's deltas to the synchronizer, and the gate the training thread reads;
 - `SynchronizerRole`: the `Synchronizer` of the term this peer holds (rounds, robust checks, merges)
-  and the updates it publishes.
+  and the updates it publishes;
+- `HolderWatch`: the named successor's watch on its holder (fast succession).
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import REJECT_NOT_ALLOWED, Repair
 from p2p_diloco.swarm.role import SynchronizerRole
+from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import decode_update
-from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.records import HeartbeatInfo
-from p2p_diloco.wire.replies import PEER_DOWN, Reply, ReplyStatus
+from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import PeerKeys
 
 Task = Generator[fx.Request, Any, Any]
@@ -105,7 +106,7 @@ class Peer:
             self.membership, self.journal, emit,
         )  # fmt: skip
         self._tasks: dict[int, tuple[Task, Callable[[Any], None]]] = {}
-        self._probing = False  # a probe of the holder this peer would succeed is in flight
+        self.watch = HolderWatch(peer_id, self.membership, self.journal, self.spawn, self.elect)
         self._electing = False  # an election round's DHT read is in flight
         self._task_ids = itertools.count(1)
 
@@ -134,11 +135,7 @@ class Peer:
                 self._route_delta(event)
             case fx.DeltaReplied():
                 self.deltas.on_reply(event)
-                if event.holder == self.membership.holder != self.peer_id:
-                    if event.reply.tag == PEER_DOWN:
-                        self._holder_down(event.holder)
-                    elif event.reply.status == ReplyStatus.TRANSIENT:
-                        self._maybe_probe()
+                self.watch.on_delta_reply(event)
             case fx.TaskResult():
                 self._resume(event.task, event.value, event.error)
             case fx.CatchUpRequested():
@@ -222,47 +219,13 @@ class Peer:
             self._electing = False
         view = self.membership.ingest(records)
         self.elect(view, max(now, records.now))  # decide on the time the records were read by
-        self._maybe_probe()
+        self.watch.probe_if_successor()
         if self.sync is not None:
             for info in self.membership.live_peers.values():
                 if info.step_time > 0:
                     self.sync.observe_step_time(info.step_time)
         for fragment, winner, sources, decision in self.repair.due_repairs(now):
             self._start_repair(fragment, self.repair.reconcile_fragment(fragment, winner, sources, decision))
-
-    def _maybe_probe(self) -> None:
-        """The named successor probes its holder every swarm tick and whenever a delta to it fails; a
-        refused connection means the holder's process is gone, and the successor takes over at once
-        (`election.TAG_SUCCESSION`)."""
-        holder = self.membership.successor_of_followed()
-        if holder is None or self._probing:
-            return
-        self._probing = True
-        info = self.membership.live_peers.get(holder)
-        self.spawn(self._watch_holder(holder, info.addresses if info is not None else ()))
-
-    def _watch_holder(self, holder: str, addresses: tuple[str, ...]) -> Task:
-        try:
-            liveness = yield fx.Probe(holder, addresses)
-        finally:
-            self._probing = False
-        if liveness == Liveness.ALIVE:
-            self.membership.mark_alive(holder)
-        elif liveness == Liveness.DOWN:
-            self._holder_down(holder)
-
-    def _holder_down(self, holder: str) -> None:
-        """The synchronizer's address refused us: run the election now rather than at the next tick."""
-        if holder in self.membership.down:
-            return  # already acted on; the next ticks re-read the swarm
-        self.membership.mark_down(holder, self.membership.last_read)
-        self.journal.note(f"synchronizer {holder} refused a connection: its process is gone")
-        self.spawn(self._after_holder_down(holder))
-
-    def _after_holder_down(self, holder: str) -> Task:
-        records = yield fx.ReadSwarm()
-        self.membership.mark_down(holder, records.now)
-        self.elect(self.membership.ingest(records), records.now)
 
     def _start_repair(self, fragment: int, task: Task) -> None:
         if fragment in self.repair.busy:
