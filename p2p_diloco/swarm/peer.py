@@ -280,8 +280,12 @@ class Peer:
         return True
 
     def _stop(self, now: float) -> bool:
-        """Shutdown: never claim again; a holder releases its lease (its open rounds are lost with it)."""
+        """Shutdown: never claim again; a holder merges its open rounds that have a quorum (the driver
+        flushes their pushes before the transport closes), then releases its lease. Deltas of rounds
+        below quorum go back to their learners when the next holder is known."""
         self.may_sync = False
+        if self.sync is not None:
+            self.role.finish_open_rounds(now)
         released = self.sync is not None and self._release_lease(now, self.sync.rounds_done)
         self.role.sync, self.membership.my_lease = None, None
         self.membership.follow(None, 0)

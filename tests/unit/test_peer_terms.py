@@ -13,7 +13,7 @@ from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.swarm.deltas import InFlight
-from p2p_diloco.swarm.effects import Published, StoreRecord
+from p2p_diloco.swarm.effects import Published, Stopping, StoreRecord
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
@@ -191,3 +191,21 @@ def test_a_synchronizer_refuses_a_delta_repeating_work_an_applied_update_merged(
     assert delta(5, since_seq=0).startswith("replay")  # the merged delta itself again: an offence
     assert me.peer.sync.rejections["already merged"] == 1
     assert "other" not in me.peer.robust.cooling(clock.now())  # not an offence
+
+
+def test_a_holder_that_stops_merges_its_open_rounds_before_releasing():
+    manifest = dataclasses.replace(MANIFEST, robust=dataclasses.replace(MANIFEST.robust, enabled=False))
+    me, _, clock, _ = make_peer(manifest, may_sync=True)
+    me.peer.membership.my_lease = LeaseRecord("me", 1, expires_at=clock.now() + manifest.timing.lease_ttl)
+    me.peer.role.take(1)
+    me.peer.membership.follow("me", 1)
+    me.peer.deltas.follow(("me", 1))
+    me.peer.sync.observe_step_time(5.0)  # learners step every 5 s: the round's grace window keeps it open
+    for _ in range(manifest.diloco.steps_per_fragment):
+        me.train_step()
+    (fragment,) = me.peer.sync.rounds.open_fragments
+    version = me.replica.versions()[fragment]
+    intents = me.peer.handle(Stopping(clock.now()))
+    kinds = [type(i).__name__ if not isinstance(i, StoreRecord) else i.what for i in intents]
+    assert kinds.index("Published") < kinds.index("released lease")  # merged, then given up
+    assert me.replica.versions()[fragment] == version + 1
