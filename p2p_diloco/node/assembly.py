@@ -10,16 +10,19 @@ import concurrent.futures
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.data import Corpus, load_corpus
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
 from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.model.shards import make_sampler
 from p2p_diloco.model.trainer import make_trainer
+from p2p_diloco.net.addresses import parse_peer_address, peer_id_in
 from p2p_diloco.net.dht_store import PendingDht, identity_check_needed, start_dht
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
@@ -53,8 +56,28 @@ def first_delta_seq() -> int:
     return time.time_ns() // 1_000_000
 
 
-def start_node_dht(opts: NodeOptions, previous_peer_id: str | None) -> PendingDht:
+def with_known_peers(initial: Sequence[str], known: Sequence[str], own_peer_id: str) -> tuple[str, ...]:
+    """The configured initial peers, then the valid saved addresses of other peers not among them."""
+    out = list(initial)
+    for address in known:
+        try:
+            parsed = parse_peer_address(address, what="saved peer address")
+        except ConfigError:
+            continue
+        if peer_id_in(parsed) != own_peer_id and address not in out:
+            out.append(address)
+    return tuple(out)
+
+
+def start_node_dht(
+    opts: NodeOptions, previous_peer_id: str | None, known_peers: Sequence[str] = ()
+) -> PendingDht:
     """Fork the DHT node (`start_dht`); hivemind's identity check only where it is needed.
+
+    `known_peers` (the live peers' addresses this peer saved last, `node.state`) are dialed besides the
+    configured initial peers: a restart while the bootstrap node is down still joins the swarm, and a
+    restarted bootstrap with an empty routing table does not leave the restarted peers on a DHT island
+    of their own. Unparsable ones and this peer's own are skipped.
 
     A restart of this peer (the state directory whose lock we hold says this key ran here before)
     skips the check: it would spend seconds dialing our own dead predecessor (`identity_check_needed`).
@@ -75,7 +98,7 @@ def start_node_dht(opts: NodeOptions, previous_peer_id: str | None) -> PendingDh
         else {}
     )
     return start_dht(
-        initial_peers=opts.initial_peers,
+        initial_peers=with_known_peers(opts.initial_peers, known_peers, peer_id_of(opts.identity)),
         identity_path=opts.identity,
         host_maddrs=opts.listen,
         announce_maddrs=opts.announce,

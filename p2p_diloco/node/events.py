@@ -109,11 +109,22 @@ class ReplicaSaver:
         # in sync while the swarm still sees our last heartbeat as live
         connected = now - self.peer.membership.last_read < self.peer.manifest.timing.heartbeat_ttl
         replica = self.peer.replica.frozen()
+        known = tuple(
+            address
+            for peer_id, info in sorted(self.peer.membership.live_peers.items())
+            if peer_id != self.peer.peer_id
+            for address in info.addresses[:2]
+        )
 
         def write() -> None:
             try:
                 self.state.save(
-                    replica, self.peer.peer_id, now=now, in_sync=connected, previous=self.last_in_sync
+                    replica,
+                    self.peer.peer_id,
+                    now=now,
+                    in_sync=connected,
+                    previous=self.last_in_sync,
+                    known_peers=known,
                 )
             except OSError as exc:
                 self.event("persist_failed", error=str(exc))

@@ -126,7 +126,11 @@ class PeerNode:
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
         # The child also inherits the state directory's lock, so while it lives no successor starts.
-        pending = start_node_dht(opts, saved.peer_id if saved is not None else None)
+        pending = start_node_dht(
+            opts,
+            saved.peer_id if saved is not None else None,
+            known_peers=saved.known_peers if saved is not None else (),
+        )
         began = time.monotonic()
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
             built_model = build_training(manifest, opts.device, self.state)

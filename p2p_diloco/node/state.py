@@ -4,8 +4,9 @@ Layout of ``--state-dir``:
 
 * ``replica/``: the `GlobalReplica`, one safetensors file per fragment (`node.replica_store`: atomic,
   only the fragments that changed, read memory-mapped);
-* ``peer_state.json``: run, manifest hash, peer ID, versions, digest and ``last_in_sync`` (DHT time of
-  the last save while the peer was live in the swarm); written atomically after the replica;
+* ``peer_state.json``: run, manifest hash, peer ID, versions, digest, ``last_in_sync`` (DHT time of
+  the last save while the peer was live in the swarm) and ``known_peers`` (addresses of live peers at
+  that save: a restart dials them besides the bootstrap nodes); written atomically after the replica;
 * ``events.jsonl``: one JSON object per line, ``{"t": dht_time, "event": kind, ...}``: every decision
   the `Peer` notes, updates applied, progress, start and stop; past `MAX_EVENTS_BYTES` it is renamed
   to ``events.jsonl.1`` (replacing the previous one) and a new file is started;
@@ -37,6 +38,8 @@ EVENTS_FILE = "events.jsonl"
 LOCK_FILE = ".lock"
 MAX_EVENTS_BYTES = 64 * 1024 * 1024
 
+MAX_KNOWN_PEERS = 16  # addresses kept in peer_state.json
+
 
 @dataclass(frozen=True)
 class PeerState:
@@ -49,6 +52,7 @@ class PeerState:
     digest: str
     last_in_sync: float
     saved_at: float
+    known_peers: tuple[str, ...] = ()  # other live peers' addresses when saved (extra initial peers)
 
 
 class StateDir:
@@ -87,6 +91,7 @@ class StateDir:
             return None
         try:
             raw = json.loads(file.read_text())
+            raw["known_peers"] = tuple(str(a) for a in raw.get("known_peers", ()))[:MAX_KNOWN_PEERS]
             state = PeerState(**{**raw, "versions": tuple(raw["versions"])})
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ConfigError(
@@ -111,7 +116,14 @@ class StateDir:
             return None
 
     def save(
-        self, replica: GlobalReplica, peer_id: str, *, now: float, in_sync: bool, previous: float
+        self,
+        replica: GlobalReplica,
+        peer_id: str,
+        *,
+        now: float,
+        in_sync: bool,
+        previous: float,
+        known_peers: tuple[str, ...] = (),
     ) -> None:
         """Persist the replica, then the peer state (so the state never claims a replica not on disk)."""
         self.store.save(replica)
@@ -123,6 +135,7 @@ class StateDir:
             digest=replica.digest(),
             last_in_sync=now if in_sync else previous,
             saved_at=now,
+            known_peers=known_peers[:MAX_KNOWN_PEERS],
         )
         write_atomic(self.path / PEER_STATE_FILE, json.dumps(asdict(state), indent=1).encode())
 

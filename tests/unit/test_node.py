@@ -11,6 +11,8 @@ import torch
 from p2p_diloco.cli import build_parser
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.net.identity import write_identity
+from p2p_diloco.node.assembly import with_known_peers
 from p2p_diloco.node.guard import REJECT_HANDLER_ERROR, REJECT_NOT_READY, HandlerSlot, ServeRefused
 from p2p_diloco.node.join import options_from_args
 from p2p_diloco.node.options import check_device
@@ -205,3 +207,28 @@ def test_seconds_since_launch_counts_from_the_process_start():
     while not ticks or ticks[-1] == first:  # /proc counts in clock ticks: wait for the next one
         ticks.append(seconds_since_launch())
     assert ticks[-1] > first
+
+
+def test_a_restart_dials_the_peers_it_knew_besides_the_bootstrap(tmp_path):
+    """Saved with the replica: other live peers' addresses. A restart while the bootstrap node is down,
+    or after it restarted with an empty routing table, still reaches the swarm through them."""
+    own, other, third = (write_identity(tmp_path / f"{n}.key") for n in ("own", "other", "third"))
+    boot = f"/ip4/127.0.0.1/tcp/4000/p2p/{third}"
+    known = (
+        f"/ip4/127.0.0.1/tcp/4001/p2p/{other}",
+        f"/ip4/127.0.0.1/tcp/4002/p2p/{own}",  # this peer itself: skipped
+        "garbage",  # unparsable: skipped
+        boot,  # already configured
+    )
+    assert with_known_peers((boot,), known, own) == (boot, known[0])
+    plan = plan_fragments([("a", (4,))], 1)
+    state = StateDir(tmp_path / "state", MANIFEST)
+    state.save(
+        GlobalReplica(plan, {"a": torch.ones(4)}), own, now=1.0, in_sync=True, previous=0.0, known_peers=known
+    )
+    assert state.read_peer_state().known_peers == known
+    state.close()
+    old = json.loads((tmp_path / "state" / "peer_state.json").read_text())
+    del old["known_peers"]  # written before peers were remembered
+    (tmp_path / "state" / "peer_state.json").write_text(json.dumps(old))
+    assert StateDir(tmp_path / "state", MANIFEST).read_peer_state().known_peers == ()
