@@ -135,11 +135,22 @@ class Membership:
                     or item.lease.expires_at >= self.valid_leases[key].lease.expires_at
                 ):
                     self.valid_leases[key] = item
+        leases += self._remembered(records.now, {item.lease.holder for item in seen})
         self._forget_old(records.now, {item.lease for item in seen})
         self.live_peers = live
         self.standing.heard(live, records.now)
         self.last_read = records.now
         return SwarmView(heartbeats, leases)
+
+    def _remembered(self, now: float, read: set[str]) -> list[LeaseRecord]:
+        """Valid leases this peer saw, still live, whose holder's record this read did not return: a
+        DHT read can come back partial (a slow or frozen node), and a live lease missing from one read
+        has not lapsed. Without this a follower claims the next term while the holder is renewing."""
+        return [
+            item.lease
+            for (holder, _), item in self.valid_leases.items()
+            if holder not in read and item.lease.live(now)
+        ]
 
     def _forget_old(self, now: float, current: set[LeaseRecord]) -> None:
         """Bounded memory: records long past their DHT expiration cannot be read again, and a record gone

@@ -209,3 +209,21 @@ def test_a_holder_that_stops_merges_its_open_rounds_before_releasing():
     kinds = [type(i).__name__ if not isinstance(i, StoreRecord) else i.what for i in intents]
     assert kinds.index("Published") < kinds.index("released lease")  # merged, then given up
     assert me.replica.versions()[fragment] == version + 1
+
+
+def test_a_live_lease_missing_from_one_partial_dht_read_is_still_followed():
+    """A DHT read can come back without the holder's record (a slow or frozen node): the follower keeps
+    following the lease it saw until that lease's own expiry instead of claiming the next term."""
+    peer, kv, clock, _ = make_peer(may_sync=True)
+    peer.heartbeat(clock.now())
+    hold(kv, "leader", 3, expires_at=clock.now() + 6.0)
+    assert peer.election_tick(clock.now()).action == election.FOLLOW
+    lease_records = kv._data.pop(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash))  # a partial read
+    clock.advance_to(clock.now() + 3.0)
+    peer.heartbeat(clock.now())
+    decision = peer.election_tick(clock.now())
+    assert (decision.action, decision.holder, decision.term) == (election.FOLLOW, "leader", 3)
+    clock.advance_to(clock.now() + 4.0)  # past the remembered lease's expiry: no longer followed
+    peer.heartbeat(clock.now())
+    assert peer.election_tick(clock.now()).action != election.FOLLOW
+    assert lease_records  # the record really was there before
