@@ -109,6 +109,7 @@ class ReplicaSaver:
         # in sync while the swarm still sees our last heartbeat as live
         connected = now - self.peer.membership.last_read < self.peer.manifest.timing.heartbeat_ttl
         replica = self.peer.replica.frozen()
+        term_seen = self.peer.membership.term_seen
         known = tuple(
             address
             for peer_id, info in sorted(self.peer.membership.live_peers.items())
@@ -125,6 +126,7 @@ class ReplicaSaver:
                     in_sync=connected,
                     previous=self.last_in_sync,
                     known_peers=known,
+                    term_seen=term_seen,
                 )
             except OSError as exc:
                 self.event("persist_failed", error=str(exc))

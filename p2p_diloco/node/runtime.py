@@ -158,6 +158,11 @@ class PeerNode:
         if self.island is not None:
             self.telemetry.tokens_per_step *= self.island.world_size
         self.peer = make_peer(manifest, opts, built_model, peer_id)
+        if saved is not None:
+            # Terms climb one at a time from the highest this peer trusted (`protocol.lease_rules`). A
+            # restart that forgot it would trust whatever it reads first, and a first read can come back
+            # empty: it would start its own terms from 1 and refuse the swarm's as a jump.
+            self.peer.membership.term_seen = saved.term_seen
         self.driver = ThreadedDriver(
             self.peer,
             kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),

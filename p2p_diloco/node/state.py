@@ -6,7 +6,8 @@ Layout of ``--state-dir``:
   only the fragments that changed, read memory-mapped);
 * ``peer_state.json``: run, manifest hash, peer ID, versions, digest, ``last_in_sync`` (DHT time of
   the last save while the peer was live in the swarm) and ``known_peers`` (addresses of live peers at
-  that save: a restart dials them besides the bootstrap nodes); written atomically after the replica;
+  that save: a restart dials them besides the bootstrap nodes) and ``term_seen`` (the term floor a
+  restart starts from); written atomically after the replica;
 * ``events.jsonl``: one JSON object per line, ``{"t": dht_time, "event": kind, ...}``: every decision
   the `Peer` notes, updates applied, progress, start and stop; past `MAX_EVENTS_BYTES` it is renamed
   to ``events.jsonl.1`` (replacing the previous one) and a new file is started;
@@ -53,6 +54,7 @@ class PeerState:
     last_in_sync: float
     saved_at: float
     known_peers: tuple[str, ...] = ()  # other live peers' addresses when saved (extra initial peers)
+    term_seen: int = 0  # the highest lease term trusted when saved: a restart keeps its term floor
 
 
 class StateDir:
@@ -124,6 +126,7 @@ class StateDir:
         in_sync: bool,
         previous: float,
         known_peers: tuple[str, ...] = (),
+        term_seen: int = 0,
     ) -> None:
         """Persist the replica, then the peer state (so the state never claims a replica not on disk)."""
         self.store.save(replica)
@@ -136,6 +139,7 @@ class StateDir:
             last_in_sync=now if in_sync else previous,
             saved_at=now,
             known_peers=known_peers[:MAX_KNOWN_PEERS],
+            term_seen=term_seen,
         )
         write_atomic(self.path / PEER_STATE_FILE, json.dumps(asdict(state), indent=1).encode())
 

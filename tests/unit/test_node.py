@@ -223,10 +223,10 @@ def test_a_restart_dials_the_peers_it_knew_besides_the_bootstrap(tmp_path):
     assert with_known_peers((boot,), known, own) == (boot, known[0])
     plan = plan_fragments([("a", (4,))], 1)
     state = StateDir(tmp_path / "state", MANIFEST)
-    state.save(
-        GlobalReplica(plan, {"a": torch.ones(4)}), own, now=1.0, in_sync=True, previous=0.0, known_peers=known
-    )
-    assert state.read_peer_state().known_peers == known
+    replica = GlobalReplica(plan, {"a": torch.ones(4)})
+    state.save(replica, own, now=1.0, in_sync=True, previous=0.0, known_peers=known, term_seen=25)
+    saved = state.read_peer_state()
+    assert saved.known_peers == known and saved.term_seen == 25  # a restart keeps its term floor
     state.close()
     old = json.loads((tmp_path / "state" / "peer_state.json").read_text())
     del old["known_peers"]  # written before peers were remembered
