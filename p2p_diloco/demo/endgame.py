@@ -95,22 +95,9 @@ def _replica_rows(run: SwarmRun, status: dict[str, Any]) -> list[dict[str, Any]]
 
 
 def _stop(slots: list[Slot]) -> None:
-    from p2p_diloco.demo.orchestrator import STOP_TIMEOUT, _killpg
+    from p2p_diloco.demo.orchestrator import stop_slots
 
-    now = time.time()
-    for slot in slots:
-        if slot.alive and slot.proc is not None:
-            slot.proc.send_signal(signal.SIGTERM)
-        slot.marks.append((now, "stop"))
-    deadline = time.monotonic() + STOP_TIMEOUT
-    for slot in slots:
-        if slot.proc is None:
-            continue
-        try:
-            slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _killpg(slot.proc, signal.SIGKILL)
+    stop_slots(slots)
 
 
 def _persisted_versions(slot: Slot) -> list[int] | None:

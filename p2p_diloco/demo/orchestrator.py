@@ -60,6 +60,24 @@ class RunRecord:
     checks: dict[str, Any] | None = None  # the long chaos mode's end-of-run findings (demo.endgame)
 
 
+def stop_slots(slots: list[Slot]) -> None:
+    """SIGTERM every live worker together, wait up to `STOP_TIMEOUT` for all, then SIGKILL each group."""
+    now = time.time()
+    for slot in slots:
+        if slot.alive and slot.proc is not None:
+            slot.proc.send_signal(signal.SIGTERM)
+        slot.marks.append((now, "stop"))
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for slot in slots:
+        if slot.proc is None:
+            continue
+        try:
+            slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _killpg(slot.proc, signal.SIGKILL)
+
+
 def _killpg(proc: subprocess.Popen | None, sig: int) -> None:
     if proc is None:
         return
@@ -322,17 +340,4 @@ class SwarmRun:
         )
 
     def _stop_all(self) -> None:
-        now = time.time()
-        for slot in self.slots:
-            if slot.alive and slot.proc is not None:
-                slot.proc.send_signal(signal.SIGTERM)
-            slot.marks.append((now, "stop"))
-        deadline = time.monotonic() + STOP_TIMEOUT
-        for slot in self.slots:
-            if slot.proc is None:
-                continue
-            try:
-                slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _killpg(slot.proc, signal.SIGKILL)
+        stop_slots(self.slots)

@@ -11,7 +11,6 @@ every process group is killed at teardown, also on failure.
 from __future__ import annotations
 
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -20,10 +19,10 @@ import torch
 
 from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE
 from p2p_diloco.config import RunManifest
-from p2p_diloco.demo.accounting import COUNTERS, summarize
+from p2p_diloco.demo.accounting import COUNTERS
 from p2p_diloco.model import build_model
-from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.state import read_events
+from tests.support.baseline_workers import accounting, prepare_workers, stop_workers, worker_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -63,22 +62,10 @@ def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], or
 def test_two_workers_average_survive_a_kill_and_account_their_goodput(
     tmp_path, bootstrap_node, spawn, cli, wait_for
 ):
-    manifest_path = tmp_path / "tiny.toml"
-    manifest_path.write_text(TINY_MANIFEST)
-    dirs = {name: tmp_path / name for name in ("w1", "w2")}
-    keys = {name: tmp_path / f"{name}.key" for name in dirs}
-    for key in keys.values():
-        write_identity(key)
+    manifest_path, dirs, keys = prepare_workers(tmp_path, TINY_MANIFEST)
 
     def start(name: str):
-        return spawn(
-            cli(
-                "baseline-worker", str(manifest_path), "--initial-peers", *bootstrap_node.addresses,
-                "--identity", str(keys[name]), "--state-dir", str(dirs[name]), "--learners", "2",
-                "--min-step-time", "0.1", "--matchmaking-time", "1", "--averaging-timeout", "5",
-                "--peer-expiration", "5", "--progress-every", "0.5", "--checkpoint-every", "1",
-            )
-        )  # fmt: skip
+        return spawn(cli(*worker_args(manifest_path, bootstrap_node, keys[name], dirs[name])))
 
     procs = {name: start(name) for name in dirs}
     for proc in procs.values():
@@ -117,10 +104,7 @@ def test_two_workers_average_survive_a_kill_and_account_their_goodput(
         "both workers to average together in 2 global steps after the restart",
     )
 
-    for proc in procs.values():
-        proc.signal(signal.SIGTERM)
-    for name, proc in procs.items():
-        assert proc.wait(timeout=STOP_TIMEOUT) == 0, f"{name} exit status; stderr:\n{proc.stderr_tail()}"
+    stop_workers(procs, STOP_TIMEOUT)
 
     # Parameters, relative to how far training moved them: ~1e-8 when both ended in the same averaging
     # round; ~0.07 if one took one more local step than the other (hivemind lets a peer that sees no
@@ -134,10 +118,7 @@ def test_two_workers_average_survive_a_kill_and_account_their_goodput(
     assert len(stops["w1"]) == 1 and len(stops["w2"]) == 1  # the killed life wrote none
 
     # accounting over both logs, the whole run
-    logs = {n: read_events(d) for n, d in dirs.items()}
-    begin = min(e["t"] for log in logs.values() for e in log if e["event"] == "start")
-    end = max(e["t"] for log in logs.values() for e in log if e["event"] == "stopped")
-    report = summarize(logs, start=begin, end=end)
+    logs, report = accounting(dirs)
     assert 0 < report["goodput"] <= report["compute_fraction"] <= 1.0
     assert 0 < report["blocked_fraction"] and report["compute_fraction"] + report["blocked_fraction"] <= 1.0
     last = {

@@ -10,7 +10,6 @@ exit 0 on SIGTERM, and the accounting over both logs is consistent. Every wait h
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -19,10 +18,9 @@ import torch
 
 from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE
 from p2p_diloco.config import RunManifest
-from p2p_diloco.demo.accounting import summarize
 from p2p_diloco.model import build_model
-from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.state import read_events
+from tests.support.baseline_workers import accounting, prepare_workers, stop_workers, worker_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -55,23 +53,12 @@ def rounds(state: Path, after: float = 0.0) -> dict[int, dict]:
 def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
     tmp_path, bootstrap_node, spawn, cli, wait_for
 ):
-    manifest_path = tmp_path / "tiny.toml"
-    manifest_path.write_text(TINY_MANIFEST)
-    dirs = {name: tmp_path / name for name in ("w1", "w2")}
-    keys = {name: tmp_path / f"{name}.key" for name in dirs}
-    for key in keys.values():
-        write_identity(key)
+    manifest_path, dirs, keys = prepare_workers(tmp_path, TINY_MANIFEST)
 
     def start(name: str):
         return spawn(
-            cli(
-                "baseline-worker", str(manifest_path), "--mode", "diloco", "--initial-peers",
-                *bootstrap_node.addresses, "--identity", str(keys[name]), "--state-dir", str(dirs[name]),
-                "--learners", "2", "--min-step-time", "0.1", "--matchmaking-time", "1",
-                "--averaging-timeout", "5", "--peer-expiration", "5", "--progress-every", "0.5",
-                "--checkpoint-every", "1",
-            )
-        )  # fmt: skip
+            cli(*worker_args(manifest_path, bootstrap_node, keys[name], dirs[name], "--mode", "diloco"))
+        )
 
     procs = {name: start(name) for name in dirs}
     for proc in procs.values():
@@ -118,10 +105,7 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
     restored = starts[1]["restored_epoch"]
     assert reloaded or restored is not None, "neither the checkpoint nor a peer's state was loaded"
 
-    for proc in procs.values():
-        proc.signal(signal.SIGTERM)
-    for name, proc in procs.items():
-        assert proc.wait(timeout=STOP_TIMEOUT) == 0, f"{name} exit status; stderr:\n{proc.stderr_tail()}"
+    stop_workers(procs, STOP_TIMEOUT)
 
     # the saved global models moved away from the initial weights
     manifest = RunManifest.load(manifest_path)
@@ -135,10 +119,7 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
         for k in origin:
             assert torch.equal(saved["w1"]["parameters"][k], saved["w2"]["parameters"][k]), k
 
-    logs = {n: read_events(d) for n, d in dirs.items()}
-    begin = min(e["t"] for log in logs.values() for e in log if e["event"] == "start")
-    end = max(e["t"] for log in logs.values() for e in log if e["event"] == "stopped")
-    report = summarize(logs, start=begin, end=end)
+    logs, report = accounting(dirs)
     assert 0 < report["goodput"] <= report["compute_fraction"] <= 1.0
     assert 0 < report["blocked_fraction"] and report["compute_fraction"] + report["blocked_fraction"] <= 1.0
     for name in dirs:
