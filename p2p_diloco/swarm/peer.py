@@ -233,14 +233,30 @@ class Peer:
         self.repair.busy.add(fragment)
         self.spawn(task, lambda _: self.repair.busy.discard(fragment))
 
+    def _catch_up(self, fragment: int, target: int, sources: Collection[str], why: str) -> None:
+        """The holder lacks versions of `fragment` that others hold: replay them (each record checked)."""
+        if fragment in self.repair.busy:
+            return
+        self.journal.note(
+            f"holder behind on fragment {fragment} (v{self.replica.version(fragment)} < v{target}, {why}): "
+            f"catching up from {', '.join(sources)}"
+        )
+        task = self.repair.catch_up_fragment(
+            fragment, list(sources), target=target, now=self.membership.last_read
+        )
+        self._start_repair(fragment, task)
+
     def elect(self, view, now: float) -> ElectionDecision:
+        """Run the election on `view`. Versions that trusted tips of live peers show count as verified, so
+        a peer that missed updates knows it lags; a holder catches such fragments up before merging."""
         rounds = self.sync.rounds_done if self.sync else 0
         membership = self.membership
+        ahead = self.book.trusted_ahead(self.membership.live_peers, self.peer_id)
         decision = membership.decide(
             view,
             now,
             rounds,
-            verified_newest=self.book.verified_newest(),
+            verified_newest=self.book.verified_newest({p: a.winner.version for p, a in ahead.items()}),
             own_versions=self.replica.versions(),
         )
         if decision.action in (election.CLAIM, election.RENEW):
@@ -268,6 +284,10 @@ class Peer:
             membership.follow(None, 0)
         holder = membership.holder
         self.deltas.follow((holder, membership.holder_term) if holder is not None else None)
+        if self.sync is not None:  # never publish from behind: those rounds wait for the catch-up
+            for fragment, found in ahead.items():
+                if self.role.wait_for(fragment, found.winner.version, now):
+                    self._catch_up(fragment, found.winner.version, found.sources, why="trusted tips")
         return decision
 
     def _release_lease(self, now: float, rounds: int) -> bool:
@@ -298,7 +318,15 @@ class Peer:
         return self.role.tick(now, sync_seconds=sync_seconds, cap=cap)
 
     def _handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
-        return self.role.handle_delta(sender, frame, now)
+        reply = self.role.handle_delta(sender, frame, now)
+        if self.sync is not None and self.sync.ahead_hints:
+            # one learner's word: caught up from it (every record checked), but no round waits for it
+            for fragment, learner in sorted(self.sync.ahead_hints.items()):
+                self._catch_up(
+                    fragment, self.replica.version(fragment) + 1, [learner], why="a delta anchored ahead"
+                )
+            self.sync.ahead_hints.clear()
+        return reply
 
     # ---- learner side ------------------------------------------------------------------------------
 

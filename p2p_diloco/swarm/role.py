@@ -58,6 +58,10 @@ class SynchronizerRole:
         self.membership = membership
         self.journal = journal
         self._emit = emit
+        # fragment -> (a version trusted tips of live peers hold, when first seen): while the replica lacks
+        # it, the fragment's rounds wait for the catch-up (an update from behind would fork the fragment
+        # and win over the newer versions), but at most `timing.lease_ttl`: a run never halts on it
+        self.behind: dict[int, tuple[int, float]] = {}
         self.sync: Synchronizer | None = None
         # Sparse codecs: what an update left out is carried into the fragment's next update. One store
         # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
@@ -78,7 +82,31 @@ class SynchronizerRole:
             merged_already=self.book.merged_already,
         )
         self.membership.term_seen = max(self.membership.term_seen, term)
+        self.behind.clear()
         self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
+
+    def wait_for(self, fragment: int, version: int, now: float) -> bool:
+        """Hold `fragment`'s rounds until the replica reaches `version` (see `behind`); False if already
+        held for that version or beyond."""
+        held = self.behind.get(fragment)
+        if held is not None and held[0] >= version:
+            return False
+        self.behind[fragment] = (version, held[1] if held is not None else now)
+        return True
+
+    def held(self, now: float) -> frozenset[int]:
+        """The fragments whose rounds wait for a catch-up now."""
+        limit = self.manifest.timing.lease_ttl
+        for p, (version, since) in sorted(self.behind.items()):
+            if self.replica.version(p) >= version:
+                del self.behind[p]
+            elif now - since >= limit:
+                del self.behind[p]
+                self.journal.note(
+                    f"fragment {p}: not caught up to v{version} within {limit:.1f}s; merging from "
+                    f"v{self.replica.version(p)}"
+                )
+        return frozenset(self.behind)
 
     def tick(self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None) -> list[UpdateRecord]:
         """Close ready rounds; apply each update here (its outer step computed once), push it to every
@@ -86,7 +114,7 @@ class SynchronizerRole:
         if self.sync is None:
             return []
         published = []
-        for outcome in self.sync.poll(now, self.membership.live_learners(now), cap):
+        for outcome in self.sync.poll(now, self.membership.live_learners(now), cap, hold=self.held(now)):
             record = self.book.sign(outcome.record)
             reply = self.book.apply(
                 record,

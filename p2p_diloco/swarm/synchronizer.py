@@ -34,7 +34,7 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.robust_config import LOSS_CHECK, REPLAY
-from p2p_diloco.protocol.sync_round import Contribution, SynchronizerRounds
+from p2p_diloco.protocol.sync_round import FUTURE_ANCHOR, Contribution, SynchronizerRounds
 from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
@@ -93,6 +93,9 @@ class Synchronizer:
         self.rejections_by_sender: Counter[tuple[str, str]] = Counter()
         self.decisions: deque[str] = deque(maxlen=64)
         self.accepted_tokens: Counter[str] = Counter()
+        # fragment -> a learner whose delta was anchored at a version this replica lacks (a hint: the
+        # catch-up from it checks every record; a lying learner costs one failed fetch)
+        self.ahead_hints: dict[int, str] = {}
         self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
         # Sparse codecs: what an update leaves out is carried into the fragment's next update. Lost with
         # this object (failover, rotation) unless the peer passes one store to every term (README, wire).
@@ -179,6 +182,8 @@ class Synchronizer:
         )
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
+            if _tag(decision.reason) == FUTURE_ANCHOR:
+                self.ahead_hints[p] = sender  # this learner adopted a version I lack: catch up from it
             return self._reject(sender, _tag(decision.reason), decision.reason, now)
         self.guard.note_accepted(p, screened.tensors, header.steps)
         clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
@@ -190,12 +195,16 @@ class Synchronizer:
     def observe_step_time(self, seconds: float) -> None:
         self.rounds.observe_step_time(seconds)
 
-    def poll(self, now: float, live_learners: frozenset[str], cap: float) -> list[MergeOutcome]:
-        """Close every round whose quorum and grace allow it; returns the updates to publish."""
+    def poll(
+        self, now: float, live_learners: frozenset[str], cap: float, hold: Collection[int] = ()
+    ) -> list[MergeOutcome]:
+        """Close every round whose quorum and grace allow it, except fragments in `hold` (being caught up or
+        reconciled: merging now would publish from a state about to change); returns the updates."""
+        self._follow_replica(now)
         awaited = live_learners - self.guard.cooling(now)
         outcomes = []
         for p, decision in self.rounds.ready(now, awaited, cap):
-            if decision.action != "close" or self._gathering(p, now, awaited):
+            if decision.action != "close" or p in hold or self._gathering(p, now, awaited):
                 continue
             contributions = self._screen_round(p, self.rounds.close(p, now), now)
             if not contributions:
@@ -210,6 +219,14 @@ class Synchronizer:
             )
             outcomes.append(MergeOutcome(record, decision.reason, pending, grad))
         return outcomes
+
+    def _follow_replica(self, now: float) -> None:
+        """Rounds move to the replica's version after a catch-up or reconciliation changed it under them;
+        contributions no longer usable there are dropped with their rejection (their learners resend)."""
+        for p, version in enumerate(self.replica.versions()):
+            if version != self.rounds.version(p) and p not in self.rounds.merging:
+                for dropped in self.rounds.set_version(p, version, now):
+                    self.decisions.append(f"fragment {p} moved to v{version}: {dropped.reason}")
 
     def _gathering(self, p: int, now: float, live_learners: frozenset[str]) -> bool:
         """While `p` has no direction reference, hold its round for a first update screened by the round."""

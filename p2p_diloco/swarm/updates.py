@@ -30,9 +30,10 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Adopt
 from p2p_diloco.swarm.update_checks import UpdateChecks
 from p2p_diloco.swarm.update_log import UpdateLog
-from p2p_diloco.swarm.vouching import Vouchers
+from p2p_diloco.swarm.vouching import Ahead, Vouchers, trusted_ahead
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.frames import encode_update, update_signing_bytes
+from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import PeerKeys
 
@@ -98,11 +99,26 @@ class UpdateBook:
     def sign(self, record: UpdateRecord) -> UpdateRecord:
         return replace(record, signature=self.keys.signer.sign(update_signing_bytes(record)))
 
-    def verified_newest(self) -> int:
-        """The sum over fragments of the newest version this peer holds or has seen vouched for."""
+    def verified_newest(self, trusted: Mapping[int, int] | None = None) -> int:
+        """The sum over fragments of the newest version this peer holds, has seen vouched for, or sees in
+        trusted tips of live peers (`trusted[p]`, from `vouching.trusted_ahead`)."""
+        trusted = trusted or {}
         return sum(
-            max(self.replica.version(p), self.vouchers.newest(p)) for p in range(self.plan.num_fragments)
+            max(self.replica.version(p), self.vouchers.newest(p), trusted.get(p, 0))
+            for p in range(self.plan.num_fragments)
         )
+
+    def trusted_ahead(self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str) -> dict[int, Ahead]:
+        """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica."""
+        reported = [
+            {
+                peer: tip
+                for peer, info in live_peers.items()
+                if peer != peer_id and (tip := info.tip(p)) is not None
+            }
+            for p in range(self.plan.num_fragments)
+        ]
+        return trusted_ahead(self.vouchers, self.tips(), reported)
 
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         """(tag, detail) if a record is not for this run, manifest or fragment layout."""

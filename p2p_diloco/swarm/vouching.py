@@ -6,13 +6,16 @@ neither may move a replica by itself (a forged tip once pulled every honest repl
 `Vouchers` remembers, per fragment, the (version, checksum, term) of every update record this peer
 checked (signature of its leader, and the leader's lease; `Peer` and `Repair` check, then call `vouch`).
 Anti-entropy only repairs toward a trusted tip, and a snapshot is installed only if its state is vouched.
-Memory is bounded: the newest `MAX_VOUCHED` states per fragment.
+Memory is bounded: the newest `MAX_VOUCHED` states per fragment. `trusted_ahead` tells on which fragments
+trusted tips of live peers are ahead of this replica (election and the holder's catch-up before merging).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from p2p_diloco.protocol import reconcile
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
 
@@ -50,3 +53,35 @@ class Vouchers:
             ):
                 trusted[peer] = tip
         return trusted
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A fragment on which a trusted tip of a live peer is ahead of this replica: the winning tip among
+    the trusted ones, and the peers on it (sources to catch up from)."""
+
+    winner: BranchTip
+    sources: tuple[str, ...]
+
+
+def trusted_ahead(
+    vouchers: Vouchers, mine: Sequence[BranchTip], reported: Sequence[Mapping[str, BranchTip]]
+) -> dict[int, Ahead]:
+    """Fragments whose trusted winning tip among `reported[p]` (other live peers' tips) is ahead of `mine[p]`
+    on a history my state may lie on (`reconcile.classify` says catch up).
+
+    A synchronizer must publish from the newest global state: an update built on an older version starts
+    a branch of a higher term, which wins reconciliation and drops the newer versions every other replica
+    holds. So a peer counts these versions when it judges whether it is up to date enough to claim, and a
+    holder catches such a fragment up before it merges a round of it.
+    """
+    ahead = {}
+    for p, (tip, tips) in enumerate(zip(mine, reported, strict=True)):
+        theirs = vouchers.trusted_tips(p, tips)
+        if not theirs:
+            continue
+        winner = reconcile.winning_tip(theirs.values())
+        if reconcile.classify(tip, winner).action == reconcile.CATCH_UP:
+            sources = tuple(sorted(peer for peer, t in theirs.items() if t.same_state(winner)))
+            ahead[p] = Ahead(winner, sources)
+    return ahead

@@ -1,0 +1,148 @@
+"""A synchronizer never publishes from behind (#15: the long chaos run lost 215 versions this way).
+
+An update built on an older version of a fragment starts a branch of a higher term, which wins
+reconciliation and drops the newer versions every other replica holds. So versions that trusted tips of
+live peers show (vouched by a checked record, or reported alike by two peers) count when a peer judges
+whether it may claim, and a holder that lacks them catches the fragment up before it merges a round of it
+(at most `lease_ttl`: the run never halts on it). One peer's word alone moves nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from p2p_diloco.protocol import election
+from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.reconcile import BranchTip
+from p2p_diloco.swarm.vouching import Vouchers, trusted_ahead
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.frames import encode_update
+from p2p_diloco.wire.keys import lease_key
+from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
+from tests.support.manifests import tiny_manifest
+from tests.support.peers import PeerHarness, signed
+from tests.unit.test_peer_terms import make_peer
+
+MANIFEST = dataclasses.replace(
+    tiny_manifest("terms"), robust=dataclasses.replace(tiny_manifest("terms").robust, enabled=False)
+)
+
+
+def tip(term: int, version: int, checksum: str = "c" * 16) -> BranchTip:
+    return BranchTip(term, version, checksum)
+
+
+def record(fragment: int, version: int, term: int, checksum: str) -> UpdateRecord:
+    return UpdateRecord("r", "h", fragment, version - 1, term, "old", (("a", 1.0),), checksum, b"")
+
+
+def test_tips_two_peers_report_alike_are_ahead_one_peers_alone_are_not():
+    mine = [tip(1, 1, "x" * 16)]
+    both = trusted_ahead(Vouchers(1), mine, [{"a": tip(1, 3), "b": tip(1, 3)}])
+    assert set(both) == {0} and both[0].winner == tip(1, 3) and both[0].sources == ("a", "b")
+    assert trusted_ahead(Vouchers(1), mine, [{"a": tip(1, 3), "b": tip(1, 2, "d" * 16)}]) == {}
+
+    vouchers = Vouchers(1)
+    vouchers.vouch(record(0, 3, 1, "c" * 16))  # a checked record produced this state
+    assert trusted_ahead(vouchers, mine, [{"a": tip(1, 3)}])[0].sources == ("a",)
+
+
+def test_newer_versions_of_a_lower_term_are_not_ahead_of_a_higher_terms_branch():
+    """My state cannot lie on their history (that is reconciliation's business, not a catch-up)."""
+    assert trusted_ahead(Vouchers(1), [tip(2, 1, "x" * 16)], [{"a": tip(1, 3), "b": tip(1, 3)}]) == {}
+    assert trusted_ahead(Vouchers(1), [tip(1, 3)], [{"a": tip(1, 3), "b": tip(1, 3)}]) == {}
+
+
+def report(peer: PeerHarness, who: str, versions: tuple[int, ...], tips: tuple, now: float) -> None:
+    """A heartbeat of a live observer `who` as it would write it."""
+    info = HeartbeatInfo(role="observer", may_sync=False, reachable=True, versions=versions, tips=tips)
+    peer.kv.store(peer.peer.membership.hb_key, who, info.to_bytes(), now + MANIFEST.timing.heartbeat_ttl)
+
+
+def ticks(peer: PeerHarness, seconds: int, **reports) -> election.ElectionDecision:  # noqa: ANN003
+    decision = None
+    for _ in range(seconds):
+        now = peer.clock.now()
+        peer.heartbeat(now)
+        for who, (versions, tips) in reports.items():
+            report(peer, who, versions, tips, now)
+        decision = peer.election_tick(now)
+        peer.clock.advance_to(now + 1.0)
+    return decision
+
+
+def test_a_peer_behind_two_peers_tips_does_not_claim_one_peers_word_does_not_stop_it():
+    me, _, _, _ = make_peer(MANIFEST, may_sync=True)
+    mine = me.peer.book.tips()
+    ahead = ((5, 0), ((1, "c" * 16), (mine[1].term, mine[1].checksum)))
+    decision = ticks(me, 10, a=ahead, b=ahead)
+    assert me.peer.sync is None and decision.action != election.CLAIM, decision
+
+    alone, _, _, _ = make_peer(MANIFEST, may_sync=True)
+    ticks(alone, 10, a=ahead, b=((0, 0), tuple((t.term, t.checksum) for t in mine)))
+    assert alone.peer.sync is not None  # a forged heartbeat cannot make an honest peer ineligible
+
+
+def holder_behind() -> tuple[PeerHarness, int, bytes, tuple]:
+    """`me` holds term 2 and has sent its own delta; `old` held term 1 and published fragment f v0->v1,
+    which `me` missed: the update frame and the tips of the peers that applied it."""
+    published: list = []
+    me, kv, clock, _ = make_peer(MANIFEST, may_sync=True, published=published)
+    old = LeaseRecord("old", 1, expires_at=clock.now() + 1.0)
+    kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), "old", encode_lease(old), 1e9)
+    ticks(me, 10)
+    assert me.peer.sync is not None and me.peer.sync.term == 2
+    before = set(me.peer.deltas.in_flight)
+    for _ in range(MANIFEST.diloco.steps_per_fragment):
+        me.train_step()
+    (fragment,) = set(me.peer.deltas.in_flight) - before
+
+    replica = copy.deepcopy(me.replica)
+    payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(fragment).items()})
+    pending = replica.compute_update(fragment, decode_tensors(payload), lr=0.7, momentum=0.9)
+    update = UpdateRecord(
+        MANIFEST.run_id,
+        MANIFEST.manifest_hash,
+        fragment,
+        0,
+        1,
+        "old",
+        (("a", 1.0),),
+        pending.checksum,
+        payload,
+    )
+    versions = tuple(int(p == fragment) for p in range(me.peer.plan.num_fragments))
+    tips = tuple(
+        (1, pending.checksum[:16]) if p == fragment else (t.term, t.checksum)
+        for p, t in enumerate(me.peer.book.tips())
+    )
+    me.published = published
+    return me, fragment, encode_update(signed(update)), (versions, tips)
+
+
+def test_a_holder_behind_trusted_tips_catches_up_before_it_merges():
+    me, fragment, frame, ahead = holder_behind()
+    me.transport.updates = [frame]
+    ticks(me, 1, a=ahead, b=ahead)
+    assert me.replica.version(fragment) == 1  # replayed the update it missed, checked
+    assert any("holder behind on fragment" in line for line in me.peer.decisions)
+    me.clock.advance_to(me.clock.now() + 30.0)  # every grace window is over
+    (merged,) = me.sync_now(me.clock.now())
+    assert (merged.fragment, merged.from_version, merged.term) == (fragment, 1, 2)  # not a fork from v0
+
+
+def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
+    me, fragment, _, ahead = holder_behind()
+    me.transport.updates, me.transport.snapshot = [], b"garbage"  # the peers ahead cannot serve it
+    ticks(me, 1, a=ahead, b=ahead)
+    assert me.replica.version(fragment) == 0
+    assert me.sync_now(me.clock.now() + 1.0) == []  # the round waits for the versions others hold
+    ticks(me, int(MANIFEST.timing.lease_ttl) + 1, a=ahead, b=ahead)
+    me.clock.advance_to(me.clock.now() + 30.0)
+    merged = me.sync_now(me.clock.now())
+    assert [(r.fragment, r.from_version) for r in merged] == [(fragment, 0)]  # the run goes on
+    assert any(f"fragment {fragment}: not caught up to v1" in line for line in me.peer.decisions)
