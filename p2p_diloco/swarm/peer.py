@@ -13,6 +13,7 @@ What it is made of, each with explicit dependencies:
 - `DeltaRouting`: the learner's deltas to the synchronizer, and the gate the training thread reads;
 - `SynchronizerRole`: the `Synchronizer` of the term this peer holds (rounds, robust checks, merges)
   and the updates it publishes;
+- `UpdateIntake`: pushed updates, checked, applied, or turned into a catch-up or reconciliation;
 - `HolderWatch`: the named successor's watch on its holder (fast succession).
 """
 
@@ -25,32 +26,27 @@ from typing import Any
 from torch import Tensor
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.errors import DecodeError
-from p2p_diloco.protocol import election, reconcile
+from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, DUPLICATE_UPDATE, OUT_OF_ORDER, GlobalReplica
+from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership
-from p2p_diloco.swarm.repair import REJECT_NOT_ALLOWED, Repair
+from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.swarm.role import SynchronizerRole
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer
-from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
-from p2p_diloco.wire.frames import decode_update
+from p2p_diloco.swarm.update_intake import UpdateIntake
+from p2p_diloco.swarm.updates import UpdateBook
 from p2p_diloco.wire.records import HeartbeatInfo
-from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.signing import PeerKeys
 
 Task = Generator[fx.Request, Any, Any]
-
-BAD_SIGNATURE = "bad signature"  # an update not signed by the leader it names
-LEASE_NOT_LIVE = "lease not live"  # a pushed update whose leader's lease was not live when it arrived
 
 
 class Peer:
@@ -107,6 +103,9 @@ class Peer:
         )  # fmt: skip
         self._tasks: dict[int, tuple[Task, Callable[[Any], None]]] = {}
         self.watch = HolderWatch(peer_id, self.membership, self.journal, self.spawn, self.elect)
+        self.intake = UpdateIntake(
+            manifest, self.membership, self.book, self.repair, self.deltas, self.journal, self._start_repair
+        )
         self._electing = False  # an election round's DHT read is in flight
         self._task_ids = itertools.count(1)
 
@@ -122,7 +121,7 @@ class Peer:
                 self._emit(fx.Respond(event.answer, self._handle_delta(event.sender, event.frame, event.now)))
             case fx.UpdateArrived():
                 self.spawn(
-                    self._receive_update(event.sender, event.frame, event.now), self._respond(event.answer)
+                    self.intake.receive(event.sender, event.frame, event.now), self._respond(event.answer)
                 )
             case fx.UpdatesRequested():
                 frames = self.repair.serve_updates(event.requester, event.fragment, event.after_version)
@@ -342,72 +341,6 @@ class Peer:
             )
         else:
             self._emit(send)
-
-    # ---- updates -----------------------------------------------------------------------------------
-
-    def _receive_update(self, sender: str, frame: bytes, now: float) -> Task:
-        """A pushed update: checks (allowlist, frame, run, fencing, leader, lease), then `UpdateBook.apply`;
-        one that does not follow this replica starts a catch-up or a reconciliation."""
-        if not self.membership.allowed(sender):
-            return self.journal.reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
-        try:
-            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
-        except DecodeError as exc:
-            return self.journal.reject(sender, exc.reason, str(exc))
-        bad = self.book.check_record(record.run_id, record.manifest_hash, record.fragment)
-        if bad:
-            return self.journal.reject(sender, bad[0], bad[1])
-        fencing = election.should_accept_update(record.term, self.membership.term_seen)
-        if fencing.action != election.ACCEPT:
-            return self.journal.reject(sender, election.TAG_LOWER_TERM, fencing.reason)
-        if record.leader != sender:
-            return self.journal.reject(
-                sender, "not the leader", f"update of term {record.term} names {record.leader}"
-            )
-        if not self.book.signed_by_leader(record):
-            return self.journal.reject(sender, BAD_SIGNATURE, f"update of term {record.term}")
-        if not (yield from self.repair.verify_lease(record.leader, record.term, now)):
-            return self.journal.reject(
-                sender, "no lease", f"{sender} never held a valid lease of term {record.term}"
-            )
-        if not self.membership.lease_live_at(record.leader, record.term, now):
-            return self.journal.reject(
-                sender, LEASE_NOT_LIVE, f"{sender}'s lease of term {record.term} is not live at {now:.2f}"
-            )
-        self.book.vouchers.vouch(record)
-        self.membership.term_seen = max(self.membership.term_seen, record.term)
-        before = self.book.tip(record.fragment)
-        reply = self.book.apply(record, source=sender, how=UpdateSource.PUSHED, now=now)
-        if reply.status == ReplyStatus.APPLIED:
-            self.deltas.on_merged(record)
-            return reply
-        self._after_refused_update(record, sender, before, reply)
-        return reply
-
-    def _after_refused_update(
-        self, record: UpdateRecord, sender: str, before: BranchTip, reply: Reply
-    ) -> None:
-        p, tag = record.fragment, reply.tag
-        if record.term > before.term and tag in (DUPLICATE_UPDATE, OUT_OF_ORDER, CHECKSUM_MISMATCH):
-            # An update of a newer term that does not follow my state: maybe a branch from a partition.
-            theirs = BranchTip(record.term, record.to_version, record.checksum)
-            proof = None
-            if tag == CHECKSUM_MISMATCH:
-                proof = reconcile.fork_proven(
-                    before, theirs, update_term=record.term, from_version=record.from_version
-                )
-            self._start_repair(p, self.repair.reconcile_fragment(p, theirs, [sender], proof))
-        elif tag == OUT_OF_ORDER:
-            self._start_repair(
-                p,
-                self.repair.catch_up_fragment(
-                    p, [sender], target=record.to_version, now=self.membership.last_read
-                ),
-            )
-        elif tag != DUPLICATE_UPDATE:
-            self.journal.note(f"update from {sender} refused: {reply}")
-            if tag == CHECKSUM_MISMATCH:
-                self._start_repair(p, self.repair.fetch_fragment(p, [sender]))
 
     # ---- read-only views for telemetry and tests ----------------------------------------------------
 

@@ -16,11 +16,11 @@ import torch
 
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
-from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.swarm.vouching import Vouchers, trusted_ahead
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.frames import encode_update
+from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from tests.support.manifests import tiny_manifest
@@ -146,3 +146,15 @@ def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
     merged = me.sync_now(me.clock.now())
     assert [(r.fragment, r.from_version) for r in merged] == [(fragment, 0)]  # the run goes on
     assert any(f"fragment {fragment}: not caught up to v1" in line for line in me.peer.decisions)
+
+
+def test_a_delta_anchored_ahead_starts_a_catch_up_from_its_learner_but_holds_no_round():
+    me, fragment, frame, _ = holder_behind()
+    me.transport.updates = [frame]
+    tensors = {n: torch.full(s, 1e-3) for n, s in me.replica.shapes(fragment).items()}
+    tokens = MANIFEST.diloco.batch_size * MANIFEST.model.block_size * 4
+    header = DeltaHeader(MANIFEST.run_id, MANIFEST.manifest_hash, fragment, 1, tokens=tokens, steps=4, seq=7)
+    reply = me.handle_delta("learner", encode_delta(header, encode_tensors(tensors)))
+    assert reply.startswith("future anchor")
+    assert me.replica.version(fragment) == 1  # replayed from that learner, each record checked
+    assert me.peer.role.held(me.clock.now()) == frozenset()  # one learner's word holds no round
