@@ -180,6 +180,7 @@ class Synchronizer:
             payload=screened.tensors,
             seq=header.seq,
         )
+        self._follow_replica(now)
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
             if _tag(decision.reason) == FUTURE_ANCHOR:

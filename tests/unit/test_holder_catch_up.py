@@ -23,13 +23,17 @@ from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
-from tests.support.manifests import tiny_manifest
+from tests.support.manifests import tiny_manifest, tiny_training
 from tests.support.peers import PeerHarness, signed
 from tests.unit.test_peer_terms import make_peer
 
 MANIFEST = dataclasses.replace(
     tiny_manifest("terms"), robust=dataclasses.replace(tiny_manifest("terms").robust, enabled=False)
 )
+
+
+_TRAINING = tiny_training(MANIFEST)
+MANIFEST_SHAPES = [_TRAINING.replica.shapes(p) for p in range(_TRAINING.plan.num_fragments)]
 
 
 def tip(term: int, version: int, checksum: str = "c" * 16) -> BranchTip:
@@ -130,9 +134,11 @@ def test_a_holder_behind_trusted_tips_catches_up_before_it_merges():
     ticks(me, 1, a=ahead, b=ahead)
     assert me.replica.version(fragment) == 1  # replayed the update it missed, checked
     assert any("holder behind on fragment" in line for line in me.peer.decisions)
-    me.clock.advance_to(me.clock.now() + 30.0)  # every grace window is over
+    # the open round moved to v1 with the replica: a delta anchored there is usable
+    assert "accepted: learner" in me.handle_delta("learner", delta(fragment, anchor=1, seq=8))
     (merged,) = me.sync_now(me.clock.now())
-    assert (merged.fragment, merged.from_version, merged.term) == (fragment, 1, 2)  # not a fork from v0
+    assert (merged.fragment, merged.from_version, merged.term) == (fragment, 1, 2)
+    assert dict(merged.contributors).keys() == {"me", "learner"}  # not a fork from v0
 
 
 def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
@@ -148,13 +154,19 @@ def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
     assert any(f"fragment {fragment}: not caught up to v1" in line for line in me.peer.decisions)
 
 
+def delta(fragment: int, *, anchor: int, seq: int) -> bytes:
+    tensors = {n: torch.full(s, 1e-3) for n, s in MANIFEST_SHAPES[fragment].items()}
+    tokens = MANIFEST.diloco.batch_size * MANIFEST.model.block_size * 4
+    header = DeltaHeader(
+        MANIFEST.run_id, MANIFEST.manifest_hash, fragment, anchor, tokens=tokens, steps=4, seq=seq
+    )
+    return encode_delta(header, encode_tensors(tensors))
+
+
 def test_a_delta_anchored_ahead_starts_a_catch_up_from_its_learner_but_holds_no_round():
     me, fragment, frame, _ = holder_behind()
     me.transport.updates = [frame]
-    tensors = {n: torch.full(s, 1e-3) for n, s in me.replica.shapes(fragment).items()}
-    tokens = MANIFEST.diloco.batch_size * MANIFEST.model.block_size * 4
-    header = DeltaHeader(MANIFEST.run_id, MANIFEST.manifest_hash, fragment, 1, tokens=tokens, steps=4, seq=7)
-    reply = me.handle_delta("learner", encode_delta(header, encode_tensors(tensors)))
+    reply = me.handle_delta("learner", delta(fragment, anchor=1, seq=7))
     assert reply.startswith("future anchor")
     assert me.replica.version(fragment) == 1  # replayed from that learner, each record checked
     assert me.peer.role.held(me.clock.now()) == frozenset()  # one learner's word holds no round
