@@ -5,8 +5,10 @@ event logs, status rows and version lists; the orchestrator's end of run (`demo.
   than its publisher applied it (``applied`` events). Violations: a holder published a version at or
   below one another update (term, leader) had already replicated (it started from older state than the
   swarm had: ``republished``); two different updates of one version both replicated (``forked``);
-  within one process lifetime (from a ``start`` event) a peer's reported versions decreased (``replica
-  went back``). Returns them (empty: never went back).
+  within one process lifetime (from a ``start`` event) a peer's reported versions decreased, dropping a
+  version that was replicated or that it got by snapshot (``replica went back``; a holder fenced off
+  by its followers, whose own updates nobody applied, drops them when it steps down: not global state).
+  Returns them (empty: never went back).
 * `digest_agreement`: replicas that report the same version of a fragment must report the same
   checksum of it (``tips``), and peers at the same versions of every fragment the same replica digest.
 * `resume_check`: after all peers were stopped together and restarted from their state dirs, each one
@@ -38,6 +40,14 @@ def _update_rows(events_by_peer: Mapping[str, Sequence[Event]], kind: str) -> li
         if e.get("event") == kind and all(k in e for k in ("t", "fragment", "version"))
     ]
     return sorted(rows, key=lambda row: row[0])
+
+
+def _dropped_global(
+    made_by: Mapping[tuple[int, int], tuple], replicated: set, p: int, versions: range
+) -> bool:
+    """Whether versions a peer dropped of fragment `p` were global state: any of them replicated, or got
+    without an update this peer saw (a snapshot). Its own updates nobody else applied are not."""
+    return any((update := made_by.get((p, v))) is None or (p, v, update) in replicated for v in versions)
 
 
 def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[dict[str, Any]]:
@@ -73,15 +83,23 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
                 {"t": t, "kind": "republished", "peer": peer, "fragment": fragment, "version": version,
                  "term": update[0], "after": v, "after_term": u[0]}
             )  # fmt: skip
+    replicated_updates = set(first_replicated)
     for peer, events in events_by_peer.items():
         current: tuple[int, ...] | None = None
+        made_by: dict[tuple[int, int], tuple] = {}  # (fragment, version) -> the update that made it here
         for e in events:
             kind = e.get("event")
+            if kind in ("published", "applied") and all(k in e for k in ("fragment", "version")):
+                made_by[(int(e["fragment"]), int(e["version"]))] = (e.get("term"), e.get("leader"))
             if kind == "start":
                 current = _versions(e.get("versions"))
             elif kind == "progress" and (seen := _versions(e.get("versions"))) is not None:
                 if current is not None and len(current) == len(seen):
-                    back = [p for p, (a, b) in enumerate(zip(current, seen, strict=True)) if b < a]
+                    back = [
+                        p
+                        for p, (a, b) in enumerate(zip(current, seen, strict=True))
+                        if b < a and _dropped_global(made_by, replicated_updates, p, range(b + 1, a + 1))
+                    ]
                     if back:
                         problems.append(
                             {"t": e.get("t"), "kind": "replica went back", "peer": peer, "fragments": back,

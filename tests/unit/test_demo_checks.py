@@ -104,6 +104,22 @@ def test_an_update_nobody_else_applied_is_not_global_state():
     assert checks.versions_went_back(events) == []
 
 
+def test_a_fenced_off_holder_dropping_its_own_unapplied_updates_has_not_gone_back():
+    # a's renewals did not reach the others: they refused its term-1 updates v2 and v3, b took term 2 from
+    # v1, and a reconciled onto b's branch (its versions went 3 -> 2): nothing replicated was dropped
+    events = {
+        "a": [progress(0.5, [0, 0]), published(1, 0, 1, 1), published(2, 0, 2, 1), published(3, 0, 3, 1),
+              progress(3.5, [3, 0]), applied(6, 0, 2, 2, "QmB"), progress(6.5, [2, 0])],
+        "b": [applied(1.1, 0, 1, 1), published(5, 0, 2, 2, "QmB")],
+        "c": [applied(1.2, 0, 1, 1), applied(5.1, 0, 2, 2, "QmB")],
+    }  # fmt: skip
+    assert checks.versions_went_back(events) == []
+    events["c"].insert(1, applied(2.2, 0, 2, 1))  # had c applied a's v2, b's term-2 v2 would overwrite it
+    assert [p["kind"] for p in checks.versions_went_back(events)] == ["republished", "forked"]
+    events["a"][-1] = progress(6.5, [1, 0])  # and a peer dropping a version it got from elsewhere went back
+    assert "replica went back" in [p["kind"] for p in checks.versions_went_back(events)]
+
+
 def test_overwriting_replicated_state_forks_and_a_replica_going_back_are_all_reported():
     events = {
         "a": [published(1, 0, 1, 1), published(2, 0, 2, 1), progress(2.5, [2, 0])],
