@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop training after N steps (keeps serving until stopped)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument(
+        "--train-nice",
+        type=int,
+        default=5,
+        help="nice value added to the training thread so heartbeats, leases and the DHT get the CPU "
+        "first (Linux; default 5, 0: off)",
+    )
     p.add_argument("--persist-every", type=float, default=30.0, help="seconds between replica saves")
     p.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
     p.add_argument(

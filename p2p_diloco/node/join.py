@@ -59,6 +59,8 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
         )
     if args.min_step_time < 0:
         raise ConfigError("--min-step-time must be >= 0 seconds")
+    if not 0 <= args.train_nice <= 19:
+        raise ConfigError(f"--train-nice must be 0 (off) to 19, got {args.train_nice}")
     if not 0 <= args.metrics_port <= 65535:
         raise ConfigError(
             f"--metrics-port must be a TCP port (1-65535) or 0 for none, got {args.metrics_port}"
@@ -76,6 +78,7 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
         max_steps=args.max_steps,
         micro_batch=micro_batch,
         threads=args.threads,
+        train_nice=args.train_nice,
         persist_every=args.persist_every,
         progress_every=args.progress_every,
         min_step_time=args.min_step_time,

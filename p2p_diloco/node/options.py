@@ -30,6 +30,9 @@ class NodeOptions:
     # hands it to the learner's `InnerTrainer` (model/trainer.py, `make_trainer`).
     micro_batch: int = 0
     threads: int = 1
+    # nice value added to the training thread, so the peer's control plane gets the CPU first (Linux;
+    # 0: off); see node/priority.py
+    train_nice: int = 5
     persist_every: float = 30.0
     progress_every: float = 5.0
     min_step_time: float = 0.0  # pace training (slow devices, tests); 0 trains flat out

@@ -52,6 +52,7 @@ from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
 from p2p_diloco.node.observing import ObserveOptions, Observing
 from p2p_diloco.node.options import NodeOptions, check_device
+from p2p_diloco.node.priority import lower_this_thread
 from p2p_diloco.node.reporting import (
     NodeSnapshot,
     Telemetry,
@@ -240,6 +241,7 @@ class PeerNode:
         opts = self.options
         assert self.learner is not None and self.driver is not None
         self.driver.call(self._swarm_tick, timeout=opts.dht_timeout + 1.0)  # announce ourselves first
+        lower_this_thread(opts.train_nice)  # the owner, DHT and transport threads keep their priority
         self.counters.loop_started = time.monotonic()
         while not self.stop.is_set():
             started = time.monotonic()

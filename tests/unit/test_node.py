@@ -170,6 +170,9 @@ def test_join_refuses_bad_addresses_naming_the_bad_part(tmp_path):
         options_from_args(_join_args(tmp_path, "--listen", "/ip4/127.0.0.1/tcp/99999"))
     with pytest.raises(ConfigError, match="--threads"):
         options_from_args(_join_args(tmp_path, "--threads", "0"))
+    with pytest.raises(ConfigError, match="--train-nice must be 0 .off. to 19, got 25"):
+        options_from_args(_join_args(tmp_path, "--train-nice", "25"))
+    assert options_from_args(_join_args(tmp_path)).train_nice == 5
 
 
 def test_device_check_names_the_problem():
