@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from p2p_diloco.wire.records import MAX_TEXT, RecordError
 
-MAX_EVAL_POINTS = 256  # points one history record keeps (the newest)
-MAX_EVAL_BYTES = 60 * 1024  # below the DHT store's 64 KiB per value
+MAX_EVAL_POINTS = 96  # points one history record keeps: the newest half, and the older ones thinned evenly
+# Far below the DHT's 64 KiB per value on purpose: hivemind hands every store to its DHT process over a
+# pipe that uvloop made non-blocking, and a message that arrives in pieces on a loaded machine (seen
+# with ~35 KiB records) desynchronizes it and kills that process (docs/results/chaos-every-20-30min).
+MAX_EVAL_BYTES = 16 * 1024
 MAX_CONTRIBUTORS = 32  # rows of the leaderboard one record carries (most tokens first)
 MAX_FRAGMENTS = 4096
 MAX_STATS_BYTES = 2 * 1024
@@ -77,7 +80,7 @@ class EvalHistory:
     contributions: tuple[tuple[str, int, int], ...] = ()  # (peer ID, merged tokens, updates)
 
     def to_bytes(self) -> bytes:
-        points = list(self.points)[-MAX_EVAL_POINTS:]
+        points = list(thin(self.points, MAX_EVAL_POINTS))
         while True:
             raw = json.dumps(
                 {
@@ -172,10 +175,23 @@ def decode_eval_history(raw: bytes, num_fragments: int) -> EvalHistory:
     return EvalHistory(points=points, dedicated=d["dedicated"], contributions=tuple(rows_out))
 
 
+def thin(points: Sequence[EvalPoint], limit: int) -> tuple[EvalPoint, ...]:
+    """At most `limit` of `points` (oldest first): the newest half as they are, and as many of the older
+    ones, evenly spaced from the first, so a long run's curve keeps its shape in a small record."""
+    points = tuple(points)
+    if len(points) <= limit:
+        return points
+    recent = limit // 2
+    older, keep = points[:-recent] if recent else points, limit - recent
+    step = len(older) / keep
+    return tuple(older[int(i * step)] for i in range(keep)) + (points[-recent:] if recent else ())
+
+
 def merge_points(*histories: Iterable[EvalPoint], limit: int = MAX_EVAL_POINTS) -> tuple[EvalPoint, ...]:
-    """The union of several histories, one point per (time, evaluator), oldest first, the newest `limit`."""
+    """The union of several histories, one point per (time, evaluator), oldest first, `thin`ned to
+    `limit`."""
     merged = {p.key(): p for history in histories for p in history}
-    return tuple(merged[k] for k in sorted(merged))[-limit:]
+    return thin([merged[k] for k in sorted(merged)], limit)
 
 
 def merge_records(records: dict[str, EvalHistory], limit: int = MAX_EVAL_POINTS) -> tuple[EvalPoint, ...]:

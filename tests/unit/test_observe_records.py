@@ -18,6 +18,7 @@ from p2p_diloco.wire.observe import (
     decode_eval_history,
     decode_peer_stats,
     merge_points,
+    thin,
 )
 from p2p_diloco.wire.records import RecordError
 
@@ -88,11 +89,23 @@ def test_a_large_history_is_trimmed_to_fit_the_record():
     assert decoded.points[-1] == history.points[-1]  # the newest points are kept
 
 
+def test_a_long_history_keeps_its_newest_half_and_thins_the_older_points_evenly():
+    points = [point(float(t)) for t in range(1000)]
+    kept = thin(points, 10)
+    assert [p.t for p in kept] == [0.0, 199.0, 398.0, 597.0, 796.0, 995.0, 996.0, 997.0, 998.0, 999.0]
+    assert thin(points[:7], 10) == tuple(points[:7])
+    history = EvalHistory(points=tuple(points))
+    raw = history.to_bytes()
+    assert len(raw) <= MAX_EVAL_BYTES <= 16 * 1024  # small enough for hivemind's DHT pipe (see observe.py)
+    decoded = decode_eval_history(raw, 2).points
+    assert decoded[0].t == 0.0 and decoded[-1].t == 999.0 and len(decoded) <= MAX_EVAL_POINTS
+
+
 def test_merge_points_keeps_one_point_per_time_and_evaluator_newest_last():
     mine, theirs = [point(1.0), point(3.0)], [point(1.0), point(2.0, evaluator=B)]
     merged = merge_points(mine, theirs)
     assert [(p.t, p.evaluator) for p in merged] == [(1.0, A), (2.0, B), (3.0, A)]
-    assert merge_points(mine, theirs, limit=2) == merged[-2:]
+    assert merge_points(mine, theirs, limit=2) == (merged[0], merged[-1])  # thinned: first and newest
 
 
 @settings(max_examples=300, deadline=None)
