@@ -43,7 +43,11 @@ from p2p_diloco.wire.interfaces import StoredValue
 
 log = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 64 * 1024
+# hivemind hands every call to its DHT process over a multiprocessing pipe that uvloop made non-blocking:
+# a message over 16384 bytes goes as two writes, the process can read the first and hit EAGAIN on the
+# second, and from then on it reads the stream out of step and dies (EOFError). A value of at most 12 KiB
+# keeps the whole pickled call (key, owner tag, expiration, future) under that size.
+MAX_RECORD_BYTES = 12 * 1024
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 DHT_SHUTDOWN_TIMEOUT = 3.0  # hivemind's default grace period before it terminates the DHT process
 
@@ -71,6 +75,10 @@ class DhtPeer:
     @property
     def owner_tag(self) -> bytes:
         return self.signer.local_public_key
+
+    def alive(self) -> bool:
+        """Whether hivemind's DHT process still runs (it can die on its own; then every call times out)."""
+        return self.dht.is_alive()
 
     def visible_addresses(self, latest: bool = False) -> list[str]:
         """This peer's full multiaddrs (with /p2p/ID) as other peers should dial them."""

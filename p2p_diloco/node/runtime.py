@@ -68,6 +68,8 @@ from p2p_diloco.swarm.peer import Peer
 
 log = logging.getLogger(__name__)
 
+EXIT_DHT_DIED = 3  # `join`'s exit status when its hivemind DHT process died under it
+
 IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) checks for work
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
@@ -90,6 +92,7 @@ class PeerNode:
         self.island = island  # set: this process is rank 0 of an island (node/island.py)
         self.manifest = options.manifest
         self.stop = stop or threading.Event()
+        self.exit_status = 0
         self.out = out
         self.clock = DhtClock()
         self.state: StateDir | None = None
@@ -229,13 +232,13 @@ class PeerNode:
     # ---- the loop (the training thread) ------------------------------------------------------------
 
     def run(self) -> int:
-        """start, loop until `stop`, shut down; returns the exit status (0)."""
+        """start, loop until `stop`, shut down; returns the exit status (0, or `EXIT_DHT_DIED`)."""
         try:
             self.start()
             self.loop()
         finally:
             self.shutdown()
-        return 0
+        return self.exit_status
 
     def loop(self) -> None:
         opts = self.options
@@ -284,9 +287,18 @@ class PeerNode:
     # ---- the owner thread's jobs -------------------------------------------------------------------
 
     def _swarm_tick(self) -> None:
-        """Heartbeat, election and anti-entropy (`Peer` on a `Tick`); DHT failures come back as errors."""
+        """Heartbeat, election and anti-entropy (`Peer` on a `Tick`); DHT failures come back as errors.
+        A peer whose DHT process died can neither renew a lease nor see the swarm: it stops (its state is
+        saved), with `EXIT_DHT_DIED`, so that its supervisor restarts it whole."""
         peer, driver = self.peer, self.driver
         assert peer is not None and driver is not None and self.learner is not None
+        if self.dht_peer is not None and not self.dht_peer.alive():
+            if self.exit_status == 0:
+                self.exit_status = EXIT_DHT_DIED
+                self.event("dht_died")
+                self.say("error: the DHT process died; stopping (state saved) so that a restart rejoins")
+                self.stop.set()
+            return
         fields = self.telemetry.heartbeat_fields(
             self.clock.now(), peer, self.learner, self.guard, self.p2p, training=self.training
         )

@@ -62,6 +62,7 @@ class SynchronizerRole:
         # it, the fragment's rounds wait for the catch-up (an update from behind would fork the fragment
         # and win over the newer versions), but at most `timing.lease_ttl`: a run never halts on it
         self.behind: dict[int, tuple[int, float]] = {}
+        self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
         self.sync: Synchronizer | None = None
         # Sparse codecs: what an update left out is carried into the fragment's next update. One store
         # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
@@ -111,7 +112,7 @@ class SynchronizerRole:
     def tick(self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None) -> list[UpdateRecord]:
         """Close ready rounds; apply each update here (its outer step computed once), push it to every
         live peer."""
-        if self.sync is None:
+        if self.sync is None or self._fenced(now):
             return []
         published = []
         for outcome in self.sync.poll(now, self.membership.live_learners(now), cap, hold=self.held(now)):
@@ -136,6 +137,21 @@ class SynchronizerRole:
             published.append(record)
             self._emit(fx.Published(record))
         return published
+
+    def _fenced(self, now: float) -> bool:
+        """Past my lease's last written expiry (less the margin) I merge nothing, whether or not the
+        election could read the DHT since: a peer whose DHT calls fail renews nothing, and its followers
+        refuse its updates once that expiry passed (they may already follow a successor)."""
+        lease = self.membership.my_lease
+        if lease is None or now < lease.expires_at - self.manifest.timing.lease_margin:
+            return False
+        if self._fence_noted != lease.expires_at:
+            self._fence_noted = lease.expires_at
+            self.journal.note(
+                f"term {lease.term}: lease written to expire at {lease.expires_at:.2f} was not renewed; "
+                "merging nothing until the election decides"
+            )
+        return True
 
     def finish_open_rounds(self, now: float) -> None:
         """At the end of a term (the lease still valid), merge every open round that has its quorum now,

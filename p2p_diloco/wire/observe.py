@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 from p2p_diloco.wire.records import MAX_TEXT, RecordError
 
-MAX_EVAL_POINTS = 96  # points one history record keeps: the newest half, and the older ones thinned evenly
-# Far below the DHT's 64 KiB per value on purpose: hivemind hands every store to its DHT process over a
-# pipe that uvloop made non-blocking, and a message that arrives in pieces on a loaded machine (seen
-# with ~35 KiB records) desynchronizes it and kills that process (docs/results/chaos-every-20-30min).
-MAX_EVAL_BYTES = 16 * 1024
+MAX_EVAL_POINTS = 64  # points one history record keeps: the newest half, and the older ones thinned evenly
+# Within the DHT's 12 KiB per value (net/dht_store.py: a larger call can kill hivemind's DHT process;
+# the 30-minute chaos run lost every peer's DHT process once the history passed ~15 KiB).
+MAX_EVAL_BYTES = 11 * 1024
 MAX_CONTRIBUTORS = 32  # rows of the leaderboard one record carries (most tokens first)
 MAX_FRAGMENTS = 4096
 MAX_STATS_BYTES = 2 * 1024

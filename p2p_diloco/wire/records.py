@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.reconcile import TIP_CHECKSUM_CHARS, BranchTip
 
-MAX_RECORD_BYTES = 16 * 1024
+MAX_RECORD_BYTES = 12 * 1024  # what the DHT store takes (net/dht_store.py says why it is small)
 ROLES = ("learner", "synchronizer", "bootstrap", "observer")
 MAX_COUNTERS = 16
 MAX_DECISIONS = 8

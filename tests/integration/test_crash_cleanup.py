@@ -85,3 +85,30 @@ def test_a_sigkilled_peer_leaves_no_process_behind_and_restarts_on_its_state_dir
     wait_for(lambda: starts(state_dir) == 2, START_TIMEOUT, "the restarted peer's start event")
     second.signal(signal.SIGTERM)
     assert second.wait(timeout=60) == 0, second.stderr_tail()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_peer_whose_dht_process_died_stops_with_its_state_saved_so_a_restart_rejoins(
+    spawn, cli, wait_for, tmp_path
+):
+    """hivemind's DHT process can die under a peer (a desynchronized pipe, the OOM killer): without it the
+    peer can neither renew a lease nor see the swarm, so it stops with exit status 3 instead of running on
+    deaf (the 30-minute chaos run had a holder publish for minutes that way)."""
+    identity, state_dir = tmp_path / "peer.key", tmp_path / "state"
+    write_identity(identity)
+    cmd = cli(
+        "join", str(REPO_ROOT / "peers" / "demo.toml"), "--identity", str(identity),
+        "--state-dir", str(state_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--persist-every", "1",
+    )  # fmt: skip
+    peer = spawn(cmd)
+    wait_for(lambda: starts(state_dir) == 1, START_TIMEOUT, "the peer's start event")
+    dht = [
+        pid
+        for pid, name in descendants(peer.pid).items()
+        if name == "python" and pid in children_of(peer.pid)
+    ]
+    assert len(dht) == 1, descendants(peer.pid)  # the forked DHT process (besides p2pd, torch's shm manager)
+    os.kill(dht[0], signal.SIGKILL)
+    assert peer.wait(timeout=60) == 3, peer.stderr_tail()
+    events = [e["event"] for e in read_events(state_dir)]
+    assert "dht_died" in events

@@ -147,8 +147,7 @@ def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
     ticks(me, 1, a=ahead, b=ahead)
     assert me.replica.version(fragment) == 0
     assert me.sync_now(me.clock.now() + 1.0) == []  # the round waits for the versions others hold
-    ticks(me, int(MANIFEST.timing.lease_ttl) + 1, a=ahead, b=ahead)
-    me.clock.advance_to(me.clock.now() + 30.0)
+    ticks(me, int(MANIFEST.timing.lease_ttl) + 1, a=ahead, b=ahead)  # renewing its lease meanwhile
     merged = me.sync_now(me.clock.now())
     assert [(r.fragment, r.from_version) for r in merged] == [(fragment, 0)]  # the run goes on
     assert any(f"fragment {fragment}: not caught up to v1" in line for line in me.peer.decisions)
@@ -170,3 +169,13 @@ def test_a_delta_anchored_ahead_starts_a_catch_up_from_its_learner_but_holds_no_
     assert reply.startswith("future anchor")
     assert me.replica.version(fragment) == 1  # replayed from that learner, each record checked
     assert me.peer.role.held(me.clock.now()) == frozenset()  # one learner's word holds no round
+
+
+def test_a_holder_that_cannot_read_the_dht_stops_merging_when_its_written_lease_runs_out():
+    """No election read, no renewal: past the lease it last wrote (less the margin) it merges nothing."""
+    me, fragment, _, _ = holder_behind()
+    lease = me.peer.membership.my_lease
+    fence = lease.expires_at - MANIFEST.timing.lease_margin
+    assert me.sync_now(fence + 30.0) == []  # every grace window long over, yet nothing merged
+    assert any(f"term {lease.term}: lease written to expire" in line for line in me.peer.decisions)
+    assert [r.fragment for r in me.sync_now(fence - 0.01)] == [fragment]  # before it, the round merges

@@ -20,7 +20,7 @@ from p2p_diloco.wire.observe import (
     merge_points,
     thin,
 )
-from p2p_diloco.wire.records import RecordError
+from p2p_diloco.wire.records import MAX_RECORD_BYTES, RecordError
 
 A, B = "QmA" + "a" * 40, "QmB" + "b" * 40
 
@@ -96,7 +96,9 @@ def test_a_long_history_keeps_its_newest_half_and_thins_the_older_points_evenly(
     assert thin(points[:7], 10) == tuple(points[:7])
     history = EvalHistory(points=tuple(points))
     raw = history.to_bytes()
-    assert len(raw) <= MAX_EVAL_BYTES <= 16 * 1024  # small enough for hivemind's DHT pipe (see observe.py)
+    assert (
+        len(raw) <= MAX_EVAL_BYTES < MAX_RECORD_BYTES
+    )  # small enough for hivemind's DHT pipe (dht_store.py)
     decoded = decode_eval_history(raw, 2).points
     assert decoded[0].t == 0.0 and decoded[-1].t == 999.0 and len(decoded) <= MAX_EVAL_POINTS
 
