@@ -2,9 +2,9 @@
 event logs, status rows and version lists; the orchestrator's end of run (`demo.endgame`) gathers them.
 
 * `versions_went_back`: the replicated global state never went back. An update counts once a peer other
-  than its publisher applied it (``applied`` events). Violations: a holder published a version at or
-  below one another update (term, leader) had already replicated (it started from older state than the
-  swarm had: ``republished``); two different updates of one version both replicated (``forked``);
+  than its publisher applied it (``applied`` events). Violations: a holder published, and some peer
+  applied, a version at or below one another update (term, leader) had already replicated (it started
+  from older state than the swarm had: ``republished``); two different updates of one version both replicated (``forked``);
   within one process lifetime (from a ``start`` event) a peer's reported versions decreased, dropping a
   version that was replicated or that it got by snapshot (``replica went back``; a holder fenced off
   by its followers, whose own updates nobody applied, drops them when it steps down: not global state).
@@ -72,6 +72,8 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
                  "fragment": fragment, "version": version, "updates": sorted(map(list, updates), key=str)}
             )  # fmt: skip
     for t, fragment, version, update, peer in _update_rows(events_by_peer, "published"):
+        if (fragment, version, update) not in first_replicated:
+            continue  # nobody else applied it (fenced off, e.g. a holder cut off from the DHT): not global
         older = [
             (v, u)
             for (f, v, u), t_r in first_replicated.items()

@@ -104,6 +104,17 @@ def test_an_update_nobody_else_applied_is_not_global_state():
     assert checks.versions_went_back(events) == []
 
 
+def test_a_holder_cut_off_from_the_swarm_publishing_old_versions_nobody_applies_has_lost_nothing():
+    events = {
+        "a": [published(1, 0, 1, 1), published(2, 0, 2, 1)],
+        "b": [applied(1.1, 0, 1, 1), applied(2.1, 0, 2, 1)],
+        "z": [published(3, 0, 1, 2, "QmZ"), published(4, 0, 2, 2, "QmZ")],  # refused by everyone
+    }
+    assert checks.versions_went_back(events) == []
+    events["b"].append(applied(4.1, 0, 2, 2, "QmZ"))  # had b applied z's v2, it overwrote replicated state
+    assert [p["kind"] for p in checks.versions_went_back(events)] == ["republished", "forked"]
+
+
 def test_a_fenced_off_holder_dropping_its_own_unapplied_updates_has_not_gone_back():
     # a's renewals did not reach the others: they refused its term-1 updates v2 and v3, b took term 2 from
     # v1, and a reconciled onto b's branch (its versions went 3 -> 2): nothing replicated was dropped
