@@ -101,3 +101,33 @@ def test_peer_reports_its_visible_addresses(swarm):
     addresses = alice.visible_addresses()
     assert addresses and all(a.startswith("/ip4/127.0.0.1/tcp/") for a in addresses)
     assert all(a.endswith(f"/p2p/{alice.peer_id}") for a in addresses)
+
+
+def test_records_of_the_largest_size_the_store_takes_never_kill_hiveminds_dht_process(swarm):
+    """hivemind's DHT process dies on a call over 16384 pickled bytes when its reader sees the first of two
+    writes (20 KB values killed it within 3 stores while another thread held the GIL). The store refuses
+    values over MAX_RECORD_BYTES, and at that size 200 stores under the same load leave it alive."""
+    import threading
+
+    from p2p_diloco.net.dht_store import MAX_RECORD_BYTES
+
+    alice = swarm[0]
+    store = DhtKeyValueStore(alice)
+    key = keys.heartbeat_key(RUN, "00112233445566cc")
+    with pytest.raises(ValueError, match="exceeds the"):
+        store.store(key, alice.peer_id, b"x" * (MAX_RECORD_BYTES + 1), get_dht_time() + 30)
+    busy = threading.Event()
+
+    def hold_the_gil() -> None:
+        while not busy.is_set():
+            pass
+
+    burner = threading.Thread(target=hold_the_gil, daemon=True)
+    burner.start()
+    try:
+        for i in range(200):
+            assert store.store(key, alice.peer_id, bytes([i % 256]) * MAX_RECORD_BYTES, get_dht_time() + 30)
+    finally:
+        busy.set()
+        burner.join()
+    assert alice.alive()
