@@ -109,12 +109,21 @@ class UpdateBook:
         )
 
     def trusted_ahead(self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str) -> dict[int, Ahead]:
-        """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica."""
+        """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica.
+
+        Only tips of peers that may synchronize (in a public run: the listed synchronizers) or tips a
+        checked record vouches for count: two strangers reporting the same made-up tip would otherwise
+        make every honest peer think it lags, and no one would claim the lease."""
         reported = [
             {
                 peer: tip
                 for peer, info in live_peers.items()
-                if peer != peer_id and (tip := info.tip(p)) is not None
+                if peer != peer_id
+                and (tip := info.tip(p)) is not None
+                and (
+                    self.manifest.may_synchronize(peer)
+                    or self.vouchers.term_of(p, tip.version, tip.checksum) is not None
+                )
             }
             for p in range(self.plan.num_fragments)
         ]

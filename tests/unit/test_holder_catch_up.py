@@ -91,6 +91,17 @@ def test_a_peer_behind_two_peers_tips_does_not_claim_one_peers_word_does_not_sto
     assert alone.peer.sync is not None  # a forged heartbeat cannot make an honest peer ineligible
 
 
+def test_in_a_run_with_listed_synchronizers_two_strangers_tips_do_not_make_a_peer_think_it_lags():
+    """Two strangers reporting the same made-up tip would otherwise keep every honest peer from claiming."""
+    me_id = "QmMe" + "1" * 42
+    listed = dataclasses.replace(MANIFEST, trust=dataclasses.replace(MANIFEST.trust, synchronizers=(me_id,)))
+    me, _, _, _ = make_peer(listed, peer_id=me_id, may_sync=True)
+    mine = me.peer.book.tips()
+    ahead = ((5, 0), ((1, "c" * 16), (mine[1].term, mine[1].checksum)))
+    ticks(me, 10, a=ahead, b=ahead)
+    assert me.peer.sync is not None  # a and b are not listed: their word counts for nothing here
+
+
 def holder_behind() -> tuple[PeerHarness, int, bytes, tuple]:
     """`me` holds term 2 and has sent its own delta; `old` held term 1 and published fragment f v0->v1,
     which `me` missed: the update frame and the tips of the peers that applied it."""
