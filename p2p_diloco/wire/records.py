@@ -60,8 +60,16 @@ class HeartbeatInfo:
         return BranchTip(term, self.versions[fragment], checksum)
 
     def to_bytes(self) -> bytes:
+        """JSON within `MAX_RECORD_BYTES`: if the whole would not fit, what only `status` shows goes first
+        (decision lines, then per-sender rejections), so a peer never stops announcing itself."""
         d = {k: _plain(v) for k, v in self.__dict__.items()}
-        return json.dumps(d, separators=(",", ":")).encode()
+        raw = json.dumps(d, separators=(",", ":")).encode()
+        for optional in ("decisions", "rejections_by_sender", "rejections"):
+            if len(raw) <= MAX_RECORD_BYTES:
+                break
+            d[optional] = []
+            raw = json.dumps(d, separators=(",", ":")).encode()
+        return raw
 
     def as_election_record(self, peer_id: str, expires_at: float) -> PeerHeartbeat:
         return PeerHeartbeat(

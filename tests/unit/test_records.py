@@ -11,7 +11,17 @@ from hypothesis import strategies as st
 
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
+from p2p_diloco.wire.records import (
+    MAX_COUNTERS,
+    MAX_DECISIONS,
+    MAX_RECORD_BYTES,
+    MAX_TEXT,
+    HeartbeatInfo,
+    RecordError,
+    decode_heartbeat,
+    decode_lease,
+    encode_lease,
+)
 
 INFO = HeartbeatInfo(
     role="learner",
@@ -28,6 +38,21 @@ def test_heartbeat_round_trip_and_election_view():
     assert decode_heartbeat(INFO.to_bytes(), 3) == INFO
     hb = INFO.as_election_record("peer", expires_at=9.0)
     assert (hb.peer_id, hb.versions, hb.term_seen, hb.expires_at) == ("peer", (1, 2, 3), 4, 9.0)
+
+
+def test_a_heartbeat_too_large_for_the_dht_drops_what_only_status_shows_and_still_decodes():
+    long = "x" * MAX_TEXT
+    full = dataclasses.replace(
+        INFO,
+        decisions=(long,) * MAX_DECISIONS,
+        rejections=tuple((f"{i}{long}"[:MAX_TEXT], i) for i in range(MAX_COUNTERS)),
+        rejections_by_sender=tuple((f"{i}{long}"[:MAX_TEXT], long, i) for i in range(MAX_COUNTERS)),
+    )
+    raw = full.to_bytes()
+    assert len(raw) <= MAX_RECORD_BYTES
+    decoded = decode_heartbeat(raw, 3)
+    assert decoded.versions == INFO.versions and decoded.tips == INFO.tips and decoded.decisions == ()
+    assert decode_heartbeat(INFO.to_bytes(), 3) == INFO  # a normal one keeps everything
 
 
 def test_heartbeat_tips_give_branch_tips_per_fragment():
