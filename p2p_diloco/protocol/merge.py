@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.protocol.decisions import Action, Decision
+from p2p_diloco.protocol.kernels import all_finite
 
 # Actions of `validate_delta`.
 ACCEPT = Action.ACCEPT
@@ -77,7 +78,7 @@ def check_tensors(
             return Decision(
                 REJECT, f"{WRONG_DTYPE}: {name} is {tensor.dtype} ({tensor.layout}), expected dense float32"
             )
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
             return Decision(REJECT, f"{NON_FINITE}: {name} has {bad} NaN/inf values")
         if norm_bound is not None:

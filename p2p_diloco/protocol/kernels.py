@@ -1,0 +1,91 @@
+"""Element-wise kernels at model scale: fresh huge-page tensors, the chunked outer Nesterov step, finiteness.
+
+On one core, what costs most on fragment-sized (tens of millions of float32) tensors is not arithmetic but
+memory: a fresh tensor's first touch takes one page fault per 4 KiB (~50 ms per 128 MB), and every
+element-wise kernel over a whole tensor streams it through DRAM. So:
+
+- `fresh` allocates float32 tensors of 2 MiB and more in an anonymous memory map advised for transparent
+  huge pages (`mmap.madvise(MADV_HUGEPAGE)`), which the kernel fills 2 MiB per fault. Where huge pages are
+  off (`/sys/kernel/mm/transparent_hugepage/enabled` = never) the map falls back to ordinary pages: the
+  values are the same either way. The map lives as long as the tensor (torch keeps the buffer alive).
+- `nesterov_into` runs the outer step over CHUNK elements at a time, every kernel of a chunk while the
+  chunk is in cache, writing straight into the output tensors. The operations and their order are those
+  documented in `replica.nesterov_step`, each a separate float32 kernel with its own rounding (no fused
+  multiply-add), so the result is the same bit for bit as running each kernel over the whole tensor:
+  every element goes through exactly the same float32 operations (tests/unit/test_scale_kernels.py).
+- `all_finite`: a finite float32 sum proves every element finite; only an overflowing sum needs the scan.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+from torch import Tensor
+
+CHUNK = 1 << 18  # elements per pass (1 MiB of float32): the temporaries of a chunk stay in cache
+HUGE_PAGE = 2 << 20  # tensors at least this large get a huge-page backed map
+_FLOAT32_BYTES = 4
+
+
+def fresh(shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """An uninitialised contiguous CPU float32 tensor; from 2 MiB on, in its own huge-page advised map."""
+    numel = math.prod(int(dim) for dim in shape)
+    nbytes = numel * _FLOAT32_BYTES
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(tuple(shape), dtype=torch.float32)
+    # Reserve one huge page more than needed (address space only), start the tensor on a huge-page
+    # boundary and advise only the whole huge pages it covers: its tail stays on ordinary pages, so no
+    # page is filled beyond the tensor's own bytes.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a kernel without transparent huge pages: ordinary pages, same values
+        pass
+    return raw[offset : offset + nbytes].view(torch.float32).view(tuple(shape))
+
+
+def all_finite(t: Tensor) -> bool:
+    """Every element finite: a finite sum proves it (NaN and inf propagate); only an overflowing sum needs
+    the element-wise scan."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def float32_scalar(value: float) -> Tensor:
+    """`value` rounded to float32 once, as a 0-dim tensor: the same on every peer."""
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def nesterov_into(
+    param: Tensor, momentum_buf: Tensor, grad: Tensor, out_param: Tensor, out_momentum: Tensor, *, mu: Tensor,
+    rate: Tensor,
+) -> bool:  # fmt: skip
+    """Write m' = mu*m + g and Θ' = Θ - rate*(g + mu*m') into the contiguous outputs, chunk by chunk;
+    returns whether every element of both outputs is finite. Inputs of equal shape, float32, CPU.
+
+    Per element, in this order, each a float32 operation rounded on its own: m' = m*mu; m' = m' + g;
+    d = m'*mu; d = d + g; d = d*rate; Θ' = Θ - d (see `replica.nesterov_step` for why no FMA).
+    """
+    flat = [t.contiguous().view(-1) for t in (param, momentum_buf, grad)]
+    theta, m, g = flat
+    new_theta, new_m = out_param.view(-1), out_momentum.view(-1)
+    n = theta.numel()
+    scratch = torch.empty(min(n, CHUNK), dtype=torch.float32)
+    total = 0.0
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        m_out, g_in, d = new_m[start:stop], g[start:stop], scratch[: stop - start]
+        torch.mul(m[start:stop], mu, out=m_out)  # decayed
+        m_out.add_(g_in)
+        torch.mul(m_out, mu, out=d)  # lookahead
+        d.add_(g_in)
+        d.mul_(rate)  # step
+        theta_out = new_theta[start:stop]
+        torch.sub(theta[start:stop], d, out=theta_out)
+        total += float(theta_out.sum()) + float(m_out.sum())  # while the chunk is in cache
+    if total == total and abs(total) != float("inf"):
+        return True
+    return bool(torch.isfinite(new_theta).all()) and bool(torch.isfinite(new_m).all())
