@@ -4,7 +4,9 @@
     .venv/bin/python scripts/bench_scale.py --throughput-only [--baseline OLD.json] --out docs/results/scale-kernels
 
 Part 1 (in this process, before any peer starts, one torch thread): on one fragment of the run's model,
-milliseconds per million parameters and GB/s of fp32 parameters for merging M deltas (RDA), the outer step
+milliseconds per million parameters and GB/s of fp32 parameters (best of `--repeats`, by wall-clock time
+and by this process's CPU time, which on a shared machine is the cleaner per-core figure) for merging M
+deltas (RDA), the outer step
 (`GlobalReplica.compute_update`, finiteness checks and checksum included), the checksum alone, encoding
 the int8 update and applying an update on a replica (decode, outer step, checksum compare).
 
@@ -89,21 +91,28 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
     replica = GlobalReplica(one, frag)
     parts = [{n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in names} for _ in range(deltas)]
 
+    cpu_times: list[float] = []
+
     def best(fn):  # noqa: ANN001, ANN202
-        seconds, out = float("inf"), None
+        seconds, cpu, out = float("inf"), float("inf"), None
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             out = fn()
             seconds = min(seconds, time.perf_counter() - start)
+            cpu = min(cpu, time.process_time() - start_cpu)
+        cpu_times.append(cpu)
         return seconds, out
 
     rows = {}
 
     def row(name: str, seconds: float) -> None:
+        cpu = cpu_times[-1]  # this process's CPU time: what one core spent, whatever else ran beside it
         rows[name] = {
             "ms_per_mparam": round(seconds * 1e3 / (numel / 1e6), 3),
             "gb_per_s_fp32": round(numel * 4 / seconds / 1e9, 3),
             "seconds": round(seconds, 4),
+            "cpu_seconds": round(cpu, 4),
+            "gb_per_s_fp32_cpu": round(numel * 4 / cpu / 1e9, 3),
         }
 
     s, merged = best(lambda: merge_deltas(parts, [1.0 + i for i in range(deltas)]))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.protocol.decisions import Action, Decision
-from p2p_diloco.protocol.kernels import all_finite
+from p2p_diloco.protocol.kernels import CHUNK, all_finite, fresh, norm64
 
 # Actions of `validate_delta`.
 ACCEPT = Action.ACCEPT
@@ -83,7 +83,7 @@ def check_tensors(
             return Decision(REJECT, f"{NON_FINITE}: {name} has {bad} NaN/inf values")
         if norm_bound is not None:
             # float64 accumulation: a float32 sum of squares can overflow for finite, in-bound entries.
-            norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+            norm = norm64(tensor)
             if not norm <= norm_bound:
                 return Decision(REJECT, f"{NORM_BOUND}: {name} has L2 norm {norm:.6g} > {norm_bound:.6g}")
     return Decision(ACCEPT, f"{ACCEPTED}: {len(expected_shapes)} tensors")
@@ -114,7 +114,7 @@ def merge_deltas(
     unit vector, and a zero combined direction gives a zero result (never NaN). Tensors named in
     `embedding_names` (names absent from the deltas are ignored) and every tensor under rule "mean" use
     the plain weighted mean sum w*v / sum w. Sums run in float64, in the order given (callers sort by
-    sender), so equal inputs give equal outputs. Weights must be finite and >= 0 with a positive total.
+    sender), a fixed-size chunk at a time (`kernels.CHUNK`), so equal inputs give equal outputs. Weights must be finite and >= 0 with a positive total.
     """
     if rule not in MERGE_RULES:
         raise ValueError(f"unknown merge rule {rule!r}; expected one of {MERGE_RULES}")
@@ -151,26 +151,59 @@ def merge_deltas(
 
 
 def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
-    acc = torch.zeros(parts[0].shape, dtype=torch.float64)
-    for part, w in zip(parts, weights):
-        acc.add_(part.detach().cpu(), alpha=w)  # accumulated in float64, no float64 copy of the part
-    return acc.div_(total).to(torch.float32)
+    flats = [part.detach().cpu().reshape(-1) for part in parts]
+    out = fresh(parts[0].shape)
+    flat_out, n = out.view(-1), flats[0].numel()
+    acc, term = _scratch64(n), _scratch64(n)
+    for start in range(0, n, CHUNK):  # one cache-sized chunk at a time, accumulated in float64
+        stop = min(start + CHUNK, n)
+        a, t = acc[: stop - start], term[: stop - start]
+        a.copy_(flats[0][start:stop]).mul_(weights[0])
+        for flat, w in zip(flats[1:], weights[1:]):
+            t.copy_(flat[start:stop]).mul_(w)
+            a.add_(t)
+        flat_out[start:stop].copy_(a.div_(total))
+    return out
 
 
 def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
-    direction = torch.zeros(parts[0].shape, dtype=torch.float64)
+    flats = [part.detach().cpu().reshape(-1) for part in parts]
+    n = flats[0].numel()
+    terms: list[tuple[Tensor, float]] = []
     norm_sum = 0.0
-    for part, w in zip(parts, weights):
-        v = part.detach().cpu()
-        norm = float(torch.linalg.vector_norm(v, dtype=torch.float64))
+    for flat, w in zip(flats, weights):
+        norm = norm64(flat)
         if norm > 0:  # a zero vector adds its zero norm to the mean but no direction
-            direction.add_(v, alpha=w / norm)  # float64 accumulation, no float64 copy of the part
+            terms.append((flat, w / norm))
             norm_sum += w * norm
     mean_norm = norm_sum / total
-    direction_norm = float(torch.linalg.vector_norm(direction)) / total
+    if not terms or mean_norm == 0.0:  # all zero
+        return torch.zeros(parts[0].shape, dtype=torch.float32)
+    direction = fresh((n,), torch.float64)
+    term = _scratch64(n)
+    square_sum = 0.0
+    for start in range(0, n, CHUNK):  # the weighted sum of unit vectors, chunk by chunk, in float64
+        stop = min(start + CHUNK, n)
+        d, t = direction[start:stop], term[: stop - start]
+        (first, first_coef), *rest = terms
+        d.copy_(first[start:stop]).mul_(first_coef)
+        for flat, coef in rest:
+            t.copy_(flat[start:stop]).mul_(coef)
+            d.add_(t)
+        square_sum += float(torch.dot(d, d))
+    direction_norm = math.sqrt(square_sum) / total
     if direction_norm == 0.0 or mean_norm == 0.0:  # all zero, or directions cancel exactly
         return torch.zeros(parts[0].shape, dtype=torch.float32)
-    return direction.mul_(mean_norm / (direction_norm * total)).to(torch.float32)
+    scale = mean_norm / (direction_norm * total)
+    out = fresh(parts[0].shape)
+    flat_out = out.view(-1)
+    for start in range(0, n, CHUNK):
+        flat_out[start : start + CHUNK].copy_(direction[start : start + CHUNK].mul_(scale))
+    return out
+
+
+def _scratch64(n: int) -> Tensor:
+    return torch.empty(min(n, CHUNK), dtype=torch.float64)
 
 
 def _preview(names: Sequence[str], limit: int = 5) -> str:

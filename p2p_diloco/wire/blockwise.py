@@ -166,14 +166,14 @@ def _quantize_part(
 
 
 CACHE_ELEMENTS = 1 << 18  # values quantized per pass (1 MiB of float32)
-_LUTS: dict[tuple[float, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+_LUTS: dict[tuple[str, bytes], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
 
 def _lut(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For sorted `bounds`: per 16-bit prefix of a float32 (sign, exponent, 7 mantissa bits), how many
     bounds lie below the smallest value with that prefix, and the bounds padded with +inf. None if some
     prefix's range inside [-1, 1] holds two bounds (then one comparison would not settle a code)."""
-    key = tuple(float(b) for b in bounds)
+    key = (str(bounds.dtype), bounds.detach().cpu().contiguous().numpy().tobytes())  # exact, ~1 µs
     if key not in _LUTS:
         b32 = bounds.to(torch.float32).contiguous()
         prefix = np.arange(1 << 16, dtype=np.uint32)
