@@ -75,9 +75,15 @@ def float32_scalar(value: float) -> Tensor:
 
 
 def nesterov_into(
-    param: Tensor, momentum_buf: Tensor, grad: Tensor, out_param: Tensor, out_momentum: Tensor, *, mu: Tensor,
+    param: Tensor,
+    momentum_buf: Tensor,
+    grad: Tensor,
+    out_param: Tensor,
+    out_momentum: Tensor,
+    *,
+    mu: Tensor,
     rate: Tensor,
-) -> bool:  # fmt: skip
+) -> bool:
     """Write m' = mu*m + g and Θ' = Θ - rate*(g + mu*m') into the contiguous outputs, chunk by chunk;
     returns whether every element of both outputs is finite. Inputs of equal shape, float32, CPU.
 

@@ -179,26 +179,31 @@ def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Ten
     mean_norm = norm_sum / total
     if not terms or mean_norm == 0.0:  # all zero
         return torch.zeros(parts[0].shape, dtype=torch.float32)
-    direction = fresh((n,), torch.float64)
-    term = _scratch64(n)
-    square_sum = 0.0
-    for start in range(0, n, CHUNK):  # the weighted sum of unit vectors, chunk by chunk, in float64
-        stop = min(start + CHUNK, n)
-        d, t = direction[start:stop], term[: stop - start]
+    direction, term = _scratch64(n), _scratch64(n)
+
+    def direction_of(start: int, stop: int) -> Tensor:
+        """sum w/|v| * v over one chunk, in float64: the same operations each time it is computed."""
+        d, t = direction[: stop - start], term[: stop - start]
         (first, first_coef), *rest = terms
         d.copy_(first[start:stop]).mul_(first_coef)
         for flat, coef in rest:
             t.copy_(flat[start:stop]).mul_(coef)
             d.add_(t)
+        return d
+
+    square_sum = 0.0
+    for start in range(0, n, CHUNK):  # pass 1: the direction's norm
+        d = direction_of(start, min(start + CHUNK, n))
         square_sum += float(torch.dot(d, d))
     direction_norm = math.sqrt(square_sum) / total
-    if direction_norm == 0.0 or mean_norm == 0.0:  # all zero, or directions cancel exactly
+    if direction_norm == 0.0:  # directions cancel exactly
         return torch.zeros(parts[0].shape, dtype=torch.float32)
     scale = mean_norm / (direction_norm * total)
     out = fresh(parts[0].shape)
     flat_out = out.view(-1)
-    for start in range(0, n, CHUNK):
-        flat_out[start : start + CHUNK].copy_(direction[start : start + CHUNK].mul_(scale))
+    for start in range(0, n, CHUNK):  # pass 2: recomputed (cheaper than a fragment-sized float64 buffer)
+        stop = min(start + CHUNK, n)
+        flat_out[start:stop].copy_(direction_of(start, stop).mul_(scale))
     return out
 
 

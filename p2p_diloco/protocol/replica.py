@@ -294,9 +294,14 @@ class GlobalReplica:
         for name, param in self._params[p].items():
             new_params[name], new_momentum[name] = kernels.fresh(param.shape), kernels.fresh(param.shape)
             finite = kernels.nesterov_into(
-                param, self._momentum[p][name], outer_grad[name], new_params[name], new_momentum[name],
-                mu=mu, rate=rate,
-            )  # fmt: skip
+                param,
+                self._momentum[p][name],
+                outer_grad[name],
+                new_params[name],
+                new_momentum[name],
+                mu=mu,
+                rate=rate,
+            )
             if not finite:
                 return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
         to_version = self._versions[p] + 1
