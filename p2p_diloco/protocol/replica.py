@@ -66,38 +66,48 @@ def fragment_checksum(
     names: Sequence[str], params: Mapping[str, Tensor], momentum: Mapping[str, Tensor], version: int
 ) -> str:
     """The checksum documented in the module docstring."""
-    return _checksum(blake3.blake3(_CHECKSUM_DOMAIN), names, params, momentum, version)
+    h = FragmentHasher(version)
+    for name in names:
+        h.add(name, params[name], momentum[name])
+    return h.hexdigest()
 
 
 def fragment_checksum_v1(
     names: Sequence[str], params: Mapping[str, Tensor], momentum: Mapping[str, Tensor], version: int
 ) -> str:
     """The checksum of format v1 (blake2b), only to read fragment files written before v2."""
-    return _checksum(hashlib.blake2b(_V1_DOMAIN, digest_size=32), names, params, momentum, version)
+    h = FragmentHasher(version, legacy_v1=True)
+    for name in names:
+        h.add(name, params[name], momentum[name])
+    return h.hexdigest()
+
+
+class FragmentHasher:
+    """`fragment_checksum` fed one tensor at a time, in plan order: the outer step hashes each tensor right
+    after computing it, while its bytes are still in cache."""
+
+    def __init__(self, version: int, *, legacy_v1: bool = False):
+        self._h: _Hasher = (
+            hashlib.blake2b(_V1_DOMAIN, digest_size=32) if legacy_v1 else blake3.blake3(_CHECKSUM_DOMAIN)
+        )
+        self._h.update(int(version).to_bytes(8, "little", signed=True))
+
+    def add(self, name: str, param: Tensor, momentum: Tensor) -> None:
+        h = self._h
+        h.update(name.encode() + b"\0")
+        h.update(len(param.shape).to_bytes(8, "little"))
+        for dim in param.shape:
+            h.update(int(dim).to_bytes(8, "little"))
+        h.update(_raw_bytes(param))
+        h.update(_raw_bytes(momentum))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 class _Hasher(Protocol):
     def update(self, data: bytes | memoryview, /) -> object: ...
     def hexdigest(self) -> str: ...
-
-
-def _checksum(
-    h: _Hasher,
-    names: Sequence[str],
-    params: Mapping[str, Tensor],
-    momentum: Mapping[str, Tensor],
-    version: int,
-) -> str:
-    h.update(int(version).to_bytes(8, "little", signed=True))
-    for name in names:
-        p, m = params[name], momentum[name]
-        h.update(name.encode() + b"\0")
-        h.update(len(p.shape).to_bytes(8, "little"))
-        for dim in p.shape:
-            h.update(int(dim).to_bytes(8, "little"))
-        h.update(_raw_bytes(p))
-        h.update(_raw_bytes(m))
-    return h.hexdigest()
 
 
 def nesterov_step(
@@ -291,7 +301,10 @@ class GlobalReplica:
         new_params: dict[str, Tensor] = {}
         new_momentum: dict[str, Tensor] = {}
         mu, rate = kernels.float32_scalar(momentum), kernels.float32_scalar(lr)
-        for name, param in self._params[p].items():
+        to_version = self._versions[p] + 1
+        hasher = FragmentHasher(to_version)
+        for name in self.plan.names(p):  # plan order: the checksum's order
+            param = self._params[p][name]
             new_params[name], new_momentum[name] = kernels.fresh(param.shape), kernels.fresh(param.shape)
             finite = kernels.nesterov_into(
                 param,
@@ -304,14 +317,14 @@ class GlobalReplica:
             )
             if not finite:
                 return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
-        to_version = self._versions[p] + 1
+            hasher.add(name, new_params[name], new_momentum[name])  # while the tensor is in cache
         return PendingUpdate(
             fragment=p,
             from_version=self._versions[p],
             base_checksum=self.checksum(p),
             params=new_params,
             momentum=new_momentum,
-            checksum=fragment_checksum(self.plan.names(p), new_params, new_momentum, to_version),
+            checksum=hasher.hexdigest(),
         )
 
     def apply(

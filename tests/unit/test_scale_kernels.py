@@ -202,3 +202,15 @@ def test_a_fragment_saved_with_a_v1_checksum_still_loads() -> None:
     assert replica.checksum(0) == fragment_checksum(names, TINY_PARAMS, TINY_MOMENTUM, 7) != old
     with pytest.raises(ValueError, match="checksum mismatch"):
         GlobalReplica.from_fragments(plan, lambda p: (7, TINY_PARAMS, TINY_MOMENTUM, "0" * 64))
+
+
+def test_the_outer_step_hashes_as_it_goes_to_the_documented_checksum() -> None:
+    gen = torch.Generator().manual_seed(9)
+    shapes = {"a": (3, CHUNK // 2 + 5), "b": (7,), "c": (2, 3, 4)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.randn(s, generator=gen) for n, s in shapes.items()})
+    grad = {n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()}
+    pending = replica.compute_update(0, grad, lr=0.7, momentum=0.9)
+    names = plan.names(0)
+    assert pending.checksum == fragment_checksum(names, pending.params, pending.momentum, 1)
+    assert list(pending.params) == list(names)
