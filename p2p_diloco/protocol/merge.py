@@ -32,6 +32,12 @@ NON_FINITE = "non-finite"
 NORM_BOUND = "norm bound"
 
 MERGE_RULES = ("rda", "mean")
+# RDA with at most this many deltas takes the direction's norm from their Gram matrix (one pass over the
+# data instead of two; the dot products per chunk grow as M^2, so larger merges sum the direction itself).
+GRAM_MAX_DELTAS = 8
+# ... unless the deltas nearly cancel (|direction|^2 below this share of (sum of weights)^2), where the
+# Gram form would lose relative precision.
+_GRAM_CANCELLATION = 1e-8
 
 DELTA_DTYPE = torch.float32
 
@@ -114,7 +120,9 @@ def merge_deltas(
     unit vector, and a zero combined direction gives a zero result (never NaN). Tensors named in
     `embedding_names` (names absent from the deltas are ignored) and every tensor under rule "mean" use
     the plain weighted mean sum w*v / sum w. Sums run in float64, in the order given (callers sort by
-    sender), a fixed-size chunk at a time (`kernels.CHUNK`), so equal inputs give equal outputs. Weights must be finite and >= 0 with a positive total.
+    sender), a fixed-size chunk at a time (`kernels.CHUNK`), so equal inputs give equal outputs. For RDA
+    the norms (and, up to GRAM_MAX_DELTAS deltas, the combined direction's norm) come from one pass of
+    float64 dot products; a second pass writes the result. Weights must be finite and >= 0 with a positive total.
     """
     if rule not in MERGE_RULES:
         raise ValueError(f"unknown merge rule {rule!r}; expected one of {MERGE_RULES}")
@@ -169,12 +177,15 @@ def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: flo
 def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
     flats = [part.detach().cpu().reshape(-1) for part in parts]
     n = flats[0].numel()
+    gram = _gram(flats) if len(flats) <= GRAM_MAX_DELTAS else None
     terms: list[tuple[Tensor, float]] = []
+    kept: list[int] = []
     norm_sum = 0.0
-    for flat, w in zip(flats, weights):
-        norm = norm64(flat)
+    for i, (flat, w) in enumerate(zip(flats, weights)):
+        norm = math.sqrt(gram[i][i]) if gram is not None else norm64(flat)
         if norm > 0:  # a zero vector adds its zero norm to the mean but no direction
             terms.append((flat, w / norm))
+            kept.append(i)
             norm_sum += w * norm
     mean_norm = norm_sum / total
     if not terms or mean_norm == 0.0:  # all zero
@@ -192,9 +203,17 @@ def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Ten
         return d
 
     square_sum = 0.0
-    for start in range(0, n, CHUNK):  # pass 1: the direction's norm
-        d = direction_of(start, min(start + CHUNK, n))
-        square_sum += float(torch.dot(d, d))
+    if gram is not None:  # |sum c_a v_a|^2 = sum c_a c_b <v_a, v_b>, no pass over the data
+        coefs = [coef for _, coef in terms]
+        for a, i in enumerate(kept):
+            for b, j in enumerate(kept):
+                square_sum += coefs[a] * coefs[b] * gram[i][j]
+    scale_of_terms = math.fsum(weights[i] for i in kept) ** 2  # (sum |c_a v_a|)^2
+    if not square_sum > _GRAM_CANCELLATION * scale_of_terms:  # large cancellation: sum the direction itself
+        square_sum = 0.0
+        for start in range(0, n, CHUNK):
+            d = direction_of(start, min(start + CHUNK, n))
+            square_sum += float(torch.dot(d, d))
     direction_norm = math.sqrt(square_sum) / total
     if direction_norm == 0.0:  # directions cancel exactly
         return torch.zeros(parts[0].shape, dtype=torch.float32)
@@ -205,6 +224,22 @@ def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Ten
         stop = min(start + CHUNK, n)
         flat_out[start:stop].copy_(direction_of(start, stop).mul_(scale))
     return out
+
+
+def _gram(flats: Sequence[Tensor]) -> list[list[float]]:
+    """<v_i, v_j> for every pair, float64, accumulated chunk by chunk in a fixed order (one pass)."""
+    n = flats[0].numel()
+    buffers = [_scratch64(n) for _ in flats]
+    gram = [[0.0] * len(flats) for _ in flats]
+    for start in range(0, n, CHUNK):
+        chunk = [b[: min(n - start, CHUNK)].copy_(f[start : start + CHUNK]) for b, f in zip(buffers, flats)]
+        for i, x in enumerate(chunk):
+            for j in range(i, len(chunk)):
+                gram[i][j] += float(torch.dot(x, chunk[j]))
+    for i in range(len(flats)):
+        for j in range(i):
+            gram[i][j] = gram[j][i]
+    return gram
 
 
 def _scratch64(n: int) -> Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.kernels import CHUNK, float32_scalar, fresh, nesterov_into, norm64
-from p2p_diloco.protocol.merge import merge_deltas
+from p2p_diloco.protocol.merge import GRAM_MAX_DELTAS, merge_deltas
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum, fragment_checksum_v1, nesterov_step
 from p2p_diloco.wire.blockwise import _CODE_BOUNDS, CODE_TABLE, _lut, nearest_codes, quantize_blockwise_cpu
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
@@ -214,3 +214,24 @@ def test_the_outer_step_hashes_as_it_goes_to_the_documented_checksum() -> None:
     names = plan.names(0)
     assert pending.checksum == fragment_checksum(names, pending.params, pending.momentum, 1)
     assert list(pending.params) == list(names)
+
+
+@pytest.mark.parametrize("count", [1, GRAM_MAX_DELTAS, GRAM_MAX_DELTAS + 1])
+def test_rda_with_and_without_the_gram_matrix_matches_the_float64_formula(count: int) -> None:
+    gen = torch.Generator().manual_seed(count)
+    n = CHUNK + 999
+    parts = [torch.randn(n, generator=gen) * (i + 1) * 1e-3 for i in range(count)]
+    weights = [1.0 + 0.5 * i for i in range(count)]
+    merged = merge_deltas([{"w": p} for p in parts], weights)["w"]
+    torch.testing.assert_close(merged, unchunked_rda(parts, weights), rtol=1e-6, atol=1e-12)
+
+
+def test_rda_of_nearly_cancelling_deltas_sums_the_direction_itself() -> None:
+    v = torch.randn(CHUNK + 3, generator=torch.Generator().manual_seed(4)) * 1e-2
+    w = -v.clone()
+    w[5] *= 1.0001  # the directions cancel but for one coordinate: the Gram form would be all rounding
+    merged = merge_deltas([{"w": v}, {"w": w}], [1.0, 1.0])["w"]
+    torch.testing.assert_close(merged, unchunked_rda([v, w], [1.0, 1.0]), rtol=1e-5, atol=1e-12)
+    assert float(merged.abs().max()) == pytest.approx(float(merged[5].abs()))
+    exact = merge_deltas([{"w": v}, {"w": -v}], [2.0, 2.0])["w"]
+    assert bool((exact == 0).all())
