@@ -106,7 +106,9 @@ def nesterov_into(
         d.mul_(rate)  # step
         theta_out = new_theta[start:stop]
         torch.sub(theta[start:stop], d, out=theta_out)
-        total += float(theta_out.sum()) + float(m_out.sum())  # while the chunk is in cache
-    if total == total and abs(total) != float("inf"):
+        total += float(theta_out.sum())  # while the chunk is in cache
+    # Θ' alone settles it: a non-finite m' makes the lookahead, the step and so Θ' non-finite too (Θ and g
+    # are finite; inf*0 is NaN), so a finite Θ' proves m' finite.
+    if math.isfinite(total):
         return True
-    return bool(torch.isfinite(new_theta).all()) and bool(torch.isfinite(new_m).all())
+    return bool(torch.isfinite(new_theta).all())

@@ -235,3 +235,15 @@ def test_rda_of_nearly_cancelling_deltas_sums_the_direction_itself() -> None:
     assert float(merged.abs().max()) == pytest.approx(float(merged[5].abs()))
     exact = merge_deltas([{"w": v}, {"w": -v}], [2.0, 2.0])["w"]
     assert bool((exact == 0).all())
+
+
+@pytest.mark.parametrize(("mu", "rate"), [(0.9, 0.7), (0.0, 0.7), (0.9, 0.0), (0.0, 0.0)])
+def test_a_momentum_overflow_shows_in_the_parameters(mu: float, rate: float) -> None:
+    n = CHUNK + 10
+    theta, m, g = torch.ones(n), torch.zeros(n), torch.zeros(n)
+    m[CHUNK + 2], g[CHUNK + 2] = 3e38, 3e38  # m' = mu*m + g overflows unless mu = 0
+    out = fresh((n,)), fresh((n,))
+    finite = nesterov_into(theta, m, g, *out, mu=float32_scalar(mu), rate=float32_scalar(rate))
+    both = bool(torch.isfinite(out[0]).all()) and bool(torch.isfinite(out[1]).all())
+    assert finite == both
+    assert both == (mu == 0.0)  # with mu = 0, m' = g and the step stay finite
