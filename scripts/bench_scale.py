@@ -3,7 +3,8 @@
     .venv/bin/python scripts/bench_scale.py --params 125M --out docs/results/scale [--duration 420]
     .venv/bin/python scripts/bench_scale.py --throughput-only [--baseline OLD.json] --out docs/results/scale-kernels
 
-Part 1 (in this process, before any peer starts, one torch thread): on one fragment of the run's model,
+Part 1 (in this process, before any peer starts, one torch thread, glibc malloc set up as `join` sets it):
+on one fragment of the run's model,
 milliseconds per million parameters and GB/s of fp32 parameters (best of `--repeats`, by wall-clock time
 and by this process's CPU time, which on a shared machine is the cleaner per-core figure) for merging M
 deltas (RDA), the outer step
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import ModelConfig  # noqa: E402
 from p2p_diloco.model.gpt import GPT  # noqa: E402
+from p2p_diloco.node.heap import bound_heap  # noqa: E402
 from p2p_diloco.protocol.fragments import plan_fragments  # noqa: E402
 from p2p_diloco.protocol.merge import merge_deltas  # noqa: E402
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum  # noqa: E402
@@ -81,6 +83,7 @@ def shapes_of(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
     torch.set_num_threads(1)
+    heap_bounded = bound_heap()  # as `join` runs: blocks of 1 MiB or more are mapped afresh (node/heap.py)
     shapes = shapes_of(config)
     plan = plan_fragments(list(shapes.items()), FRAGMENTS)
     names = plan.names(0)
@@ -135,7 +138,7 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
 
     s, _ = best(apply)
     row("apply_update_on_a_replica", s)
-    return {"fragment_params": numel, "threads": 1, "rows": rows}
+    return {"fragment_params": numel, "threads": 1, "heap_bounded": heap_bounded, "rows": rows}
 
 
 # ---- part 2: real peers ----------------------------------------------------------------------------

@@ -15,18 +15,57 @@ element-wise kernel over a whole tensor streams it through DRAM. So:
   every element goes through exactly the same float32 operations (tests/unit/test_scale_kernels.py).
 - `all_finite`: a finite float32 sum proves every element finite; only an overflowing sum needs the scan.
 - `norm64`: an L2 norm accumulated in float64, chunk by chunk (for norm bounds and the RDA merge).
+- `scratch`: the chunk-sized work buffers of these loops (and of the int8 codec's) are borrowed from a
+  small pool and kept from call to call: a peer maps every block of 1 MiB or more afresh
+  (`node.heap`), so a new 1 MiB buffer per call would cost 256 page faults.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 CHUNK = 1 << 18  # elements per pass (1 MiB of float32): the temporaries of a chunk stay in cache
 HUGE_PAGE = 2 << 20  # tensors at least this large get a huge-page backed map
+
+
+POOL_SIZE = 2  # scratch sets kept for reuse (one per thread running these kernels at the same time)
+
+
+class Scratch:
+    """Named work buffers of at most a chunk each, reused by whoever borrows this set (see `scratch`)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A 1-D buffer of `n` elements, uninitialised; the same memory each time for the same name."""
+        buffer = self._buffers.get((name, dtype))
+        if buffer is None or buffer.numel() < n:
+            buffer = self._buffers[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return buffer[:n]
+
+
+_POOL: list[Scratch] = []  # list.pop and list.append are atomic: threads never share a set
+
+
+@contextmanager
+def scratch() -> Iterator[Scratch]:
+    """Borrow a set of work buffers for one call (a new set when every kept one is in use)."""
+    try:
+        borrowed = _POOL.pop()
+    except IndexError:
+        borrowed = Scratch()
+    try:
+        yield borrowed
+    finally:
+        if len(_POOL) < POOL_SIZE:  # two threads may both append: the pool then holds one set more
+            _POOL.append(borrowed)
 
 
 def fresh(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -61,11 +100,12 @@ def norm64(t: Tensor) -> float:
     `vector_norm` in the last bits (another summation order)."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
-    work = torch.empty(min(n, CHUNK), dtype=torch.float64)
     total = 0.0
-    for start in range(0, n, CHUNK):
-        part = work[: min(n - start, CHUNK)].copy_(flat[start : start + CHUNK])
-        total += float(torch.dot(part, part))
+    with scratch() as buffers:
+        work = buffers.get("norm64", min(n, CHUNK), torch.float64)
+        for start in range(0, n, CHUNK):
+            part = work[: min(n - start, CHUNK)].copy_(flat[start : start + CHUNK])
+            total += float(torch.dot(part, part))
     return math.sqrt(total)
 
 
@@ -94,19 +134,20 @@ def nesterov_into(
     theta, m, g = flat
     new_theta, new_m = out_param.view(-1), out_momentum.view(-1)
     n = theta.numel()
-    scratch = torch.empty(min(n, CHUNK), dtype=torch.float32)
     total = 0.0
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        m_out, g_in, d = new_m[start:stop], g[start:stop], scratch[: stop - start]
-        torch.mul(m[start:stop], mu, out=m_out)  # decayed
-        m_out.add_(g_in)
-        torch.mul(m_out, mu, out=d)  # lookahead
-        d.add_(g_in)
-        d.mul_(rate)  # step
-        theta_out = new_theta[start:stop]
-        torch.sub(theta[start:stop], d, out=theta_out)
-        total += float(theta_out.sum())  # while the chunk is in cache
+    with scratch() as buffers:
+        work = buffers.get("nesterov", min(n, CHUNK))
+        for start in range(0, n, CHUNK):
+            stop = min(start + CHUNK, n)
+            m_out, g_in, d = new_m[start:stop], g[start:stop], work[: stop - start]
+            torch.mul(m[start:stop], mu, out=m_out)  # decayed
+            m_out.add_(g_in)
+            torch.mul(m_out, mu, out=d)  # lookahead
+            d.add_(g_in)
+            d.mul_(rate)  # step
+            theta_out = new_theta[start:stop]
+            torch.sub(theta[start:stop], d, out=theta_out)
+            total += float(theta_out.sum())  # while the chunk is in cache
     # Θ' alone settles it: a non-finite m' makes the lookahead, the step and so Θ' non-finite too (Θ and g
     # are finite; inf*0 is NaN), so a finite Θ' proves m' finite.
     if math.isfinite(total):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.protocol.decisions import Action, Decision
-from p2p_diloco.protocol.kernels import CHUNK, all_finite, fresh, norm64
+from p2p_diloco.protocol.kernels import CHUNK, Scratch, all_finite, fresh, norm64, scratch
 
 # Actions of `validate_delta`.
 ACCEPT = Action.ACCEPT
@@ -35,6 +35,7 @@ MERGE_RULES = ("rda", "mean")
 # RDA with at most this many deltas takes the direction's norm from their Gram matrix (one pass over the
 # data instead of two; the dot products per chunk grow as M^2, so larger merges sum the direction itself).
 GRAM_MAX_DELTAS = 8
+GRAM_CHUNK = CHUNK // 2  # elements per Gram pass: 8 float64 work buffers of 1 MiB
 # ... unless the deltas nearly cancel (|direction|^2 below this share of (sum of weights)^2), where the
 # Gram form would lose relative precision.
 _GRAM_CANCELLATION = 1e-8
@@ -162,22 +163,28 @@ def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: flo
     flats = [part.detach().cpu().reshape(-1) for part in parts]
     out = fresh(parts[0].shape)
     flat_out, n = out.view(-1), flats[0].numel()
-    acc, term = _scratch64(n), _scratch64(n)
-    for start in range(0, n, CHUNK):  # one cache-sized chunk at a time, accumulated in float64
-        stop = min(start + CHUNK, n)
-        a, t = acc[: stop - start], term[: stop - start]
-        a.copy_(flats[0][start:stop]).mul_(weights[0])
-        for flat, w in zip(flats[1:], weights[1:]):
-            t.copy_(flat[start:stop]).mul_(w)
-            a.add_(t)
-        flat_out[start:stop].copy_(a.div_(total))
+    with scratch() as buffers:
+        acc, term = (buffers.get(name, min(n, CHUNK), torch.float64) for name in ("mean.acc", "mean.term"))
+        for start in range(0, n, CHUNK):  # one cache-sized chunk at a time, accumulated in float64
+            stop = min(start + CHUNK, n)
+            a, t = acc[: stop - start], term[: stop - start]
+            a.copy_(flats[0][start:stop]).mul_(weights[0])
+            for flat, w in zip(flats[1:], weights[1:]):
+                t.copy_(flat[start:stop]).mul_(w)
+                a.add_(t)
+            flat_out[start:stop].copy_(a.div_(total))
     return out
 
 
 def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
     flats = [part.detach().cpu().reshape(-1) for part in parts]
+    with scratch() as buffers:
+        return _rda_with(flats, weights, total, buffers).view(parts[0].shape)
+
+
+def _rda_with(flats: Sequence[Tensor], weights: Sequence[float], total: float, buffers: Scratch) -> Tensor:
     n = flats[0].numel()
-    gram = _gram(flats) if len(flats) <= GRAM_MAX_DELTAS else None
+    gram = _gram(flats, buffers) if len(flats) <= GRAM_MAX_DELTAS else None
     terms: list[tuple[Tensor, float]] = []
     kept: list[int] = []
     norm_sum = 0.0
@@ -189,8 +196,8 @@ def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Ten
             norm_sum += w * norm
     mean_norm = norm_sum / total
     if not terms or mean_norm == 0.0:  # all zero
-        return torch.zeros(parts[0].shape, dtype=torch.float32)
-    direction, term = _scratch64(n), _scratch64(n)
+        return torch.zeros(n, dtype=torch.float32)
+    direction, term = (buffers.get(name, min(n, CHUNK), torch.float64) for name in ("rda.dir", "rda.term"))
 
     def direction_of(start: int, stop: int) -> Tensor:
         """sum w/|v| * v over one chunk, in float64: the same operations each time it is computed."""
@@ -216,23 +223,23 @@ def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Ten
             square_sum += float(torch.dot(d, d))
     direction_norm = math.sqrt(square_sum) / total
     if direction_norm == 0.0:  # directions cancel exactly
-        return torch.zeros(parts[0].shape, dtype=torch.float32)
+        return torch.zeros(n, dtype=torch.float32)
     scale = mean_norm / (direction_norm * total)
-    out = fresh(parts[0].shape)
-    flat_out = out.view(-1)
+    out = fresh((n,))
     for start in range(0, n, CHUNK):  # pass 2: recomputed (cheaper than a fragment-sized float64 buffer)
         stop = min(start + CHUNK, n)
-        flat_out[start:stop].copy_(direction_of(start, stop).mul_(scale))
+        out[start:stop].copy_(direction_of(start, stop).mul_(scale))
     return out
 
 
-def _gram(flats: Sequence[Tensor]) -> list[list[float]]:
+def _gram(flats: Sequence[Tensor], buffers: Scratch) -> list[list[float]]:
     """<v_i, v_j> for every pair, float64, accumulated chunk by chunk in a fixed order (one pass)."""
     n = flats[0].numel()
-    buffers = [_scratch64(n) for _ in flats]
+    step = GRAM_CHUNK
+    chunks = [buffers.get(f"gram.{i}", min(n, step), torch.float64) for i in range(len(flats))]
     gram = [[0.0] * len(flats) for _ in flats]
-    for start in range(0, n, CHUNK):
-        chunk = [b[: min(n - start, CHUNK)].copy_(f[start : start + CHUNK]) for b, f in zip(buffers, flats)]
+    for start in range(0, n, step):
+        chunk = [b[: min(n - start, step)].copy_(f[start : start + step]) for b, f in zip(chunks, flats)]
         for i, x in enumerate(chunk):
             for j in range(i, len(chunk)):
                 gram[i][j] += float(torch.dot(x, chunk[j]))
@@ -240,10 +247,6 @@ def _gram(flats: Sequence[Tensor]) -> list[list[float]]:
         for j in range(i):
             gram[i][j] = gram[j][i]
     return gram
-
-
-def _scratch64(n: int) -> Tensor:
-    return torch.empty(min(n, CHUNK), dtype=torch.float64)
 
 
 def _preview(names: Sequence[str], limit: int = 5) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from p2p_diloco.config import Codec  # noqa: F401 - the codecs of `[wire] codec`, re-exported
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.kernels import Scratch, scratch
 
 # Reason tags of DecodeError (shared with `wire.frames`).
 TRUNCATED = "truncated"
@@ -120,37 +121,40 @@ def quantize_blockwise_cpu(
     tests/unit/test_codec.py checks it against bitsandbytes' CPU kernel. `bounds` (the midpoints of another
     sorted code table, e.g. `wire.sparse`'s 4-bit one) defaults to those of `CODE_TABLE`.
 
-    Runs CACHE_ELEMENTS values at a time through buffers allocated once per call (a fresh temporary per
-    kernel would cost a page fault per 4 KiB); a short last block is quantized on its own, exactly as if
-    zero-padded (zeros change neither its absmax nor its other codes)."""
+    Runs CACHE_ELEMENTS values at a time through work buffers kept from call to call
+    (`protocol.kernels.scratch`: a fresh temporary per kernel would cost a page fault per 4 KiB); a short
+    last block is quantized on its own, exactly as if zero-padded (zeros change neither its absmax nor its
+    other codes)."""
     n = flat.numel()
     full = n // block_size
     bounds = _CODE_BOUNDS if bounds is None else bounds
     absmax = torch.empty(-(-n // block_size), dtype=flat.dtype)
     codes = torch.empty(n, dtype=torch.uint8)
     step = max(1, CACHE_ELEMENTS // block_size)  # whole blocks at a time: temporaries stay in cache
-    work = _Work(min(step, max(full, 1)) * block_size, flat.dtype)
     blocks = flat[: full * block_size].reshape(full, block_size)
-    for first in range(0, full, step):
-        part = blocks[first : first + step]
-        _quantize_part(part, absmax[first : first + part.shape[0]], codes[first * block_size :], bounds, work)
-    if full * block_size < n:
-        tail = flat[full * block_size :].reshape(1, -1)
-        _quantize_part(
-            tail, absmax[full:], codes[full * block_size :], bounds, _Work(tail.numel(), flat.dtype)
-        )
+    with scratch() as buffers:
+        work = _Work(min(step * block_size, max(n, 1)), flat.dtype, buffers)
+        for first in range(0, full, step):
+            part = blocks[first : first + step]
+            _quantize_part(
+                part, absmax[first : first + part.shape[0]], codes[first * block_size :], bounds, work
+            )
+        if full * block_size < n:
+            tail = flat[full * block_size :].reshape(1, -1)
+            _quantize_part(tail, absmax[full:], codes[full * block_size :], bounds, work)
     return codes, absmax
 
 
 class _Work:
-    """Scratch buffers for `capacity` values, reused chunk after chunk."""
+    """Work buffers for `capacity` values, reused chunk after chunk (from `buffers` when given)."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype):
-        self.values = torch.empty(capacity, dtype=dtype)
-        self.index = torch.empty(capacity, dtype=torch.int32)
-        self.below = torch.empty(capacity, dtype=torch.int32)
-        self.bound = torch.empty(capacity, dtype=torch.float32)
-        self.above = torch.empty(capacity, dtype=torch.bool)
+    def __init__(self, capacity: int, dtype: torch.dtype, buffers: Scratch | None = None):
+        get = (buffers or Scratch()).get
+        self.values = get("quantize.values", capacity, dtype)
+        self.index = get("quantize.index", capacity, torch.int32)
+        self.below = get("quantize.below", capacity, torch.int32)
+        self.bound = get("quantize.bound", capacity, torch.float32)
+        self.above = get("quantize.above", capacity, torch.bool)
 
 
 def _quantize_part(

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.protocol.kernels import CHUNK, fresh
+from p2p_diloco.protocol.kernels import CHUNK, fresh, scratch
 from p2p_diloco.wire import sparse
 from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-exported for callers)
     BAD_HEADER,
@@ -266,13 +266,14 @@ def _dequantize(view: memoryview, entry: _Entry) -> torch.Tensor:
         raise DecodeError(BAD_HEADER, f"tensor {entry.name!r} has a negative block absmax")
     codes = np.frombuffer(view, np.uint8, entry.numel, entry.data_at)
     values = fresh((entry.numel,))
-    index = torch.empty(min(entry.numel, CHUNK), dtype=torch.int32)  # CHUNK is a multiple of every block
-    index_np = index.numpy()
-    for start in range(0, entry.numel, CHUNK):  # a cache-sized chunk at a time, into one huge-page tensor
-        stop = min(start + CHUNK, entry.numel)
-        np.copyto(index_np[: stop - start], codes[start:stop])
-        part = torch.index_select(CODE_TABLE, 0, index[: stop - start], out=values[start:stop])
-        scale_blocks(part, absmax[start // entry.block_size :], entry.block_size)
+    with scratch() as buffers:
+        index = buffers.get("decode.index", min(entry.numel, CHUNK), torch.int32)  # CHUNK: whole blocks
+        index_np = index.numpy()
+        for start in range(0, entry.numel, CHUNK):  # a cache-sized chunk at a time, into one huge-page tensor
+            stop = min(start + CHUNK, entry.numel)
+            np.copyto(index_np[: stop - start], codes[start:stop])
+            part = torch.index_select(CODE_TABLE, 0, index[: stop - start], out=values[start:stop])
+            scale_blocks(part, absmax[start // entry.block_size :], entry.block_size)
     return values.view(entry.shape)
 
 
