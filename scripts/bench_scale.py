@@ -3,13 +3,12 @@
     .venv/bin/python scripts/bench_scale.py --params 125M --out docs/results/scale [--duration 420]
     .venv/bin/python scripts/bench_scale.py --throughput-only [--baseline OLD.json] --out docs/results/scale-kernels
 
-Part 1 (in this process, before any peer starts, one torch thread, glibc malloc set up as `join` sets it):
-on one fragment of the run's model,
-milliseconds per million parameters and GB/s of fp32 parameters (best of `--repeats`, by wall-clock time
-and by this process's CPU time, which on a shared machine is the cleaner per-core figure) for merging M
-deltas (RDA), the outer step
-(`GlobalReplica.compute_update`, finiteness checks and checksum included), the checksum alone, encoding
-the int8 update and applying an update on a replica (decode, outer step, checksum compare).
+Part 1 (in this process, before any peer starts, one torch thread, glibc malloc set up as `join` sets
+it): on one fragment of the run's model, milliseconds per million parameters and GB/s of fp32 parameters
+(best of `--repeats`, by wall-clock time and by this process's CPU time, which on a shared machine is the
+cleaner per-core figure) for merging M deltas (RDA), the outer step (`GlobalReplica.compute_update`,
+finiteness checks and checksum included), the checksum alone, encoding the int8 update and applying an
+update on a replica (decode, outer step, checksum compare).
 
 Part 2 (real processes on 127.0.0.1): a bootstrap node and two `join` learners (batch 1, the byte GPT
 sized to `--params`) train; once `--join-after` updates have been published a newcomer joins and downloads
