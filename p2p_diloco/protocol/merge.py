@@ -60,8 +60,10 @@ def check_tensors(
     expected_shapes: Mapping[str, tuple[int, ...]],
     *,
     norm_bound: float | None,
+    finite: bool = True,
 ) -> Decision:
-    """Names, shapes, dtype (float32), finite values and, if `norm_bound` is given, per-tensor L2 norms.
+    """Names, shapes, dtype (float32), finite values (unless `finite=False`: a caller whose next step
+    proves finiteness anyway) and, if `norm_bound` is given, per-tensor L2 norms.
 
     Shared by `validate_delta` and the replica's checks on outer gradients and snapshots.
     Checks run in a fixed order (names first, then each tensor in `expected_shapes` order) so the
@@ -85,7 +87,7 @@ def check_tensors(
             return Decision(
                 REJECT, f"{WRONG_DTYPE}: {name} is {tensor.dtype} ({tensor.layout}), expected dense float32"
             )
-        if not all_finite(tensor):
+        if finite and not all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
             return Decision(REJECT, f"{NON_FINITE}: {name} has {bad} NaN/inf values")
         if norm_bound is not None:

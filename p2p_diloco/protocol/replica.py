@@ -295,7 +295,9 @@ class GlobalReplica:
     def _compute(
         self, p: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
     ) -> PendingUpdate | Decision:
-        check = self.check_outer_grad(p, outer_grad)
+        # Finiteness of the gradient is left to the step: a NaN or inf in g makes Θ' non-finite, and only
+        # then is the gradient scanned, so the reason stays that of `check_outer_grad`.
+        check = check_tensors(outer_grad, self.shapes(p), norm_bound=None, finite=False)
         if check.action != ACCEPT:
             return Decision(REFUSE, check.reason)
         new_params: dict[str, Tensor] = {}
@@ -316,6 +318,9 @@ class GlobalReplica:
                 rate=rate,
             )
             if not finite:
+                check = self.check_outer_grad(p, outer_grad)
+                if check.action != ACCEPT:
+                    return Decision(REFUSE, check.reason)
                 return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
             hasher.add(name, new_params[name], new_momentum[name])  # while the tensor is in cache
         return PendingUpdate(

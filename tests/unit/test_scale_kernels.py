@@ -247,3 +247,17 @@ def test_a_momentum_overflow_shows_in_the_parameters(mu: float, rate: float) -> 
     both = bool(torch.isfinite(out[0]).all()) and bool(torch.isfinite(out[1]).all())
     assert finite == both
     assert both == (mu == 0.0)  # with mu = 0, m' = g and the step stay finite
+
+
+def test_a_non_finite_gradient_is_refused_with_the_gradient_check_reason() -> None:
+    shapes = {"a": (4, 5), "b": (CHUNK + 3,)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.zeros(s) for n, s in shapes.items()})
+    grad = {"a": torch.full((4, 5), 3e38), "b": torch.zeros(CHUNK + 3)}  # "a" overflows in the step
+    grad["b"][CHUNK + 1] = math.nan  # and "b" itself is bad: the gradient check reports it, as before
+    expected = replica.check_outer_grad(0, grad).reason
+    assert expected.startswith("non-finite: b has 1 NaN/inf")
+    decision = replica.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=None)
+    assert decision.reason == expected and replica.versions() == (0,)
+    grad["b"][CHUNK + 1] = 0.0
+    assert "overflows in a" in replica.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=None).reason
