@@ -166,7 +166,9 @@ def _quantize_part(
     torch.abs(part, out=values)
     torch.amax(values, dim=1, out=absmax)
     torch.mul(part, (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), out=values)
-    nearest_codes(values.clamp_(-1, 1).view(-1), bounds, out=codes[:size], work=work)
+    # No clamp to [-1, 1]: x * (1/absmax) exceeds 1 in magnitude by at most two ulps, which shares 1.0's
+    # 16-bit prefix and lies beyond every bound, so its code is that of ±1 either way (tested).
+    nearest_codes(values.view(-1), bounds, out=codes[:size], work=work)
 
 
 CACHE_ELEMENTS = 1 << 18  # values quantized per pass (1 MiB of float32)

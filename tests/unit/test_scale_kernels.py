@@ -261,3 +261,13 @@ def test_a_non_finite_gradient_is_refused_with_the_gradient_check_reason() -> No
     assert decision.reason == expected and replica.versions() == (0,)
     grad["b"][CHUNK + 1] = 0.0
     assert "overflows in a" in replica.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=None).reason
+
+
+def test_values_just_beyond_one_get_the_codes_of_one() -> None:
+    one = torch.tensor([1.0, -1.0])
+    beyond = torch.nextafter(one, one * 2)
+    beyond2 = torch.nextafter(beyond, one * 2)
+    for bounds in (_CODE_BOUNDS, SPARSE_BOUNDS.to(torch.float32)):
+        for x in (beyond, beyond2):
+            assert torch.equal(nearest_codes(x, bounds), nearest_codes(one, bounds))
+            assert torch.equal(nearest_codes(x, bounds), reference(one, bounds))
