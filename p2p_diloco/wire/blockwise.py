@@ -217,7 +217,7 @@ def nearest_codes(
     torch.index_select(counts, 0, prefix, out=below)  # ~5x faster than `counts[prefix]`, the same gather
     torch.index_select(padded, 0, below, out=bound)
     torch.gt(scaled.reshape(-1), bound, out=above)
-    return out.copy_(below.add_(above)).view(scaled.shape)
+    return torch.add(below, above, out=out.view(-1)).view(scaled.shape)  # codes <= 255: exact in uint8
 
 
 def scale_blocks(values: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
