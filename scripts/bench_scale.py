@@ -1,11 +1,14 @@
 """Model-size scale on real peers: memory over time, merge/apply speed, a newcomer's snapshot download.
 
     .venv/bin/python scripts/bench_scale.py --params 125M --out docs/results/scale [--duration 420]
+    .venv/bin/python scripts/bench_scale.py --throughput-only [--baseline OLD.json] --out docs/results/scale-kernels
 
-Part 1 (in this process, before any peer starts, one torch thread): on one fragment of the run's model,
-milliseconds per million parameters and GB/s of fp32 parameters for merging M deltas (RDA), the outer step
-(`GlobalReplica.compute_update`, finiteness checks and checksum included), the checksum alone, encoding
-the int8 update and applying an update on a replica (decode, outer step, checksum compare).
+Part 1 (in this process, before any peer starts, one torch thread, glibc malloc set up as `join` sets
+it): on one fragment of the run's model, milliseconds per million parameters and GB/s of fp32 parameters
+(best of `--repeats`, by wall-clock time and by this process's CPU time, which on a shared machine is the
+cleaner per-core figure) for merging M deltas (RDA), the outer step (`GlobalReplica.compute_update`,
+finiteness checks and checksum included), the checksum alone, encoding the int8 update and applying an
+update on a replica (decode, outer step, checksum compare).
 
 Part 2 (real processes on 127.0.0.1): a bootstrap node and two `join` learners (batch 1, the byte GPT
 sized to `--params`) train; once `--join-after` updates have been published a newcomer joins and downloads
@@ -14,6 +17,10 @@ process, its DHT child and p2pd) is sampled from /proc/PID/smaps_rollup. Reporte
 growth over the last half of the run, PSS minus the training state (model, gradients, AdamW: 16 B/param)
 per parameter; the newcomer's time from its start to its first merged delta and its download MB/s per
 source; bytes per parameter per round sent and received. Writes OUT/scale.json and OUT/scale_pss.png.
+
+`--throughput-only` runs part 1 alone and writes OUT/throughput.json and OUT/throughput.png (GB/s per row
+against the 1 GB/s goal of issue #14; with `--baseline` a JSON of an earlier part-1 run, such as
+scale.json, drawn beside it).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import ModelConfig  # noqa: E402
 from p2p_diloco.model.gpt import GPT  # noqa: E402
+from p2p_diloco.node.heap import bound_heap  # noqa: E402
 from p2p_diloco.protocol.fragments import plan_fragments  # noqa: E402
 from p2p_diloco.protocol.merge import merge_deltas  # noqa: E402
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum  # noqa: E402
@@ -74,6 +82,7 @@ def shapes_of(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
     torch.set_num_threads(1)
+    heap_bounded = bound_heap()  # as `join` runs: blocks of 1 MiB or more are mapped afresh (node/heap.py)
     shapes = shapes_of(config)
     plan = plan_fragments(list(shapes.items()), FRAGMENTS)
     names = plan.names(0)
@@ -84,21 +93,28 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
     replica = GlobalReplica(one, frag)
     parts = [{n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in names} for _ in range(deltas)]
 
+    cpu_times: list[float] = []
+
     def best(fn):  # noqa: ANN001, ANN202
-        seconds, out = float("inf"), None
+        seconds, cpu, out = float("inf"), float("inf"), None
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             out = fn()
             seconds = min(seconds, time.perf_counter() - start)
+            cpu = min(cpu, time.process_time() - start_cpu)
+        cpu_times.append(cpu)
         return seconds, out
 
     rows = {}
 
     def row(name: str, seconds: float) -> None:
+        cpu = cpu_times[-1]  # this process's CPU time: what one core spent, whatever else ran beside it
         rows[name] = {
             "ms_per_mparam": round(seconds * 1e3 / (numel / 1e6), 3),
             "gb_per_s_fp32": round(numel * 4 / seconds / 1e9, 3),
             "seconds": round(seconds, 4),
+            "cpu_seconds": round(cpu, 4),
+            "gb_per_s_fp32_cpu": round(numel * 4 / cpu / 1e9, 3),
         }
 
     s, merged = best(lambda: merge_deltas(parts, [1.0 + i for i in range(deltas)]))
@@ -121,7 +137,7 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
 
     s, _ = best(apply)
     row("apply_update_on_a_replica", s)
-    return {"fragment_params": numel, "threads": 1, "rows": rows}
+    return {"fragment_params": numel, "threads": 1, "heap_bounded": heap_bounded, "rows": rows}
 
 
 # ---- part 2: real peers ----------------------------------------------------------------------------
@@ -404,6 +420,43 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+GOAL_GB_PER_S = 1.0  # issue #14: every part-1 row at >= 1 GB/s of fp32 parameters per core
+
+
+def plot_throughput(result: dict, baseline: dict | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["throughput"]["rows"]
+    names = list(rows)
+
+    def rate(row: dict) -> float:  # per core: by CPU time where measured (a shared machine), else wall time
+        return row.get("gb_per_s_fp32_cpu", row.get("gb_per_s_fp32", 0.0))
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ys = range(len(names))
+    if baseline is not None:
+        old = baseline["throughput"]["rows"]
+        ax.barh(
+            [y + 0.2 for y in ys], [rate(old.get(n, {})) for n in names], 0.4, label="before", color="0.7"
+        )
+        ax.barh([y - 0.2 for y in ys], [rate(rows[n]) for n in names], 0.4, label="after")
+    else:
+        ax.barh(list(ys), [rate(rows[n]) for n in names], 0.6)
+    ax.axvline(GOAL_GB_PER_S, color="red", linestyle="--", label="goal (1 GB/s)")
+    ax.set_yticks(list(ys), [n.replace("_", " ") for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s of fp32 parameters per core (by CPU time, one thread)")
+    frag = result["throughput"]["fragment_params"]
+    ax.set_title(f"Synchronizer and replica kernels, one {frag / 1e6:.0f}M-parameter fragment")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -416,7 +469,15 @@ def main() -> int:
     )
     parser.add_argument("--deltas", type=int, default=2, help="M, deltas merged in part 1")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--skip-peers", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--throughput-only",
+        "--skip-peers",
+        action="store_true",
+        help="part 1 only: writes OUT/throughput.json and OUT/throughput.png",
+    )
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="with --throughput-only: an earlier run's JSON to chart"
+    )
     parser.add_argument(
         "--min-step-time",
         type=float,
@@ -442,14 +503,20 @@ def main() -> int:
         "throughput": throughput(config, args.deltas, args.repeats),
     }
     print(json.dumps(result["throughput"], indent=1), flush=True)
-    if not args.skip_peers:
-        step_time = args.min_step_time if args.min_step_time is not None else max(0.5, 10.0 * params / 125e6)
-        result["min_step_time"] = step_time
-        result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after, step_time)
-        result["wall_seconds"] = round(time.time() - began, 1)
-        plot(result, out / "scale_pss.png")
-        brief = {k: v for k, v in result["peers_run"].items() if k != "pss_samples"}
-        print(json.dumps(brief, indent=1), flush=True)
+    if args.throughput_only:
+        baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+        if baseline is not None:
+            result["baseline"] = {"command": baseline.get("command"), "throughput": baseline["throughput"]}
+        (out / "throughput.json").write_text(json.dumps(result, indent=1))
+        plot_throughput(result, baseline, out / "throughput.png")
+        return 0
+    step_time = args.min_step_time if args.min_step_time is not None else max(0.5, 10.0 * params / 125e6)
+    result["min_step_time"] = step_time
+    result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after, step_time)
+    result["wall_seconds"] = round(time.time() - began, 1)
+    plot(result, out / "scale_pss.png")
+    brief = {k: v for k, v in result["peers_run"].items() if k != "pss_samples"}
+    print(json.dumps(brief, indent=1), flush=True)
     (out / "scale.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.protocol.decisions import Action, Decision
+from p2p_diloco.protocol.kernels import CHUNK, Scratch, all_finite, fresh, norm64, scratch
 
 # Actions of `validate_delta`.
 ACCEPT = Action.ACCEPT
@@ -31,6 +32,13 @@ NON_FINITE = "non-finite"
 NORM_BOUND = "norm bound"
 
 MERGE_RULES = ("rda", "mean")
+# RDA with at most this many deltas takes the direction's norm from their Gram matrix (one pass over the
+# data instead of two; the dot products per chunk grow as M^2, so larger merges sum the direction itself).
+GRAM_MAX_DELTAS = 8
+GRAM_CHUNK = CHUNK // 2  # elements per Gram pass: 8 float64 work buffers of 1 MiB
+# ... unless the deltas nearly cancel (|direction|^2 below this share of (sum of weights)^2), where the
+# Gram form would lose relative precision.
+_GRAM_CANCELLATION = 1e-8
 
 DELTA_DTYPE = torch.float32
 
@@ -52,8 +60,10 @@ def check_tensors(
     expected_shapes: Mapping[str, tuple[int, ...]],
     *,
     norm_bound: float | None,
+    finite: bool = True,
 ) -> Decision:
-    """Names, shapes, dtype (float32), finite values and, if `norm_bound` is given, per-tensor L2 norms.
+    """Names, shapes, dtype (float32), finite values (unless `finite=False`: a caller whose next step
+    proves finiteness anyway) and, if `norm_bound` is given, per-tensor L2 norms.
 
     Shared by `validate_delta` and the replica's checks on outer gradients and snapshots.
     Checks run in a fixed order (names first, then each tensor in `expected_shapes` order) so the
@@ -77,12 +87,12 @@ def check_tensors(
             return Decision(
                 REJECT, f"{WRONG_DTYPE}: {name} is {tensor.dtype} ({tensor.layout}), expected dense float32"
             )
-        if not bool(torch.isfinite(tensor).all()):
+        if finite and not all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
             return Decision(REJECT, f"{NON_FINITE}: {name} has {bad} NaN/inf values")
         if norm_bound is not None:
             # float64 accumulation: a float32 sum of squares can overflow for finite, in-bound entries.
-            norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+            norm = norm64(tensor)
             if not norm <= norm_bound:
                 return Decision(REJECT, f"{NORM_BOUND}: {name} has L2 norm {norm:.6g} > {norm_bound:.6g}")
     return Decision(ACCEPT, f"{ACCEPTED}: {len(expected_shapes)} tensors")
@@ -113,7 +123,9 @@ def merge_deltas(
     unit vector, and a zero combined direction gives a zero result (never NaN). Tensors named in
     `embedding_names` (names absent from the deltas are ignored) and every tensor under rule "mean" use
     the plain weighted mean sum w*v / sum w. Sums run in float64, in the order given (callers sort by
-    sender), so equal inputs give equal outputs. Weights must be finite and >= 0 with a positive total.
+    sender), a fixed-size chunk at a time (`kernels.CHUNK`), so equal inputs give equal outputs. For RDA
+    the norms (and, up to GRAM_MAX_DELTAS deltas, the combined direction's norm) come from one pass of
+    float64 dot products; a second pass writes the result. Weights must be finite and >= 0 with a positive total.
     """
     if rule not in MERGE_RULES:
         raise ValueError(f"unknown merge rule {rule!r}; expected one of {MERGE_RULES}")
@@ -150,26 +162,93 @@ def merge_deltas(
 
 
 def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
-    acc = torch.zeros(parts[0].shape, dtype=torch.float64)
-    for part, w in zip(parts, weights):
-        acc.add_(part.detach().cpu(), alpha=w)  # accumulated in float64, no float64 copy of the part
-    return acc.div_(total).to(torch.float32)
+    flats = [part.detach().cpu().reshape(-1) for part in parts]
+    out = fresh(parts[0].shape)
+    flat_out, n = out.view(-1), flats[0].numel()
+    with scratch() as buffers:
+        acc, term = (buffers.get(name, min(n, CHUNK), torch.float64) for name in ("mean.acc", "mean.term"))
+        for start in range(0, n, CHUNK):  # one cache-sized chunk at a time, accumulated in float64
+            stop = min(start + CHUNK, n)
+            a, t = acc[: stop - start], term[: stop - start]
+            a.copy_(flats[0][start:stop]).mul_(weights[0])
+            for flat, w in zip(flats[1:], weights[1:]):
+                t.copy_(flat[start:stop]).mul_(w)
+                a.add_(t)
+            flat_out[start:stop].copy_(a.div_(total))
+    return out
 
 
 def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
-    direction = torch.zeros(parts[0].shape, dtype=torch.float64)
+    flats = [part.detach().cpu().reshape(-1) for part in parts]
+    with scratch() as buffers:
+        return _rda_with(flats, weights, total, buffers).view(parts[0].shape)
+
+
+def _rda_with(flats: Sequence[Tensor], weights: Sequence[float], total: float, buffers: Scratch) -> Tensor:
+    n = flats[0].numel()
+    gram = _gram(flats, buffers) if len(flats) <= GRAM_MAX_DELTAS else None
+    terms: list[tuple[Tensor, float]] = []
+    kept: list[int] = []
     norm_sum = 0.0
-    for part, w in zip(parts, weights):
-        v = part.detach().cpu()
-        norm = float(torch.linalg.vector_norm(v, dtype=torch.float64))
+    for i, (flat, w) in enumerate(zip(flats, weights)):
+        norm = math.sqrt(gram[i][i]) if gram is not None else norm64(flat)
         if norm > 0:  # a zero vector adds its zero norm to the mean but no direction
-            direction.add_(v, alpha=w / norm)  # float64 accumulation, no float64 copy of the part
+            terms.append((flat, w / norm))
+            kept.append(i)
             norm_sum += w * norm
     mean_norm = norm_sum / total
-    direction_norm = float(torch.linalg.vector_norm(direction)) / total
-    if direction_norm == 0.0 or mean_norm == 0.0:  # all zero, or directions cancel exactly
-        return torch.zeros(parts[0].shape, dtype=torch.float32)
-    return direction.mul_(mean_norm / (direction_norm * total)).to(torch.float32)
+    if not terms or mean_norm == 0.0:  # all zero
+        return torch.zeros(n, dtype=torch.float32)
+    direction, term = (buffers.get(name, min(n, CHUNK), torch.float64) for name in ("rda.dir", "rda.term"))
+
+    def direction_of(start: int, stop: int) -> Tensor:
+        """sum w/|v| * v over one chunk, in float64: the same operations each time it is computed."""
+        d, t = direction[: stop - start], term[: stop - start]
+        (first, first_coef), *rest = terms
+        d.copy_(first[start:stop]).mul_(first_coef)
+        for flat, coef in rest:
+            t.copy_(flat[start:stop]).mul_(coef)
+            d.add_(t)
+        return d
+
+    square_sum = 0.0
+    if gram is not None:  # |sum c_a v_a|^2 = sum c_a c_b <v_a, v_b>, no pass over the data
+        coefs = [coef for _, coef in terms]
+        for a, i in enumerate(kept):
+            for b, j in enumerate(kept):
+                square_sum += coefs[a] * coefs[b] * gram[i][j]
+    scale_of_terms = math.fsum(weights[i] for i in kept) ** 2  # (sum |c_a v_a|)^2
+    if not square_sum > _GRAM_CANCELLATION * scale_of_terms:  # large cancellation: sum the direction itself
+        square_sum = 0.0
+        for start in range(0, n, CHUNK):
+            d = direction_of(start, min(start + CHUNK, n))
+            square_sum += float(torch.dot(d, d))
+    direction_norm = math.sqrt(square_sum) / total
+    if direction_norm == 0.0:  # directions cancel exactly
+        return torch.zeros(n, dtype=torch.float32)
+    scale = mean_norm / (direction_norm * total)
+    out = fresh((n,))
+    for start in range(0, n, CHUNK):  # pass 2: recomputed (cheaper than a fragment-sized float64 buffer)
+        stop = min(start + CHUNK, n)
+        out[start:stop].copy_(direction_of(start, stop).mul_(scale))
+    return out
+
+
+def _gram(flats: Sequence[Tensor], buffers: Scratch) -> list[list[float]]:
+    """<v_i, v_j> for every pair, float64, accumulated chunk by chunk in a fixed order (one pass)."""
+    n = flats[0].numel()
+    step = GRAM_CHUNK
+    chunks = [buffers.get(f"gram.{i}", min(n, step), torch.float64) for i in range(len(flats))]
+    gram = [[0.0] * len(flats) for _ in flats]
+    for start in range(0, n, step):
+        chunk = [b[: min(n - start, step)].copy_(f[start : start + step]) for b, f in zip(chunks, flats)]
+        for i, x in enumerate(chunk):
+            for j in range(i, len(chunk)):
+                gram[i][j] += float(torch.dot(x, chunk[j]))
+    for i in range(len(flats)):
+        for j in range(i):
+            gram[i][j] = gram[j][i]
+    return gram
 
 
 def _preview(names: Sequence[str], limit: int = 5) -> str:

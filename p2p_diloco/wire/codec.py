@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.kernels import CHUNK, fresh, scratch
 from p2p_diloco.wire import sparse
 from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-exported for callers)
     BAD_HEADER,
@@ -114,38 +115,45 @@ def _entry_head(name: str, tensor: torch.Tensor, block: int) -> bytes:
     )
 
 
-def _quantize_int8(tensors: list[torch.Tensor], block_size: int) -> list[tuple[bytes, bytes]]:
+def _quantize_int8(tensors: list[torch.Tensor], block_size: int) -> list[tuple[bytes, memoryview]]:
     """(absmax bytes, code bytes) per tensor; a tensor holding NaN/inf gets NaN absmax so receivers reject it.
 
-    All tensors go through ONE bitsandbytes call (its CPU kernel costs ~12 ms per call whatever the size):
-    each is zero-padded to whole blocks, which changes neither its absmax nor its codes.
+    On the CPU each tensor is quantized where it lies (`quantize_blockwise_cpu`), and NaN/inf show in its
+    absmax (the max of |x| propagates them), so no pass checks finiteness. On accelerators all tensors go
+    through ONE bitsandbytes call (~12 ms per call whatever the size): each is zero-padded to whole blocks,
+    which changes neither its absmax nor its codes.
     """
     flats = [t.detach().reshape(-1).to(torch.float32) for t in tensors]
     device = flats[0].device if flats else torch.device("cpu")
+    if device.type == "cpu":
+        out = []
+        for flat in flats:
+            codes, absmax_t = quantize_blockwise_cpu(flat.contiguous(), block_size)
+            absmax = absmax_t.numpy().astype("<f4")
+            if not np.isfinite(absmax).all():
+                absmax = np.full_like(absmax, np.nan)
+            out.append((absmax.tobytes(), memoryview(codes.numpy())))
+        return out
     padded_blocks = [-(-f.numel() // block_size) for f in flats]
     if sum(padded_blocks) == 0:
-        return [(b"", b"") for _ in flats]
+        return [(b"", memoryview(b"")) for _ in flats]
     pieces = []
     for i, (flat, n_blocks) in enumerate(zip(flats, padded_blocks)):
         pieces.append(flat.to(device))
         if i < len(flats) - 1 and n_blocks * block_size > flat.numel():  # the last block may stay short
             pieces.append(flat.new_zeros(n_blocks * block_size - flat.numel(), device=device))
     buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-    if device.type == "cpu":
-        codes, absmax_t = quantize_blockwise_cpu(buffer, block_size)
-    else:
-        from bitsandbytes.functional import quantize_blockwise  # imported lazily: only for accelerators
+    from bitsandbytes.functional import quantize_blockwise  # imported lazily: only for accelerators
 
-        codes, state = quantize_blockwise(buffer, code=CODE_TABLE.to(device), blocksize=block_size)
-        absmax_t = state.absmax
-    codes_np, absmax_np = codes.cpu().numpy(), absmax_t.cpu().numpy().astype("<f4")
+    codes, state = quantize_blockwise(buffer, code=CODE_TABLE.to(device), blocksize=block_size)
+    codes_np, absmax_np = codes.cpu().numpy(), state.absmax.cpu().numpy().astype("<f4")
     out, block = [], 0
     for flat, n_blocks in zip(flats, padded_blocks):
         absmax = absmax_np[block : block + n_blocks]
         if not _all_finite(flat):  # bitsandbytes skips NaN in absmax: mark the tensor so receivers reject it
             absmax = np.full_like(absmax, np.nan)
         first = block * block_size
-        out.append((absmax.tobytes(), codes_np[first : first + flat.numel()].tobytes()))
+        out.append((absmax.tobytes(), memoryview(codes_np[first : first + flat.numel()])))
         block += n_blocks
     return out
 
@@ -256,9 +264,17 @@ def _dequantize(view: memoryview, entry: _Entry) -> torch.Tensor:
         raise DecodeError(NON_FINITE, f"tensor {entry.name!r} has a non-finite block absmax")
     if bool((absmax < 0).any()):
         raise DecodeError(BAD_HEADER, f"tensor {entry.name!r} has a negative block absmax")
-    codes = torch.from_numpy(np.frombuffer(view, np.uint8, entry.numel, entry.data_at).astype(np.int32))
-    values = torch.index_select(CODE_TABLE, 0, codes)
-    return scale_blocks(values, absmax, entry.block_size).reshape(entry.shape)
+    codes = np.frombuffer(view, np.uint8, entry.numel, entry.data_at)
+    values = fresh((entry.numel,))
+    with scratch() as buffers:
+        index = buffers.get("decode.index", min(entry.numel, CHUNK), torch.int32)  # CHUNK: whole blocks
+        index_np = index.numpy()
+        for start in range(0, entry.numel, CHUNK):  # a cache-sized chunk at a time, into one huge-page tensor
+            stop = min(start + CHUNK, entry.numel)
+            np.copyto(index_np[: stop - start], codes[start:stop])
+            part = torch.index_select(CODE_TABLE, 0, index[: stop - start], out=values[start:stop])
+            scale_blocks(part, absmax[start // entry.block_size :], entry.block_size)
+    return values.view(entry.shape)
 
 
 def _read_fp32(view: memoryview, entry: _Entry) -> torch.Tensor:

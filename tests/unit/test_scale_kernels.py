@@ -1,11 +1,21 @@
-"""Fast kernels behind throughput at model scale: the table-lookup int8 code search must equal
-`torch.bucketize` bit for bit (random bit patterns in [-1, 1], every bound and its float neighbours)."""
+"""Fast kernels behind throughput at model scale (#14 item 5): each must equal the plain algorithm it
+replaces bit for bit (the int8 code search vs `torch.bucketize`, the chunked outer step vs whole-tensor
+float32 kernels, the chunked quantizer and decoder vs the padded, unchunked ones), the chunked merge must
+be deterministic, and the fragment checksum must be the documented BLAKE3 layout (v1 files still load)."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
-from p2p_diloco.wire.blockwise import _CODE_BOUNDS, _lut, nearest_codes
+from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.kernels import CHUNK, float32_scalar, fresh, nesterov_into, norm64
+from p2p_diloco.protocol.merge import GRAM_MAX_DELTAS, merge_deltas
+from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum, fragment_checksum_v1, nesterov_step
+from p2p_diloco.wire.blockwise import _CODE_BOUNDS, CODE_TABLE, _lut, nearest_codes, quantize_blockwise_cpu
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.sparse import _INT4_BOUNDS as SPARSE_BOUNDS
 
 
@@ -26,3 +36,238 @@ def test_lookup_codes_equal_bucketize_bit_for_bit() -> None:
         edges = torch.cat([b, up, down, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30])])
         for x in (values, normal, edges):
             assert torch.equal(nearest_codes(x, b), reference(x, b))
+
+
+# ---- protocol.kernels and the chunked paths built on them (#14 item 5) ---------------------------------
+
+SIZES = (1, 1000, CHUNK, 2 * CHUNK + 4097)  # one element, one partial chunk, exactly one, several + tail
+
+
+def whole_tensor_nesterov(theta, m, g, lr: float, mu: float):  # noqa: ANN001, ANN201
+    """The outer step as whole-tensor float32 kernels (the implementation before chunking)."""
+    mu_t, rate = torch.tensor(mu, dtype=torch.float32), torch.tensor(lr, dtype=torch.float32)
+    new_m = m * mu_t
+    new_m.add_(g)
+    d = new_m * mu_t
+    d.add_(g)
+    d.mul_(rate)
+    return theta - d, new_m
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_chunked_nesterov_equals_whole_tensor_kernels_bit_for_bit(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    theta, m, g = (torch.randn(n, generator=gen) * scale for scale in (1.0, 1e-3, 3e-2))
+    g[::7] *= 1e30  # large values: any change of rounding order would show
+    ref_theta, ref_m = whole_tensor_nesterov(theta, m, g, 0.7, 0.9)
+    out_theta, out_m = fresh((n,)), fresh((n,))
+    finite = nesterov_into(theta, m, g, out_theta, out_m, mu=float32_scalar(0.9), rate=float32_scalar(0.7))
+    assert finite
+    assert out_theta.numpy().tobytes() == ref_theta.numpy().tobytes()
+    assert out_m.numpy().tobytes() == ref_m.numpy().tobytes()
+    new_theta, new_m = nesterov_step(
+        theta.reshape(1, n), m.reshape(1, n), g.reshape(1, n), lr=0.7, momentum=0.9
+    )
+    assert new_theta.shape == (1, n) and torch.equal(new_theta.reshape(-1), ref_theta)
+    assert torch.equal(new_m.reshape(-1), ref_m)
+
+
+def test_chunked_nesterov_reports_overflow_in_any_chunk() -> None:
+    n = 2 * CHUNK + 5
+    theta, m, g = torch.zeros(n), torch.zeros(n), torch.full((n,), 1e-3)
+    g[n - 1] = 3e38  # finite input whose lookahead overflows, in the last (partial) chunk
+    out = fresh((n,)), fresh((n,))
+    assert not nesterov_into(theta, m, g, *out, mu=float32_scalar(0.9), rate=float32_scalar(0.7))
+    g[n - 1] = 1e-3
+    g[CHUNK + 3 : CHUNK + 6] = 2e38  # finite everywhere, but the chunk's float32 sum overflows: a full scan
+    assert nesterov_into(theta, m, g, *out, mu=float32_scalar(0.0), rate=float32_scalar(1.0))
+
+
+def test_fresh_tensors_are_independent_writable_and_sized() -> None:
+    for shape, dtype in (((3,), torch.float32), ((768, 1024), torch.float32), ((5, 2**19), torch.float64)):
+        a, b = fresh(shape, dtype), fresh(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
+        a.fill_(1.5)
+        b.fill_(-2.0)
+        assert bool((a == 1.5).all()) and bool((b == -2.0).all())
+        assert a.clone().numpy().tobytes() == a.numpy().tobytes()
+
+
+def reference_quantize(flat: torch.Tensor, block_size: int):  # noqa: ANN201
+    """The quantizer before chunking: zero-pad to whole blocks, abs-max per block, bucketize."""
+    n = flat.numel()
+    blocks = -(-n // block_size)
+    padded = torch.cat([flat, flat.new_zeros(blocks * block_size - n)]).reshape(blocks, block_size)
+    top = padded.abs().amax(dim=1)
+    scaled = (padded * (1.0 / top.clamp(min=1e-38)).view(-1, 1)).clamp_(-1, 1).reshape(-1)
+    return reference(scaled, _CODE_BOUNDS)[:n], top
+
+
+@pytest.mark.parametrize("n", (*SIZES, 4095, 4097))
+@pytest.mark.parametrize("block_size", (64, 4096))
+def test_quantizer_and_decoder_equal_the_unchunked_algorithm(n: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(n + block_size)
+    x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4  # uneven scales across blocks
+    codes, absmax = quantize_blockwise_cpu(x, block_size)
+    ref_codes, ref_absmax = reference_quantize(x, block_size)
+    assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax)
+    decoded = decode_tensors(encode_tensors({"x": x}, block_size=block_size))["x"]
+    expected = CODE_TABLE[ref_codes.long()] * ref_absmax.repeat_interleave(block_size)[:n]
+    assert decoded.numpy().tobytes() == expected.numpy().tobytes()
+
+
+def unchunked_rda(parts, weights):  # noqa: ANN001, ANN201
+    total = sum(weights)
+    direction = torch.zeros(parts[0].shape, dtype=torch.float64)
+    norm_sum = 0.0
+    for v, w in zip(parts, weights):
+        norm = float(torch.linalg.vector_norm(v, dtype=torch.float64))
+        direction += v.double() * (w / norm)
+        norm_sum += w * norm
+    direction_norm = float(torch.linalg.vector_norm(direction)) / total
+    return (direction * ((norm_sum / total) / (direction_norm * total))).float()
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+def test_chunked_merge_is_deterministic_and_matches_the_float64_formula(rule: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    n = 2 * CHUNK + 77
+    deltas = [{"w": torch.randn(n, generator=gen) * s} for s in (1e-3, 5e-3, 2e-4)]
+    weights = [1.0, 2.5, 0.5]
+    merged = merge_deltas(deltas, weights, rule=rule)["w"]
+    again = merge_deltas(deltas, weights, rule=rule)["w"]
+    assert merged.dtype == torch.float32 and merged.numpy().tobytes() == again.numpy().tobytes()
+    parts = [d["w"] for d in deltas]
+    if rule == "rda":
+        expected = unchunked_rda(parts, weights)
+    else:
+        expected = (sum(p.double() * w for p, w in zip(parts, weights)) / sum(weights)).float()
+    torch.testing.assert_close(merged, expected, rtol=1e-6, atol=1e-12)
+
+
+def test_norm64_matches_vector_norm_in_float64() -> None:
+    x = torch.randn(3 * CHUNK + 11, generator=torch.Generator().manual_seed(2)) * 1e20  # squares overflow f32
+    assert math.isclose(norm64(x), float(torch.linalg.vector_norm(x, dtype=torch.float64)), rel_tol=1e-12)
+    assert norm64(torch.zeros(0)) == 0.0
+
+
+# ---- the fragment checksum: BLAKE3 (format v2), v1 files still load -------------------------------------
+
+TINY_PARAMS = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3) / 8, "b": torch.tensor([-1.5, 2.0])}
+TINY_MOMENTUM = {"w": torch.full((2, 3), 0.25), "b": torch.zeros(2)}
+
+
+def test_checksum_is_the_documented_blake3_layout() -> None:
+    # Pinned: the value any machine must compute (little-endian float32 bytes, the docstring's layout).
+    assert (
+        fragment_checksum(["w", "b"], TINY_PARAMS, TINY_MOMENTUM, 7)
+        == "e6b793432cab616e7972309a78e90e98ba689db3ffc3cce7b28746568f163e1d"
+    )
+    # The v1 (blake2b) checksum of the same fragment, as the code before v2 computed it.
+    assert (
+        fragment_checksum_v1(["w", "b"], TINY_PARAMS, TINY_MOMENTUM, 7)
+        == "e536f3c0da7b3e56b249a2c23cc3b4c8016bcb7ec4636519bf5117011dbf5447"
+    )
+
+
+def test_checksum_covers_names_shapes_values_momentum_and_version() -> None:
+    base = fragment_checksum(["w", "b"], TINY_PARAMS, TINY_MOMENTUM, 7)
+    flipped = {**TINY_PARAMS, "b": TINY_PARAMS["b"].clone()}
+    flipped["b"].view(torch.int32)[0] ^= 1  # one bit of Θ
+    moved = {**TINY_MOMENTUM, "w": TINY_MOMENTUM["w"].clone()}
+    moved["w"][1, 2] = -0.0 if float(moved["w"][1, 2]) == 0.0 else 0.0  # one value of m
+    reshaped = {**TINY_PARAMS, "w": TINY_PARAMS["w"].reshape(3, 2)}
+    reshaped_m = {**TINY_MOMENTUM, "w": TINY_MOMENTUM["w"].reshape(3, 2)}
+    renamed = (
+        {"v": TINY_PARAMS["w"], "b": TINY_PARAMS["b"]},
+        {"v": TINY_MOMENTUM["w"], "b": TINY_MOMENTUM["b"]},
+    )
+    others = {
+        fragment_checksum(["w", "b"], flipped, TINY_MOMENTUM, 7),
+        fragment_checksum(["w", "b"], TINY_PARAMS, moved, 7),
+        fragment_checksum(["w", "b"], reshaped, reshaped_m, 7),
+        fragment_checksum(["v", "b"], *renamed, 7),
+        fragment_checksum(["b", "w"], TINY_PARAMS, TINY_MOMENTUM, 7),
+        fragment_checksum(["w", "b"], TINY_PARAMS, TINY_MOMENTUM, 8),
+    }
+    assert base not in others and len(others) == 6
+
+
+def test_a_fragment_saved_with_a_v1_checksum_still_loads() -> None:
+    plan = plan_fragments([(n, tuple(t.shape)) for n, t in TINY_PARAMS.items()], 1)
+    names = plan.names(0)
+    old = fragment_checksum_v1(names, TINY_PARAMS, TINY_MOMENTUM, 7)
+    replica = GlobalReplica.from_fragments(plan, lambda p: (7, TINY_PARAMS, TINY_MOMENTUM, old))
+    assert replica.version(0) == 7
+    assert replica.checksum(0) == fragment_checksum(names, TINY_PARAMS, TINY_MOMENTUM, 7) != old
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        GlobalReplica.from_fragments(plan, lambda p: (7, TINY_PARAMS, TINY_MOMENTUM, "0" * 64))
+
+
+def test_the_outer_step_hashes_as_it_goes_to_the_documented_checksum() -> None:
+    gen = torch.Generator().manual_seed(9)
+    shapes = {"a": (3, CHUNK // 2 + 5), "b": (7,), "c": (2, 3, 4)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.randn(s, generator=gen) for n, s in shapes.items()})
+    grad = {n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()}
+    pending = replica.compute_update(0, grad, lr=0.7, momentum=0.9)
+    names = plan.names(0)
+    assert pending.checksum == fragment_checksum(names, pending.params, pending.momentum, 1)
+    assert list(pending.params) == list(names)
+
+
+@pytest.mark.parametrize("count", [1, GRAM_MAX_DELTAS, GRAM_MAX_DELTAS + 1])
+def test_rda_with_and_without_the_gram_matrix_matches_the_float64_formula(count: int) -> None:
+    gen = torch.Generator().manual_seed(count)
+    n = CHUNK + 999
+    parts = [torch.randn(n, generator=gen) * (i + 1) * 1e-3 for i in range(count)]
+    weights = [1.0 + 0.5 * i for i in range(count)]
+    merged = merge_deltas([{"w": p} for p in parts], weights)["w"]
+    torch.testing.assert_close(merged, unchunked_rda(parts, weights), rtol=1e-6, atol=1e-12)
+
+
+def test_rda_of_nearly_cancelling_deltas_sums_the_direction_itself() -> None:
+    v = torch.randn(CHUNK + 3, generator=torch.Generator().manual_seed(4)) * 1e-2
+    w = -v.clone()
+    w[5] *= 1.0001  # the directions cancel but for one coordinate: the Gram form would be all rounding
+    merged = merge_deltas([{"w": v}, {"w": w}], [1.0, 1.0])["w"]
+    torch.testing.assert_close(merged, unchunked_rda([v, w], [1.0, 1.0]), rtol=1e-5, atol=1e-12)
+    assert float(merged.abs().max()) == pytest.approx(float(merged[5].abs()))
+    exact = merge_deltas([{"w": v}, {"w": -v}], [2.0, 2.0])["w"]
+    assert bool((exact == 0).all())
+
+
+@pytest.mark.parametrize(("mu", "rate"), [(0.9, 0.7), (0.0, 0.7), (0.9, 0.0), (0.0, 0.0)])
+def test_a_momentum_overflow_shows_in_the_parameters(mu: float, rate: float) -> None:
+    n = CHUNK + 10
+    theta, m, g = torch.ones(n), torch.zeros(n), torch.zeros(n)
+    m[CHUNK + 2], g[CHUNK + 2] = 3e38, 3e38  # m' = mu*m + g overflows unless mu = 0
+    out = fresh((n,)), fresh((n,))
+    finite = nesterov_into(theta, m, g, *out, mu=float32_scalar(mu), rate=float32_scalar(rate))
+    both = bool(torch.isfinite(out[0]).all()) and bool(torch.isfinite(out[1]).all())
+    assert finite == both
+    assert both == (mu == 0.0)  # with mu = 0, m' = g and the step stay finite
+
+
+def test_a_non_finite_gradient_is_refused_with_the_gradient_check_reason() -> None:
+    shapes = {"a": (4, 5), "b": (CHUNK + 3,)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.zeros(s) for n, s in shapes.items()})
+    grad = {"a": torch.full((4, 5), 3e38), "b": torch.zeros(CHUNK + 3)}  # "a" overflows in the step
+    grad["b"][CHUNK + 1] = math.nan  # and "b" itself is bad: the gradient check reports it, as before
+    expected = replica.check_outer_grad(0, grad).reason
+    assert expected.startswith("non-finite: b has 1 NaN/inf")
+    decision = replica.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=None)
+    assert decision.reason == expected and replica.versions() == (0,)
+    grad["b"][CHUNK + 1] = 0.0
+    assert "overflows in a" in replica.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=None).reason
+
+
+def test_values_just_beyond_one_get_the_codes_of_one() -> None:
+    one = torch.tensor([1.0, -1.0])
+    beyond = torch.nextafter(one, one * 2)
+    beyond2 = torch.nextafter(beyond, one * 2)
+    for bounds in (_CODE_BOUNDS, SPARSE_BOUNDS.to(torch.float32)):
+        for x in (beyond, beyond2):
+            assert torch.equal(nearest_codes(x, bounds), nearest_codes(one, bounds))
+            assert torch.equal(nearest_codes(x, bounds), reference(one, bounds))
