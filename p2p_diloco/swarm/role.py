@@ -63,6 +63,7 @@ class SynchronizerRole:
         # and win over the newer versions), but at most `timing.lease_ttl`: a run never halts on it
         self.behind: dict[int, tuple[int, float]] = {}
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
+        self._gave_up: dict[int, int] = {}  # fragment -> the highest version a wait ran out for
         self.sync: Synchronizer | None = None
         # Sparse codecs: what an update left out is carried into the fragment's next update. One store
         # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
@@ -84,13 +85,14 @@ class SynchronizerRole:
         )
         self.membership.term_seen = max(self.membership.term_seen, term)
         self.behind.clear()
+        self._gave_up.clear()
         self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
 
     def wait_for(self, fragment: int, version: int, now: float) -> bool:
         """Hold `fragment`'s rounds until the replica reaches `version` (see `behind`); False if already
         held for that version or beyond."""
         held = self.behind.get(fragment)
-        if held is not None and held[0] >= version:
+        if (held is not None and held[0] >= version) or version <= self._gave_up.get(fragment, -1):
             return False
         self.behind[fragment] = (version, held[1] if held is not None else now)
         return True
@@ -103,6 +105,7 @@ class SynchronizerRole:
                 del self.behind[p]
             elif now - since >= limit:
                 del self.behind[p]
+                self._gave_up[p] = version  # not again for this version: one wait per tip, not one per read
                 self.journal.note(
                     f"fragment {p}: not caught up to v{version} within {limit:.1f}s; merging from "
                     f"v{self.replica.version(p)}"

@@ -162,6 +162,7 @@ def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
     merged = me.sync_now(me.clock.now())
     assert [(r.fragment, r.from_version) for r in merged] == [(fragment, 0)]  # the run goes on
     assert any(f"fragment {fragment}: not caught up to v1" in line for line in me.peer.decisions)
+    assert not me.peer.role.wait_for(fragment, 1, me.clock.now())  # one wait per tip, not one per read
 
 
 def delta(fragment: int, *, anchor: int, seq: int) -> bytes:
