@@ -56,6 +56,17 @@ def running(pid: int) -> bool:
     return state != "Z"
 
 
+def join_command(cli, tmp_path: Path) -> tuple[list[str], Path]:  # noqa: ANN001
+    """A `join` of the demo manifest on loopback with a fresh key, and its state directory."""
+    identity, state_dir = tmp_path / "peer.key", tmp_path / "state"
+    write_identity(identity)
+    cmd = cli(
+        "join", str(REPO_ROOT / "peers" / "demo.toml"), "--identity", str(identity),
+        "--state-dir", str(state_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--persist-every", "1",
+    )  # fmt: skip
+    return cmd, state_dir
+
+
 def starts(state_dir: Path) -> int:
     return sum(1 for e in read_events(state_dir) if e["event"] == "start")
 
@@ -64,12 +75,7 @@ def starts(state_dir: Path) -> int:
 def test_a_sigkilled_peer_leaves_no_process_behind_and_restarts_on_its_state_dir(
     spawn, cli, wait_for, tmp_path
 ):
-    identity, state_dir = tmp_path / "peer.key", tmp_path / "state"
-    write_identity(identity)
-    cmd = cli(
-        "join", str(REPO_ROOT / "peers" / "demo.toml"), "--identity", str(identity),
-        "--state-dir", str(state_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--persist-every", "1",
-    )  # fmt: skip
+    cmd, state_dir = join_command(cli, tmp_path)
     first = spawn(cmd)
     wait_for(lambda: starts(state_dir) == 1, START_TIMEOUT, "the peer's start event")
     helpers = descendants(first.pid)
@@ -94,12 +100,7 @@ def test_a_peer_whose_dht_process_died_stops_with_its_state_saved_so_a_restart_r
     """hivemind's DHT process can die under a peer (a desynchronized pipe, the OOM killer): without it the
     peer can neither renew a lease nor see the swarm, so it stops with exit status 3 instead of running on
     deaf (the 30-minute chaos run had a holder publish for minutes that way)."""
-    identity, state_dir = tmp_path / "peer.key", tmp_path / "state"
-    write_identity(identity)
-    cmd = cli(
-        "join", str(REPO_ROOT / "peers" / "demo.toml"), "--identity", str(identity),
-        "--state-dir", str(state_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--persist-every", "1",
-    )  # fmt: skip
+    cmd, state_dir = join_command(cli, tmp_path)
     peer = spawn(cmd)
     wait_for(lambda: starts(state_dir) == 1, START_TIMEOUT, "the peer's start event")
     dht = [
@@ -112,3 +113,10 @@ def test_a_peer_whose_dht_process_died_stops_with_its_state_saved_so_a_restart_r
     assert peer.wait(timeout=60) == 3, peer.stderr_tail()
     events = [e["event"] for e in read_events(state_dir)]
     assert "dht_died" in events
+
+    again = spawn(cmd)  # same identity and state dir: its lock was released, its replica saved
+    wait_for(lambda: starts(state_dir) == 2, START_TIMEOUT, "the restarted peer's start event")
+    restarted = [e for e in read_events(state_dir) if e["event"] == "start"][-1]
+    assert restarted["restored"], restarted
+    again.signal(signal.SIGTERM)
+    assert again.wait(timeout=60) == 0, again.stderr_tail()
