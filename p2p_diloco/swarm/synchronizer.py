@@ -199,8 +199,9 @@ class Synchronizer:
     def poll(
         self, now: float, live_learners: frozenset[str], cap: float, hold: Collection[int] = ()
     ) -> list[MergeOutcome]:
-        """Close every round whose quorum and grace allow it, except fragments in `hold` (being caught up or
-        reconciled: merging now would publish from a state about to change); returns the updates."""
+        """Close every round whose quorum and grace allow it, except fragments in `hold` (the holder is
+        catching them up to versions other peers hold: merging now would publish from behind); returns
+        the updates."""
         self._follow_replica(now)
         awaited = live_learners - self.guard.cooling(now)
         outcomes = []
