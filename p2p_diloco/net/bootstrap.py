@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from p2p_diloco.net.dht_store import create_dht
+from p2p_diloco.net.dht_store import EXIT_DHT_DIED, create_dht
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.manifest_signature import load_run_manifest
 
@@ -78,7 +78,9 @@ def run_bootstrap(
         out.flush()
         print(f"bootstrap {peer.peer_id} ready; stop with Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
-            pass
+            if not peer.alive():  # hivemind's DHT process died: nothing is served any more
+                print("error: the DHT process died; exiting for a supervisor to restart", file=sys.stderr)
+                return EXIT_DHT_DIED
     finally:
         peer.shutdown()
     print("bootstrap stopped", file=sys.stderr, flush=True)

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # keeps the whole pickled call (key, owner tag, expiration, future) under that size.
 MAX_RECORD_BYTES = 12 * 1024
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+EXIT_DHT_DIED = 3  # exit status of a `join` or `bootstrap` whose hivemind DHT process died under it
 DHT_SHUTDOWN_TIMEOUT = 3.0  # hivemind's default grace period before it terminates the DHT process
 
 _OWNER_TAG_RE = re.compile(b"^" + RSASignatureValidator.PUBLIC_KEY_REGEX + b"$", re.DOTALL)

@@ -33,7 +33,7 @@ from typing import TextIO
 import torch
 
 from p2p_diloco.net.admission import admission_for
-from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer
+from p2p_diloco.net.dht_store import EXIT_DHT_DIED, DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.limits import run_transport_options
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import (
@@ -67,8 +67,6 @@ from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 
 log = logging.getLogger(__name__)
-
-EXIT_DHT_DIED = 3  # `join`'s exit status when its hivemind DHT process died under it
 
 IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) checks for work
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)

@@ -11,49 +11,12 @@ import pytest
 
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.state import read_events
+from tests.support.processes import children_of, descendants, running
 
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 90.0  # imports, DHT and p2pd start on a loaded 2-core machine
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            found.append(int(entry.name))
-    return found
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid`, with its command name."""
-    out: dict[int, str] = {}
-    todo = children_of(pid)
-    while todo:
-        child = todo.pop()
-        try:
-            out[child] = (Path("/proc") / str(child) / "comm").read_text().strip()
-        except OSError:
-            continue
-        todo.extend(children_of(child))
-    return out
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a container's init may not reap orphans)."""
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def join_command(cli, tmp_path: Path) -> tuple[list[str], Path]:  # noqa: ANN001

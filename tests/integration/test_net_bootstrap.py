@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
@@ -11,6 +13,7 @@ from p2p_diloco.net.addresses import parse_peer_address, peer_id_in
 from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.net.identity import peer_id_of, write_identity
 from p2p_diloco.wire import keys
+from tests.support.processes import descendants
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +35,16 @@ def test_bootstrap_prints_full_addresses_then_exits_0_on_signal(start_bootstrap,
     # its DHT child and p2pd are gone too, not left behind as orphans
     wait_for(lambda: not node.handle.group_alive(), timeout=10, what="the bootstrap's process group to exit")
     assert "bootstrap stopped" in node.handle.stderr_tail()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_bootstrap_whose_dht_process_died_exits_3_for_its_supervisor(start_bootstrap):
+    node = start_bootstrap()
+    dht = [pid for pid, name in descendants(node.handle.pid).items() if name == "python"]
+    assert len(dht) == 1, descendants(node.handle.pid)
+    os.kill(dht[0], signal.SIGKILL)
+    assert node.handle.wait(timeout=30) == 3, node.handle.stderr_tail()
+    assert "the DHT process died" in node.handle.stderr_tail()
 
 
 def test_bootstrap_rejects_a_bad_listen_address_with_exit_2(spawn, cli):
