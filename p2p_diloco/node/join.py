@@ -136,7 +136,12 @@ def cli_join(args: argparse.Namespace) -> int:
     bound_heap()  # freed fragment-sized tensors go back to the system (node/heap.py)
     options, island = prepare_island(options)
     if island is not None and island.rank != 0:
-        return run_follower(options, island)
+        code = run_follower(options, island)  # its digest is written and the process group closed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip the interpreter's teardown: native threads of the torch.distributed (gloo) backend can
+        # abort it (SIGABRT) after a clean STOP, and torchrun then reports the whole island as failed.
+        os._exit(code)
     if not options.initial_peers:
         print(
             "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
