@@ -219,7 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TARGET",
         help="tensorboard:DIR or wandb[:PROJECT] (repeatable): loss, tokens/s, merged tokens, global eval",
     )
-    p.set_defaults(func=_lazy("p2p_diloco.node.join:cli_join"))
+    p.add_argument(
+        "--hot-spare",
+        action="store_true",
+        help="keep a prepared spare process beside this peer that takes over within seconds if the peer "
+        "dies (a supervisor runs both; README: Hot spare)",
+    )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="be a hot spare: prepare the model, then wait for the line 'go' on stdin to take over "
+        "(what --hot-spare and `demo --hot-spares` start)",
+    )
+    p.set_defaults(func=_lazy("p2p_diloco.node.supervise:cli_join_entry"))
 
     p = sub.add_parser("status", help="print the swarm of a run: synchronizer, versions, peers")
     p.add_argument("manifest", help="run manifest TOML")

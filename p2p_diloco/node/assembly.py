@@ -107,19 +107,39 @@ def start_node_dht(
     )
 
 
-def build_training(manifest: RunManifest, device: str, state: StateDir) -> BuiltModel:
-    """Corpus, model, fragment plan, the replica (the persisted one if any) and the inner optimizer."""
+@dataclass
+class PreparedModel:
+    """What a peer builds before it needs its state directory (a hot spare builds it while it waits)."""
+
+    corpus: Corpus
+    model: torch.nn.Module
+    shapes: dict[str, tuple[int, ...]]
+    plan: FragmentPlan
+    optimizer: torch.optim.Optimizer
+
+
+def prepare_training(manifest: RunManifest, device: str) -> PreparedModel:
+    """Corpus, model on `device`, fragment plan and the inner optimizer: no state directory needed."""
     corpus = load_corpus(manifest.data)
     model = build_model(manifest.model)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     plan = plan_fragments(list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern)
-    replica = state.load_replica(plan)
-    restored = replica is not None
-    if replica is None:
-        replica = GlobalReplica(plan, {name: p.detach().clone() for name, p in model.named_parameters()})
     model.to(device)
     optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
-    return BuiltModel(corpus, model, shapes, plan, replica, restored, optimizer)
+    return PreparedModel(corpus, model, shapes, plan, optimizer)
+
+
+def build_training(
+    manifest: RunManifest, device: str, state: StateDir, prepared: PreparedModel | None = None
+) -> BuiltModel:
+    """`prepare_training` (or what a hot spare prepared) plus the replica: the persisted one if any."""
+    ready = prepared if prepared is not None else prepare_training(manifest, device)
+    replica = state.load_replica(ready.plan)
+    restored = replica is not None
+    if replica is None:  # a fresh replica starts from the freshly initialised (still untrained) model
+        initial = {name: p.detach().to("cpu", copy=True) for name, p in ready.model.named_parameters()}
+        replica = GlobalReplica(ready.plan, initial)
+    return BuiltModel(ready.corpus, ready.model, ready.shapes, ready.plan, replica, restored, ready.optimizer)
 
 
 def make_peer(manifest: RunManifest, opts: NodeOptions, built: BuiltModel, peer_id: str) -> Peer:

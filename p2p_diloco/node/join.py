@@ -4,6 +4,8 @@ Every address is parsed with `net.addresses` before anything starts, so a bad on
 message naming the bad part (exit status 2). SIGINT/SIGTERM stop the peer after its current step; it
 then releases its lease if it holds one, flushes its sends, persists its replica and exits 0.
 SIGUSR1 ends training but keeps the peer in the swarm (serving, synchronizing), like `--max-steps`.
+`--standby` makes this process a hot spare (`node.standby`); `--hot-spare` runs a peer with one beside
+it (`node.supervise`, dispatched before this module is imported).
 Under torchrun (or with `--nproc N`, which execs torchrun) the ranks form one island learner
 (`node.island`): rank 0 runs the `PeerNode`, the other ranks only the inner loop.
 """
@@ -32,6 +34,7 @@ from p2p_diloco.node.logsinks import missing_package, parse_log_to
 from p2p_diloco.node.observing import ObserveOptions
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
+from p2p_diloco.node.standby import check_standby_args, stand_by
 
 
 def options_from_args(args: argparse.Namespace) -> NodeOptions:
@@ -132,6 +135,8 @@ def cli_join(args: argparse.Namespace) -> int:
         os.execv(argv[0], argv)
     if env is not None and nproc not in (1, env.world_size):
         raise ConfigError(f"--nproc {nproc} but torchrun started {env.world_size} ranks")
+    standby = getattr(args, "standby", False)
+    check_standby_args(standby, nproc, env is not None)
     _configure_logging(options.verbose)
     bound_heap()  # freed fragment-sized tensors go back to the system (node/heap.py)
     options, island = prepare_island(options)
@@ -147,9 +152,21 @@ def cli_join(args: argparse.Namespace) -> int:
             "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
             file=sys.stderr,
         )
+    takeover = None
+    if standby:  # a hot spare: prepare, then wait for the takeover line (node/standby.py)
+        takeover = stand_by(options.manifest, options.device, options.threads, sys.stdin, sys.stdout)
+        if takeover is None:
+            return 0
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
-    node = PeerNode(options, stop=stop, island=island, observe=observe)
+    node = PeerNode(
+        options,
+        stop=stop,
+        island=island,
+        observe=observe,
+        prepared=takeover.prepared if takeover is not None else None,
+        promoted_at=takeover.promoted_at if takeover is not None else None,
+    )
     main_pid = os.getpid()
 
     def on_usr1(signum: int, _frame: FrameType | None) -> None:

@@ -37,6 +37,7 @@ from p2p_diloco.net.dht_store import EXIT_DHT_DIED, DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.limits import run_transport_options
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import (
+    PreparedModel,
     build_training,
     catch_up_at_start,
     make_learner,
@@ -71,6 +72,7 @@ log = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) checks for work
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
+HOT_SPARE_LOCK_SECONDS = 15.0  # at most this long for a dead predecessor's helpers to release the lock
 CATCH_UP_SECONDS = 300.0  # at most this long for the start's catch-up; repair continues it later
 
 
@@ -85,8 +87,12 @@ class PeerNode:
         out: TextIO = sys.stdout,
         island: Island | None = None,
         observe: ObserveOptions | None = None,
+        prepared: PreparedModel | None = None,
+        promoted_at: float | None = None,
     ):
         self.options = options
+        self.prepared = prepared  # a hot spare's model and optimizer, built before it took over
+        self.promoted_at = promoted_at  # time.monotonic() when this process, a hot spare, took over
         self.island = island  # set: this process is rank 0 of an island (node/island.py)
         self.manifest = options.manifest
         self.stop = stop or threading.Event()
@@ -119,10 +125,15 @@ class PeerNode:
 
     def start(self) -> None:
         opts, manifest = self.options, self.manifest
-        startup = {"imports": seconds_since_launch()}  # restart costs, in the `start` event
+        launched = seconds_since_launch()
+        if self.promoted_at is not None:  # a hot spare: its launch and build happened before the takeover
+            launched = round(time.monotonic() - self.promoted_at, 2)
+        startup = {"imports": launched, "hot_spare": self.promoted_at is not None}  # in the `start` event
         check_device(opts.device)
         torch.set_num_threads(opts.threads)
-        self.state = StateDir(opts.state_dir, manifest)
+        # a hot spare waits for the lock its dead predecessor's exiting helpers may still hold
+        lock_wait = HOT_SPARE_LOCK_SECONDS if self.promoted_at is not None else 0.0
+        self.state = StateDir(opts.state_dir, manifest, lock_wait=lock_wait)
         saved = self.state.read_peer_state()
         self.ledger = ContributionLedger(self.state.path, manifest)
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
@@ -135,7 +146,8 @@ class PeerNode:
         )
         began = time.monotonic()
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
-            built_model = build_training(manifest, opts.device, self.state)
+            built_model = build_training(manifest, opts.device, self.state, self.prepared)
+            self.prepared = None
         except BaseException:
             pending.abort()
             raise
@@ -197,7 +209,7 @@ class PeerNode:
             restored=restored,
             versions=list(replica.versions()),
             addresses=list(self.addresses),
-            startup={**startup, "total": seconds_since_launch()},
+            startup={**startup, "total": self._since_launch()},
         )
         self.say(f"peer id: {peer_id}")
         for address in self.dht_peer.visible_addresses():
@@ -210,6 +222,12 @@ class PeerNode:
             f"{sum(plan.sizes())} parameters, device {opts.device}"
         )
         self._catch_up(self.clock.now(), restored)
+
+    def _since_launch(self) -> float | None:
+        """Seconds since this process started, or since it took over as a hot spare."""
+        if self.promoted_at is not None:
+            return round(time.monotonic() - self.promoted_at, 2)
+        return seconds_since_launch()
 
     def _catch_up(self, now: float, restored: bool) -> None:
         assert self.peer is not None and self.driver is not None

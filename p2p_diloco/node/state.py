@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,6 +38,7 @@ REPLICA_DIR = "replica"
 PEER_STATE_FILE = "peer_state.json"
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = ".lock"
+LOCK_POLL_SECONDS = 0.05
 MAX_EVENTS_BYTES = 64 * 1024 * 1024
 
 MAX_KNOWN_PEERS = 16  # addresses kept in peer_state.json
@@ -60,7 +62,9 @@ class PeerState:
 class StateDir:
     """Owns one state directory for the lifetime of a node (it holds the directory's lock)."""
 
-    def __init__(self, path: str | os.PathLike[str], manifest: RunManifest):
+    def __init__(self, path: str | os.PathLike[str], manifest: RunManifest, *, lock_wait: float = 0.0):
+        """`lock_wait`: seconds to wait for the directory's lock (a hot spare taking over from a process
+        whose helpers are still exiting); 0 refuses a directory in use at once."""
         self.path = Path(path)
         self.manifest = manifest
         try:
@@ -68,13 +72,19 @@ class StateDir:
         except OSError as exc:
             raise ConfigError(f"--state-dir {self.path}: cannot create it: {exc.strerror}") from exc
         self._lock_file = open(self.path / LOCK_FILE, "w")  # noqa: SIM115 - held until close()
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            self._lock_file.close()
-            raise ConfigError(
-                f"--state-dir {self.path} is in use by another running peer; give each peer its own"
-            ) from exc
+        deadline = time.monotonic() + lock_wait
+        while True:
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError as exc:
+                if time.monotonic() < deadline:
+                    time.sleep(LOCK_POLL_SECONDS)
+                    continue
+                self._lock_file.close()
+                raise ConfigError(
+                    f"--state-dir {self.path} is in use by another running peer; give each peer its own"
+                ) from exc
         self._events: TextIO = open(self.path / EVENTS_FILE, "a", buffering=1)  # noqa: SIM115
         self._events_lock = threading.Lock()
         self._events_bytes = self._events.tell()

@@ -1,0 +1,104 @@
+"""A hot spare: a `join` process that prepares everything but its place in the swarm, then waits to take over.
+
+A killed peer restarted cold trains again only seconds later: Python, torch and hivemind imports, then the
+model and its inner optimizer (torch imports its compiler stack there), 8-14 s on two loaded cores
+(docs/results/goodput-final), on top of however long the process was down. A hot spare
+(`join --standby`) does all of that in advance without using anything another live process of the same
+peer could be using: it never opens the state directory and starts no DHT node, so it cannot fork the
+peer's identity. Then it waits for one line on standard input:
+
+- ``go``: take over: open the state directory (waiting for the lock while a dead predecessor's helpers
+  exit), start the DHT node under the peer's identity, load the replica, catch up and train. From there
+  on it is an ordinary peer.
+- end of input (whoever started it is gone) or any other line: exit 0 having touched nothing.
+
+The build runs on a thread at a lower priority (`node.priority`): a spare warming up beside live peers
+takes the CPU only when they leave it idle. On a GPU the spare keeps its model in host memory and moves
+it at takeover, so it never takes the live peer's device memory (this path is untested: no GPU here).
+
+`join --hot-spare` (node/supervise.py) keeps one spare beside a peer; `demo --hot-spares` one per slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.gpt import make_inner_optimizer
+from p2p_diloco.node.assembly import PreparedModel, prepare_training
+from p2p_diloco.node.priority import lower_this_thread
+from p2p_diloco.node.supervise import TAKEOVER  # the supervisor must not import torch: it owns the line
+
+READY = "standby: ready"  # printed once prepared, for whoever watches the spare's output
+SPARE_NICENESS = 10  # added to the build thread's nice value
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a spare brings to its takeover: the prepared model and when it was told to go."""
+
+    prepared: PreparedModel
+    promoted_at: float  # time.monotonic() at the takeover line
+
+
+def prepare_quietly(manifest: RunManifest, threads: int, niceness: int = SPARE_NICENESS) -> PreparedModel:
+    """`prepare_training` on the host, on a thread whose priority is lowered by `niceness`."""
+    torch.set_num_threads(threads)
+    result: list[PreparedModel] = []
+    failure: list[BaseException] = []
+
+    def build() -> None:
+        lower_this_thread(niceness)
+        try:
+            result.append(prepare_training(manifest, "cpu"))
+        except BaseException as exc:  # handed to the caller's thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=build, name="standby-build", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def read_takeover(stream: TextIO) -> bool:
+    """Block until the takeover line (True) or end of input or any other line (False)."""
+    line = stream.readline()
+    return line.strip() == TAKEOVER
+
+
+def on_device(prepared: PreparedModel, manifest: RunManifest, device: str) -> PreparedModel:
+    """The prepared model moved to `device` with a fresh optimizer over the moved parameters."""
+    if device == "cpu":
+        return prepared
+    prepared.model.to(device)
+    prepared.optimizer = make_inner_optimizer(
+        prepared.model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay
+    )
+    return prepared
+
+
+def stand_by(manifest: RunManifest, device: str, threads: int, stdin: TextIO, out: TextIO) -> Takeover | None:
+    """Prepare, say so on `out`, wait on `stdin`: the takeover, or None when told to leave."""
+    prepared = prepare_quietly(manifest, threads)
+    print(READY, file=out, flush=True)
+    if not read_takeover(stdin):
+        return None
+    promoted_at = time.monotonic()
+    return Takeover(on_device(prepared, manifest, device), promoted_at)
+
+
+def check_standby_args(standby: bool, nproc: int, under_torchrun: bool) -> None:
+    """`ConfigError` for the combinations a spare cannot serve."""
+    if standby and (nproc > 1 or under_torchrun):
+        raise ConfigError(
+            "--standby prepares one process; an island learner (--nproc or torchrun) has no hot spare: "
+            "drop --standby or run a single process"
+        )
