@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--slow-step-time", type=float, default=0.3, help="--min-step-time of the throttled learner (--chaos)"
     )
+    p.add_argument(
+        "--hot-spares",
+        action="store_true",
+        help="keep a prepared `join --standby` per learner that a restart after a kill promotes instead of "
+        "starting a cold process (what `join --hot-spare` does for a volunteer)",
+    )
     p.set_defaults(func=_lazy("p2p_diloco.demo:cli_demo"))
 
     p = sub.add_parser("keygen", help="write a private key file; prints the peer ID it gives")

@@ -2,7 +2,7 @@
 """Goodput benchmark: `p2p-diloco demo --chaos --compare` over several seeds, one table.
 
     scripts/bench_goodput.py --out DIR [--seeds 0 1 2] [--duration 180] [--learners 4]
-                             [--compare dp|diloco|all] [--no-baseline]
+                             [--compare dp|diloco|all] [--no-baseline] [--hot-spares]
     scripts/bench_goodput.py --out DIR --tabulate     # the table again from DIR's reports, no runs
 
 Each seed runs the decoupled swarm and (unless --no-baseline) the baselines `--compare` names under the
@@ -43,6 +43,8 @@ def run_seed(seed: int, args: argparse.Namespace, out: Path) -> dict:
            "--duration", str(args.duration), "--seed", str(seed), "--out", str(out)]  # fmt: skip
     if not args.no_baseline:
         cmd += ["--compare", args.compare]
+    if args.hot_spares:
+        cmd.append("--hot-spares")
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((out / "report.json").read_text())
@@ -122,6 +124,11 @@ def main() -> int:
         choices=SYSTEMS_OF,
         default="dp",
         help="baselines to run: dp (elastic data parallel, rows 'baseline'), diloco (synchronous DiLoCo), all",
+    )
+    parser.add_argument(
+        "--hot-spares",
+        action="store_true",
+        help="killed decoupled learners come back through a prepared hot spare (demo --hot-spares)",
     )
     parser.add_argument(
         "--tabulate", action="store_true", help="run nothing: rebuild the table from DIR/seed-S/report.json"

@@ -5,7 +5,9 @@ under the same schedule and time budget (`COMPARE`): ``dp``, the lock-step basel
 baseline-worker`, elastic data-parallel on `hivemind.Optimizer`; a bare `--compare` means it, as it always
 did; section "baseline" of the report), ``diloco``, synchronous DiLoCo on hivemind (`baseline-worker
 --mode diloco`; section "diloco"), or ``all``. `--chaos-every S` instead injects a seeded fault about every S seconds for the whole
-run (SIGSTOPs and bootstrap restarts included), then checks replicas, no loss and resume. Writes
+run (SIGSTOPs and bootstrap restarts included), then checks replicas, no loss and resume. `--hot-spares`
+keeps a prepared `join --standby` per learner slot that a restart promotes instead of starting cold
+(`node.standby`; the down time of the schedule is kept, only the cold start goes). Writes
 ``report.json`` and PNGs to ``--out``.
 
 Modules: `chaos` (the schedules), `orchestrator` (processes), `faults` (the long schedule's executor),
@@ -75,6 +77,7 @@ def run_system(
         workdir,
         on_tick=view.update,
         eval_every=max(10.0, args.duration / 8),
+        hot_spares=getattr(args, "hot_spares", False),
     )
     print(f"{system}: starting a bootstrap node and {args.learners} workers (logs in {workdir})", flush=True)
     try:
@@ -120,7 +123,10 @@ def cli_demo(args: argparse.Namespace) -> int:
             flush=True,
         )
     started = time.time()
-    report: dict[str, Any] = {"schedule": schedule.to_dict()}
+    report: dict[str, Any] = {
+        "schedule": schedule.to_dict(),
+        "hot_spares": getattr(args, "hot_spares", False),
+    }
     report["decoupled"] = run_system("decoupled", args, schedule, out)
     for system in baselines:
         period = report["decoupled"]["nominal_round_seconds"] if "decoupled" in report else None

@@ -34,6 +34,7 @@ from p2p_diloco.demo.faults import FaultInjector
 from p2p_diloco.demo.saved_models import SavedModels
 from p2p_diloco.demo.slots import EventTail, Slot
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.node.supervise import TAKEOVER
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0  # imports, DHT and model on a loaded 2-core machine
@@ -60,8 +61,25 @@ class RunRecord:
     checks: dict[str, Any] | None = None  # the long chaos mode's end-of-run findings (demo.endgame)
 
 
+def dismiss_spare(slot: Slot) -> None:
+    """End a slot's hot spare, if any: end of input makes it exit having touched nothing."""
+    spare, slot.spare = slot.spare, None
+    if spare is None:
+        return
+    try:
+        if spare.stdin is not None:
+            spare.stdin.close()
+        spare.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    _killpg(spare, signal.SIGKILL)
+
+
 def stop_slots(slots: list[Slot]) -> None:
-    """SIGTERM every live worker together, wait up to `STOP_TIMEOUT` for all, then SIGKILL each group."""
+    """SIGTERM every live worker together, wait up to `STOP_TIMEOUT` for all, then SIGKILL each group.
+    Hot spares are dismissed first: a restart after this is a cold one."""
+    for slot in slots:
+        dismiss_spare(slot)
     now = time.time()
     for slot in slots:
         if slot.alive and slot.proc is not None:
@@ -98,9 +116,11 @@ class SwarmRun:
         *,
         on_tick: Callable[[SwarmRun], None] | None = None,
         eval_every: float = 20.0,
+        hot_spares: bool = False,
     ):
         if system not in (DECOUPLED, BASELINE, DILOCO):
             raise ConfigError(f"unknown system {system!r}")
+        self.hot_spares = hot_spares and system == DECOUPLED  # `join --standby` per slot (node.standby)
         self.system = system
         self.manifest_path = manifest_path
         self.manifest = RunManifest.load(manifest_path)
@@ -122,10 +142,11 @@ class SwarmRun:
 
     # ---- processes ---------------------------------------------------------------------------------
 
-    def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+    def _spawn(self, cmd: list[str], log_path: Path, stdin: int | None = None) -> subprocess.Popen:
         with open(log_path, "a") as log:
             return subprocess.Popen(
                 cmd,
+                stdin=stdin,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -172,9 +193,33 @@ class SwarmRun:
         )
 
     def _launch(self, slot: Slot, now: float) -> None:
-        slot.proc = self._spawn(self._worker_cmd(slot), slot.log_path)
+        """Start the slot's worker: its hot spare takes over if it has a live one, else a cold process."""
+        spare, slot.spare = slot.spare, None
+        slot.proc = None
+        if spare is not None and spare.poll() is None and spare.stdin is not None:
+            try:
+                spare.stdin.write(f"{TAKEOVER}\n".encode())
+                spare.stdin.close()
+                slot.proc = spare
+            except OSError:  # it died just now
+                _killpg(spare, signal.SIGKILL)
+        if slot.proc is None:
+            slot.proc = self._spawn(self._worker_cmd(slot), slot.log_path)
         slot.launched_at = now
         slot.marks.append((now, "launch"))
+
+    def _replace_spare(self, slot: Slot, now: float) -> None:
+        """A slot whose worker is up again prepares its next spare (not while that worker starts, which
+        it would slow down, nor for the end-of-run restarts)."""
+        if (
+            self.hot_spares
+            and slot.spare is None
+            and self.start_time < now < self.start_time + self.schedule.duration
+        ):
+            self._prepare_spare(slot)
+
+    def _prepare_spare(self, slot: Slot) -> None:
+        slot.spare = self._spawn([*self._worker_cmd(slot), "--standby"], slot.log_path, stdin=subprocess.PIPE)
 
     def _kill(self, slot: Slot, now: float, fault: Fault, why: str) -> None:
         # whatever the fault, was the victim the synchronizer? (the stall table counts every such kill)
@@ -202,6 +247,7 @@ class SwarmRun:
                     slot.last_progress = event
                 if kind in ("progress", "start") and slot.marks and slot.marks[-1][1] == "launch":
                     slot.marks.append((float(event.get("t") or now), "up"))
+                    self._replace_spare(slot, now)
 
     def current_synchronizer(self) -> Slot | None:
         """The live slot that published most recently, else the one whose last progress says so."""
@@ -274,6 +320,7 @@ class SwarmRun:
         finally:
             for slot in self.slots:
                 _killpg(slot.proc, signal.SIGKILL)
+                _killpg(slot.spare, signal.SIGKILL)
             _killpg(self.bootstrap, signal.SIGKILL)
 
     def _run(self) -> RunRecord:
@@ -299,6 +346,9 @@ class SwarmRun:
                 raise RuntimeError(f"workers did not start ({dead or 'timeout'}); logs in {self.workdir}")
             time.sleep(0.2)
         self.start_time = time.time()
+        if self.hot_spares:  # prepared while the swarm runs, as a volunteer's would be
+            for slot in self.slots:
+                self._prepare_spare(slot)
         end = self.start_time + self.schedule.duration
         next_eval = self.start_time + self.eval_every
         while (now := time.time()) < end:

@@ -61,6 +61,7 @@ class Slot:
     marks: list[tuple[float, str]] = field(default_factory=list)  # (time, "launch"|"up"|"kill"|"stop")
     restart_at: float | None = None
     kills: int = 0
+    spare: subprocess.Popen | None = None  # a hot spare (`join --standby`) that the next launch promotes
 
     @property
     def alive(self) -> bool:

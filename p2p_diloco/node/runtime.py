@@ -133,18 +133,22 @@ class PeerNode:
         torch.set_num_threads(opts.threads)
         # a hot spare waits for the lock its dead predecessor's exiting helpers may still hold
         lock_wait = HOT_SPARE_LOCK_SECONDS if self.promoted_at is not None else 0.0
+        opened = time.monotonic()
         self.state = StateDir(opts.state_dir, manifest, lock_wait=lock_wait)
         saved = self.state.read_peer_state()
         self.ledger = ContributionLedger(self.state.path, manifest)
+        startup["state_dir"] = round(time.monotonic() - opened, 2)
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
         # The child also inherits the state directory's lock, so while it lives no successor starts.
+        forking = time.monotonic()
         pending = start_node_dht(
             opts,
             saved.peer_id if saved is not None else None,
             known_peers=saved.known_peers if saved is not None else (),
         )
         began = time.monotonic()
+        startup["dht_start"] = round(began - forking, 2)
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
             built_model = build_training(manifest, opts.device, self.state, self.prepared)
             self.prepared = None
@@ -154,6 +158,7 @@ class PeerNode:
         built = time.monotonic()
         self.dht_peer = pending.wait()
         startup["build"], startup["dht_wait"] = round(built - began, 2), round(time.monotonic() - built, 2)
+        joined = time.monotonic()
         restored, replica, plan = built_model.restored, built_model.replica, built_model.plan
         last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
 
@@ -201,6 +206,7 @@ class PeerNode:
         # the named successor probes them (`swarm.succession.HolderWatch`) to see this process gone
         self.addresses = tuple(self.dht_peer.visible_addresses())
         driver.start()
+        startup["assemble"] = round(time.monotonic() - joined, 2)
         self.event(
             "start",
             peer_id=peer_id,

@@ -12,8 +12,10 @@ peer's identity. Then it waits for one line on standard input:
   on it is an ordinary peer.
 - end of input (whoever started it is gone) or any other line: exit 0 having touched nothing.
 
-The build runs on a thread at a lower priority (`node.priority`): a spare warming up beside live peers
-takes the CPU only when they leave it idle. On a GPU the spare keeps its model in host memory and moves
+The imports (`node.supervise.cli_join_entry`) and the build run on threads at a lower priority
+(`node.priority`): a spare warming up beside live peers, or beside the takeover of the spare before it,
+takes the CPU only when they leave it idle. It also sets up hivemind's inter-process futures, which a
+process's first DHT node would otherwise set up during the takeover. On a GPU the spare keeps its model in host memory and moves
 it at takeover, so it never takes the live peer's device memory (this path is untested: no GPU here).
 
 `join --hot-spare` (node/supervise.py) keeps one spare beside a peer; `demo --hot-spares` one per slot.
@@ -31,12 +33,12 @@ import torch
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.gpt import make_inner_optimizer
+from p2p_diloco.net.dht_store import prepare_dht_process_state
 from p2p_diloco.node.assembly import PreparedModel, prepare_training
 from p2p_diloco.node.priority import lower_this_thread
-from p2p_diloco.node.supervise import TAKEOVER  # the supervisor must not import torch: it owns the line
+from p2p_diloco.node.supervise import SPARE_NICENESS, TAKEOVER  # the supervisor, torch-free, owns them
 
 READY = "standby: ready"  # printed once prepared, for whoever watches the spare's output
-SPARE_NICENESS = 10  # added to the build thread's nice value
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ def on_device(prepared: PreparedModel, manifest: RunManifest, device: str) -> Pr
 def stand_by(manifest: RunManifest, device: str, threads: int, stdin: TextIO, out: TextIO) -> Takeover | None:
     """Prepare, say so on `out`, wait on `stdin`: the takeover, or None when told to leave."""
     prepared = prepare_quietly(manifest, threads)
+    prepare_dht_process_state()
     print(READY, file=out, flush=True)
     if not read_takeover(stdin):
         return None

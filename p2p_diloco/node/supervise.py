@@ -22,20 +22,24 @@ the peer running and the spare exiting (its input closes with the supervisor).
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import IO
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.node.priority import lower_this_thread
 
 EXIT_USAGE = 2  # a `join` that refused its arguments
 TAKEOVER = "go"  # the line that makes a spare take over (node/standby.py reads it)
+SPARE_NICENESS = 10  # added to the nice value of a spare's import and build threads
 MAX_TAKEOVERS = 5
 TAKEOVER_WINDOW = 60.0  # seconds
 POLL_SECONDS = 0.1  # how often the supervisor looks at its children
@@ -221,6 +225,30 @@ def cli_join_entry(args: argparse.Namespace) -> int:
         if getattr(args, "nproc", 1) > 1:
             raise ConfigError("--hot-spare runs one process; an island learner (--nproc) has no hot spare")
         return Supervisor(supervised_argv(sys.argv[1:])).run()
-    from p2p_diloco.node.join import cli_join
+    if getattr(args, "standby", False):
+        return _imported_quietly().cli_join(args)
+    from p2p_diloco.node import join
 
-    return cli_join(args)
+    return join.cli_join(args)
+
+
+def _imported_quietly() -> ModuleType:
+    """`node.join` (torch, hivemind and the rest) imported on a thread at a lower priority: a spare's
+    imports take the CPU only where the peers beside it leave it idle (the takeover then runs at the
+    priority the process started with)."""
+    modules: list[ModuleType] = []
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        lower_this_thread(SPARE_NICENESS)
+        try:
+            modules.append(importlib.import_module("p2p_diloco.node.join"))
+        except BaseException as exc:  # re-raised on the caller's thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=load, name="standby-imports", daemon=True)
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+    return modules[0]
