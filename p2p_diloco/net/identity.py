@@ -89,6 +89,13 @@ def _encode_identity(private_key: rsa.RSAPrivateKey) -> bytes:
     return _encode_key_proto(_RSA, der)
 
 
+@lru_cache(maxsize=8)
+def _private_key_from_der(data: bytes) -> object:
+    """Parsing an RSA key costs ~35 ms and a peer's start reads its identity several times (peer ID,
+    DHT, record signing): the same bytes give the same immutable key, so it is parsed once."""
+    return serialization.load_der_private_key(data, password=None)
+
+
 def _decode_identity(blob: bytes, where: str) -> rsa.RSAPrivateKey:
     hint = "create one with `p2p-diloco keygen --out PATH`"
     try:
@@ -99,7 +106,7 @@ def _decode_identity(blob: bytes, where: str) -> rsa.RSAPrivateKey:
         kind = KEY_TYPES.get(key_type, f"unknown type {key_type}")
         raise ConfigError(f"{where} holds a {kind} key; only RSA identities are supported here; {hint}")
     try:
-        key = serialization.load_der_private_key(data, password=None)
+        key = _private_key_from_der(data)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where} holds a corrupt RSA key ({exc}); {hint}") from exc
     if not isinstance(key, rsa.RSAPrivateKey):
@@ -175,13 +182,18 @@ def signing_key(key_path: str | os.PathLike[str]) -> RSAPrivateKey:
     hivemind's class only generates fresh keys in its constructor; its pickling protocol
     (`__setstate__` with DER bytes) is the public way to load an existing one.
     """
-    from hivemind.utils.crypto import RSAPrivateKey
-
     der = load_identity(key_path).private_bytes(
         encoding=serialization.Encoding.DER,
         format=serialization.PrivateFormat.TraditionalOpenSSL,
         encryption_algorithm=serialization.NoEncryption(),
     )
+    return _hivemind_key(der)
+
+
+@lru_cache(maxsize=8)
+def _hivemind_key(der: bytes) -> RSAPrivateKey:
+    from hivemind.utils.crypto import RSAPrivateKey
+
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": der})
     return key

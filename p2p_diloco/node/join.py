@@ -154,7 +154,7 @@ def cli_join(args: argparse.Namespace) -> int:
         )
     takeover = None
     if standby:  # a hot spare: prepare, then wait for the takeover line (node/standby.py)
-        takeover = stand_by(options.manifest, options.device, options.threads, sys.stdin, sys.stdout)
+        takeover = stand_by(options, sys.stdin, sys.stdout)
         if takeover is None:
             return 0
     stop = threading.Event()

@@ -14,8 +14,8 @@ peer's identity. Then it waits for one line on standard input:
 
 The imports (`node.supervise.cli_join_entry`) and the build run on threads at a lower priority
 (`node.priority`): a spare warming up beside live peers, or beside the takeover of the spare before it,
-takes the CPU only when they leave it idle. It also sets up hivemind's inter-process futures, which a
-process's first DHT node would otherwise set up during the takeover. On a GPU the spare keeps its model in host memory and moves
+takes the CPU only when they leave it idle. It also sets up hivemind's inter-process futures and parses
+the identity key, which the takeover would otherwise spend time on. On a GPU the spare keeps its model in host memory and moves
 it at takeover, so it never takes the live peer's device memory (this path is untested: no GPU here).
 
 `join --hot-spare` (node/supervise.py) keeps one spare beside a peer; `demo --hot-spares` one per slot.
@@ -34,7 +34,9 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.gpt import make_inner_optimizer
 from p2p_diloco.net.dht_store import prepare_dht_process_state
+from p2p_diloco.net.identity import peer_id_of, signing_key
 from p2p_diloco.node.assembly import PreparedModel, prepare_training
+from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.node.priority import lower_this_thread
 from p2p_diloco.node.supervise import SPARE_NICENESS, TAKEOVER  # the supervisor, torch-free, owns them
 
@@ -87,15 +89,17 @@ def on_device(prepared: PreparedModel, manifest: RunManifest, device: str) -> Pr
     return prepared
 
 
-def stand_by(manifest: RunManifest, device: str, threads: int, stdin: TextIO, out: TextIO) -> Takeover | None:
+def stand_by(options: NodeOptions, stdin: TextIO, out: TextIO) -> Takeover | None:
     """Prepare, say so on `out`, wait on `stdin`: the takeover, or None when told to leave."""
-    prepared = prepare_quietly(manifest, threads)
+    prepared = prepare_quietly(options.manifest, options.threads)
     prepare_dht_process_state()
+    peer_id_of(options.identity)  # the identity key parsed now: `net.identity` keeps it
+    signing_key(options.identity)
     print(READY, file=out, flush=True)
     if not read_takeover(stdin):
         return None
     promoted_at = time.monotonic()
-    return Takeover(on_device(prepared, manifest, device), promoted_at)
+    return Takeover(on_device(prepared, options.manifest, options.device), promoted_at)
 
 
 def check_standby_args(standby: bool, nproc: int, under_torchrun: bool) -> None:

@@ -79,6 +79,9 @@ class PeerDriver:
             case fx.Perform(request=fx.FetchUpdates() as fetch):
                 future = self.transport.request_updates(fetch.source, fetch.fragment, fetch.after_version)
                 self._when_done([future], intent.task, single=True)
+            case fx.Perform(request=fx.FetchUpdateLogs() as fetch):
+                futures = [self.transport.request_updates(*wanted) for wanted in fetch.wanted]
+                self._when_done(futures, intent.task, single=False)
             case fx.Perform(request=fx.FetchSnapshots() as fetch):
                 futures = [self.transport.request_snapshot(source, p) for p, source in fetch.wanted]
                 self._when_done(futures, intent.task, single=False)

@@ -167,6 +167,14 @@ class FetchUpdates:
 
 
 @dataclass(frozen=True)
+class FetchUpdateLogs:
+    """Fetch several update logs at once: `wanted` is ((source, fragment, after_version), ...); the
+    result is a list with, per item, that log's frames or the exception its fetch raised."""
+
+    wanted: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True)
 class FetchSnapshots:
     """Fetch several fragment snapshots at once: `wanted` is ((fragment, source), ...); the result is a
     list with, per item, the snapshot frame or the exception that fetch raised."""
@@ -183,7 +191,7 @@ class FetchChunks:
     wanted: tuple[tuple[str, int, int, str, int], ...]
 
 
-Request = ReadSwarm | Probe | FetchUpdates | FetchSnapshots | FetchChunks
+Request = ReadSwarm | Probe | FetchUpdates | FetchUpdateLogs | FetchSnapshots | FetchChunks
 
 
 # ---- intents ---------------------------------------------------------------------------------------

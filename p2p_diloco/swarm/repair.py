@@ -30,6 +30,7 @@ from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
 from p2p_diloco.swarm.effects import (
+    FetchUpdateLogs,
     FetchUpdates,
     Intent,
     ReadSwarm,
@@ -142,13 +143,27 @@ class Repair:
 
     # ---- replay ------------------------------------------------------------------------------------
 
-    def catch_up_fragment(self, fragment: int, sources: list[str], *, target: int, now: float) -> Task:
-        """Replay missing updates of `fragment` from the sources' logs; fall back to a snapshot."""
-        for source in sources:
+    def catch_up_fragment(
+        self,
+        fragment: int,
+        sources: list[str],
+        *,
+        target: int,
+        now: float,
+        first_log: list[bytes] | BaseException | None = None,
+    ) -> Task:
+        """Replay missing updates of `fragment` from the sources' logs; fall back to a snapshot.
+        `first_log`: the first source's log (or its fetch's error), already fetched with the others."""
+        for index, source in enumerate(sources):
             if self.replica.version(fragment) >= target:
                 return True
             try:
-                frames = yield FetchUpdates(source, fragment, self.replica.version(fragment))
+                if index == 0 and first_log is not None:
+                    if isinstance(first_log, BaseException):
+                        raise first_log
+                    frames = first_log
+                else:
+                    frames = yield FetchUpdates(source, fragment, self.replica.version(fragment))
             except (ConnectionError, TimeoutError) as exc:
                 self.journal.note(f"replay of fragment {fragment} from {source} failed: {exc}")
                 continue
@@ -374,6 +389,7 @@ class Repair:
         others = {p: i for p, i in self.membership.live_peers.items() if p != self.peer_id and i.versions}
         stats = {"replayed": 0, "snapshots": 0}
         wanted: dict[int, list[str]] = {}
+        behind: list[tuple[int, list[str], int]] = []  # (fragment, sources, target) to replay
         if not others:
             return stats
         for p in range(self.plan.num_fragments):
@@ -389,11 +405,15 @@ class Repair:
                 continue  # up to date, or ahead on a branch that anti-entropy reconciles
             sources = ranked[p % len(ranked) :] + ranked[: p % len(ranked)]
             if replay:
-                before = self.replica.version(p)
-                yield from self.catch_up_fragment(p, sources, target=target, now=now)
-                stats["replayed"] += self.replica.version(p) - before
+                behind.append((p, sources, target))
             else:
                 wanted[p] = sources
+        if behind:  # every fragment's first log at once (one round trip, not one per fragment)
+            logs = yield FetchUpdateLogs(tuple((s[0], p, self.replica.version(p)) for p, s, _ in behind))
+            for (p, sources, target), log in zip(behind, logs, strict=True):
+                before = self.replica.version(p)
+                yield from self.catch_up_fragment(p, sources, target=target, now=now, first_log=log)
+                stats["replayed"] += self.replica.version(p) - before
         before = Counter(self.downloaded)
         stats["snapshots"] = yield from self.fetch_fragments(wanted)
         stats["from_sources"] = dict(self.downloaded - before)  # snapshot bytes per source

@@ -25,15 +25,15 @@ def start_events(state_dir: Path) -> list[dict]:
     return [e for e in read_events(state_dir) if e["event"] == "start"]
 
 
+def comm(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def python_children(pid: int) -> list[int]:
-    out = []
-    for child in children_of(pid):
-        try:
-            if (Path("/proc") / str(child) / "comm").read_text().strip().startswith("python"):
-                out.append(child)
-        except OSError:
-            continue
-    return out
+    return [child for child in children_of(pid) if comm(child).startswith("python")]
 
 
 def is_spare(pid: int) -> bool:
@@ -79,7 +79,10 @@ def test_a_killed_peer_is_replaced_by_its_prepared_spare_under_the_same_identity
 
     wait_for(spare_and_peer, 30, "the supervisor's peer and spare")
     spare, peer = spare_and_peer()
-    assert not children_of(spare)  # a spare starts no DHT node (no DHT process, no p2pd)
+    supervisor.wait_for_lines(READY, START_TIMEOUT)  # the spare prepared (its output is the supervisor's)
+    helpers = {pid: comm(pid) for pid in children_of(spare)}
+    # a spare starts no DHT node (no DHT process, no p2pd); torch's shared-memory manager is hivemind's
+    assert set(helpers.values()) <= {"torch_shm_manag"}, helpers
 
     wait_for(lambda: (state_dir / PEER_STATE_FILE).exists(), 30, "the peer's first save of its state")
     os.kill(peer, signal.SIGKILL)  # the peer alone, as the OOM killer would

@@ -150,3 +150,17 @@ def test_a_stop_request_goes_to_the_peer_as_sigterm_and_the_spare_is_dismissed()
     peer, spare = spawned
     assert peer.signals == [signal.SIGTERM]
     assert spare.stdin.closed and spare.stdin.written == b""
+
+
+def test_a_spare_takes_over_only_on_the_takeover_line_and_refuses_an_island():
+    from p2p_diloco.node.standby import check_standby_args, read_takeover
+
+    assert read_takeover(io.StringIO("go\n")) is True
+    assert read_takeover(io.StringIO("")) is False  # its supervisor is gone
+    assert read_takeover(io.StringIO("stop\n")) is False
+    check_standby_args(True, 1, False)
+    check_standby_args(False, 4, True)
+    with pytest.raises(ConfigError, match="island"):
+        check_standby_args(True, 2, False)
+    with pytest.raises(ConfigError, match="island"):
+        check_standby_args(True, 1, True)
