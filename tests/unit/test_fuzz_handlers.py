@@ -254,6 +254,26 @@ def test_replayed_update_garbage_is_refused_without_touching_the_replica(frames)
         assert peer.replica.digest() == before
 
 
+def test_a_replay_whose_prefetched_first_log_failed_goes_on_from_the_next_source():
+    """A catch-up fetches every fragment's first log at once (`FetchUpdateLogs`); a failed one is noted
+    and the fragment's next source is asked, as when the fetch was made one at a time."""
+    peer = make_peer()
+    peer.transport.updates = [UPDATE]
+    task = peer.peer.repair.catch_up_fragment(
+        0, ["dead", "src"], target=1, now=peer.clock.now(), first_log=ConnectionError("connection refused")
+    )
+    assert peer.run_task(task) is True
+    assert peer.replica.versions()[0] == 1
+    assert any("replay of fragment 0 from dead failed" in line for line in peer.peer.decisions)
+
+    fetched = make_peer()  # a prefetched log is used as it is: no second fetch from that source
+    fetched.transport.updates = []
+    task = fetched.peer.repair.catch_up_fragment(
+        0, ["src"], target=1, now=fetched.clock.now(), first_log=[UPDATE]
+    )
+    assert fetched.run_task(task) is True and fetched.replica.versions()[0] == 1
+
+
 heartbeat_json = json.loads(
     HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(0, 0)).to_bytes()
 )
