@@ -7,7 +7,14 @@ same order, of the torch path it replaces (`kernels.nesterov_into`, `wire.blockw
 `wire.codec`'s decoder): the library is built with -O3 -ffp-contract=off and without -ffast-math
 (setup.py), so no multiply-add becomes an FMA and nothing is reassociated. Results are the same bit for
 bit either way (tests/unit/test_scale_kernels.py runs both paths); replicas with and without the library
-agree.
+agree. (Only the payload bits of a NaN may differ, in outputs nobody uses: a NaN makes the outer step
+refuse the update and the encoder mark the whole tensor non-finite.)
+
+Kernels: `nesterov` (the outer step, with an exact finiteness test of Θ' by its exponent bits),
+`dequantize_nesterov` (the same step on a gradient still in int8 form, decoded value by value: the gradient
+is never written out), `quantize` (blockwise absmax and the code search of `wire.blockwise`) and
+`dequantize` (code table lookup and one multiply per value). The two steps can hand Θ' to a callback a
+PIECE at a time, right after computing it, so the replica hashes it while it is in cache.
 
 The library is built by `pip install -e .` / `pip install .` (setup.py, an optional extension: without a
 C compiler the install succeeds and every caller uses its torch path). It is skipped when
@@ -23,7 +30,7 @@ import ctypes
 import importlib.util
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -110,6 +117,14 @@ def _scalar(value: Tensor | float) -> float:
     return float(torch.as_tensor(value, dtype=torch.float32))
 
 
+OnTheta = Callable[[memoryview], object]  # called with the bytes of each piece of Θ' once it is computed
+# Elements per call when a caller hashes Θ' as it goes: 512 KiB of Θ' stays in a core's L2 cache until
+# hashed (measured on the 32M-parameter fragment of bench_scale.py: ~4% faster than hashing whole tensors
+# after computing them; 256 KiB and 128 KiB pieces were slower, the Python call per piece costs ~5 µs).
+# A multiple of every int8 block size (at most 4096), so a piece of the fused decode starts on a block.
+PIECE = 1 << 17
+
+
 def nesterov(
     theta: Tensor,
     m: Tensor,
@@ -118,12 +133,23 @@ def nesterov(
     out_m: Tensor,
     mu: Tensor | float,
     rate: Tensor | float,
+    on_theta: OnTheta | None = None,
 ) -> bool:
-    """`kernels.nesterov_into` in one pass: writes Θ' and m'; True when Θ' (and so m') is all finite."""
+    """`kernels.nesterov_into` in one pass: writes Θ' and m'; True when Θ' (and so m') is all finite.
+    `on_theta`: called with each PIECE of Θ' right after it is written (while it is in cache), in order."""
     n = theta.numel()
-    ptrs = [_check(t, torch.float32, n, what) for t, what in ((theta, "Θ"), (m, "m"), (g, "g"))]
-    outs = [_check(t, torch.float32, n, what) for t, what in ((out_theta, "Θ'"), (out_m, "m'"))]
-    return bool(_lib().pd_nesterov(*ptrs, *outs, n, _scalar(mu), _scalar(rate)))
+    t_in, m_in, g_in = (_check(t, torch.float32, n, what) for t, what in ((theta, "Θ"), (m, "m"), (g, "g")))
+    t_out, m_out = (_check(t, torch.float32, n, what) for t, what in ((out_theta, "Θ'"), (out_m, "m'")))
+    mu32, rate32, kernel = _scalar(mu), _scalar(rate), _lib().pd_nesterov
+    finite = True
+    for start, stop, piece in _pieces(out_theta, n, on_theta):
+        at = 4 * start
+        finite &= bool(
+            kernel(t_in + at, m_in + at, g_in + at, t_out + at, m_out + at, stop - start, mu32, rate32)
+        )
+        if on_theta is not None:
+            on_theta(piece)
+    return finite
 
 
 def dequantize_nesterov(
@@ -137,21 +163,42 @@ def dequantize_nesterov(
     out_m: Tensor,
     mu: Tensor | float,
     rate: Tensor | float,
+    on_theta: OnTheta | None = None,
 ) -> bool:
     """The outer step on the int8 gradient `codes` (uint8) with its block `absmax`, decoded on the fly as
     `dequantize` would (one multiply per value): the same Θ' and m' as decoding first, then `nesterov`."""
     n = theta.numel()
+    if block_size <= 0 or PIECE % block_size:
+        raise ValueError(f"block size {block_size} does not divide {PIECE}")
     code_ptr = _codes(codes, n)
     scales = _check(absmax, torch.float32, -(-n // block_size), "absmax")
     tab = _check(table, torch.float32, 256, "code table")
-    ptrs = [_check(t, torch.float32, n, what) for t, what in ((theta, "Θ"), (m, "m"))]
-    outs = [_check(t, torch.float32, n, what) for t, what in ((out_theta, "Θ'"), (out_m, "m'"))]
-    lib = _lib()
-    return bool(
-        lib.pd_dequantize_nesterov(
-            code_ptr, block_size, tab, scales, *ptrs, *outs, n, _scalar(mu), _scalar(rate)
-        )
-    )
+    t_in, m_in = (_check(t, torch.float32, n, what) for t, what in ((theta, "Θ"), (m, "m")))
+    t_out, m_out = (_check(t, torch.float32, n, what) for t, what in ((out_theta, "Θ'"), (out_m, "m'")))
+    mu32, rate32, kernel = _scalar(mu), _scalar(rate), _lib().pd_dequantize_nesterov
+    finite = True
+    for start, stop, piece in _pieces(out_theta, n, on_theta):  # pieces start on a block boundary
+        at, block = 4 * start, start // block_size
+        finite &= bool(
+            kernel(
+                code_ptr + start, block_size, tab, scales + 4 * block,
+                t_in + at, m_in + at, t_out + at, m_out + at, stop - start, mu32, rate32,
+            )
+        )  # fmt: skip
+        if on_theta is not None:
+            on_theta(piece)
+    return finite
+
+
+def _pieces(out: Tensor, n: int, on_theta: OnTheta | None) -> Iterator[tuple[int, int, memoryview]]:
+    """(start, stop, bytes of out[start:stop]): the whole range at once without `on_theta`, else PIECEs."""
+    if on_theta is None:
+        yield 0, n, memoryview(b"")
+        return
+    raw = memoryview(out.detach().view(-1).numpy()).cast("B")
+    for start in range(0, n, PIECE):
+        stop = min(start + PIECE, n)
+        yield start, stop, raw[4 * start : 4 * stop]
 
 
 def quantize(

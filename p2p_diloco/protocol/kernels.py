@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -130,9 +130,12 @@ def nesterov_into(
     *,
     mu: Tensor,
     rate: Tensor,
+    on_theta: Callable[[memoryview], object] | None = None,
 ) -> bool:
     """Write m' = mu*m + g and Θ' = Θ - rate*(g + mu*m') into the contiguous outputs, chunk by chunk;
     returns whether every element of both outputs is finite. Inputs of equal shape, float32, CPU.
+    `on_theta` (e.g. a hasher's update) gets the bytes of Θ' piece by piece, in order, each right after it
+    is computed, while it is in cache.
 
     Per element, in this order, each a float32 operation rounded on its own: m' = m*mu; m' = m' + g;
     d = m'*mu; d = d + g; d = d*rate; Θ' = Θ - d (see `replica.nesterov_step` for why no FMA).
@@ -142,8 +145,9 @@ def nesterov_into(
     theta, m, g = flat
     new_theta, new_m = out_param.view(-1), out_momentum.view(-1)
     if fused.active() and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in flat):
-        return fused.nesterov(theta, m, g, new_theta, new_m, mu, rate)
+        return fused.nesterov(theta, m, g, new_theta, new_m, mu, rate, on_theta)
     n = theta.numel()
+    raw = memoryview(new_theta.detach().numpy()).cast("B") if on_theta is not None else None
     total = 0.0
     with scratch() as buffers:
         work = buffers.get("nesterov", min(n, CHUNK))
@@ -158,6 +162,8 @@ def nesterov_into(
             theta_out = new_theta[start:stop]
             torch.sub(theta[start:stop], d, out=theta_out)
             total += float(theta_out.sum())  # while the chunk is in cache
+            if raw is not None:
+                on_theta(raw[4 * start : 4 * stop])
     # Θ' alone settles it: a non-finite m' makes the lookahead, the step and so Θ' non-finite too (Θ and g
     # are finite; inf*0 is NaN), so a finite Θ' proves m' finite.
     if math.isfinite(total):
@@ -225,6 +231,7 @@ def nesterov_quantized_into(
     *,
     mu: Tensor,
     rate: Tensor,
+    on_theta: Callable[[memoryview], object] | None = None,
 ) -> bool:
     """`nesterov_into` on a gradient still in int8 form: with the C kernels in one pass that decodes each value
     as it goes (the gradient is never written out), else decode first. The same Θ' and m' bit for bit."""
@@ -234,6 +241,18 @@ def nesterov_quantized_into(
         theta, m = param.contiguous().view(-1), momentum_buf.contiguous().view(-1)
         new_theta, new_m = out_param.view(-1), out_momentum.view(-1)
         return fused.dequantize_nesterov(
-            grad.codes, grad.absmax, grad.block_size, grad.table, theta, m, new_theta, new_m, mu, rate
+            grad.codes,
+            grad.absmax,
+            grad.block_size,
+            grad.table,
+            theta,
+            m,
+            new_theta,
+            new_m,
+            mu,
+            rate,
+            on_theta,
         )
-    return nesterov_into(param, momentum_buf, grad.decode(), out_param, out_momentum, mu=mu, rate=rate)
+    return nesterov_into(
+        param, momentum_buf, grad.decode(), out_param, out_momentum, mu=mu, rate=rate, on_theta=on_theta
+    )

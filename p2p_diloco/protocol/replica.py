@@ -261,6 +261,7 @@ class GlobalReplica:
                 if isinstance(outer_grad[name], kernels.QuantizedTensor)
                 else kernels.nesterov_into
             )
+            hasher.begin(name, tuple(param.shape))
             finite = step(
                 param,
                 self._momentum[p][name],
@@ -269,13 +270,14 @@ class GlobalReplica:
                 new_momentum[name],
                 mu=mu,
                 rate=rate,
+                on_theta=hasher.update,  # Θ' hashed a piece at a time while in cache
             )
             if not finite:
                 check = self.check_outer_grad(p, outer_grad)
                 if check.action != ACCEPT:
                     return Decision(REFUSE, check.reason)
                 return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
-            hasher.add(name, new_params[name], new_momentum[name])  # while the tensor is in cache
+            hasher.update(_raw(new_momentum[name]))
         return PendingUpdate(
             fragment=p,
             from_version=self._versions[p],
@@ -429,6 +431,11 @@ def _decoded(grad: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     if not any(isinstance(g, kernels.QuantizedTensor) for g in grad.values()):
         return grad
     return {name: g.decode() if isinstance(g, kernels.QuantizedTensor) else g for name, g in grad.items()}
+
+
+def _raw(t: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.detach().reshape(-1).numpy()).cast("B")
 
 
 def _cpu_fp32_copy(t: Tensor) -> Tensor:
