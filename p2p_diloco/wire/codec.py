@@ -15,9 +15,9 @@ codes). Decoding never calls bitsandbytes: every replica applies the same decode
 checksums, so dequantization is a table lookup in `CODE_TABLE` followed by exactly one float32 multiply by
 the block's absmax (`kernels.dequantize_into`: in C or in torch, the same IEEE operation), identical bit
 for bit on every machine. `decode_tensors(lazy=True)` leaves int8 tensors in that form
-(`kernels.QuantizedTensor`) for the outer step to decode on the fly. The decoder checks every field before it allocates
-anything and raises only `DecodeError` with one of the reason tags of `wire.blockwise` (re-exported here)
-or `wire.sparse.SparseReason`. The shared primitives (tags, code table, byte reader, CPU quantizer) live in
+(`kernels.QuantizedTensor`) for the outer step to decode on the fly. The decoder checks every field
+before it allocates anything and raises only `DecodeError` with one of the reason tags of
+`wire.blockwise` (re-exported here) or `wire.sparse.SparseReason`. The shared primitives (tags, code table, byte reader, CPU quantizer) live in
 `wire.blockwise`; sparse bodies in `wire.sparse`.
 """
 
