@@ -11,7 +11,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.installed${EXTRAS:+-$EXTRAS}"
-if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
+# setup.py and the C kernels it builds (p2p_diloco/protocol/_fused.c) count too: an editable install
+# compiles them only when pip runs.
+if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" || "$ROOT/setup.py" -nt "$STAMP" \
+      || "$ROOT/p2p_diloco/protocol/_fused.c" -nt "$STAMP" ]]; then
     "$VENV/bin/pip" install -q --disable-pip-version-check "torch==${P2P_DILOCO_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored" || true
     "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT${EXTRAS:+[$EXTRAS]}" 2>&1 | grep -v "is ignored" || true
     "$VENV/bin/python" -c "import p2p_diloco, torch, hivemind, bitsandbytes" 2>/dev/null \

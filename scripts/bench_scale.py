@@ -7,8 +7,11 @@ Part 1 (in this process, before any peer starts, one torch thread, glibc malloc 
 it): on one fragment of the run's model, milliseconds per million parameters and GB/s of fp32 parameters
 (best of `--repeats`, by wall-clock time and by this process's CPU time, which on a shared machine is the
 cleaner per-core figure) for merging M deltas (RDA), the outer step (`GlobalReplica.compute_update`,
-finiteness checks and checksum included), the checksum alone, encoding the int8 update and applying an
-update on a replica (decode, outer step, checksum compare).
+finiteness checks and checksum included), the checksum alone, encoding the int8 update, applying an
+update on a replica (decode, outer step, checksum compare) and applying it with the int8 gradient decoded
+inside the step (`decode_tensors(lazy=True)`), plus this core's copy and page-fault bandwidth. Whether the
+C kernels of `protocol.fused` ran is in the JSON (`fused_kernels`; P2P_DILOCO_FUSED=0 measures the torch
+path).
 
 Part 2 (real processes on 127.0.0.1): a bootstrap node and two `join` learners (batch 1, the byte GPT
 sized to `--params`) train; once `--join-after` updates have been published a newcomer joins and downloads
@@ -44,7 +47,9 @@ sys.path.insert(0, str(ROOT))
 from p2p_diloco.config import ModelConfig  # noqa: E402
 from p2p_diloco.model.gpt import GPT  # noqa: E402
 from p2p_diloco.node.heap import bound_heap  # noqa: E402
+from p2p_diloco.protocol import fused  # noqa: E402
 from p2p_diloco.protocol.fragments import plan_fragments  # noqa: E402
+from p2p_diloco.protocol.kernels import fresh  # noqa: E402
 from p2p_diloco.protocol.merge import merge_deltas  # noqa: E402
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum  # noqa: E402
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors  # noqa: E402
@@ -137,7 +142,46 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
 
     s, _ = best(apply)
     row("apply_update_on_a_replica", s)
-    return {"fragment_params": numel, "threads": 1, "heap_bounded": heap_bounded, "rows": rows}
+
+    def apply_lazy() -> None:  # the int8 gradient decoded inside the outer step (decode_tensors(lazy=True))
+        twin = replica.frozen()
+        decoded = decode_tensors(payload, expected_shapes=twin.shapes(0), lazy=True)
+        decision = twin.apply(0, 0, decoded, lr=0.7, momentum=0.9, expected_checksum=expected)
+        assert decision.action == "apply", decision
+
+    s, _ = best(apply_lazy)
+    row("apply_update_decoding_in_the_step", s)
+    return {
+        "fragment_params": numel,
+        "threads": 1,
+        "heap_bounded": heap_bounded,
+        "fused_kernels": fused.available(),
+        "fused_kernels_missing_because": fused.WHY_NOT or None,
+        "memory": memory_bandwidth(),
+        "rows": rows,
+    }
+
+
+def memory_bandwidth() -> dict:
+    """This core's memory bandwidth, for reading the rows against it: a 128 MiB copy between touched
+    buffers (GB/s copied; read + write), and the first touch of a fresh huge-page 128 MiB tensor (GB/s
+    zeroed by the kernel's page faults), both by CPU time, best of 3."""
+    n = 32 << 20
+    src, dst = torch.randn(n), torch.empty(n)
+    dst.fill_(0.0)
+
+    def best(fn) -> float:  # noqa: ANN001
+        seconds = float("inf")
+        for _ in range(3):
+            start = time.process_time()
+            fn()
+            seconds = min(seconds, time.process_time() - start)
+        return round(n * 4 / seconds / 1e9, 2)
+
+    def touch() -> None:
+        fresh((n,)).view(-1)[::1024].fill_(0.0)  # one write per 4 KiB: the faults alone
+
+    return {"copy_gb_per_s": best(lambda: dst.copy_(src)), "first_touch_gb_per_s": best(touch)}
 
 
 # ---- part 2: real peers ----------------------------------------------------------------------------

@@ -56,13 +56,21 @@ class FragmentHasher:
         self._h.update(int(version).to_bytes(8, "little", signed=True))
 
     def add(self, name: str, param: Tensor, momentum: Tensor) -> None:
+        self.begin(name, tuple(param.shape))
+        self.update(_raw_bytes(param))
+        self.update(_raw_bytes(momentum))
+
+    def begin(self, name: str, shape: tuple[int, ...]) -> None:
+        """The name and shape of the next tensor; its Θ bytes then its m bytes follow through `update`
+        (`add` in pieces: the outer step hashes Θ' a cache-sized piece at a time as it computes it)."""
         h = self._h
         h.update(name.encode() + b"\0")
-        h.update(len(param.shape).to_bytes(8, "little"))
-        for dim in param.shape:
+        h.update(len(shape).to_bytes(8, "little"))
+        for dim in shape:
             h.update(int(dim).to_bytes(8, "little"))
-        h.update(_raw_bytes(param))
-        h.update(_raw_bytes(momentum))
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._h.update(data)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

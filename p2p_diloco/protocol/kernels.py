@@ -15,6 +15,9 @@ element-wise kernel over a whole tensor streams it through DRAM. So:
   every element goes through exactly the same float32 operations (tests/unit/test_scale_kernels.py).
 - `all_finite`: a finite float32 sum proves every element finite; only an overflowing sum needs the scan.
 - `norm64`: an L2 norm accumulated in float64, chunk by chunk (for norm bounds and the RDA merge).
+- `QuantizedTensor`: a tensor still in int8 blockwise form (codes, block absmax, code table), as an update's
+  frame carries its outer gradient; `dequantize_into` decodes it (one float32 multiply per value) and
+  `nesterov_quantized_into` runs the outer step on it, decoding on the fly with the C kernels.
 - `scratch`: the chunk-sized work buffers of these loops (and of the int8 codec's) are borrowed from a
   small pool and kept from call to call: a peer maps every block of 1 MiB or more afresh
   (`node.heap`), so a new 1 MiB buffer per call would cost 256 page faults.
@@ -24,11 +27,15 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from p2p_diloco.protocol import fused
 
 CHUNK = 1 << 18  # elements per pass (1 MiB of float32): the temporaries of a chunk stay in cache
 HUGE_PAGE = 2 << 20  # tensors at least this large get a huge-page backed map
@@ -123,17 +130,24 @@ def nesterov_into(
     *,
     mu: Tensor,
     rate: Tensor,
+    on_theta: Callable[[memoryview], object] | None = None,
 ) -> bool:
     """Write m' = mu*m + g and Θ' = Θ - rate*(g + mu*m') into the contiguous outputs, chunk by chunk;
     returns whether every element of both outputs is finite. Inputs of equal shape, float32, CPU.
+    `on_theta` (e.g. a hasher's update) gets the bytes of Θ' piece by piece, in order, each right after it
+    is computed, while it is in cache.
 
     Per element, in this order, each a float32 operation rounded on its own: m' = m*mu; m' = m' + g;
     d = m'*mu; d = d + g; d = d*rate; Θ' = Θ - d (see `replica.nesterov_step` for why no FMA).
+    With the compiled kernels (`protocol.fused`) the same operations run in one pass per element.
     """
     flat = [t.contiguous().view(-1) for t in (param, momentum_buf, grad)]
     theta, m, g = flat
     new_theta, new_m = out_param.view(-1), out_momentum.view(-1)
+    if fused.active() and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in flat):
+        return fused.nesterov(theta, m, g, new_theta, new_m, mu, rate, on_theta)
     n = theta.numel()
+    raw = memoryview(new_theta.detach().numpy()).cast("B") if on_theta is not None else None
     total = 0.0
     with scratch() as buffers:
         work = buffers.get("nesterov", min(n, CHUNK))
@@ -148,8 +162,97 @@ def nesterov_into(
             theta_out = new_theta[start:stop]
             torch.sub(theta[start:stop], d, out=theta_out)
             total += float(theta_out.sum())  # while the chunk is in cache
+            if raw is not None:
+                on_theta(raw[4 * start : 4 * stop])
     # Θ' alone settles it: a non-finite m' makes the lookahead, the step and so Θ' non-finite too (Θ and g
     # are finite; inf*0 is NaN), so a finite Θ' proves m' finite.
     if math.isfinite(total):
         return True
     return bool(torch.isfinite(new_theta).all())
+
+
+def scale_blocks(values: Tensor, absmax: Tensor, block_size: int) -> Tensor:
+    """Multiply flat `values` in place by their block's absmax: exactly one float32 multiply each."""
+    n = values.numel()
+    full = n // block_size
+    cut = full * block_size
+    if full:
+        values[:cut].view(full, block_size).mul_(absmax[:full, None])
+    if cut < n:
+        values[cut:].mul_(absmax[full])
+    return values
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A float32 tensor still in int8 blockwise form: value i is `table[codes[i]] * absmax[i // block_size]`,
+    one float32 multiply (the decoding of `wire.codec`). `wire.codec.decode_tensors(..., lazy=True)` returns
+    these for int8 frames after the same checks as decoding (block absmax finite and >= 0), so every value is
+    finite. `codes` may be a view of the frame: the frame must not change while this is in use."""
+
+    shape: tuple[int, ...]
+    codes: np.ndarray  # uint8, one per value
+    absmax: Tensor  # float32, one per block (the last block may be short)
+    block_size: int
+    table: Tensor  # float32, 256 entries
+
+    dtype = torch.float32
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def decode(self) -> Tensor:
+        """The values as a fresh float32 tensor of `shape`."""
+        return dequantize_into(self, fresh((self.numel(),))).view(self.shape)
+
+
+def dequantize_into(q: QuantizedTensor, out: Tensor) -> Tensor:
+    """Decode `q` into the flat contiguous float32 `out` (C kernel, or a chunk of table lookups at a time)."""
+    n = q.numel()
+    if fused.active():
+        return fused.dequantize(q.codes, q.absmax, q.block_size, q.table, out)
+    with scratch() as buffers:
+        index = buffers.get("decode.index", min(n, CHUNK), torch.int32)  # CHUNK: whole blocks
+        index_np = index.numpy()
+        for start in range(0, n, CHUNK):  # a cache-sized chunk at a time
+            stop = min(start + CHUNK, n)
+            np.copyto(index_np[: stop - start], q.codes[start:stop])
+            part = torch.index_select(q.table, 0, index[: stop - start], out=out[start:stop])
+            scale_blocks(part, q.absmax[start // q.block_size :], q.block_size)
+    return out
+
+
+def nesterov_quantized_into(
+    param: Tensor,
+    momentum_buf: Tensor,
+    grad: QuantizedTensor,
+    out_param: Tensor,
+    out_momentum: Tensor,
+    *,
+    mu: Tensor,
+    rate: Tensor,
+    on_theta: Callable[[memoryview], object] | None = None,
+) -> bool:
+    """`nesterov_into` on a gradient still in int8 form: with the C kernels in one pass that decodes each value
+    as it goes (the gradient is never written out), else decode first. The same Θ' and m' bit for bit."""
+    if grad.shape != tuple(param.shape):
+        raise ValueError(f"gradient of shape {grad.shape} for a tensor of shape {tuple(param.shape)}")
+    if fused.active() and param.dtype == momentum_buf.dtype == torch.float32:
+        theta, m = param.contiguous().view(-1), momentum_buf.contiguous().view(-1)
+        new_theta, new_m = out_param.view(-1), out_momentum.view(-1)
+        return fused.dequantize_nesterov(
+            grad.codes,
+            grad.absmax,
+            grad.block_size,
+            grad.table,
+            theta,
+            m,
+            new_theta,
+            new_m,
+            mu,
+            rate,
+            on_theta,
+        )
+    return nesterov_into(
+        param, momentum_buf, grad.decode(), out_param, out_momentum, mu=mu, rate=rate, on_theta=on_theta
+    )

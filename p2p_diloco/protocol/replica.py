@@ -220,8 +220,9 @@ class GlobalReplica:
     # ---- outer updates -------------------------------------------------------------------------------
 
     def check_outer_grad(self, fragment: int, outer_grad: Mapping[str, Tensor]) -> Decision:
-        """Names, shapes, float32 and finite values of an outer gradient for `fragment` (action accept/reject)."""
-        return check_tensors(outer_grad, self.shapes(fragment), norm_bound=None)
+        """Names, shapes, float32 and finite values of an outer gradient for `fragment` (action accept/reject).
+        `kernels.QuantizedTensor` values are decoded for the check."""
+        return check_tensors(_decoded(outer_grad), self.shapes(fragment), norm_bound=None)
 
     def compute_update(
         self, fragment: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
@@ -241,8 +242,10 @@ class GlobalReplica:
         self, p: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
     ) -> PendingUpdate | Decision:
         # Finiteness of the gradient is left to the step: a NaN or inf in g makes Θ' non-finite, and only
-        # then is the gradient scanned, so the reason stays that of `check_outer_grad`.
-        check = check_tensors(outer_grad, self.shapes(p), norm_bound=None, finite=False)
+        # then is the gradient scanned, so the reason stays that of `check_outer_grad`. A gradient still in
+        # int8 form (`kernels.QuantizedTensor`, from `decode_tensors(lazy=True)`) is checked by its shape
+        # here and decoded inside the step.
+        check = check_tensors(_placeholders(outer_grad), self.shapes(p), norm_bound=None, finite=False)
         if check.action != ACCEPT:
             return Decision(REFUSE, check.reason)
         new_params: dict[str, Tensor] = {}
@@ -253,7 +256,13 @@ class GlobalReplica:
         for name in self.plan.names(p):  # plan order: the checksum's order
             param = self._params[p][name]
             new_params[name], new_momentum[name] = kernels.fresh(param.shape), kernels.fresh(param.shape)
-            finite = kernels.nesterov_into(
+            step = (
+                kernels.nesterov_quantized_into
+                if isinstance(outer_grad[name], kernels.QuantizedTensor)
+                else kernels.nesterov_into
+            )
+            hasher.begin(name, tuple(param.shape))
+            finite = step(
                 param,
                 self._momentum[p][name],
                 outer_grad[name],
@@ -261,13 +270,14 @@ class GlobalReplica:
                 new_momentum[name],
                 mu=mu,
                 rate=rate,
+                on_theta=hasher.update,  # Θ' hashed a piece at a time while in cache
             )
             if not finite:
                 check = self.check_outer_grad(p, outer_grad)
                 if check.action != ACCEPT:
                     return Decision(REFUSE, check.reason)
                 return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
-            hasher.add(name, new_params[name], new_momentum[name])  # while the tensor is in cache
+            hasher.update(_raw(new_momentum[name]))
         return PendingUpdate(
             fragment=p,
             from_version=self._versions[p],
@@ -403,6 +413,29 @@ class GlobalReplica:
         if not 0 <= fragment < len(self._params):
             raise IndexError(f"fragment {fragment} out of range 0..{len(self._params) - 1}")
         return fragment
+
+
+def _placeholders(grad: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """`grad` with each `kernels.QuantizedTensor` replaced by a float32 tensor of its shape on the meta
+    device (no data): for the checks of names, shapes and dtype."""
+    if not any(isinstance(g, kernels.QuantizedTensor) for g in grad.values()):
+        return grad
+    return {
+        name: torch.empty(g.shape, device="meta") if isinstance(g, kernels.QuantizedTensor) else g
+        for name, g in grad.items()
+    }
+
+
+def _decoded(grad: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """`grad` with each `kernels.QuantizedTensor` decoded."""
+    if not any(isinstance(g, kernels.QuantizedTensor) for g in grad.values()):
+        return grad
+    return {name: g.decode() if isinstance(g, kernels.QuantizedTensor) else g for name, g in grad.items()}
+
+
+def _raw(t: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.detach().reshape(-1).numpy()).cast("B")
 
 
 def _cpu_fp32_copy(t: Tensor) -> Tensor:

@@ -14,7 +14,8 @@ import torch
 
 from p2p_diloco.config import Codec  # noqa: F401 - the codecs of `[wire] codec`, re-exported
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.protocol.kernels import Scratch, scratch
+from p2p_diloco.protocol import fused
+from p2p_diloco.protocol.kernels import Scratch, scale_blocks, scratch  # noqa: F401 (scale_blocks re-exported)
 
 # Reason tags of DecodeError (shared with `wire.frames`).
 TRUNCATED = "truncated"
@@ -130,6 +131,12 @@ def quantize_blockwise_cpu(
     bounds = _CODE_BOUNDS if bounds is None else bounds
     absmax = torch.empty(-(-n // block_size), dtype=flat.dtype)
     codes = torch.empty(n, dtype=torch.uint8)
+    if fused.active() and flat.dtype == torch.float32 and flat.device.type == "cpu":
+        table = _lut(bounds)
+        if table is not None:  # one pass per block in C: the same float32 operations and table lookups
+            counts, padded = _lut_u8(table)
+            fused.quantize(flat.contiguous(), block_size, counts, padded, CLAMP_MIN, codes, absmax)
+            return codes, absmax
     step = max(1, CACHE_ELEMENTS // block_size)  # whole blocks at a time: temporaries stay in cache
     blocks = flat[: full * block_size].reshape(full, block_size)
     with scratch() as buffers:
@@ -165,14 +172,30 @@ def _quantize_part(
     values = work.values[:size].view(part.shape)
     torch.abs(part, out=values)
     torch.amax(values, dim=1, out=absmax)
-    torch.mul(part, (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), out=values)
+    torch.mul(part, (1.0 / absmax.clamp(min=CLAMP_MIN)).view(-1, 1), out=values)
     # No clamp to [-1, 1]: x * (1/absmax) exceeds 1 in magnitude by at most two ulps, which shares 1.0's
     # 16-bit prefix and lies beyond every bound, so its code is that of ±1 either way (tested).
     nearest_codes(values.view(-1), bounds, out=codes[:size], work=work)
 
 
 CACHE_ELEMENTS = 1 << 18  # values quantized per pass (1 MiB of float32)
+# The smallest absmax a block is scaled by, as float32 (torch.clamp rounds the Python float to float32
+# the same way), so an all-zero block gets finite codes.
+CLAMP_MIN = float(torch.tensor(1e-38, dtype=torch.float32))
 _LUTS: dict[tuple[str, bytes], tuple[torch.Tensor, torch.Tensor] | None] = {}
+_LUTS_U8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _lut_u8(table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_lut`'s table with its counts as uint8 (at most 255 bounds: 64 KiB instead of 256 KiB, which stays
+    in a core's L2 cache), for the C quantizer; cached beside it."""
+    key = id(table[0])  # `_LUTS` keeps its tables for the life of the process, so ids are never reused
+    if key not in _LUTS_U8:
+        counts, padded = table
+        if int(counts.max()) > 255:
+            raise ValueError("a code table of more than 256 codes")
+        _LUTS_U8[key] = (counts.to(torch.uint8).contiguous(), padded.contiguous())
+    return _LUTS_U8[key]
 
 
 def _lut(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -218,15 +241,3 @@ def nearest_codes(
     torch.index_select(padded, 0, below, out=bound)
     torch.gt(scaled.reshape(-1), bound, out=above)
     return torch.add(below, above, out=out.view(-1)).view(scaled.shape)  # codes <= 255: exact in uint8
-
-
-def scale_blocks(values: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Multiply flat `values` in place by their block's absmax: exactly one float32 multiply each."""
-    n = values.numel()
-    full = n // block_size
-    cut = full * block_size
-    if full:
-        values[:cut].view(full, block_size).mul_(absmax[:full, None])
-    if cut < n:
-        values[cut:].mul_(absmax[full])
-    return values

@@ -9,13 +9,15 @@ Frame layout, all integers little-endian::
                                  fp32: values f32 * numel (block size 0)
                                  topk-int8 / topk-int4: the sparse body of `wire.sparse`
 
-Encoding uses `bitsandbytes.functional.quantize_blockwise` on accelerators and the same algorithm in
-plain torch on the CPU (`quantize_blockwise_cpu`). Decoding never calls a fused
-kernel: every replica applies the same decoded update and compares checksums, so dequantization is a
-table lookup in `CODE_TABLE` followed by exactly one float32 multiply by the block's absmax, in plain
-torch on CPU, identical bit for bit on every machine. The decoder checks every field before it allocates
-anything and raises only `DecodeError` with one of the reason tags of `wire.blockwise` (re-exported here)
-or `wire.sparse.SparseReason`. The shared primitives (tags, code table, byte reader, CPU quantizer) live in
+Encoding uses `bitsandbytes.functional.quantize_blockwise` on accelerators and the same algorithm on the
+CPU (`quantize_blockwise_cpu`: the C kernels of `protocol.fused` when built, else plain torch, with the same
+codes). Decoding never calls bitsandbytes: every replica applies the same decoded update and compares
+checksums, so dequantization is a table lookup in `CODE_TABLE` followed by exactly one float32 multiply by
+the block's absmax (`kernels.dequantize_into`: in C or in torch, the same IEEE operation), identical bit
+for bit on every machine. `decode_tensors(lazy=True)` leaves int8 tensors in that form
+(`kernels.QuantizedTensor`) for the outer step to decode on the fly. The decoder checks every field
+before it allocates anything and raises only `DecodeError` with one of the reason tags of
+`wire.blockwise` (re-exported here) or `wire.sparse.SparseReason`. The shared primitives (tags, code table, byte reader, CPU quantizer) live in
 `wire.blockwise`; sparse bodies in `wire.sparse`.
 """
 
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.protocol.kernels import CHUNK, fresh, scratch
+from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.wire import sparse
 from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-exported for callers)
     BAD_HEADER,
@@ -49,7 +51,6 @@ from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-e
     Codec,
     byte_view,
     quantize_blockwise_cpu,
-    scale_blocks,
 )
 from p2p_diloco.wire.blockwise import all_finite as _all_finite
 from p2p_diloco.wire.sparse import DEFAULT_DENSITY
@@ -255,7 +256,8 @@ def _read_entry(
     return _Entry(name, shape, numel, block, absmax_at, data_at, layout)
 
 
-def _dequantize(view: memoryview, entry: _Entry) -> torch.Tensor:
+def _quantized(view: memoryview, entry: _Entry) -> QuantizedTensor | torch.Tensor:
+    """An int8 entry, checked, still in int8 form (an empty one as its zero-size tensor)."""
     if entry.numel == 0:
         return torch.zeros(entry.shape, dtype=torch.float32)
     n_blocks = -(-entry.numel // entry.block_size)
@@ -265,16 +267,13 @@ def _dequantize(view: memoryview, entry: _Entry) -> torch.Tensor:
     if bool((absmax < 0).any()):
         raise DecodeError(BAD_HEADER, f"tensor {entry.name!r} has a negative block absmax")
     codes = np.frombuffer(view, np.uint8, entry.numel, entry.data_at)
-    values = fresh((entry.numel,))
-    with scratch() as buffers:
-        index = buffers.get("decode.index", min(entry.numel, CHUNK), torch.int32)  # CHUNK: whole blocks
-        index_np = index.numpy()
-        for start in range(0, entry.numel, CHUNK):  # a cache-sized chunk at a time, into one huge-page tensor
-            stop = min(start + CHUNK, entry.numel)
-            np.copyto(index_np[: stop - start], codes[start:stop])
-            part = torch.index_select(CODE_TABLE, 0, index[: stop - start], out=values[start:stop])
-            scale_blocks(part, absmax[start // entry.block_size :], entry.block_size)
-    return values.view(entry.shape)
+    return QuantizedTensor(entry.shape, codes, absmax, entry.block_size, CODE_TABLE)
+
+
+def _dequantize(view: memoryview, entry: _Entry) -> torch.Tensor:
+    q = _quantized(view, entry)
+    # One table lookup and one multiply per value (`kernels.dequantize_into`), into one huge-page tensor.
+    return q if isinstance(q, torch.Tensor) else q.decode()
 
 
 def _read_fp32(view: memoryview, entry: _Entry) -> torch.Tensor:
@@ -291,10 +290,13 @@ def decode_tensors(
     *,
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    lazy: bool = False,
 ) -> dict[str, torch.Tensor]:
     """CPU float32 tensors from a frame, in frame order; raises only `DecodeError`.
 
     With `expected_shapes`, the frame must hold exactly those names with exactly those shapes.
+    `lazy`: the tensors of an int8 frame come back as `kernels.QuantizedTensor` (checked the same way, not
+    yet decoded; they keep views of `data`), which `GlobalReplica.apply` decodes inside the outer step.
     """
     view = byte_view(data)
     if len(view) > max_bytes:
@@ -325,7 +327,7 @@ def decode_tensors(
             e.name: sparse.decode_body(view, e.name, e.shape, e.layout, codec, e.block_size)  # type: ignore[arg-type]
             for e in entries
         }
-    read = _dequantize if codec == Codec.INT8 else _read_fp32
+    read = (_quantized if lazy else _dequantize) if codec == Codec.INT8 else _read_fp32
     return {entry.name: read(view, entry) for entry in entries}
 
 

@@ -5,13 +5,26 @@ be deterministic, and the fragment checksum must be the documented BLAKE3 layout
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
+import numpy as np
 import pytest
 import torch
 
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol import fused
 from p2p_diloco.protocol.fragments import plan_fragments
-from p2p_diloco.protocol.kernels import CHUNK, float32_scalar, fresh, nesterov_into, norm64
+from p2p_diloco.protocol.kernels import (
+    CHUNK,
+    QuantizedTensor,
+    float32_scalar,
+    fresh,
+    nesterov_into,
+    nesterov_quantized_into,
+    norm64,
+)
 from p2p_diloco.protocol.merge import GRAM_MAX_DELTAS, merge_deltas
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum, fragment_checksum_v1, nesterov_step
 from p2p_diloco.wire.blockwise import _CODE_BOUNDS, CODE_TABLE, _lut, nearest_codes, quantize_blockwise_cpu
@@ -271,3 +284,273 @@ def test_values_just_beyond_one_get_the_codes_of_one() -> None:
         for x in (beyond, beyond2):
             assert torch.equal(nearest_codes(x, bounds), nearest_codes(one, bounds))
             assert torch.equal(nearest_codes(x, bounds), reference(one, bounds))
+
+
+# ---- the fused C kernels (protocol.fused) equal the torch path bit for bit ------------------------------
+
+needs_fused = pytest.mark.skipif(not fused.available(), reason=f"fused kernels not built: {fused.WHY_NOT}")
+FUSED_SIZES = (1, 3, 4095, 4097, CHUNK + 13)  # tails that are no multiple of a vector, a block or a chunk
+
+
+def special_values(n: int, seed: int) -> torch.Tensor:
+    """Random float32 bit patterns mixed with normal values, denormals, ±0, ±inf and NaNs of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 1e-2
+    raw = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    pick = torch.rand(n, generator=gen)
+    x = torch.where(pick < 0.05, raw.view(torch.float32), x)  # any bits: NaN payloads, huge, tiny
+    specials = torch.tensor(
+        [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-45, 1e-40, 3e38, -3e38, 1.0, -1.0]
+    )
+    where = torch.randint(0, max(n, 1), (max(1, n // 50) if n else 0,), generator=gen)
+    x[where] = specials[torch.randint(0, len(specials), (where.numel(),), generator=gen)]
+    return x
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, except that any NaN equals any NaN (its payload is not part of any result: a NaN
+    makes the outer step and the int8 encoder refuse the whole tensor)."""
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    return a[~nan_a].numpy().tobytes() == b[~nan_b].numpy().tobytes()
+
+
+def both_paths(fn, *args):  # noqa: ANN001, ANN002, ANN201
+    """fn(*args) with the C kernels, then within `fused.torch_only()`."""
+    assert fused.active()
+    with_c = fn(*args)
+    with fused.torch_only():
+        assert not fused.active()
+        with_torch = fn(*args)
+    return with_c, with_torch
+
+
+@needs_fused
+@pytest.mark.parametrize("n", FUSED_SIZES)
+@pytest.mark.parametrize("kind", ["normal", "denormal", "special"])
+def test_fused_outer_step_equals_the_torch_kernels_bit_for_bit(n: int, kind: str) -> None:
+    gen = torch.Generator().manual_seed(n)
+    theta, m, g = (torch.randn(n, generator=gen) * scale for scale in (1.0, 1e-3, 3e-2))
+    if kind == "denormal":  # products and sums in the subnormal range (no flush to zero on either path)
+        theta, m, g = theta * 1e-38, m * 1e-36, g * 1e-39
+    elif kind == "special":
+        theta, m, g = special_values(n, n), special_values(n, n + 1), special_values(n, n + 2)
+
+    def step():  # noqa: ANN202
+        out = fresh((n,)), fresh((n,))
+        finite = nesterov_into(theta, m, g, *out, mu=float32_scalar(0.9), rate=float32_scalar(0.7))
+        return finite, out
+
+    (finite_c, (theta_c, m_c)), (finite_t, (theta_t, m_t)) = both_paths(step)
+    assert finite_c == finite_t == bool(torch.isfinite(theta_t).all())
+    assert same_bits(theta_c, theta_t) and same_bits(m_c, m_t)
+    if kind != "special":
+        assert finite_c and theta_c.numpy().tobytes() == theta_t.numpy().tobytes()
+        assert m_c.numpy().tobytes() == m_t.numpy().tobytes()
+
+
+@needs_fused
+@pytest.mark.parametrize(("mu", "rate"), [(0.9, 0.7), (0.0, 0.7), (0.9, 0.0), (0.0, 0.0)])
+def test_fused_outer_step_detects_every_overflow_like_the_torch_path(mu: float, rate: float) -> None:
+    n = 4096 + 5
+    for where in (0, 4095, n - 1):
+        for bad_m, bad_g in ((3e38, 3e38), (0.0, math.inf), (math.nan, 0.0), (0.0, -3.4e38)):
+            theta, m, g = torch.ones(n), torch.zeros(n), torch.full((n,), 1e-3)
+            m[where], g[where] = bad_m, bad_g
+
+            def step(theta, m, g):  # noqa: ANN001, ANN202
+                out = fresh((n,)), fresh((n,))
+                finite = nesterov_into(theta, m, g, *out, mu=float32_scalar(mu), rate=float32_scalar(rate))
+                return finite, bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all())
+
+            (finite_c, both_c), (finite_t, both_t) = both_paths(step, theta, m, g)
+            assert finite_c == finite_t == both_c == both_t
+
+
+@needs_fused
+@pytest.mark.parametrize("n", (*FUSED_SIZES, 0, 2 * CHUNK + 4097))
+@pytest.mark.parametrize("block_size", (64, 4096))
+@pytest.mark.parametrize("kind", ["normal", "denormal", "special", "zeros"])
+def test_fused_quantizer_equals_the_torch_quantizer(n: int, block_size: int, kind: str) -> None:
+    gen = torch.Generator().manual_seed(n + block_size)
+    x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4
+    if kind == "denormal":
+        x = x * 1e-39  # absmax below the 1e-38 clamp in some blocks
+    elif kind == "special":
+        x = special_values(n, n)
+    elif kind == "zeros":
+        x = torch.zeros(n)
+        x[::3] = -0.0
+    for bounds in (None, SPARSE_BOUNDS.to(torch.float32)):
+        (codes_c, absmax_c), (codes_t, absmax_t) = both_paths(quantize_blockwise_cpu, x, block_size, bounds)
+        assert torch.equal(codes_c, codes_t)
+        assert same_bits(absmax_c, absmax_t)
+
+
+@needs_fused
+@pytest.mark.parametrize("block_size", (64, 4096))
+def test_fused_decoder_equals_the_torch_decoder(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    tensors = {
+        "big": torch.randn(3, CHUNK + 7, generator=gen) * 1e-3,
+        "tail": torch.randn(4097, generator=gen),
+        "one": torch.tensor([2.5]),
+        "zeros": torch.zeros(5, 5),
+        "tiny": torch.randn(100, generator=gen) * 1e-40,
+        "empty": torch.zeros(0, 3),
+    }
+    frame = encode_tensors(tensors, block_size=block_size)
+    decoded_c, decoded_t = both_paths(lambda: decode_tensors(frame))
+    assert list(decoded_c) == list(tensors)
+    for name in tensors:
+        assert decoded_c[name].shape == decoded_t[name].shape == tensors[name].shape
+        assert decoded_c[name].numpy().tobytes() == decoded_t[name].numpy().tobytes()
+    bad = bytearray(frame)  # a NaN absmax is still refused before any decoding
+    with fused.torch_only():
+        assert encode_tensors(tensors, block_size=block_size) == frame  # the encoders agree byte for byte
+    nan_frame = encode_tensors({"x": torch.tensor([1.0, math.nan])}, block_size=block_size)
+    for fn in (lambda: decode_tensors(nan_frame), lambda: decode_tensors(bytes(bad[:-1]))):
+        with pytest.raises(DecodeError):
+            fn()
+
+
+@needs_fused
+def test_fused_replica_update_has_the_same_checksum_as_the_torch_path() -> None:
+    gen = torch.Generator().manual_seed(11)
+    shapes = {"a": (3, CHUNK // 2 + 5), "b": (7,), "c": (2, 3, 4)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.randn(s, generator=gen) for n, s in shapes.items()})
+    grad = {n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()}
+    frame = encode_tensors(grad)
+
+    def apply():  # noqa: ANN202
+        twin = replica.frozen()
+        pending = twin.compute_update(0, decode_tensors(frame), lr=0.7, momentum=0.9)
+        return frame == encode_tensors(grad), pending.checksum
+
+    (same_c, checksum_c), (same_t, checksum_t) = both_paths(apply)
+    assert same_c and same_t and checksum_c == checksum_t
+
+
+@needs_fused
+def test_fused_wrappers_refuse_bad_arguments() -> None:
+    x, out = torch.zeros(8), torch.zeros(8)
+    mu = float32_scalar(0.9)
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        fused.nesterov(x, x, x.double(), out, out.clone(), mu, mu)
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        fused.nesterov(x, x, torch.zeros(16)[::2], out, out.clone(), mu, mu)
+    with pytest.raises(ValueError, match="8 elements"):
+        fused.nesterov(x, x, x, torch.zeros(7), out, mu, mu)
+    with pytest.raises(ValueError, match="codes"):
+        fused.dequantize(np.zeros(8, np.int8), torch.ones(1), 64, CODE_TABLE, out)
+    with pytest.raises(ValueError, match="absmax"):
+        fused.dequantize(np.zeros(8, np.uint8), torch.ones(2), 64, CODE_TABLE, out)
+
+
+def test_the_fused_switch() -> None:
+    """P2P_DILOCO_FUSED=0 keeps the library unloaded (a fresh interpreter); torch_only() nests and restores."""
+    import subprocess
+    import sys
+
+    code = "from p2p_diloco.protocol import fused; print(fused.available(), fused.active(), fused.WHY_NOT)"
+    env = {**os.environ, fused.ENV_SWITCH: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[:2] == ["False", "False"] and fused.ENV_SWITCH in out.stdout
+    before = fused.active()
+    with fused.torch_only():
+        with fused.torch_only():
+            assert not fused.active()
+        assert not fused.active()
+    assert fused.active() == before == fused.available()
+
+
+# ---- the int8 gradient decoded inside the outer step (decode_tensors(lazy=True)) ------------------------
+
+
+@pytest.mark.parametrize("block_size", (64, 4096))
+def test_lazy_decode_keeps_int8_tensors_quantized_and_checked(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "w": torch.randn(5, 4097, generator=gen),
+        "empty": torch.zeros(0),
+        "b": torch.randn(3, generator=gen),
+    }
+    frame = encode_tensors(tensors, block_size=block_size)
+    eager, lazy = decode_tensors(frame), decode_tensors(frame, lazy=True)
+    assert list(lazy) == list(eager)
+    assert isinstance(lazy["w"], QuantizedTensor) and lazy["w"].shape == (5, 4097)
+    assert isinstance(lazy["empty"], torch.Tensor) and lazy["empty"].shape == (0,)
+    for name in ("w", "b"):
+        assert lazy[name].decode().numpy().tobytes() == eager[name].numpy().tobytes()
+    fp32 = decode_tensors(encode_tensors(tensors, codec="fp32"), lazy=True)
+    assert all(isinstance(t, torch.Tensor) for t in fp32.values())
+    nan_frame = encode_tensors({"x": torch.tensor([1.0, math.nan])}, block_size=block_size)
+    with pytest.raises(DecodeError, match="non-finite block absmax"):
+        decode_tensors(nan_frame, lazy=True)
+
+
+@pytest.mark.parametrize("n", (1, 4095, 4097, CHUNK + 13))
+def test_the_step_on_a_quantized_gradient_equals_decoding_first(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    theta, m = (
+        special_values(n, n) if n > 4096 else torch.randn(n, generator=gen),
+        torch.randn(n, generator=gen),
+    )
+    grad = decode_tensors(
+        encode_tensors({"g": torch.randn(n, generator=gen) * 1e-2}, block_size=64), lazy=True
+    )["g"]
+    mu, rate = float32_scalar(0.9), float32_scalar(0.7)
+    ref = fresh((n,)), fresh((n,))
+    ref_finite = nesterov_into(theta, m, grad.decode(), *ref, mu=mu, rate=rate)
+
+    def step():  # noqa: ANN202
+        out = fresh((n,)), fresh((n,))
+        return nesterov_quantized_into(theta, m, grad, *out, mu=mu, rate=rate), out
+
+    paths = both_paths(step) if fused.available() else [step()]
+    for finite, (new_theta, new_m) in paths:
+        assert finite == ref_finite
+        assert same_bits(new_theta, ref[0]) and same_bits(new_m, ref[1])
+    with pytest.raises(ValueError, match="shape"):
+        nesterov_quantized_into(theta.reshape(1, n), m, grad, *ref, mu=mu, rate=rate)
+
+
+def test_a_replica_applies_a_lazy_update_exactly_as_a_decoded_one() -> None:
+    gen = torch.Generator().manual_seed(21)
+    shapes = {"a": (3, CHUNK // 2 + 5), "b": (7,), "c": (2, 3, 4)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.randn(s, generator=gen) for n, s in shapes.items()})
+    frame = encode_tensors({n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()})
+    expected = replica.compute_update(0, decode_tensors(frame), lr=0.7, momentum=0.9).checksum
+    for lazy in (True, False):
+        twin = replica.frozen()
+        grad = decode_tensors(frame, expected_shapes=twin.shapes(0), lazy=lazy)
+        decision = twin.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=expected)
+        assert decision.action == "apply" and twin.checksum(0) == expected
+    lazy_grad = decode_tensors(frame, lazy=True)
+    wrong = {**lazy_grad, "b": decode_tensors(encode_tensors({"b": torch.zeros(8)}), lazy=True)["b"]}
+    assert (
+        "wrong shape: b is (8,)"
+        in replica.frozen().apply(0, 0, wrong, lr=0.7, momentum=0.9, expected_checksum=None).reason
+    )
+    missing = {n: g for n, g in lazy_grad.items() if n != "c"}
+    assert replica.check_outer_grad(0, lazy_grad).action == "accept"
+    assert (
+        "missing tensor"
+        in replica.frozen().apply(0, 0, missing, lr=0.7, momentum=0.9, expected_checksum=None).reason
+    )
+
+
+def test_a_lazy_update_that_overflows_is_refused_with_the_overflow_reason() -> None:
+    shapes = {"a": (4, 5), "b": (9,)}
+    plan = plan_fragments(list(shapes.items()), 1)
+    replica = GlobalReplica(plan, {n: torch.zeros(s) for n, s in shapes.items()})
+    grad = decode_tensors(encode_tensors({"a": torch.full((4, 5), 3e38), "b": torch.zeros(9)}), lazy=True)
+    for torch_path in (False, True):
+        with fused.torch_only() if torch_path else contextlib.nullcontext():
+            decision = replica.apply(0, 0, grad, lr=0.7, momentum=0.9, expected_checksum=None)
+        assert (
+            decision.action == "refuse" and "overflows in a" in decision.reason and replica.versions() == (0,)
+        )
