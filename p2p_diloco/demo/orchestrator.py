@@ -69,6 +69,8 @@ def dismiss_spare(slot: Slot) -> None:
     try:
         if spare.stdin is not None:
             spare.stdin.close()
+        if spare.poll() is None:
+            spare.terminate()  # one still preparing would read its end of input only once prepared
         spare.wait(timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         pass

@@ -139,6 +139,8 @@ class Supervisor:
                 spare.stdin.close()  # end of input: it exits having touched nothing
             except OSError:
                 pass
+        if spare.poll() is None:
+            spare.terminate()  # one still preparing would read its end of input only once prepared
         try:
             spare.wait(timeout=10)
         except subprocess.TimeoutExpired:

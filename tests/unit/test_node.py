@@ -107,6 +107,10 @@ def test_state_dir_round_trip_lock_and_foreign_manifest(tmp_path):
     assert state.read_peer_state() is None and state.load_replica(plan) is None
     with pytest.raises(ConfigError, match="in use by another running peer"):
         StateDir(tmp_path, MANIFEST)
+    with pytest.raises(
+        ConfigError, match="in use by another running peer"
+    ):  # a hot spare waits, then gives up
+        StateDir(tmp_path, MANIFEST, lock_wait=0.1)
     state.save(replica, "QmPeer", now=100.0, in_sync=True, previous=0.0)
     state.save(replica, "QmPeer", now=130.0, in_sync=False, previous=100.0)
     state.event("note", t=1.0, line="hello")

@@ -83,6 +83,10 @@ class FakeProcess:
         self.signals.append(sig)
         self.returncode = 0  # a peer stops cleanly on SIGTERM
 
+    def terminate(self) -> None:
+        self.signals.append(signal.SIGTERM)
+        self.returncode = -signal.SIGTERM
+
     def kill(self) -> None:
         self.returncode = -9
 
@@ -149,7 +153,7 @@ def test_a_stop_request_goes_to_the_peer_as_sigterm_and_the_spare_is_dismissed()
     assert supervisor.run() == 0
     peer, spare = spawned
     assert peer.signals == [signal.SIGTERM]
-    assert spare.stdin.closed and spare.stdin.written == b""
+    assert spare.stdin.closed and spare.stdin.written == b"" and spare.signals == [signal.SIGTERM]
 
 
 def test_a_spare_takes_over_only_on_the_takeover_line_and_refuses_an_island():
