@@ -18,6 +18,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MAX_NICE = 19
 
@@ -33,3 +37,24 @@ def lower_this_thread(niceness: int) -> int | None:
     current = os.getpriority(os.PRIO_PROCESS, tid)
     os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, current + niceness))
     return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def run_lowered(niceness: int, work: Callable[[], T], name: str = "lowered") -> T:
+    """`work()` on a thread whose nice value is raised by `niceness`; its result, or its exception re-raised
+    here. The calling thread keeps its priority (what a hot spare does before it may take over)."""
+    results: list[T] = []
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        lower_this_thread(niceness)
+        try:
+            results.append(work())
+        except BaseException as exc:  # handed to the caller's thread below
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+    return results[0]

@@ -23,7 +23,6 @@ it at takeover, so it never takes the live peer's device memory (this path is un
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import TextIO
@@ -37,7 +36,7 @@ from p2p_diloco.net.dht_store import prepare_dht_process_state
 from p2p_diloco.net.identity import peer_id_of, signing_key
 from p2p_diloco.node.assembly import PreparedModel, prepare_training
 from p2p_diloco.node.options import NodeOptions
-from p2p_diloco.node.priority import lower_this_thread
+from p2p_diloco.node.priority import run_lowered
 from p2p_diloco.node.supervise import SPARE_NICENESS, TAKEOVER  # the supervisor, torch-free, owns them
 
 READY = "standby: ready"  # printed once prepared, for whoever watches the spare's output
@@ -54,22 +53,7 @@ class Takeover:
 def prepare_quietly(manifest: RunManifest, threads: int, niceness: int = SPARE_NICENESS) -> PreparedModel:
     """`prepare_training` on the host, on a thread whose priority is lowered by `niceness`."""
     torch.set_num_threads(threads)
-    result: list[PreparedModel] = []
-    failure: list[BaseException] = []
-
-    def build() -> None:
-        lower_this_thread(niceness)
-        try:
-            result.append(prepare_training(manifest, "cpu"))
-        except BaseException as exc:  # handed to the caller's thread below
-            failure.append(exc)
-
-    thread = threading.Thread(target=build, name="standby-build", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return result[0]
+    return run_lowered(niceness, lambda: prepare_training(manifest, "cpu"), name="standby-build")
 
 
 def read_takeover(stream: TextIO) -> bool:

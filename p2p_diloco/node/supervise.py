@@ -26,7 +26,6 @@ import importlib
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from types import FrameType, ModuleType
 from typing import IO
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.node.priority import lower_this_thread
+from p2p_diloco.node.priority import run_lowered
 
 EXIT_USAGE = 2  # a `join` that refused its arguments
 TAKEOVER = "go"  # the line that makes a spare take over (node/standby.py reads it)
@@ -238,19 +237,6 @@ def _imported_quietly() -> ModuleType:
     """`node.join` (torch, hivemind and the rest) imported on a thread at a lower priority: a spare's
     imports take the CPU only where the peers beside it leave it idle (the takeover then runs at the
     priority the process started with)."""
-    modules: list[ModuleType] = []
-    failures: list[BaseException] = []
-
-    def load() -> None:
-        lower_this_thread(SPARE_NICENESS)
-        try:
-            modules.append(importlib.import_module("p2p_diloco.node.join"))
-        except BaseException as exc:  # re-raised on the caller's thread
-            failures.append(exc)
-
-    thread = threading.Thread(target=load, name="standby-imports", daemon=True)
-    thread.start()
-    thread.join()
-    if failures:
-        raise failures[0]
-    return modules[0]
+    return run_lowered(
+        SPARE_NICENESS, lambda: importlib.import_module("p2p_diloco.node.join"), name="standby-imports"
+    )

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from p2p_diloco.node.priority import lower_this_thread
+from p2p_diloco.node.priority import lower_this_thread, run_lowered
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux only")
@@ -28,3 +28,17 @@ def test_lowering_the_training_thread_leaves_the_other_threads_alone():
     assert lower_this_thread(0) is None
     with pytest.raises(ValueError, match="only lower"):
         lower_this_thread(-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux only")
+def test_work_run_lowered_returns_its_result_or_raises_and_leaves_the_caller_alone():
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = run_lowered(10, lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert seen == min(19, before + 10)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+    def fails() -> None:
+        raise KeyError("no such module")
+
+    with pytest.raises(KeyError, match="no such module"):
+        run_lowered(10, fails)
