@@ -13,6 +13,9 @@ the peer exits, `after_exit` decides, from the exit and the recent takeovers alo
 - ``give_up``: more than `MAX_TAKEOVERS` takeovers within `TAKEOVER_WINDOW` seconds: a crash loop that a
   spare cannot fix; the supervisor exits with the peer's status and says so.
 
+A spare that dies on its own is replaced; after `MAX_SPARE_FAILURES` such deaths in a row (a broken
+install, not bad luck) the supervisor says so and runs the peer without one.
+
 SIGINT/SIGTERM to the supervisor stop the peer as they would stop a plain `join` (forwarded as SIGTERM;
 it releases its lease and saves its state); SIGUSR1 is forwarded too (end training, keep serving). The
 spare then gets end of input and exits without touching anything. A supervisor killed outright leaves
@@ -40,6 +43,7 @@ EXIT_USAGE = 2  # a `join` that refused its arguments
 TAKEOVER = "go"  # the line that makes a spare take over (node/standby.py reads it)
 SPARE_NICENESS = 10  # added to the nice value of a spare's import and build threads
 MAX_TAKEOVERS = 5
+MAX_SPARE_FAILURES = 3  # spares dying on their own in a row: run without one rather than respawn forever
 TAKEOVER_WINDOW = 60.0  # seconds
 POLL_SECONDS = 0.1  # how often the supervisor looks at its children
 STOP_SECONDS = 60.0  # a stopping peer gets this long to save its state before SIGKILL
@@ -110,6 +114,7 @@ class Supervisor:
         self.out = out
         self.stopping = False
         self.takeovers: list[float] = []
+        self.spare_failures = 0  # spares that died before any takeover, in a row
         self.peer: subprocess.Popen | None = None
         self.spare: subprocess.Popen | None = None
 
@@ -190,8 +195,16 @@ class Supervisor:
                 self.peer.kill()
             if self.spare is not None and self.spare.poll() is not None:
                 code = self.spare.returncode
-                if code == EXIT_USAGE:
-                    self.say("the spare refused its arguments (exit status 2); running without one")
+                self.spare_failures += 1
+                if code == EXIT_USAGE or self.spare_failures >= MAX_SPARE_FAILURES:
+                    why = (
+                        "refused its arguments (exit status 2)"
+                        if code == EXIT_USAGE
+                        else (
+                            f"failed {self.spare_failures} times in a row ({describe_exit(code)}; see its output above)"
+                        )
+                    )
+                    self.say(f"the spare {why}; running without one")
                     self.spare = None
                 else:
                     self.say(f"the spare ended ({describe_exit(code)}); starting another")
@@ -206,6 +219,7 @@ class Supervisor:
             if decision.verdict is not Verdict.PROMOTE:
                 return exit_status(code)
             self.takeovers.append(now)
+            self.spare_failures = 0  # a new spare starts below: it gets its own tries
             if not self._promote():
                 self.say("no spare was ready: started the peer cold")
             self.spare = self._new_spare()

@@ -168,3 +168,12 @@ def test_a_spare_takes_over_only_on_the_takeover_line_and_refuses_an_island():
         check_standby_args(True, 2, False)
     with pytest.raises(ConfigError, match="island"):
         check_standby_args(True, 1, True)
+
+
+def test_spares_that_keep_dying_are_not_respawned_forever():
+    # the peer runs a while, then finishes; every spare dies at once with exit status 1 (a broken install)
+    spawned, spawn = scripted([None] * 10 + [0], [1], [1], [1], [1])
+    out = io.StringIO()
+    assert Supervisor(JOIN, spawn=spawn, out=out).run() == 0
+    assert [p.spare for p in spawned] == [False, True, True, True]  # three tries, then none
+    assert "failed 3 times in a row" in out.getvalue() and "running without one" in out.getvalue()
