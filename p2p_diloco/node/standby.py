@@ -15,8 +15,9 @@ peer's identity. Then it waits for one line on standard input:
 The imports (`node.supervise.cli_join_entry`) and the build run on threads at a lower priority
 (`node.priority`): a spare warming up beside live peers, or beside the takeover of the spare before it,
 takes the CPU only when they leave it idle. It also sets up hivemind's inter-process futures and parses
-the identity key, which the takeover would otherwise spend time on. On a GPU the spare keeps its model in host memory and moves
-it at takeover, so it never takes the live peer's device memory (this path is untested: no GPU here).
+the identity key, which the takeover would otherwise spend time on. On a GPU the spare keeps its model
+in host memory and moves it at takeover, so it never takes the live peer's device memory (this path is
+untested: no GPU here).
 
 `join --hot-spare` (node/supervise.py) keeps one spare beside a peer; `demo --hot-spares` one per slot.
 """
