@@ -34,7 +34,7 @@ from p2p_diloco.demo.faults import FaultInjector
 from p2p_diloco.demo.saved_models import SavedModels
 from p2p_diloco.demo.slots import EventTail, Slot
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.node.supervise import TAKEOVER
+from p2p_diloco.node.supervise import dismiss, tell_takeover
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0  # imports, DHT and model on a loaded 2-core machine
@@ -62,19 +62,11 @@ class RunRecord:
 
 
 def dismiss_spare(slot: Slot) -> None:
-    """End a slot's hot spare, if any: end of input makes it exit having touched nothing."""
+    """End a slot's hot spare, if any (`node.supervise.dismiss`), with whatever it started."""
     spare, slot.spare = slot.spare, None
-    if spare is None:
-        return
-    try:
-        if spare.stdin is not None:
-            spare.stdin.close()
-        if spare.poll() is None:
-            spare.terminate()  # one still preparing would read its end of input only once prepared
-        spare.wait(timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    _killpg(spare, signal.SIGKILL)
+    if spare is not None:
+        dismiss(spare)
+        _killpg(spare, signal.SIGKILL)
 
 
 def stop_slots(slots: list[Slot]) -> None:
@@ -197,15 +189,10 @@ class SwarmRun:
     def _launch(self, slot: Slot, now: float) -> None:
         """Start the slot's worker: its hot spare takes over if it has a live one, else a cold process."""
         spare, slot.spare = slot.spare, None
-        slot.proc = None
-        if spare is not None and spare.poll() is None and spare.stdin is not None:
-            try:
-                spare.stdin.write(f"{TAKEOVER}\n".encode())
-                spare.stdin.close()
-                slot.proc = spare
-            except OSError:  # it died just now
-                _killpg(spare, signal.SIGKILL)
-        if slot.proc is None:
+        if spare is not None and tell_takeover(spare):
+            slot.proc = spare
+        else:
+            _killpg(spare, signal.SIGKILL)  # a spare that died: whatever it started goes too
             slot.proc = self._spawn(self._worker_cmd(slot), slot.log_path)
         slot.launched_at = now
         slot.marks.append((now, "launch"))

@@ -164,8 +164,7 @@ def cli_join(args: argparse.Namespace) -> int:
         stop=stop,
         island=island,
         observe=observe,
-        prepared=takeover.prepared if takeover is not None else None,
-        promoted_at=takeover.promoted_at if takeover is not None else None,
+        takeover=takeover,
     )
     main_pid = os.getpid()
 

@@ -37,7 +37,6 @@ from p2p_diloco.net.dht_store import EXIT_DHT_DIED, DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.limits import run_transport_options
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import (
-    PreparedModel,
     build_training,
     catch_up_at_start,
     make_learner,
@@ -61,6 +60,7 @@ from p2p_diloco.node.reporting import (
     rejection_counts,
     seconds_since_launch,
 )
+from p2p_diloco.node.standby import Takeover
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
 from p2p_diloco.swarm import effects as fx
@@ -87,12 +87,10 @@ class PeerNode:
         out: TextIO = sys.stdout,
         island: Island | None = None,
         observe: ObserveOptions | None = None,
-        prepared: PreparedModel | None = None,
-        promoted_at: float | None = None,
+        takeover: Takeover | None = None,
     ):
         self.options = options
-        self.prepared = prepared  # a hot spare's model and optimizer, built before it took over
-        self.promoted_at = promoted_at  # time.monotonic() when this process, a hot spare, took over
+        self.takeover = takeover  # set: this process is a hot spare that took over (node/standby.py)
         self.island = island  # set: this process is rank 0 of an island (node/island.py)
         self.manifest = options.manifest
         self.stop = stop or threading.Event()
@@ -125,14 +123,12 @@ class PeerNode:
 
     def start(self) -> None:
         opts, manifest = self.options, self.manifest
-        launched = seconds_since_launch()
-        if self.promoted_at is not None:  # a hot spare: its launch and build happened before the takeover
-            launched = round(time.monotonic() - self.promoted_at, 2)
-        startup = {"imports": launched, "hot_spare": self.promoted_at is not None}  # in the `start` event
+        # restart costs, in the `start` event; a hot spare's imports and build came before its takeover
+        startup = {"imports": self._since_launch(), "hot_spare": self.takeover is not None}
         check_device(opts.device)
         torch.set_num_threads(opts.threads)
         # a hot spare waits for the lock its dead predecessor's exiting helpers may still hold
-        lock_wait = HOT_SPARE_LOCK_SECONDS if self.promoted_at is not None else 0.0
+        lock_wait = HOT_SPARE_LOCK_SECONDS if self.takeover is not None else 0.0
         opened = time.monotonic()
         self.state = StateDir(opts.state_dir, manifest, lock_wait=lock_wait)
         saved = self.state.read_peer_state()
@@ -150,8 +146,8 @@ class PeerNode:
         began = time.monotonic()
         startup["dht_start"] = round(began - forking, 2)
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
-            built_model = build_training(manifest, opts.device, self.state, self.prepared)
-            self.prepared = None
+            prepared = self.takeover.prepared if self.takeover is not None else None
+            built_model = build_training(manifest, opts.device, self.state, prepared)
         except BaseException:
             pending.abort()
             raise
@@ -231,8 +227,8 @@ class PeerNode:
 
     def _since_launch(self) -> float | None:
         """Seconds since this process started, or since it took over as a hot spare."""
-        if self.promoted_at is not None:
-            return round(time.monotonic() - self.promoted_at, 2)
+        if self.takeover is not None:
+            return round(time.monotonic() - self.takeover.promoted_at, 2)
         return seconds_since_launch()
 
     def _catch_up(self, now: float, restored: bool) -> None:

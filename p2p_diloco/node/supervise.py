@@ -101,6 +101,35 @@ def exit_status(returncode: int) -> int:
 Spawn = Callable[..., subprocess.Popen]
 
 
+def tell_takeover(spare: subprocess.Popen) -> bool:
+    """Give a spare (started with ``stdin=PIPE``) its takeover line; False if it is gone or not listening."""
+    if spare.stdin is None or spare.poll() is not None:
+        return False
+    try:
+        spare.stdin.write(f"{TAKEOVER}\n".encode())
+        spare.stdin.close()
+    except OSError:  # it died just now (broken pipe)
+        return False
+    return True
+
+
+def dismiss(spare: subprocess.Popen) -> None:
+    """End a spare that will not take over: end of input, and SIGTERM for one still preparing (it would
+    read its end of input only once prepared); it has touched nothing, so nothing is lost."""
+    if spare.stdin is not None:
+        try:
+            spare.stdin.close()
+        except OSError:
+            pass
+    if spare.poll() is None:
+        spare.terminate()
+    try:
+        spare.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        spare.kill()
+        spare.wait()
+
+
 def _spawn(argv: Sequence[str], stdin: int | None = None) -> subprocess.Popen:
     return subprocess.Popen(list(argv), stdin=stdin)  # our process group: a group kill takes all
 
@@ -136,32 +165,15 @@ class Supervisor:
 
     def _dismiss_spare(self) -> None:
         spare, self.spare = self.spare, None
-        if spare is None:
-            return
-        if spare.stdin is not None:
-            try:
-                spare.stdin.close()  # end of input: it exits having touched nothing
-            except OSError:
-                pass
-        if spare.poll() is None:
-            spare.terminate()  # one still preparing would read its end of input only once prepared
-        try:
-            spare.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            spare.kill()
-            spare.wait()
+        if spare is not None:
+            dismiss(spare)
 
     def _promote(self) -> bool:
         """Tell the spare to take over; False when it cannot be told (it died: a cold peer replaces it)."""
         spare, self.spare = self.spare, None
-        if spare is not None and spare.stdin is not None and spare.poll() is None:
-            try:
-                spare.stdin.write(f"{TAKEOVER}\n".encode())
-                spare.stdin.close()
-                self.peer = spare
-                return True
-            except OSError:  # it died just now (broken pipe)
-                pass
+        if spare is not None and tell_takeover(spare):
+            self.peer = spare
+            return True
         self.peer = self.spawn(self.argv)
         return False
 

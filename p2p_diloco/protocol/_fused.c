@@ -22,6 +22,22 @@ static inline uint32_t bits_of(float x) {
     return b;
 }
 
+/* The outer step of one element, the same in both step kernels (inlined): m' = m*mu; m' = m' + g;
+ * d = m'*mu; d = d + g; d = d*rate; Θ' = Θ - d, each a float32 operation rounded on its own. Returns the
+ * element's finiteness bits (see pd_nesterov). */
+static inline uint32_t step_one(float g, float m, float theta, float mu, float rate, float *restrict out_m,
+                                float *restrict out_theta) {
+    float mi = m * mu;
+    mi = mi + g;
+    float d = mi * mu;
+    d = d + g;
+    d = d * rate;
+    float t = theta - d;
+    *out_m = mi;
+    *out_theta = t;
+    return (bits_of(t) & EXP_MASK) + EXP_ONE;
+}
+
 /* Version of this file's ABI: fused.py refuses a library that reports another. */
 int pd_abi_version(void) { return 1; }
 
@@ -36,15 +52,7 @@ int pd_nesterov(const float *restrict theta, const float *restrict m, const floa
     uint32_t flags = 0;
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i];
-        float mi = m[i] * mu;
-        mi = mi + gi;
-        float d = mi * mu;
-        d = d + gi;
-        d = d * rate;
-        float t = theta[i] - d;
-        out_m[i] = mi;
-        out_theta[i] = t;
-        flags |= (bits_of(t) & EXP_MASK) + EXP_ONE;
+        flags |= step_one(gi, m[i], theta[i], mu, rate, out_m + i, out_theta + i);
     }
     return (flags & 0x80000000u) == 0;
 }
@@ -104,15 +112,7 @@ int pd_dequantize_nesterov(const uint8_t *restrict codes, int64_t block, const f
         float scale = absmax[b];
         for (int64_t i = start; i < start + len; i++) {
             float gi = table[codes[i]] * scale;
-            float mi = m[i] * mu;
-            mi = mi + gi;
-            float d = mi * mu;
-            d = d + gi;
-            d = d * rate;
-            float t = theta[i] - d;
-            out_m[i] = mi;
-            out_theta[i] = t;
-            flags |= (bits_of(t) & EXP_MASK) + EXP_ONE;
+            flags |= step_one(gi, m[i], theta[i], mu, rate, out_m + i, out_theta + i);
         }
     }
     return (flags & 0x80000000u) == 0;
