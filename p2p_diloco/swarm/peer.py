@@ -14,7 +14,8 @@ What it is made of, each with explicit dependencies:
 - `SynchronizerRole`: the `Synchronizer` of the term this peer holds (rounds, robust checks, merges)
   and the updates it publishes;
 - `UpdateIntake`: pushed updates, checked, applied, or turned into a catch-up or reconciliation;
-- `HolderWatch`: the named successor's watch on its holder (fast succession).
+- `HolderWatch`: the named successor's watch on its holder (fast succession);
+- `Handover`: a new holder's check for updates it lacks before it publishes anything of its term.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.deltas import DeltaRouting
+from p2p_diloco.swarm.handover import Handover
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import Repair
@@ -97,9 +99,10 @@ class Peer:
             has_learner=has_learner,
         )
         self.deltas = DeltaRouting(peer_id, manifest, self.journal, emit)
+        self.handover = Handover(peer_id, manifest, self.membership, self.repair, self.journal, self.spawn)
         self.role = SynchronizerRole(
             peer_id, manifest, plan, replica, shapes, self.embedding_names, self.robust, self.book, self.deltas,
-            self.membership, self.journal, emit,
+            self.membership, self.journal, emit, self.handover.holding,
         )  # fmt: skip
         self._tasks: dict[int, tuple[Task, Callable[[Any], None]]] = {}
         self.watch = HolderWatch(peer_id, self.membership, self.journal, self.spawn, self.elect)
@@ -263,6 +266,7 @@ class Peer:
             assert lease is not None
             if decision.action == election.CLAIM or self.sync is None:
                 self.role.take(lease.term)
+                self.handover.begin(lease.term, now)
             if decision.action == election.CLAIM:
                 self._emit(fx.Claimed(lease.term, decision.reason))
             self._emit(membership.lease_record(lease, "lease"))

@@ -167,23 +167,31 @@ class Repair:
             except (ConnectionError, TimeoutError) as exc:
                 self.journal.note(f"replay of fragment {fragment} from {source} failed: {exc}")
                 continue
-            for frame in frames:
-                before = self.book.tip(fragment)
-                record, reply = yield from self._replay_one(source, frame, now)
-                if reply.tag == "no lease":
-                    # The lease record of that term has expired from the DHT (a peer back after a while):
-                    # the rest of this log cannot be verified either, a snapshot can.
-                    break
-                if record is not None and reply.tag == CHECKSUM_MISMATCH:
-                    # The source's history does not pass through my state: a fork, not a gap.
-                    theirs = BranchTip(record.term, record.to_version, record.checksum)
-                    proof = reconcile.fork_proven(
-                        before, theirs, update_term=record.term, from_version=record.from_version
-                    )
-                    return (yield from self.reconcile_fragment(fragment, theirs, [source], proof))
+            fork = yield from self.replay_log(fragment, source, frames, now)
+            if fork is not None:  # the source's history does not pass through my state: a fork, not a gap
+                mine, record = fork
+                theirs = BranchTip(record.term, record.to_version, record.checksum)
+                proof = reconcile.fork_proven(
+                    mine, theirs, update_term=record.term, from_version=record.from_version
+                )
+                return (yield from self.reconcile_fragment(fragment, theirs, [source], proof))
         if self.replica.version(fragment) >= target:
             return True
         return (yield from self.fetch_fragment(fragment, sources))
+
+    def replay_log(self, fragment: int, source: str, frames: list[bytes], now: float) -> Task:
+        """Apply the frames of `source`'s log of `fragment` that extend this replica, each checked like a
+        pushed update; stops at one whose lease cannot be verified (its record has expired from the DHT: the
+        rest cannot be verified either). Returns (my tip, their record) when a record proves a fork (its
+        checksum does not follow my state), else None."""
+        for frame in frames:
+            before = self.book.tip(fragment)
+            record, reply = yield from self._replay_one(source, frame, now)
+            if reply.tag == "no lease":
+                return None
+            if record is not None and record.fragment == fragment and reply.tag == CHECKSUM_MISMATCH:
+                return before, record
+        return None
 
     def _replay_one(self, source: str, frame: bytes, now: float) -> Task:
         """Apply one replayed frame if it is the next update of its fragment; (record, reply)."""

@@ -45,6 +45,7 @@ class SynchronizerRole:
         membership: Membership,
         journal: Journal,
         emit: Callable[[fx.Intent], None],
+        handover_holding: Callable[[float], bool] = lambda now: False,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -58,6 +59,7 @@ class SynchronizerRole:
         self.membership = membership
         self.journal = journal
         self._emit = emit
+        self._handover_holding = handover_holding  # `Handover.holding`: a new term's check is not done
         # fragment -> (a version trusted tips of live peers hold, when first seen): while the replica lacks
         # it, the fragment's rounds wait for the catch-up (an update from behind would fork the fragment
         # and win over the newer versions), but at most `timing.lease_ttl`: a run never halts on it
@@ -98,7 +100,10 @@ class SynchronizerRole:
         return True
 
     def held(self, now: float) -> frozenset[int]:
-        """The fragments whose rounds wait for a catch-up now."""
+        """The fragments whose rounds wait for a catch-up now: all of them while the term's handover check
+        (`swarm.handover`) runs."""
+        if self._handover_holding(now):
+            return frozenset(range(self.plan.num_fragments))
         limit = self.manifest.timing.lease_ttl
         for p, (version, since) in sorted(self.behind.items()):
             if self.replica.version(p) >= version:

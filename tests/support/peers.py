@@ -28,7 +28,11 @@ class StubTransport:
     def __init__(self) -> None:
         self.snapshot = b""
         self.chunks: dict[int, bytes] = {}  # chunk number -> answer; others fail
-        self.updates: list[bytes] = []
+        self.updates: list[bytes] = []  # every log asked for, unless `logs` names the source
+        self.logs: dict[str, list[bytes] | BaseException] = {}  # source -> its log (or its fetch's error)
+        self.frozen: set[str] = set()  # sources that never answer: their fetches stay in `pending`
+        self.pending: list[concurrent.futures.Future] = []
+        self.asked: list[tuple[str, int, int]] = []  # (source, fragment, after_version) of each log fetch
         self.sent: list[str] = []
         self.liveness = Liveness.ALIVE  # what a probe of any peer shows
 
@@ -45,7 +49,12 @@ class StubTransport:
         pass
 
     def request_updates(self, from_peer, fragment, after_version) -> concurrent.futures.Future:  # noqa: ANN001
-        return settled(list(self.updates))
+        self.asked.append((from_peer, fragment, after_version))
+        if from_peer in self.frozen:
+            self.pending.append(concurrent.futures.Future())
+            return self.pending[-1]
+        log = self.logs.get(from_peer, self.updates)
+        return settled(log if isinstance(log, BaseException) else list(log))
 
     def request_snapshot(self, from_peer, fragment) -> concurrent.futures.Future:  # noqa: ANN001
         return settled(self.snapshot)
