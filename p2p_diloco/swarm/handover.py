@@ -70,8 +70,6 @@ class Handover:
         self.term = 0
         self.waiting: set[str] = set()  # sources of the current term's check that have not answered
         self.deadline = float("-inf")
-        self.replayed = 0  # updates the handover checks of this peer replayed, ever
-        self.checks = 0
 
     def begin(self, term: int, now: float) -> None:
         """Ask the sources for what this replica lacks; rounds wait (`holding`) until they answered."""
@@ -82,7 +80,7 @@ class Handover:
             for holder in sorted(membership.lease_holders[t])
         ]
         sources = handover_sources(self.peer_id, previous, membership.live_peers, membership.seen_down(now))
-        self.term, self.checks = term, self.checks + 1
+        self.term = term
         self.waiting = set(sources)
         self.deadline = now + self.manifest.timing.heartbeat_period
         if not sources:
@@ -119,7 +117,6 @@ class Handover:
             before = replica.version(p)
             fork = yield from self.repair.replay_log(p, source, log, now)
             gained = replica.version(p) - before
-            self.replayed += gained
             if gained:
                 self.journal.note(
                     f"term {term}: handover check, replayed v{before + 1}-v{before + gained} of fragment {p} "
