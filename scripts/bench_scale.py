@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import ModelConfig  # noqa: E402
-from p2p_diloco.model.gpt import GPT  # noqa: E402
+from p2p_diloco.model.gpt import GPT, gpt_config_for, parse_parameter_count  # noqa: E402
 from p2p_diloco.node.heap import bound_heap  # noqa: E402
 from p2p_diloco.protocol import fused  # noqa: E402
 from p2p_diloco.protocol.fragments import plan_fragments  # noqa: E402
@@ -56,25 +55,6 @@ from p2p_diloco.wire.codec import decode_tensors, encode_tensors  # noqa: E402
 
 FRAGMENTS = 4
 TRAINING_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
-
-
-def parse_params(text: str) -> int:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMB]?)", text.strip().upper())
-    if not m:
-        raise SystemExit(f"--params must look like 125M, 30M or 1.3B, got {text!r}")
-    return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[m.group(2)])
-
-
-def model_for(params: int) -> ModelConfig:
-    """A byte GPT of about `params` parameters (width by size, then depth)."""
-    width, heads = (768, 12) if params >= 50e6 else (384, 6) if params >= 5e6 else (128, 4)
-    for layers in range(1, 200):
-        config = ModelConfig(n_layer=layers, n_head=heads, n_embd=width, block_size=32)
-        with torch.device("meta"):
-            count = sum(p.numel() for p in GPT(config).parameters())
-        if count >= params:
-            return config
-    raise SystemExit(f"--params {params} is too large")
 
 
 def shapes_of(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -531,7 +511,10 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = model_for(parse_params(args.params))
+    try:
+        config = gpt_config_for(parse_parameter_count(args.params))
+    except ValueError as exc:
+        raise SystemExit(f"--params: {exc}") from exc
     params = sum(int(torch.Size(s).numel()) for s in shapes_of(config).values())
     began = time.time()
     result = {

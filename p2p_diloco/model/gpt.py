@@ -2,7 +2,8 @@
 
 Owns: the `GPT` module, `build_model` (identical initial weights on every peer, from `ModelConfig.seed`
 through a local generator, never the global RNG), `embedding_parameter_names` (tensors that the
-synchronizer merges by plain weighted mean instead of RDA) and `make_inner_optimizer` (AdamW).
+synchronizer merges by plain weighted mean instead of RDA) and `make_inner_optimizer` (AdamW),
+and `gpt_config_for` (a byte GPT of about a given size, for benchmarks).
 
 Embeddings are untied: the token embedding and the output head are separate tensors, so each can live
 in a different fragment and be merged by its own rule. Parameter names are stable and carry the layer
@@ -17,6 +18,7 @@ index as ``blocks.{i}.``:
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -178,3 +180,23 @@ def make_inner_optimizer(model: nn.Module, lr: float, weight_decay: float) -> to
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+
+def parse_parameter_count(text: str) -> int:
+    """'125M', '30M', '1.3B', '500K' or a plain integer -> the number of parameters."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMB]?)", text.strip().upper())
+    if not m:
+        raise ValueError(f"a parameter count looks like 125M, 30M, 1.3B or 500000, got {text!r}")
+    return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[m.group(2)])
+
+
+def gpt_config_for(params: int, block_size: int = 32) -> ModelConfig:
+    """The smallest byte GPT of at least `params` parameters: width by size (128, 384 from 5M, 768 from
+    50M), then as many layers as needed."""
+    width, heads = (768, 12) if params >= 50e6 else (384, 6) if params >= 5e6 else (128, 4)
+    for layers in range(1, 200):
+        config = ModelConfig(n_layer=layers, n_head=heads, n_embd=width, block_size=block_size)
+        with torch.device("meta"):
+            if GPT(config).num_parameters() >= params:
+                return config
+    raise ValueError(f"{params} parameters need more than 199 layers of width {width}")
