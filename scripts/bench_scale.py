@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.config import ModelConfig  # noqa: E402
+from p2p_diloco.config import ModelConfig, RunManifest  # noqa: E402
 from p2p_diloco.model.gpt import GPT, gpt_config_for, parse_parameter_count  # noqa: E402
 from p2p_diloco.node.heap import bound_heap  # noqa: E402
 from p2p_diloco.protocol import fused  # noqa: E402
@@ -51,6 +51,8 @@ from p2p_diloco.protocol.fragments import plan_fragments  # noqa: E402
 from p2p_diloco.protocol.kernels import fresh  # noqa: E402
 from p2p_diloco.protocol.merge import merge_deltas  # noqa: E402
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum  # noqa: E402
+from p2p_diloco.protocol.robust import RobustGuard  # noqa: E402
+from p2p_diloco.swarm.update_checks import UpdateChecks  # noqa: E402
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors  # noqa: E402
 
 FRAGMENTS = 4
@@ -131,6 +133,25 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
 
     s, _ = best(apply_lazy)
     row("apply_update_decoding_in_the_step", s)
+
+    # what a peer's UpdateBook.apply does with an update's content: the value checks, the outer step and
+    # checksum, and the robust direction reference (the signature and history checks are not here)
+    manifest = RunManifest(run_id="scale", model=config)
+    guard = RobustGuard.from_manifest(manifest)
+    checks = UpdateChecks(manifest, 1, guard)
+
+    def apply_as_a_peer(lazy: bool) -> None:
+        twin = replica.frozen()
+        decoded = decode_tensors(payload, expected_shapes=twin.shapes(0), lazy=lazy)
+        assert checks.check_values(0, decoded) is None
+        decision = twin.apply(0, 0, decoded, lr=0.7, momentum=0.9, expected_checksum=expected)
+        assert decision.action == "apply", decision
+        guard.observe_update(0, decoded)
+
+    s, _ = best(lambda: apply_as_a_peer(lazy=False))
+    row("peer_applies_an_update_decoded_first", s)
+    s, _ = best(lambda: apply_as_a_peer(lazy=True))
+    row("peer_applies_an_update_int8_kept", s)
     return {
         "fragment_params": numel,
         "threads": 1,

@@ -14,7 +14,10 @@ element-wise kernel over a whole tensor streams it through DRAM. So:
   multiply-add), so the result is the same bit for bit as running each kernel over the whole tensor:
   every element goes through exactly the same float32 operations (tests/unit/test_scale_kernels.py).
 - `all_finite`: a finite float32 sum proves every element finite; only an overflowing sum needs the scan.
-- `norm64`: an L2 norm accumulated in float64, chunk by chunk (for norm bounds and the RDA merge).
+- `norm64`, `sum_squares64`: an L2 norm (its square) accumulated in float64, chunk by chunk (for norm
+  bounds, the RDA merge and the robust checks); they take a `QuantizedTensor` as well.
+- `float_chunks`: a dense or quantized tensor's values a chunk at a time, so that a check or a running
+  average over an update's gradient never decodes the whole fragment at once.
 - `QuantizedTensor`: a tensor still in int8 blockwise form (codes, block absmax, code table), as an update's
   frame carries its outer gradient; `dequantize_into` decodes it (one float32 multiply per value) and
   `nesterov_quantized_into` runs the outer step on it, decoding on the fly with the C kernels.
@@ -100,20 +103,45 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def norm64(t: Tensor) -> float:
+def norm64(t: Tensor | QuantizedTensor) -> float:
     """The L2 norm of `t` accumulated in float64 (a float32 sum of squares can overflow for finite values),
     a cache-sized chunk at a time: ~10x faster on one core than `vector_norm(t, dtype=torch.float64)`,
     which converts element by element inside its reduction. Deterministic; it may differ from
     `vector_norm` in the last bits (another summation order)."""
-    flat = t.detach().reshape(-1)
-    n = flat.numel()
+    return math.sqrt(sum_squares64(t))
+
+
+def sum_squares64(t: Tensor | QuantizedTensor) -> float:
+    """The sum of the squares of `t`'s values, accumulated in float64 a chunk at a time (`norm64`)."""
     total = 0.0
     with scratch() as buffers:
-        work = buffers.get("norm64", min(n, CHUNK), torch.float64)
-        for start in range(0, n, CHUNK):
-            part = work[: min(n - start, CHUNK)].copy_(flat[start : start + CHUNK])
+        for _, values in float_chunks(t):
+            part = buffers.get("norm64", values.numel(), torch.float64).copy_(values)
             total += float(torch.dot(part, part))
-    return math.sqrt(total)
+    return total
+
+
+def float_chunks(t: Tensor | QuantizedTensor) -> Iterator[tuple[int, Tensor]]:
+    """(offset, values) for `t` flattened, at most CHUNK values at a time: views of a dense tensor; a
+    quantized tensor's values decoded into one reused buffer, so each chunk is valid until the next."""
+    if not isinstance(t, QuantizedTensor):
+        flat = t.detach().reshape(-1)
+        for start in range(0, flat.numel(), CHUNK):
+            yield start, flat[start : start + CHUNK]
+        return
+    n, block = t.numel(), t.block_size
+    with scratch() as buffers:
+        work = buffers.get("chunks", min(n, CHUNK))
+        for start in range(0, n, CHUNK):  # CHUNK is a multiple of every block size: chunks hold whole blocks
+            stop = min(start + CHUNK, n)
+            piece = QuantizedTensor(
+                (stop - start,),
+                t.codes[start:stop],
+                t.absmax[start // block : -(-stop // block)],
+                block,
+                t.table,
+            )
+            yield start, dequantize_into(piece, work[: stop - start])
 
 
 def float32_scalar(value: float) -> Tensor:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.robust_config import (
     COOL_DOWN,
@@ -114,8 +115,8 @@ class Screened:
     tensors: dict[str, Tensor]  # the input, or a clipped copy when decision.action is CLIP
 
 
-def fragment_norm(tensors: Mapping[str, Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+def fragment_norm(tensors: Mapping[str, Tensor | kernels.QuantizedTensor]) -> float:
+    return math.sqrt(sum(kernels.sum_squares64(t) for t in tensors.values()))
 
 
 def cosine(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float | None:
@@ -349,6 +350,10 @@ class RobustGuard:
         that stalled the global model for `warmup_wait` each time honest learners disagreed with it)."""
         return self.config.enabled and fragment not in self._warmed
 
+    def direction_reference(self, fragment: int) -> Mapping[str, Tensor] | None:
+        """The fragment's direction reference (bfloat16 per tensor; read it, never change it), or None."""
+        return self._reference.get(fragment)
+
     def has_reference(self, fragment: int) -> bool:
         """Whether `screen` checks directions of `fragment` (False also when the checks are disabled)."""
         ready = self._reference_updates[fragment] >= self.config.reference_min_updates
@@ -389,7 +394,9 @@ class RobustGuard:
             history = self._norms.setdefault((fragment, name), deque(maxlen=self.config.norm_history))
             history.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)) / counted)
 
-    def observe_update(self, fragment: int, outer_grad: Mapping[str, Tensor]) -> None:
+    def observe_update(
+        self, fragment: int, outer_grad: Mapping[str, Tensor | kernels.QuantizedTensor]
+    ) -> None:
         """Fold the direction of an applied outer update into the fragment's reference (kept in bfloat16)."""
         norm = fragment_norm(outer_grad)
         if norm == 0.0 or not self.config.enabled:
@@ -397,11 +404,21 @@ class RobustGuard:
         decay = self.config.reference_decay
         old = self._reference.get(fragment)
         fresh = {}
-        for name, g in outer_grad.items():
-            unit = g.detach().to("cpu", torch.float32) * ((1 - decay) / norm)
-            if old is not None and name in old:  # starting from zero keeps the first update from dominating
-                unit = old[name].float() * decay + unit
-            fresh[name] = unit.to(torch.bfloat16)
+        with kernels.scratch() as buffers:
+            for name, g in outer_grad.items():  # a chunk at a time, in reused buffers; updated in place
+                previous = old.get(name) if old is not None else None
+                target = (
+                    previous if previous is not None else torch.empty(tuple(g.shape), dtype=torch.bfloat16)
+                )
+                flat = target.view(-1)
+                for start, values in kernels.float_chunks(g):
+                    n = values.numel()
+                    unit = torch.mul(values, (1 - decay) / norm, out=buffers.get("reference.unit", n))
+                    if previous is not None:  # starting from zero keeps the first update from dominating
+                        kept = buffers.get("reference.kept", n).copy_(flat[start : start + n]).mul_(decay)
+                        unit = kept.add_(unit)  # old * decay + unit, the same sum either way round
+                    flat[start : start + n].copy_(unit)
+                fresh[name] = target
         self._reference[fragment] = fresh
         self._reference_updates[fragment] += 1
         if self._reference_updates[fragment] >= self.config.reference_min_updates:

@@ -29,6 +29,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
@@ -53,7 +54,7 @@ class MergeOutcome:
     record: UpdateRecord
     reason: str
     pending: PendingUpdate
-    outer_grad: dict[str, torch.Tensor]
+    outer_grad: dict[str, torch.Tensor | QuantizedTensor]  # int8 gradients stay int8 (decode_tensors lazy)
 
 
 class Synchronizer:
@@ -280,14 +281,17 @@ class Synchronizer:
         )
         if self.manifest.diloco.outer_scaling == "contributors" and len(contributions) < live:
             scale = torch.tensor(len(contributions) / live, dtype=torch.float32)
-            merged = {name: t * scale for name, t in merged.items()}
+            for t in merged.values():  # merge_deltas returns fresh tensors: scaled in place, no copy
+                t.mul_(scale)
         wire = self.manifest.wire
         if self.outer_feedback is not None:
             payload, _ = self.outer_feedback.compress(p, merged)
         else:
             payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
         # Everyone applies the decoded (quantized) gradient, the holder included, so replicas agree.
-        decoded = decode_tensors(payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes)
+        decoded = decode_tensors(
+            payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes, lazy=True
+        )
         cfg = self.manifest.diloco
         pending = self.replica.compute_update(p, decoded, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         for c in contributions:

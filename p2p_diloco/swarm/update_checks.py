@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.wire.codec import frame_codec
@@ -54,16 +54,19 @@ class UpdateChecks:
                 return IMPLAUSIBLE_WEIGHT, f"{peer}'s weight {weight:.3g} > {self.max_weight:.3g} allowed"
         return None
 
-    def check_values(self, fragment: int, grad: Mapping[str, Tensor]) -> tuple[str, str] | None:
+    def check_values(
+        self, fragment: int, grad: Mapping[str, Tensor | kernels.QuantizedTensor]
+    ) -> tuple[str, str] | None:
         """After decoding: finite values, and no tensor whose RMS exceeds what AdamW can move in the most
         steps a delta may count (`[robust] prior_factor` x inner_lr x max_steps): a merge of screened
-        deltas never does, a destructive update (random weights, a huge step) does by orders of magnitude."""
+        deltas never does, a destructive update (random weights, a huge step) does by orders of magnitude.
+        A tensor still in int8 form is finite by construction (its decoding checked the block scales)."""
         for name, tensor in grad.items():
-            if not bool(torch.isfinite(tensor).all()):
+            if not isinstance(tensor, kernels.QuantizedTensor) and not kernels.all_finite(tensor):
                 return NOT_FINITE, f"{name} holds NaN or inf"
             if not self.robust.config.enabled or tensor.numel() == 0:
                 continue
-            rms = float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / math.sqrt(tensor.numel())
+            rms = kernels.norm64(tensor) / math.sqrt(tensor.numel())
             if rms > self.max_rms:
                 return (
                     TOO_LARGE,

@@ -21,6 +21,7 @@ from p2p_diloco.config import LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import Action
 from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
@@ -146,7 +147,7 @@ class UpdateBook:
         source: str,
         how: UpdateSource,
         now: float,
-        computed: tuple[PendingUpdate, Mapping[str, Tensor]] | None = None,
+        computed: tuple[PendingUpdate, Mapping[str, Tensor | QuantizedTensor]] | None = None,
     ) -> Reply:
         """Apply `record` if it is the next update of its fragment and its result matches its checksum.
 
@@ -165,10 +166,11 @@ class UpdateBook:
             if bad:
                 return self.journal.reject(source, bad[0], f"update of fragment {p}: {bad[1]}")
             try:
-                grad = decode_tensors(
+                grad = decode_tensors(  # int8 stays int8 until the outer step decodes it on the fly
                     record.payload,
                     expected_shapes=self.replica.shapes(p),
                     max_bytes=self.manifest.wire.max_message_bytes,
+                    lazy=True,
                 )
             except DecodeError as exc:
                 return self.journal.reject(source, exc.reason, f"update payload: {exc}")

@@ -1,0 +1,78 @@
+"""An update's int8 gradient stays int8 on the apply path (#14 item 5): `decode_tensors(lazy=True)` in
+`UpdateBook.apply` and the synchronizer. What reads the gradient besides the outer step must then see the
+values decoding would give, a chunk at a time: `kernels.float_chunks`, the norms, `UpdateChecks.check_values`
+and `RobustGuard.observe_update` (whose running reference must be the same bits as from decoded values)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.protocol import kernels
+from p2p_diloco.protocol.kernels import CHUNK, QuantizedTensor
+from p2p_diloco.protocol.robust import RobustGuard, fragment_norm
+from p2p_diloco.swarm import update_checks as uc
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from tests.support.manifests import tiny_manifest
+
+MANIFEST = tiny_manifest("lazy")
+
+
+def int8_pair(tensors: dict[str, torch.Tensor], block_size: int = 64) -> tuple[dict, dict]:
+    """(lazy, eager) decodings of the int8 frame of `tensors`."""
+    frame = encode_tensors(tensors, block_size=block_size)
+    return decode_tensors(frame, lazy=True), decode_tensors(frame)
+
+
+@pytest.mark.parametrize("n", (5, CHUNK, 2 * CHUNK + 77))
+def test_float_chunks_of_an_int8_tensor_are_its_decoded_values_in_order(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    lazy, eager = int8_pair({"g": torch.randn(n, generator=gen)})
+    assert isinstance(lazy["g"], QuantizedTensor)
+    offsets, pieces = zip(*((start, values.clone()) for start, values in kernels.float_chunks(lazy["g"])))
+    assert list(offsets) == list(range(0, n, CHUNK))
+    assert torch.cat(pieces).numpy().tobytes() == eager["g"].numpy().tobytes()
+    # the same chunks, so the same float64 sums, bit for bit; and the float64 formula up to rounding
+    assert kernels.sum_squares64(lazy["g"]) == kernels.sum_squares64(eager["g"])
+    exact = float(eager["g"].double().square().sum())
+    assert kernels.sum_squares64(lazy["g"]) == pytest.approx(exact, rel=1e-12)
+    assert fragment_norm(lazy) == pytest.approx(math.sqrt(exact), rel=1e-12)
+
+
+def test_update_checks_reach_the_same_verdict_on_int8_and_decoded_gradients() -> None:
+    checks = uc.UpdateChecks(MANIFEST, 2, RobustGuard.from_manifest(MANIFEST))
+    for scale, verdict in ((0.9, None), (100.0, uc.TOO_LARGE)):
+        values = torch.full((3 * CHUNK + 5,), scale * checks.max_rms)
+        values[::2] *= -1
+        lazy, eager = int8_pair({"w": values})
+        found = [checks.check_values(0, grad) for grad in (lazy, eager)]
+        assert found[0] == found[1]
+        assert (found[0] and found[0][0]) == verdict
+    assert checks.check_values(0, {"w": torch.tensor([1.0, math.inf])})[0] == uc.NOT_FINITE
+
+
+def test_observing_int8_updates_builds_the_reference_decoded_values_build_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"a": (CHUNK + 3,), "b": (4, 5)}
+    updates = [{n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()} for _ in range(3)]
+    lazy_guard, eager_guard = (RobustGuard.from_manifest(MANIFEST) for _ in range(2))
+    decay = lazy_guard.config.reference_decay
+    expected: dict[str, torch.Tensor] = {}
+    for update in updates:
+        lazy, eager = int8_pair(update)
+        lazy_guard.observe_update(0, lazy)
+        eager_guard.observe_update(0, eager)
+        norm = fragment_norm(eager)  # checked against the float64 formula above
+        for name, g in eager.items():  # the documented running average, on whole tensors
+            unit = g * ((1 - decay) / norm)
+            if name in expected:
+                unit = expected[name].float() * decay + unit
+            expected[name] = unit.to(torch.bfloat16)
+    for guard in (lazy_guard, eager_guard):
+        reference = guard.direction_reference(0)
+        assert reference is not None and set(reference) == set(shapes)
+        for name, want in expected.items():
+            assert reference[name].dtype == torch.bfloat16 and reference[name].shape == want.shape
+            assert torch.equal(reference[name], want), name
