@@ -19,8 +19,9 @@ as live learners in the outer scaling: a cool-down must not change the honest sw
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -149,11 +150,12 @@ class Synchronizer:
             )
             return self._reject(sender, REJECT_ALREADY_MERGED, detail, now)
         try:
-            tensors = decode_tensors(
-                payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes
+            kept = decode_tensors(
+                payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes, lazy=True
             )
         except DecodeError as exc:
             return self._reject(sender, exc.reason, str(exc), now)
+        tensors = dense(kept)  # screened in float32, then dropped: the round keeps the int8 form
         check = validate_delta(tensors, self.expected[p], norm_bound=wire.norm_bound)
         if check.action != "accept":
             return self._reject(sender, _tag(check.reason), check.reason, now)
@@ -178,7 +180,9 @@ class Synchronizer:
             tokens=counters.tokens,
             steps=counters.steps,
             received_at=now,
-            payload=screened.tensors,
+            # a clipped delta is new values; an accepted one waits for its round in int8 (a quarter of
+            # float32: with rounds open on several fragments, the synchronizer's largest holding)
+            payload=kept if screened.decision.action == ACCEPT else screened.tensors,
             seq=header.seq,
         )
         self._follow_replica(now)
@@ -209,7 +213,8 @@ class Synchronizer:
         for p, decision in self.rounds.ready(now, awaited, cap):
             if decision.action != "close" or p in hold or self._gathering(p, now, awaited):
                 continue
-            contributions = self._screen_round(p, self.rounds.close(p, now), now)
+            closed = [dataclasses.replace(c, payload=dense(c.payload)) for c in self.rounds.close(p, now)]
+            contributions = self._screen_round(p, closed, now)
             if not contributions:
                 self.rounds.abort(p)
                 continue
@@ -309,6 +314,11 @@ class Synchronizer:
             payload=payload,
         )
         return record, pending, decoded
+
+
+def dense(tensors: Mapping[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with every int8 one decoded to float32 (the others as they are)."""
+    return {n: t.decode() if isinstance(t, QuantizedTensor) else t for n, t in tensors.items()}
 
 
 def outer_feedback_for(manifest: RunManifest) -> ErrorFeedback | None:

@@ -76,3 +76,42 @@ def test_observing_int8_updates_builds_the_reference_decoded_values_build_bit_fo
         for name, want in expected.items():
             assert reference[name].dtype == torch.bfloat16 and reference[name].shape == want.shape
             assert torch.equal(reference[name], want), name
+
+
+def test_a_round_keeps_accepted_deltas_int8_and_merges_what_decoding_first_merges() -> None:
+    """The synchronizer screens a delta in float32, then its round holds the int8 form; the update it
+    publishes is the one the decoded deltas give (same record bytes, same replica)."""
+    from p2p_diloco.model.gpt import build_model
+    from p2p_diloco.protocol.fragments import plan_fragments
+    from p2p_diloco.protocol.messages import DeltaHeader
+    from p2p_diloco.protocol.replica import GlobalReplica
+    from p2p_diloco.swarm.synchronizer import Synchronizer, dense
+    from p2p_diloco.wire.frames import encode_delta
+
+    template = build_model(MANIFEST.model)
+    shapes = {n: tuple(p.shape) for n, p in template.named_parameters()}
+    plan = plan_fragments(list(shapes.items()), MANIFEST.diloco.fragments)
+    initial = {n: p.detach().clone() for n, p in template.named_parameters()}
+    gen = torch.Generator().manual_seed(11)
+    tokens = MANIFEST.diloco.batch_size * MANIFEST.model.block_size * 4
+
+    def frame(seq: int) -> bytes:
+        delta = {n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in plan.names(0)}
+        header = DeltaHeader("lazy", MANIFEST.manifest_hash, 0, 0, tokens=tokens, steps=4, seq=seq)
+        return encode_delta(header, encode_tensors(delta, block_size=64))
+
+    frames = {"a": frame(1), "b": frame(1)}
+    published = []
+    for keep_int8 in (True, False):
+        replica = GlobalReplica(plan, initial)
+        sync = Synchronizer("me", MANIFEST, plan, replica, term=1, shapes=shapes)
+        for sender, data in frames.items():
+            assert sync.handle_delta(sender, data, 0.0).status == "accepted"
+        held = [c.payload for c in sync.rounds.round(0).contributions()]
+        assert all(isinstance(t, QuantizedTensor) for payload in held for t in payload.values() if t.numel())
+        if not keep_int8:  # what the round held before: the decoded tensors
+            for c in sync.rounds.round(0).contributions():
+                object.__setattr__(c, "payload", dense(c.payload))  # a frozen dataclass, rewritten
+        (outcome,) = sync.poll(10.0, frozenset({"a", "b"}), cap=0.0)
+        published.append(outcome.record.payload + outcome.record.checksum.encode())
+    assert published[0] == published[1]
