@@ -145,6 +145,9 @@ class WireConfig:
     max_message_bytes: int = 256 * 1024 * 1024
     norm_bound: float = 1e4  # absolute bound on a delta tensor's L2 norm
     density: float = 0.03  # fraction of each chunk a sparse codec keeps (ignored by dense codecs)
+    # Error feedback keeps decay x (the residual) before adding the next delta; 1.0 keeps all of it. Below 1
+    # a residual left out of many deltas fades, as SparseLoCo's error-feedback accumulator does.
+    feedback_decay: float = 1.0
 
     def __post_init__(self) -> None:
         names = [str(c) for c in Codec]
@@ -159,6 +162,13 @@ class WireConfig:
             and 0.0 < self.density <= 1.0,
             f"wire.density must be in (0, 1] (e.g. 0.01-0.1: the fraction of entries a sparse codec "
             f"sends), got {self.density!r}",
+        )
+        _require(
+            isinstance(self.feedback_decay, int | float)
+            and not isinstance(self.feedback_decay, bool)
+            and 0.0 < self.feedback_decay <= 1.0,
+            f"wire.feedback_decay must be in (0, 1] (1.0 keeps the whole residual, 0.9-0.99 lets old "
+            f"residuals fade), got {self.feedback_decay!r}",
         )
         _require(
             not self.codec.sparse or self.error_feedback,

@@ -138,8 +138,9 @@ def sparse(
     density: float,
     term_rounds: int | None = None,
     inner_steps: int | None = None,
+    feedback_decay: float = 1.0,
 ) -> RunManifest:
-    wire = dataclasses.replace(base.wire, codec=codec, density=density)
+    wire = dataclasses.replace(base.wire, codec=codec, density=density, feedback_decay=feedback_decay)
     timing = base.timing if term_rounds is None else dataclasses.replace(base.timing, term_rounds=term_rounds)
     diloco = base.diloco if inner_steps is None else dataclasses.replace(base.diloco, inner_steps=inner_steps)
     return dataclasses.replace(base, wire=wire, timing=timing, diloco=diloco)
@@ -183,6 +184,10 @@ def main() -> int:
         "decoupled_topk1_int4_h4": sparse(base, "topk-int4", 0.01, inner_steps=4),
         "decoupled_topk3_int4_h4": sparse(base, "topk-int4", 0.03, inner_steps=4),
         "decoupled_topk3_int4_h8": sparse(base, "topk-int4", 0.03, inner_steps=8),
+        "decoupled_topk3_decay90": sparse(base, "topk-int8", 0.03, feedback_decay=0.9),
+        "decoupled_topk3_decay95": sparse(base, "topk-int8", 0.03, feedback_decay=0.95),
+        "decoupled_topk1_decay90": sparse(base, "topk-int8", 0.01, feedback_decay=0.9),
+        "decoupled_topk3_int4_h4_decay90": sparse(base, "topk-int4", 0.03, inner_steps=4, feedback_decay=0.9),
     }
     results: dict[str, dict] = {}
     for name in args.variants.split(","):

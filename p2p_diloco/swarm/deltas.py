@@ -71,7 +71,11 @@ class DeltaRouting:
         self._emit = emit
         wire = manifest.wire
         self.feedback = ErrorFeedback(
-            codec=wire.codec, block_size=wire.block_size, enabled=wire.error_feedback, density=wire.density
+            codec=wire.codec,
+            block_size=wire.block_size,
+            enabled=wire.error_feedback,
+            density=wire.density,
+            decay=wire.feedback_decay,
         )
         self.in_flight: dict[int, InFlight] = {}
         self.gate = SendGate()

@@ -326,7 +326,7 @@ def outer_feedback_for(manifest: RunManifest) -> ErrorFeedback | None:
     wire = manifest.wire
     if not wire.codec.sparse:
         return None
-    return ErrorFeedback(wire.codec, wire.block_size, density=wire.density)
+    return ErrorFeedback(wire.codec, wire.block_size, density=wire.density, decay=wire.feedback_decay)
 
 
 def _tag(reason: str) -> str:

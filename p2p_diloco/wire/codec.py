@@ -338,6 +338,7 @@ class ErrorFeedback:
     delta of that fragment, so the sum of what receivers decode tracks the sum of the true deltas. With a
     sparse codec the residual also holds every entry that was not among the chunk's top `density`.
     The synchronizer keeps one for its outer gradients when the codec is sparse (`outer_feedback`).
+    `decay` < 1 scales the stored residual by it before adding the next delta (old residuals fade).
     """
 
     def __init__(
@@ -346,8 +347,12 @@ class ErrorFeedback:
         block_size: int = 4096,
         enabled: bool = True,
         density: float = DEFAULT_DENSITY,
+        decay: float = 1.0,
     ):
         self.codec = _check_codec(codec, block_size, density)
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self.block_size = block_size
         self.density = density
         self.enabled = enabled
@@ -367,7 +372,8 @@ class ErrorFeedback:
             if residual is not None:
                 if residual[name].shape != value.shape:
                     raise ValueError(f"fragment {fragment}: {name!r} changed shape; call reset()")
-                value = value + residual[name].to(value.device)
+                kept = residual[name].to(value.device)
+                value = value + (kept if self.decay == 1.0 else kept * self.decay)
             if not _all_finite(value):
                 raise ValueError(f"fragment {fragment}: delta {name!r} holds NaN or inf; not sent")
             corrected[name] = value

@@ -139,6 +139,22 @@ def test_error_feedback_eventually_delivers_entries_left_out():
     assert bool((delivered != 0).all())  # every entry got through at least once
 
 
+def test_error_feedback_decay_fades_the_residual_before_the_next_delta():
+    gen = torch.Generator().manual_seed(5)
+    faded, kept = (ErrorFeedback("topk-int8", 64, density=0.05, decay=d) for d in (0.5, 1.0))
+    first = {"w": torch.randn(200, generator=gen)}
+    for feedback in (faded, kept):
+        feedback.compress(0, first)
+    residual = faded._residuals[0]["w"].clone()
+    second = {"w": torch.randn(200, generator=gen)}
+    _, decoded = faded.compress(0, second)
+    assert torch.equal(faded._residuals[0]["w"], (second["w"] + residual * 0.5) - decoded["w"])
+    _, decoded_kept = kept.compress(0, second)
+    assert not torch.equal(decoded["w"], decoded_kept["w"])  # the faded residual changed what went out
+    with pytest.raises(ValueError, match="decay must be in"):
+        ErrorFeedback("topk-int8", 64, decay=0.0)
+
+
 def test_well_formed_hand_built_frame_decodes():
     codes8 = bytes([255, 0])  # the largest and smallest codes of CODE_TABLE
     out = decode_tensors(_frame([_entry((10,), 64, _body([2], [1, 7], [2.0], codes8))], 3))["w"]
@@ -210,6 +226,9 @@ def test_wire_config_validation_names_the_fix():
         ({"density": "0.1"}, "wire.density"),
         ({"density": True}, "wire.density"),
         ({"codec": "topk-int8", "error_feedback": False}, "wire.error_feedback = true"),
+        ({"feedback_decay": 0.0}, "wire.feedback_decay must be in (0, 1]"),
+        ({"feedback_decay": 1.5}, "wire.feedback_decay"),
+        ({"feedback_decay": True}, "wire.feedback_decay"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             WireConfig(**kwargs)
