@@ -42,7 +42,8 @@ with action ACCEPT, CLIP (usable after clipping) or REJECT and a reason starting
    reference, the synchronizer holds its rounds open for up to `warmup_wait` seconds to gather
    `round_min` contributions, so the first updates are screened by the round.
 
-The knobs (`RobustConfig`) and the reason tags live in `protocol.robust_config`, re-exported here.
+The knobs (`RobustConfig`) and the reason tags live in `protocol.robust_config`, re-exported here; the
+direction references and the cosine in `protocol.direction`.
 Pure: time comes in as `now`; no clock, no randomness.
 """
 
@@ -55,11 +56,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.decisions import Action, Decision
+from p2p_diloco.protocol.direction import DirectionReferences, cosine, fragment_norm
 from p2p_diloco.protocol.robust_config import (
     COOL_DOWN,
     COOL_DOWN_STARTED,
@@ -115,17 +116,6 @@ class Screened:
     tensors: dict[str, Tensor]  # the input, or a clipped copy when decision.action is CLIP
 
 
-def fragment_norm(tensors: Mapping[str, Tensor | kernels.QuantizedTensor]) -> float:
-    return math.sqrt(sum(kernels.sum_squares64(t) for t in tensors.values()))
-
-
-def cosine(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float | None:
-    """Cosine of two fragments seen as one vector (tensors of `a`'s names); None if either is zero."""
-    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
-    na, nb = fragment_norm(a), fragment_norm({n: b[n] for n in a})
-    return dot / (na * nb) if na > 0 and nb > 0 else None
-
-
 class RobustGuard:
     """Robust checks with their state: norm histories, direction references, offences, cool-downs.
 
@@ -141,10 +131,8 @@ class RobustGuard:
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self._norms: dict[tuple[int, str], deque[float]] = {}
-        self._reference: dict[int, dict[str, Tensor]] = {}
-        self._reference_updates: Counter[int] = Counter()
+        self._references = DirectionReferences(config.reference_decay, config.reference_min_updates)
         self._direction_strikes: dict[int, set[str]] = {}
-        self._warmed: set[int] = set()  # fragments that have had a reference (`warming_up`)
         self._cosines: dict[str, deque[float]] = {}
         self._seen: dict[str, tuple[deque[bytes], set[bytes]]] = {}
         self._offences: dict[str, deque[float]] = {}
@@ -274,7 +262,7 @@ class RobustGuard:
         prior_rms = cfg.prior_factor * self.inner_lr * counted
         clipped = []
         for name, t in tensors.items():
-            norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+            norm = kernels.norm64(t)
             rms = norm / math.sqrt(max(1, t.numel()))
             if rms > prior_rms:
                 return Screened(
@@ -319,8 +307,8 @@ class RobustGuard:
 
     def _check_direction(self, fragment: int, tensors: Mapping[str, Tensor], sender: str) -> Decision:
         cfg = self.config
-        reference = self._reference.get(fragment)
-        if reference is None or self._reference_updates[fragment] < cfg.reference_min_updates:
+        reference = self._references.usable(fragment)
+        if reference is None:
             return Decision(ACCEPT, f"{NO_REFERENCE}: fragment {fragment} has no direction reference yet")
         cos = cosine(tensors, reference)
         recent = self._cosines.setdefault(sender, deque(maxlen=cfg.direction_window))
@@ -336,8 +324,7 @@ class RobustGuard:
         strikes = self._direction_strikes.setdefault(fragment, set())
         strikes.add(sender)
         if len(strikes) >= 2:  # two senders in a row disagree with it: distrust the reference instead
-            self._reference.pop(fragment, None)
-            self._reference_updates[fragment] = 0
+            self._references.reset(fragment)
             self._direction_strikes.pop(fragment, None)
         return Decision(
             REJECT,
@@ -348,16 +335,15 @@ class RobustGuard:
     def warming_up(self, fragment: int) -> bool:
         """Whether `fragment` never had a direction reference (after a reset rounds are not held again:
         that stalled the global model for `warmup_wait` each time honest learners disagreed with it)."""
-        return self.config.enabled and fragment not in self._warmed
+        return self.config.enabled and not self._references.warmed(fragment)
 
     def direction_reference(self, fragment: int) -> Mapping[str, Tensor] | None:
         """The fragment's direction reference (bfloat16 per tensor; read it, never change it), or None."""
-        return self._reference.get(fragment)
+        return self._references.get(fragment)
 
     def has_reference(self, fragment: int) -> bool:
         """Whether `screen` checks directions of `fragment` (False also when the checks are disabled)."""
-        ready = self._reference_updates[fragment] >= self.config.reference_min_updates
-        return self.config.enabled and fragment in self._reference and ready
+        return self.config.enabled and self._references.usable(fragment) is not None
 
     def screen_round(self, deltas: Sequence[Mapping[str, Tensor]]) -> list[Decision]:
         """Drop each delta whose cosine with more than half of the others is below the threshold."""
@@ -392,34 +378,12 @@ class RobustGuard:
         counted = self._counted_steps(steps)
         for name, t in tensors.items():
             history = self._norms.setdefault((fragment, name), deque(maxlen=self.config.norm_history))
-            history.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)) / counted)
+            history.append(kernels.norm64(t) / counted)
 
     def observe_update(
         self, fragment: int, outer_grad: Mapping[str, Tensor | kernels.QuantizedTensor]
     ) -> None:
-        """Fold the direction of an applied outer update into the fragment's reference (kept in bfloat16)."""
-        norm = fragment_norm(outer_grad)
-        if norm == 0.0 or not self.config.enabled:
-            return
-        decay = self.config.reference_decay
-        old = self._reference.get(fragment)
-        fresh = {}
-        with kernels.scratch() as buffers:
-            for name, g in outer_grad.items():  # a chunk at a time, in reused buffers; updated in place
-                previous = old.get(name) if old is not None else None
-                target = (
-                    previous if previous is not None else torch.empty(tuple(g.shape), dtype=torch.bfloat16)
-                )
-                flat = target.view(-1)
-                for start, values in kernels.float_chunks(g):
-                    n = values.numel()
-                    unit = torch.mul(values, (1 - decay) / norm, out=buffers.get("reference.unit", n))
-                    if previous is not None:  # starting from zero keeps the first update from dominating
-                        kept = buffers.get("reference.kept", n).copy_(flat[start : start + n]).mul_(decay)
-                        unit = kept.add_(unit)  # old * decay + unit, the same sum either way round
-                    flat[start : start + n].copy_(unit)
-                fresh[name] = target
-        self._reference[fragment] = fresh
-        self._reference_updates[fragment] += 1
-        if self._reference_updates[fragment] >= self.config.reference_min_updates:
-            self._warmed.add(fragment)
+        """Fold the direction of an applied outer update into the fragment's reference (kept in bfloat16,
+        `protocol.direction`); nothing while the checks are disabled."""
+        if self.config.enabled:
+            self._references.observe(fragment, outer_grad)
