@@ -67,6 +67,11 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _is_fraction(value: object) -> bool:
+    """A number (not a bool) in (0, 1]."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0.0 < value <= 1.0
+
+
 @dataclass(frozen=True)
 class DilocoConfig:
     """The algorithm's knobs (names follow PAPER.md)."""
@@ -157,16 +162,12 @@ class WireConfig:
         )
         object.__setattr__(self, "codec", Codec(self.codec))
         _require(
-            isinstance(self.density, int | float)
-            and not isinstance(self.density, bool)
-            and 0.0 < self.density <= 1.0,
+            _is_fraction(self.density),
             f"wire.density must be in (0, 1] (e.g. 0.01-0.1: the fraction of entries a sparse codec "
             f"sends), got {self.density!r}",
         )
         _require(
-            isinstance(self.feedback_decay, int | float)
-            and not isinstance(self.feedback_decay, bool)
-            and 0.0 < self.feedback_decay <= 1.0,
+            _is_fraction(self.feedback_decay),
             f"wire.feedback_decay must be in (0, 1] (1.0 keeps the whole residual, 0.9-0.99 lets old "
             f"residuals fade), got {self.feedback_decay!r}",
         )
