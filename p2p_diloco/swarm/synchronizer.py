@@ -215,6 +215,7 @@ class Synchronizer:
                 continue
             closed = [dataclasses.replace(c, payload=dense(c.payload)) for c in self.rounds.close(p, now)]
             contributions = self._screen_round(p, closed, now)
+            del closed  # from here `contributions` holds the float32 deltas alone; _merge lets them go
             if not contributions:
                 self.rounds.abort(p)
                 continue
@@ -275,8 +276,10 @@ class Synchronizer:
 
     def _merge(
         self, p: int, contributions: list[Contribution], *, live: int
-    ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor]]:
-        contributions = sorted(contributions, key=lambda c: c.sender)
+    ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor | QuantizedTensor]]:
+        """Merge, encode and compute the update of `p`. Sorts `contributions` by sender and drops their
+        payloads once merged, in place: the float32 deltas are freed before the outer step."""
+        contributions.sort(key=lambda c: c.sender)
         weights = [c.weight * self.guard.standing.ramp(c.sender) for c in contributions]
         merged = merge_deltas(
             [c.payload for c in contributions],
@@ -284,6 +287,7 @@ class Synchronizer:
             rule=self.manifest.diloco.merge_rule,
             embedding_names=self.embedding_names,
         )
+        contributions[:] = [dataclasses.replace(c, payload=None) for c in contributions]
         if self.manifest.diloco.outer_scaling == "contributors" and len(contributions) < live:
             scale = torch.tensor(len(contributions) / live, dtype=torch.float32)
             for t in merged.values():  # merge_deltas returns fresh tensors: scaled in place, no copy
@@ -293,6 +297,7 @@ class Synchronizer:
             payload, _ = self.outer_feedback.compress(p, merged)
         else:
             payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
+        del merged  # the update is its encoding from here on
         # Everyone applies the decoded (quantized) gradient, the holder included, so replicas agree.
         decoded = decode_tensors(
             payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes, lazy=True

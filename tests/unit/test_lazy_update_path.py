@@ -115,3 +115,34 @@ def test_a_round_keeps_accepted_deltas_int8_and_merges_what_decoding_first_merge
         (outcome,) = sync.poll(10.0, frozenset({"a", "b"}), cap=0.0)
         published.append(outcome.record.payload + outcome.record.checksum.encode())
     assert published[0] == published[1]
+
+
+def test_merging_lets_the_float32_deltas_go_before_the_outer_step() -> None:
+    """`Synchronizer._merge` drops the contributions' payloads from the caller's list once merged, so no
+    float32 delta is alive while the outer step allocates the new fragment."""
+    import gc
+    import weakref
+
+    from p2p_diloco.model.gpt import build_model
+    from p2p_diloco.protocol.fragments import plan_fragments
+    from p2p_diloco.protocol.replica import GlobalReplica
+    from p2p_diloco.protocol.sync_round import Contribution
+    from p2p_diloco.swarm.synchronizer import Synchronizer
+
+    template = build_model(MANIFEST.model)
+    shapes = {n: tuple(p.shape) for n, p in template.named_parameters()}
+    plan = plan_fragments(list(shapes.items()), MANIFEST.diloco.fragments)
+    replica = GlobalReplica(plan, {n: p.detach().clone() for n, p in template.named_parameters()})
+    sync = Synchronizer("me", MANIFEST, plan, replica, term=1, shapes=shapes)
+    payloads = [{n: torch.full(shapes[n], 1e-3 * (i + 1)) for n in plan.names(0)} for i in range(2)]
+    watched = [weakref.ref(t) for payload in payloads for t in payload.values()]
+    contributions = [
+        Contribution(sender, 0, tokens=64, steps=4, received_at=0.0, payload=payload)
+        for sender, payload in zip("ba", payloads)
+    ]
+    del payloads
+    record, pending, _ = sync._merge(0, contributions, live=2)
+    gc.collect()
+    assert [c.sender for c in contributions] == ["a", "b"] and all(c.payload is None for c in contributions)
+    assert all(ref() is None for ref in watched)
+    assert record.checksum == pending.checksum and [s for s, _ in record.contributors] == ["a", "b"]
