@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.feedback import ErrorFeedback
 
 
 def _best_seconds(fn, repeats: int) -> tuple[float, object]:

@@ -21,7 +21,7 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.effects import DeltaReady, DeltaReplied, Intent, SendDelta, ToLearner
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Release
-from p2p_diloco.wire.codec import ErrorFeedback
+from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 

@@ -37,7 +37,8 @@ from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.robust_config import LOSS_CHECK, REPLAY
 from p2p_diloco.protocol.sync_round import FUTURE_ANCHOR, Contribution, SynchronizerRounds
-from p2p_diloco.wire.codec import ErrorFeedback, decode_tensors, encode_tensors
+from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import decode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 

@@ -1,5 +1,5 @@
-"""Self-describing tensor frames (int8 blockwise, raw fp32, sparse top-k), their strict decoder, and error
-feedback.
+"""Self-describing tensor frames (int8 blockwise, raw fp32, sparse top-k) and their strict decoder
+(error feedback over them lives in `wire.feedback`).
 
 Frame layout, all integers little-endian::
 
@@ -86,7 +86,8 @@ class _Entry:
     layout: sparse.SparseLayout | None = None
 
 
-def _check_codec(codec: str, block_size: int, density: float = DEFAULT_DENSITY) -> Codec:
+def check_codec(codec: str, block_size: int, density: float = DEFAULT_DENSITY) -> Codec:
+    """`codec` as a `Codec` once it, the block size and the density are valid; ValueError naming the fix."""
     if codec not in CODEC_IDS:
         raise ValueError(f"codec must be one of {[str(c) for c in CODEC_IDS]}, got {codec!r}")
     codec = Codec(codec)
@@ -168,7 +169,7 @@ def encode_tensors(
 ) -> bytes:
     """One frame holding `tensors` in the given order; float tensors on any device (CUDA: same device).
     `density` is the fraction of each chunk a sparse codec keeps (ignored by dense codecs)."""
-    codec = _check_codec(codec, block_size, density)
+    codec = check_codec(codec, block_size, density)
     block = 0 if codec == Codec.FP32 else block_size
     heads = [_entry_head(name, tensor, block) for name, tensor in tensors.items()]
     chunks = [MAGIC, _FRAME_HEAD.pack(FORMAT_VERSION, CODEC_IDS[codec], len(tensors))]
@@ -193,7 +194,7 @@ def frame_size(
     density: float = DEFAULT_DENSITY,
 ) -> int:
     """Exact length of `encode_tensors` output for tensors of these names and shapes."""
-    codec = _check_codec(codec, block_size, density)
+    codec = check_codec(codec, block_size, density)
     size = len(MAGIC) + _FRAME_HEAD.size
     for name, shape in shapes.items():
         numel = math.prod(shape)
@@ -329,69 +330,6 @@ def decode_tensors(
         }
     read = (_quantized if lazy else _dequantize) if codec == Codec.INT8 else _read_fp32
     return {entry.name: read(view, entry) for entry in entries}
-
-
-class ErrorFeedback:
-    """Sender-side quantization residuals, one set per fragment.
-
-    `compress` quantizes delta + stored residual and keeps (delta + old residual - decoded) for the next
-    delta of that fragment, so the sum of what receivers decode tracks the sum of the true deltas. With a
-    sparse codec the residual also holds every entry that was not among the chunk's top `density`.
-    The synchronizer keeps one for its outer gradients when the codec is sparse (`outer_feedback`).
-    `decay` < 1 scales the stored residual by it before adding the next delta (old residuals fade).
-    """
-
-    def __init__(
-        self,
-        codec: str = "int8",
-        block_size: int = 4096,
-        enabled: bool = True,
-        density: float = DEFAULT_DENSITY,
-        decay: float = 1.0,
-    ):
-        self.codec = _check_codec(codec, block_size, density)
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
-        self.decay = decay
-        self.block_size = block_size
-        self.density = density
-        self.enabled = enabled
-        self._residuals: dict[int, dict[str, torch.Tensor]] = {}
-
-    def compress(
-        self, fragment: int, delta: Mapping[str, torch.Tensor]
-    ) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """(frame, tensors exactly as a receiver decodes them). Non-finite deltas raise ValueError and
-        leave the residual untouched, so one bad step cannot poison later deltas."""
-        residual = self._residuals.get(fragment) if self.enabled else None
-        if residual is not None and set(residual) != set(delta):
-            raise ValueError(f"fragment {fragment}: tensor names changed since the last delta; call reset()")
-        corrected: dict[str, torch.Tensor] = {}
-        for name, tensor in delta.items():
-            value = tensor.detach().to(torch.float32)
-            if residual is not None:
-                if residual[name].shape != value.shape:
-                    raise ValueError(f"fragment {fragment}: {name!r} changed shape; call reset()")
-                kept = residual[name].to(value.device)
-                value = value + (kept if self.decay == 1.0 else kept * self.decay)
-            if not _all_finite(value):
-                raise ValueError(f"fragment {fragment}: delta {name!r} holds NaN or inf; not sent")
-            corrected[name] = value
-        frame = encode_tensors(corrected, codec=self.codec, block_size=self.block_size, density=self.density)
-        decoded = decode_tensors(frame, max_bytes=len(frame))
-        if self.enabled:
-            self._residuals[fragment] = {
-                name: value - decoded[name].to(value.device) for name, value in corrected.items()
-            }
-        return frame, decoded
-
-    def reset(self, fragment: int) -> None:
-        self._residuals.pop(fragment, None)
-
-    def residual_norm(self, fragment: int) -> float:
-        """L2 norm over all tensors of the fragment's stored residual (0.0 when none)."""
-        residual = self._residuals.get(fragment, {})
-        return math.sqrt(sum(float(r.double().square().sum()) for r in residual.values()))
 
 
 def frame_codec(data: bytes) -> Codec | None:

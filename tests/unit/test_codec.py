@@ -15,11 +15,11 @@ from p2p_diloco.errors import DecodeError
 from p2p_diloco.wire import codec
 from p2p_diloco.wire.codec import (
     CODE_TABLE,
-    ErrorFeedback,
     decode_tensors,
     encode_tensors,
     frame_size,
 )
+from p2p_diloco.wire.feedback import ErrorFeedback
 from tests.support.frames import VALID_FRAMES
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,19 +5,37 @@ and `RobustGuard.observe_update` (whose running reference must be the same bits 
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 
+from p2p_diloco.model.gpt import build_model
 from p2p_diloco.protocol import kernels
+from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.kernels import CHUNK, QuantizedTensor
+from p2p_diloco.protocol.messages import DeltaHeader
+from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard, fragment_norm
+from p2p_diloco.protocol.sync_round import Contribution
 from p2p_diloco.swarm import update_checks as uc
+from p2p_diloco.swarm.synchronizer import Synchronizer, dense
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.frames import encode_delta
 from tests.support.manifests import tiny_manifest
 
 MANIFEST = tiny_manifest("lazy")
+
+
+def fresh_synchronizer() -> Synchronizer:
+    """The holder of term 1 over a fresh replica of the tiny model."""
+    template = build_model(MANIFEST.model)
+    shapes = {n: tuple(p.shape) for n, p in template.named_parameters()}
+    plan = plan_fragments(list(shapes.items()), MANIFEST.diloco.fragments)
+    replica = GlobalReplica(plan, {n: p.detach().clone() for n, p in template.named_parameters()})
+    return Synchronizer("me", MANIFEST, plan, replica, term=1, shapes=shapes)
 
 
 def int8_pair(tensors: dict[str, torch.Tensor], block_size: int = 64) -> tuple[dict, dict]:
@@ -81,30 +99,19 @@ def test_observing_int8_updates_builds_the_reference_decoded_values_build_bit_fo
 def test_a_round_keeps_accepted_deltas_int8_and_merges_what_decoding_first_merges() -> None:
     """The synchronizer screens a delta in float32, then its round holds the int8 form; the update it
     publishes is the one the decoded deltas give (same record bytes, same replica)."""
-    from p2p_diloco.model.gpt import build_model
-    from p2p_diloco.protocol.fragments import plan_fragments
-    from p2p_diloco.protocol.messages import DeltaHeader
-    from p2p_diloco.protocol.replica import GlobalReplica
-    from p2p_diloco.swarm.synchronizer import Synchronizer, dense
-    from p2p_diloco.wire.frames import encode_delta
-
-    template = build_model(MANIFEST.model)
-    shapes = {n: tuple(p.shape) for n, p in template.named_parameters()}
-    plan = plan_fragments(list(shapes.items()), MANIFEST.diloco.fragments)
-    initial = {n: p.detach().clone() for n, p in template.named_parameters()}
+    shapes = fresh_synchronizer().expected[0]
     gen = torch.Generator().manual_seed(11)
     tokens = MANIFEST.diloco.batch_size * MANIFEST.model.block_size * 4
 
     def frame(seq: int) -> bytes:
-        delta = {n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in plan.names(0)}
+        delta = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
         header = DeltaHeader("lazy", MANIFEST.manifest_hash, 0, 0, tokens=tokens, steps=4, seq=seq)
         return encode_delta(header, encode_tensors(delta, block_size=64))
 
     frames = {"a": frame(1), "b": frame(1)}
     published = []
     for keep_int8 in (True, False):
-        replica = GlobalReplica(plan, initial)
-        sync = Synchronizer("me", MANIFEST, plan, replica, term=1, shapes=shapes)
+        sync = fresh_synchronizer()
         for sender, data in frames.items():
             assert sync.handle_delta(sender, data, 0.0).status == "accepted"
         held = [c.payload for c in sync.rounds.round(0).contributions()]
@@ -120,21 +127,8 @@ def test_a_round_keeps_accepted_deltas_int8_and_merges_what_decoding_first_merge
 def test_merging_lets_the_float32_deltas_go_before_the_outer_step() -> None:
     """`Synchronizer._merge` drops the contributions' payloads from the caller's list once merged, so no
     float32 delta is alive while the outer step allocates the new fragment."""
-    import gc
-    import weakref
-
-    from p2p_diloco.model.gpt import build_model
-    from p2p_diloco.protocol.fragments import plan_fragments
-    from p2p_diloco.protocol.replica import GlobalReplica
-    from p2p_diloco.protocol.sync_round import Contribution
-    from p2p_diloco.swarm.synchronizer import Synchronizer
-
-    template = build_model(MANIFEST.model)
-    shapes = {n: tuple(p.shape) for n, p in template.named_parameters()}
-    plan = plan_fragments(list(shapes.items()), MANIFEST.diloco.fragments)
-    replica = GlobalReplica(plan, {n: p.detach().clone() for n, p in template.named_parameters()})
-    sync = Synchronizer("me", MANIFEST, plan, replica, term=1, shapes=shapes)
-    payloads = [{n: torch.full(shapes[n], 1e-3 * (i + 1)) for n in plan.names(0)} for i in range(2)]
+    sync = fresh_synchronizer()
+    payloads = [{n: torch.full(s, 1e-3 * (i + 1)) for n, s in sync.expected[0].items()} for i in range(2)]
     watched = [weakref.ref(t) for payload in payloads for t in payload.values()]
     contributions = [
         Contribution(sender, 0, tokens=64, steps=4, received_at=0.0, payload=payload)

@@ -24,7 +24,8 @@ from p2p_diloco.protocol.sync_round import Contribution
 from p2p_diloco.swarm.synchronizer import Synchronizer, outer_feedback_for
 from p2p_diloco.wire import codec
 from p2p_diloco.wire.blockwise import Codec
-from p2p_diloco.wire.codec import CODE_TABLE, ErrorFeedback, decode_tensors, encode_tensors, frame_size
+from p2p_diloco.wire.codec import CODE_TABLE, decode_tensors, encode_tensors, frame_size
+from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.sparse import CHUNK, INT4_TABLE, SparseReason, chunk_keep
