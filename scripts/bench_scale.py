@@ -188,8 +188,9 @@ def memory_bandwidth() -> dict:
 # ---- part 2: real peers ----------------------------------------------------------------------------
 
 
-def tree_pss_kib(root: int) -> int:
-    """PSS of `root` and all its descendants, KiB (0 if gone)."""
+def tree_pss_parts_kib(root: int) -> dict[str, int]:
+    """PSS of `root` and each of its descendants, KiB, by process ("peer" for `root`, else its command
+    name: hivemind's DHT child, p2pd); empty if gone."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -198,17 +199,24 @@ def tree_pss_kib(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [root]
+    parts: dict[str, int] = {}
+    todo = [root]
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
+            name = "peer" if pid == root else Path(f"/proc/{pid}/comm").read_text().strip()
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
-                    total += int(line.split()[1])
+                    parts[name] = parts.get(name, 0) + int(line.split()[1])
         except OSError:
             continue
-    return total
+    return parts
+
+
+def tree_pss_kib(root: int) -> int:
+    """PSS of `root` and all its descendants, KiB (0 if gone)."""
+    return sum(tree_pss_parts_kib(root).values())
 
 
 def manifest_text(config: ModelConfig) -> str:
@@ -252,8 +260,27 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco", *args]
 
 
+def take_census(proc: subprocess.Popen, state: Path, deadline: float = 60.0) -> dict | None:
+    """SIGUSR2 to a `join` process, then its `memory-census.json` (node/census.py), or None."""
+    target = state / "memory-census.json"
+    target.unlink(missing_ok=True)
+    proc.send_signal(signal.SIGUSR2)
+    until = time.monotonic() + deadline
+    while time.monotonic() < until:
+        if target.exists():
+            return json.loads(target.read_text())
+        time.sleep(0.5)
+    return None
+
+
 def run_peers(
-    config: ModelConfig, params: int, out: Path, duration: float, join_after: int, step_time: float
+    config: ModelConfig,
+    params: int,
+    out: Path,
+    duration: float,
+    join_after: int,
+    step_time: float,
+    census_at: list[float] = (),
 ) -> dict:
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -313,12 +340,16 @@ def run_peers(
     join("A")
     join("B")
     newcomer_started = None
+    censuses: list[dict] = []
+    census_due = sorted(census_at)
     try:
         while time.time() - started < duration:
-            row = {"t": round(time.time() - started, 1)}
+            row = {"t": round(time.time() - started, 1), "parts": {}}
             for name, proc in procs.items():
                 if proc.poll() is None:
-                    row[name] = tree_pss_kib(proc.pid) / 1024
+                    parts = tree_pss_parts_kib(proc.pid)
+                    row[name] = sum(parts.values()) / 1024
+                    row["parts"][name] = {k: round(v / 1024, 1) for k, v in parts.items()}
                 elif name != "boot":
                     raise SystemExit(
                         f"peer {name} exited with {proc.returncode}; see {work / (name + '.log')}"
@@ -332,6 +363,13 @@ def run_peers(
             if newcomer_started is None and len(published) >= join_after:
                 newcomer_started = time.time()
                 join("C")
+            if census_due and time.time() - started >= census_due[0]:
+                census_due.pop(0)
+                for name in ("A", "B", "C"):
+                    if name in procs and procs[name].poll() is None:
+                        taken = take_census(procs[name], work / f"state-{name}")
+                        if taken is not None:
+                            censuses.append({"t": round(time.time() - started, 1), "peer": name, **taken})
             time.sleep(2.0)
     finally:
         for proc in procs.values():
@@ -343,7 +381,9 @@ def run_peers(
             except subprocess.TimeoutExpired:
                 proc.kill()
             logs[name].close()
-    return summarize(work, params, samples, started, newcomer_started, max(runtime[-5:]))
+    result = summarize(work, params, samples, started, newcomer_started, max(runtime[-5:]))
+    result["censuses"] = censuses
+    return result
 
 
 def summarize(
@@ -529,6 +569,14 @@ def main() -> int:
         default=None,
         help="pace the learners' inner steps (default 10 s per 125M parameters: two CPU cores must also merge)",
     )
+    parser.add_argument(
+        "--census-at",
+        type=float,
+        action="append",
+        default=[],
+        help="seconds into the peers' run at which to take a memory census of every peer (node/census.py); "
+        "repeatable",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -560,10 +608,12 @@ def main() -> int:
         return 0
     step_time = args.min_step_time if args.min_step_time is not None else max(0.5, 10.0 * params / 125e6)
     result["min_step_time"] = step_time
-    result["peers_run"] = run_peers(config, params, out, args.duration, args.join_after, step_time)
+    result["peers_run"] = run_peers(
+        config, params, out, args.duration, args.join_after, step_time, args.census_at
+    )
     result["wall_seconds"] = round(time.time() - began, 1)
     plot(result, out / "scale_pss.png")
-    brief = {k: v for k, v in result["peers_run"].items() if k != "pss_samples"}
+    brief = {k: v for k, v in result["peers_run"].items() if k not in ("pss_samples", "censuses")}
     print(json.dumps(brief, indent=1), flush=True)
     (out / "scale.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -27,6 +27,7 @@ from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.manifest_signature import load_run_manifest
+from p2p_diloco.node.census import write_census
 from p2p_diloco.node.evaluation import EvalMode, EvalOptions
 from p2p_diloco.node.heap import bound_heap
 from p2p_diloco.node.island import island_env, prepare_island, run_follower, torchrun_argv
@@ -172,7 +173,12 @@ def cli_join(args: argparse.Namespace) -> int:
         if os.getpid() == main_pid:  # forked children (the DHT) inherit this handler: ignore it there
             node.finish_training.set()
 
+    def on_usr2(signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() == main_pid:
+            write_census(options.state_dir / "memory-census.json")
+
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
+    previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, on_usr2)
     try:
         return node.run()
     except ConnectionError as exc:
