@@ -17,6 +17,7 @@ import gc
 import inspect
 import json
 import re
+import sys
 import time
 import warnings
 from collections import Counter, deque
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 
 MIN_BYTES = 1 << 20
-PATH_DEPTH = 8
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -64,59 +64,61 @@ def _big_objects(min_bytes: int) -> list[tuple[int, object]]:
     return found
 
 
-def _owners(obj: object, ignore: set[int]) -> list[object]:
-    """What refers to `obj`, less the census's own lists (`ignore`, which grows by this one) and frames."""
-    referrers = gc.get_referrers(obj)
-    ignore.add(id(referrers))
-    return [
-        r
-        for r in referrers
-        if id(r) not in ignore and not inspect.isframe(r) and not inspect.iscoroutine(r)
-    ]
+def _children(path: str, obj: object) -> list[tuple[str, object]]:
+    """The objects `obj` refers to, each with the path that names it."""
+    if isinstance(obj, dict):
+        return [(f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r:.40}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple, deque)):
+        return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return [(f"{path}[*]", v) for v in obj]
+    if inspect.isframe(obj):
+        out = [(f"{path}<{obj.f_code.co_name}>.{k}", v) for k, v in obj.f_locals.items()]
+        return out + ([(f"{path}<{obj.f_code.co_name}>", obj.f_back)] if obj.f_back is not None else [])
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict) and not inspect.ismodule(obj) and not isinstance(obj, type):
+        out = [(f"{path}.{k}", v) for k, v in attributes.items()]
+        for name in getattr(type(obj), "__slots__", ()):
+            if isinstance(name, str) and hasattr(obj, name):
+                out.append((f"{path}.{name}", getattr(obj, name)))
+        return out
+    if inspect.ismodule(obj):
+        return [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    return [(f"{path}<{type(r).__name__}>", r) for r in gc.get_referents(obj)]
 
 
-def _label(holder: object, child: object, ignore: set[int]) -> tuple[str, object | None]:
-    """How `holder` names `child`, and the object to climb to next (None to stop)."""
-    if isinstance(holder, dict):
-        key = next((k for k, v in holder.items() if v is child), "?")
-        for owner in _owners(holder, ignore):
-            if getattr(owner, "__dict__", None) is holder:
-                return f"{type(owner).__name__}.{key}", owner
-        return f"[{key!r}]", holder
-    if isinstance(holder, (list, tuple, deque)):
-        index = next((i for i, v in enumerate(holder) if v is child), "?")
-        return f"[{index}]", holder
-    attributes = getattr(holder, "__dict__", None)
-    if isinstance(attributes, dict):
-        for name, value in attributes.items():
-            if value is child:
-                return f"{type(holder).__name__}.{name}", holder
-    if hasattr(type(holder), "__slots__"):
-        for name in dir(type(holder)):
-            try:
-                if getattr(holder, name, None) is child:
-                    return f"{type(holder).__name__}.{name}", holder
-            except Exception:  # noqa: BLE001 - a property may raise: it just does not name the child
+_LEAVES = (str, int, float, complex, bool, type(None), type, torch.dtype, torch.device)
+
+
+def _walk(roots: dict[str, object], min_bytes: int) -> tuple[dict[int, tuple[str, int]], set[int]]:
+    """Breadth first from each root in turn: the first path to each large tensor storage or buffer.
+    Returns {storage or buffer key: (path, bytes)} and the ids of every object visited."""
+    found: dict[int, tuple[str, int]] = {}
+    seen: set[int] = set()
+    for name, root in roots.items():
+        queue: deque[tuple[str, object]] = deque([(name, root)])
+        while queue:
+            path, obj = queue.popleft()
+            if id(obj) in seen or isinstance(obj, _LEAVES):
                 continue
-    return f"<{type(holder).__name__}>", holder
-
-
-def owner_path(obj: object, ignore: set[int], depth: int = PATH_DEPTH) -> str:
-    parts: list[str] = []
-    current: object = obj
-    visited = {id(obj)}
-    for _ in range(depth):
-        holders = [h for h in _owners(current, ignore) if id(h) not in visited]
-        ignore.add(id(holders))
-        if not holders:
-            break
-        label, nxt = _label(holders[0], current, ignore)
-        parts.append(label)
-        if nxt is None or id(nxt) in visited:
-            break
-        visited.add(id(nxt))
-        current = nxt
-    return ".".join(reversed(parts)) or "<unreferenced>"
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                storage = _storage(obj)
+                if storage is not None and storage[1] >= min_bytes and storage[0] not in found:
+                    found[storage[0]] = (path, storage[1])
+                if obj.grad is not None:
+                    queue.append((f"{path}.grad", obj.grad))
+                continue
+            if isinstance(obj, (bytes, bytearray, memoryview)):
+                size = len(obj) if not isinstance(obj, memoryview) else obj.nbytes
+                if size >= min_bytes:
+                    found.setdefault(id(obj), (path, size))
+                continue
+            try:
+                queue.extend(_children(path, obj))
+            except Exception:  # noqa: BLE001 - an object whose attributes raise is skipped, not fatal
+                continue
+    return found, seen
 
 
 def _memory_kib() -> dict[str, int]:
@@ -136,20 +138,31 @@ def _group(path: str) -> str:
     return re.sub(r"\[[^\]]*\]", "[]", path)
 
 
-def census(min_bytes: int = MIN_BYTES) -> dict[str, Any]:
+def census(roots: dict[str, object] | None = None, min_bytes: int = MIN_BYTES) -> dict[str, Any]:
+    """Large tensors and buffers by the path that first reaches them from `roots` (then the caller's
+    frames, then every module); what none reaches is grouped as `<unreached>` by dtype."""
     started = time.monotonic()
     gc.collect()
+    caller = inspect.currentframe()
+    everywhere = {**(roots or {}), "frames": caller.f_back if caller else None, "modules": dict(sys.modules)}
+    del caller
     with warnings.catch_warnings():  # isinstance() on some torch objects warns of deprecations
         warnings.simplefilter("ignore")
-        found = _big_objects(min_bytes)
-    ignore = {id(found)} | {id(pair) for pair in found}
-    groups: Counter[str] = Counter()
-    counts: Counter[str] = Counter()
-    for size, obj in found:
-        group = _group(owner_path(obj, ignore))
-        groups[group] += size
-        counts[group] += 1
-    del found
+        reached, _ = _walk(everywhere, min_bytes)
+        keys = set(reached)
+        groups: Counter[str] = Counter()
+        counts: Counter[str] = Counter()
+        for path, size in reached.values():
+            groups[_group(path)] += size
+            counts[_group(path)] += 1
+        for size, obj in _big_objects(min_bytes):
+            key = _storage(obj)[0] if isinstance(obj, torch.Tensor) else id(obj)  # type: ignore[index]
+            if key in keys:
+                continue
+            keys.add(key)
+            kind = str(obj.dtype) if isinstance(obj, torch.Tensor) else type(obj).__name__
+            groups[f"<unreached> {kind}"] += size
+            counts[f"<unreached> {kind}"] += 1
     memory = _memory_kib()
     total = sum(groups.values())
     return {
@@ -164,8 +177,8 @@ def census(min_bytes: int = MIN_BYTES) -> dict[str, Any]:
     }
 
 
-def write_census(path: Path) -> None:
-    """Write `census()` to `path` (atomically: a reader never sees half a file)."""
+def write_census(path: Path, roots: dict[str, object] | None = None) -> None:
+    """Write `census(roots)` to `path` (atomically: a reader never sees half a file)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(census(), indent=1))
+    tmp.write_text(json.dumps(census(roots), indent=1))
     tmp.replace(path)

@@ -175,7 +175,7 @@ def cli_join(args: argparse.Namespace) -> int:
 
     def on_usr2(signum: int, _frame: FrameType | None) -> None:
         if os.getpid() == main_pid:
-            write_census(options.state_dir / "memory-census.json")
+            write_census(options.state_dir / "memory-census.json", {"node": node})
 
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, on_usr2)
