@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -68,6 +69,51 @@ class EvalOptions:
     follow_seconds: float = 5.0  # how often a peer that logs the history reads it from the DHT
 
 
+class BorrowedWeights:
+    """A model that holds no weights of its own between evaluations: `bound(params)` points its parameters
+    at the replica's tensors for the duration of a `with` block (no copy on a CPU peer; one transient
+    device copy elsewhere), and at empty `meta` tensors after it. A model kept loaded would hold a copy
+    of the replica (4 B/param on the evaluating peer, issue #14) or, bound and left so, old versions of
+    it. Tied parameters (one tensor under two names) are bound to the same tensor."""
+
+    def __init__(self, model: torch.nn.Module):
+        model.requires_grad_(False)
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        # state_dict key -> (named_parameters name, device, dtype); buffers stay the model's own
+        self.slots = {
+            key: (canonical[id(p)], p.device, p.dtype)
+            for key, p in model.named_parameters(remove_duplicate=False)
+        }
+        self.model = model
+        self._release()
+
+    def _assign(self, tensors: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False, assign=True)
+        if unexpected or any(key in self.slots for key in missing):
+            raise RuntimeError(f"eval model binding: missing {missing}, unexpected {unexpected}")
+
+    def _release(self) -> None:
+        self._assign(
+            {
+                key: torch.empty(p.shape, dtype=p.dtype, device="meta")
+                for key, p in self.model.named_parameters(remove_duplicate=False)
+            }
+        )
+
+    @contextmanager
+    def bound(self, params: Mapping[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+        placed: dict[str, torch.Tensor] = {}
+        for name, device, dtype in self.slots.values():
+            if name not in placed:
+                placed[name] = params[name].to(device=device, dtype=dtype)
+        self._assign({key: placed[name] for key, (name, _, _) in self.slots.items()})
+        del placed
+        try:
+            yield self.model
+        finally:
+            self._release()
+
+
 class GlobalEvaluator:
     """This peer's share of global evaluation (module docstring). `maybe_evaluate` on the training
     thread; `refresh` and `publish` on the I/O thread."""
@@ -93,9 +139,7 @@ class GlobalEvaluator:
         self.manifest, self.options, self.peer_id = manifest, options, peer_id
         self.kv, self.clock = kv, clock
         self.make_model, self.eval_data = make_model, eval_data
-        self.eval_model: torch.nn.Module | None = (
-            None  # built at the first evaluation: others never pay for it
-        )
+        self.eval_model: BorrowedWeights | None = None  # built at the first evaluation: others never pay
         self.versions, self.snapshot = versions, snapshot  # cheap read; a copy taken on the owner thread
         self.holds_lease, self.term = holds_lease, term
         self.ledger, self.sinks, self.event = ledger, sinks, event
@@ -142,17 +186,15 @@ class GlobalEvaluator:
             return None
         params, versions = self.snapshot()
         if self.eval_model is None:
-            self.eval_model = self.make_model().requires_grad_(False)
-        with torch.no_grad():
-            for name, p in self.eval_model.named_parameters():
-                p.copy_(params[name].to(p.device))
-        loss = evaluate(
-            self.eval_model,
-            self.eval_data,
-            block_size=self.manifest.model.block_size,
-            batch_size=self.options.batch_size,
-            max_batches=self.options.batches,
-        )
+            self.eval_model = BorrowedWeights(self.make_model())
+        with self.eval_model.bound(params) as model:
+            loss = evaluate(
+                model,
+                self.eval_data,
+                block_size=self.manifest.model.block_size,
+                batch_size=self.options.batch_size,
+                max_batches=self.options.batches,
+            )
         if loss != loss or loss in (float("inf"), float("-inf")):
             self.event("eval_failed", error=f"eval loss {loss}")
             return None
