@@ -59,9 +59,15 @@ class DirectionReferences:
         self._references.pop(fragment, None)
         self._updates[fragment] = 0
 
-    def observe(self, fragment: int, outer_grad: Mapping[str, Tensor | kernels.QuantizedTensor]) -> None:
-        """Fold the direction of an applied update into the fragment's reference (a zero one is skipped)."""
-        norm = fragment_norm(outer_grad)
+    def observe(
+        self,
+        fragment: int,
+        outer_grad: Mapping[str, Tensor | kernels.QuantizedTensor],
+        norm: float | None = None,
+    ) -> None:
+        """Fold the direction of an applied update into the fragment's reference (a zero one is skipped);
+        `norm`, the update's L2 norm, if the caller has it (else computed here)."""
+        norm = fragment_norm(outer_grad) if norm is None else norm
         if norm == 0.0:
             return
         decay = self.decay

@@ -381,9 +381,13 @@ class RobustGuard:
             history.append(kernels.norm64(t) / counted)
 
     def observe_update(
-        self, fragment: int, outer_grad: Mapping[str, Tensor | kernels.QuantizedTensor]
+        self,
+        fragment: int,
+        outer_grad: Mapping[str, Tensor | kernels.QuantizedTensor],
+        norm: float | None = None,
     ) -> None:
         """Fold the direction of an applied outer update into the fragment's reference (kept in bfloat16,
-        `protocol.direction`); nothing while the checks are disabled."""
+        `protocol.direction`); nothing while the checks are disabled. `norm`: the update's L2 norm if
+        the caller computed it already."""
         if self.config.enabled:
-            self._references.observe(fragment, outer_grad)
+            self._references.observe(fragment, outer_grad, norm)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -61,15 +62,27 @@ class UpdateChecks:
         steps a delta may count (`[robust] prior_factor` x inner_lr x max_steps): a merge of screened
         deltas never does, a destructive update (random weights, a huge step) does by orders of magnitude.
         A tensor still in int8 form is finite by construction (its decoding checked the block scales)."""
+        return self.value_check(fragment, grad).problem
+
+    def value_check(self, fragment: int, grad: Mapping[str, Tensor | kernels.QuantizedTensor]) -> ValueCheck:
+        """`check_values`, with the fragment's L2 norm it computed on the way (None where the robust
+        checks are off), which the direction reference reuses instead of a second pass."""
+        squares = 0.0
         for name, tensor in grad.items():
             if not isinstance(tensor, kernels.QuantizedTensor) and not kernels.all_finite(tensor):
-                return NOT_FINITE, f"{name} holds NaN or inf"
+                return ValueCheck((NOT_FINITE, f"{name} holds NaN or inf"))
             if not self.robust.config.enabled or tensor.numel() == 0:
                 continue
-            rms = kernels.norm64(tensor) / math.sqrt(tensor.numel())
+            tensor_squares = kernels.sum_squares64(tensor)
+            squares += tensor_squares
+            rms = math.sqrt(tensor_squares) / math.sqrt(tensor.numel())
             if rms > self.max_rms:
-                return (
-                    TOO_LARGE,
-                    f"{name} RMS {rms:.3g} > {self.max_rms:.3g} (prior_factor x inner_lr x max steps)",
-                )
-        return None
+                detail = f"{name} RMS {rms:.3g} > {self.max_rms:.3g} (prior_factor x inner_lr x max steps)"
+                return ValueCheck((TOO_LARGE, detail))
+        return ValueCheck(None, math.sqrt(squares) if self.robust.config.enabled else None)
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    problem: tuple[str, str] | None  # (tag, detail) of the first problem found, None when the values pass
+    norm: float | None = None  # the fragment's L2 norm (float64 sums), when computed

@@ -157,7 +157,8 @@ class UpdateBook:
         old = self.replica.params_view(p)
         if computed is not None:
             pending, grad = computed
-            bad = self.checks.check_contributors(record) or self.checks.check_values(p, grad)
+            values = self.checks.value_check(p, grad)
+            bad = self.checks.check_contributors(record) or values.problem
             if bad:
                 return Reply.refused(*bad)
             decision = self.replica.commit(pending, expected_checksum=record.checksum)
@@ -174,9 +175,10 @@ class UpdateBook:
                 )
             except DecodeError as exc:
                 return self.journal.reject(source, exc.reason, f"update payload: {exc}")
-            bad = self.checks.check_values(p, grad)
-            if bad:
-                return self.journal.reject(source, bad[0], f"update of fragment {p}: {bad[1]}")
+            values = self.checks.value_check(p, grad)
+            if values.problem:
+                tag, detail = values.problem
+                return self.journal.reject(source, tag, f"update of fragment {p}: {detail}")
             cfg = self.manifest.diloco
             decision = self.replica.apply(
                 p,
@@ -188,7 +190,7 @@ class UpdateBook:
             )
         if decision.action != Action.APPLY:
             return Reply(ReplyStatus.REFUSED, decision.reason)
-        self.robust.observe_update(p, grad)
+        self.robust.observe_update(p, grad, norm=values.norm)
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
         self.vouchers.vouch(record)
         self.tip_terms[p] = record.term

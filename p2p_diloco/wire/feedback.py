@@ -23,6 +23,11 @@ class ErrorFeedback:
     sparse codec the residual also holds every entry that was not among the chunk's top `density`.
     The synchronizer keeps one for its outer gradients when the codec is sparse (`outer_feedback`).
     `decay` < 1 scales the stored residual by it before adding the next delta (old residuals fade).
+
+    A dense codec's residual is one rounding error per value (at most half a quantization step), so it
+    is kept in bfloat16: 2 B/param instead of 4 (issue #14's memory budget), and what bfloat16 rounds off
+    it is about 1/256 of that step. A sparse codec's residual accumulates the unsent values over many
+    deltas, where bfloat16 would swamp small additions to large values: it stays float32.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class ErrorFeedback:
         self.block_size = block_size
         self.density = density
         self.enabled = enabled
+        self.residual_dtype = torch.float32 if self.codec.sparse else torch.bfloat16
         self._residuals: dict[int, dict[str, torch.Tensor]] = {}
 
     def compress(
@@ -56,8 +62,9 @@ class ErrorFeedback:
             if residual is not None:
                 if residual[name].shape != value.shape:
                     raise ValueError(f"fragment {fragment}: {name!r} changed shape; call reset()")
-                kept = residual[name].to(value.device)
+                kept = residual[name].to(value.device, torch.float32)
                 value = value + (kept if self.decay == 1.0 else kept * self.decay)
+                del kept
             if not all_finite(value):
                 raise ValueError(f"fragment {fragment}: delta {name!r} holds NaN or inf; not sent")
             corrected[name] = value
@@ -65,7 +72,8 @@ class ErrorFeedback:
         decoded = decode_tensors(frame, max_bytes=len(frame))
         if self.enabled:
             self._residuals[fragment] = {
-                name: value - decoded[name].to(value.device) for name, value in corrected.items()
+                name: (value - decoded[name].to(value.device)).to(self.residual_dtype)
+                for name, value in corrected.items()
             }
         return frame, decoded
 

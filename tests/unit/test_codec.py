@@ -206,6 +206,15 @@ def test_error_feedback_residual_equals_undelivered_sum(seed, rounds):
     assert feedback.residual_norm(0) == pytest.approx(np.linalg.norm(true_sum - sent_sum), rel=1e-3, abs=1e-4)
 
 
+def test_error_feedback_keeps_a_dense_residual_in_bfloat16_and_a_sparse_one_in_float32():
+    dense, sparse = ErrorFeedback(block_size=64), ErrorFeedback("topk-int8", block_size=64, density=0.1)
+    delta = {"w": torch.randn(4, 64)}
+    dense.compress(0, delta)
+    sparse.compress(0, delta)
+    assert dense._residuals[0]["w"].dtype == torch.bfloat16  # half the memory (issue #14)
+    assert sparse._residuals[0]["w"].dtype == torch.float32  # accumulates unsent values: full precision
+
+
 def test_error_feedback_reset_names_and_non_finite():
     feedback = ErrorFeedback(block_size=64)
     feedback.compress(1, {"w": torch.randn(100)})

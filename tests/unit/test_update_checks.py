@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from p2p_diloco.config import TrustConfig
+from p2p_diloco.protocol.direction import fragment_norm
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import update_checks as uc
@@ -44,6 +45,20 @@ def test_values_must_be_finite_and_no_larger_than_adamw_can_move():
     assert c.check_values(0, grad(0.9 * c.max_rms)) is None
     tag, detail = c.check_values(0, grad(100 * c.max_rms))  # a destructive update
     assert tag == uc.TOO_LARGE and "w RMS" in detail
+
+
+def test_value_check_hands_the_fragment_norm_to_the_direction_reference():
+    c = checks()
+    update = {"w": torch.randn(64) * 0.1 * c.max_rms, "b": torch.randn(3, 5) * 0.1 * c.max_rms}
+    found = c.value_check(0, update)
+    assert found.problem is None
+    assert found.norm == fragment_norm(update)  # the same float64 sums: bit-identical reference
+    given, computed = RobustGuard.from_manifest(MANIFEST), RobustGuard.from_manifest(MANIFEST)
+    given.observe_update(0, update, norm=found.norm)
+    computed.observe_update(0, update)
+    for name, t in given._references.get(0).items():
+        assert torch.equal(t, computed._references.get(0)[name])
+    assert c.value_check(0, grad(100 * c.max_rms)).norm is None  # refused: nothing to reuse
 
 
 def test_contributors_must_be_learners_with_weights_the_schedule_allows():
