@@ -143,10 +143,11 @@ def throughput(config: ModelConfig, deltas: int, repeats: int) -> dict:
     def apply_as_a_peer(lazy: bool) -> None:
         twin = replica.frozen()
         decoded = decode_tensors(payload, expected_shapes=twin.shapes(0), lazy=lazy)
-        assert checks.check_values(0, decoded) is None
+        values = checks.value_check(0, decoded)  # as `UpdateBook.apply`: the norm is computed once
+        assert values.problem is None
         decision = twin.apply(0, 0, decoded, lr=0.7, momentum=0.9, expected_checksum=expected)
         assert decision.action == "apply", decision
-        guard.observe_update(0, decoded)
+        guard.observe_update(0, decoded, norm=values.norm)
 
     s, _ = best(lambda: apply_as_a_peer(lazy=False))
     row("peer_applies_an_update_decoded_first", s)
