@@ -67,7 +67,12 @@ def _big_objects(min_bytes: int) -> list[tuple[int, object]]:
 def _children(path: str, obj: object) -> list[tuple[str, object]]:
     """The objects `obj` refers to, each with the path that names it."""
     if isinstance(obj, dict):
-        return [(f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r:.40}]", v) for k, v in obj.items()]
+        # identifier keys read as attributes; others (parameter names, numbers) as indices, which
+        # `_group` drops: one model's tensors sum under one path
+        return [
+            (f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r:.40}]", v)
+            for k, v in obj.items()
+        ]
     if isinstance(obj, (list, tuple, deque)):
         return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     if isinstance(obj, (set, frozenset)):

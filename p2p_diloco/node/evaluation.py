@@ -8,9 +8,9 @@ whatever its role and marks its records dedicated, so synchronizers leave the jo
 When: once it has read the published history (on its follow job, within `follow_seconds` of becoming
 the evaluator), then every `every_updates` merged updates (the sum of the fragment versions) and at most once per
 `min_seconds`. How: on the training thread between two inner steps (so the peer's owner thread and
-the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), on a private copy of the
-replica's parameters taken on the owner thread (`GlobalReplica.frozen` shares tensors that are never
-changed in place), over `batches` batches of the run's held-out split (`model.data.evaluate`, the same
+the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), on the replica's own
+parameter tensors, read on the owner thread (`GlobalReplica.frozen` shares tensors that are never changed
+in place) and bound into a weightless model for the evaluation (`BorrowedWeights`: no copy), over `batches` batches of the run's held-out split (`model.data.evaluate`, the same
 function the demo and the in-process swarm use).
 
 The history (`wire.observe.EvalHistory`, bounded to `MAX_EVAL_POINTS`) is published owner-signed under

@@ -79,8 +79,10 @@ class Observing:
             return
 
         def snapshot() -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
-            frozen = driver.call(peer.replica.frozen, timeout=10.0)  # shares tensors never changed in place
-            return frozen.export_params(), frozen.versions()
+            # the replica's own tensors (never changed in place: they keep this version's values), no copy
+            frozen = driver.call(peer.replica.frozen, timeout=10.0)
+            params = {n: t for p in range(frozen.num_fragments) for n, t in frozen.params_view(p).items()}
+            return params, frozen.versions()
 
         self.evaluator = GlobalEvaluator(
             self.manifest,

@@ -57,3 +57,9 @@ def test_write_census_writes_json_with_the_process_memory(tmp_path):
     assert result["total_bytes"] >= 7 * MIB
     assert result["pss_bytes"] > 0
     assert result["unaccounted_bytes"] == result["pss_bytes"] - result["total_bytes"]
+
+
+def test_tensors_keyed_by_parameter_names_sum_under_one_path():
+    model = {"blocks.0.w": torch.zeros(MIB // 4), "blocks.1.w": torch.zeros(MIB // 4)}
+    groups = _groups(census({"node": {"params": model}}))
+    assert groups["node.params[]"] == (2 * MIB, 2)
