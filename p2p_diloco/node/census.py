@@ -1,14 +1,18 @@
 """Where a peer's memory goes: a census of the large tensors and byte buffers its Python objects hold.
 
 `kill -USR2 PID` on a running `join` writes `STATE_DIR/memory-census.json`: every tensor storage and
-bytes-like buffer of at least 1 MiB reachable from Python, with the attribute path that holds it
-(`PeerNode.peer.book.log._records[3].payload`, as far as it can be named), grouped and summed by
-path, next to the process's resident and proportional set sizes. What the census does not find (the
-allocator's free lists, native buffers, memory held by C threads) is the difference between its total
-and the process's own memory: the JSON names that gap `unaccounted_bytes`.
+bytes-like buffer of at least 1 MiB, named by the first path that reaches it breadth first from the
+peer node (`node.peer.book.log._records[].payload`; indices and parameter names are dropped, so one
+log or one model sums under one path), then from the interrupted frames, then from every module;
+what no path reaches is grouped as `<unreached>` by dtype. Next to it, the process's RSS and PSS: the
+difference from the census's total (`unaccounted_bytes`) is the runtime's own code and data, the
+allocators' free lists and native buffers.
 
-A diagnostic for operators and for `scripts/bench_scale.py`; it reads, never changes, the peer's state,
-and takes a second or two on a large process (it walks the whole heap).
+Sizes are storage sizes: `kernels.fresh` reserves one untouched huge page beyond each large tensor
+(counted here, not in PSS), and a memoryview over a tensor being served is counted again. A diagnostic
+for operators and `scripts/bench_scale.py --census-at`; it only reads the peer's state, holds the
+owner of the signal (the training thread) for a second or two, and its own bookkeeping can leave the
+Python heap some tens of MB larger.
 """
 
 from __future__ import annotations
