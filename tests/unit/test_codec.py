@@ -194,16 +194,19 @@ def test_error_feedback_tracks_the_sum_of_true_deltas():
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 12))
-def test_error_feedback_residual_equals_undelivered_sum(seed, rounds):
+def test_error_feedback_residual_is_the_undelivered_sum_up_to_bfloat16_rounding(seed, rounds):
     rng = np.random.default_rng(seed)
     feedback = ErrorFeedback(block_size=64)
     true_sum = np.zeros((7, 33))
     sent_sum = np.zeros((7, 33))
+    rounded_off = 0.0  # what storing each residual in bfloat16 may drop: half a unit in its 8th bit
     for _ in range(rounds):
         delta = rng.standard_t(3, size=(7, 33)).astype(np.float32)
         true_sum += delta
         sent_sum += feedback.compress(0, {"w": torch.from_numpy(delta)})[1]["w"].double().numpy()
-    assert feedback.residual_norm(0) == pytest.approx(np.linalg.norm(true_sum - sent_sum), rel=1e-3, abs=1e-4)
+        rounded_off += 2.0**-8 * feedback.residual_norm(0)
+    residual = feedback._residuals[0]["w"].double().numpy()
+    assert np.linalg.norm(true_sum - sent_sum - residual) <= rounded_off + 1e-6
 
 
 def test_error_feedback_keeps_a_dense_residual_in_bfloat16_and_a_sparse_one_in_float32():
