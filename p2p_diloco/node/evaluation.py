@@ -10,8 +10,9 @@ the evaluator), then every `every_updates` merged updates (the sum of the fragme
 `min_seconds`. How: on the training thread between two inner steps (so the peer's owner thread and
 the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), on the replica's own
 parameter tensors, read on the owner thread (`GlobalReplica.frozen` shares tensors that are never changed
-in place) and bound into a weightless model for the evaluation (`BorrowedWeights`: no copy), over `batches` batches of the run's held-out split (`model.data.evaluate`, the same
-function the demo and the in-process swarm use).
+in place) and bound into a weightless model for the evaluation (`BorrowedWeights`: no copy), over
+`batches` batches of the run's held-out split (`model.data.evaluate`, the same function the demo and the
+in-process swarm use).
 
 The history (`wire.observe.EvalHistory`, bounded to `MAX_EVAL_POINTS`) is published owner-signed under
 `keys.eval_key` on the I/O thread, after merging every other evaluator's record read from the DHT; a
@@ -140,7 +141,7 @@ class GlobalEvaluator:
         self.kv, self.clock = kv, clock
         self.make_model, self.eval_data = make_model, eval_data
         self.eval_model: BorrowedWeights | None = None  # built at the first evaluation: others never pay
-        self.versions, self.snapshot = versions, snapshot  # cheap read; a copy taken on the owner thread
+        self.versions, self.snapshot = versions, snapshot  # cheap reads; the replica's tensors, not copies
         self.holds_lease, self.term = holds_lease, term
         self.ledger, self.sinks, self.event = ledger, sinks, event
         self.key = eval_key(manifest.run_id, manifest.manifest_hash)
