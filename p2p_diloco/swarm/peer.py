@@ -253,7 +253,7 @@ class Peer:
         a peer that missed updates knows it lags; a holder catches such fragments up before merging."""
         rounds = self.sync.rounds_done if self.sync else 0
         membership = self.membership
-        ahead = self.book.trusted_ahead(self.membership.live_peers, self.peer_id)
+        ahead = self.book.trusted_ahead(membership.live_peers, self.peer_id, membership.term_seen)
         decision = membership.decide(
             view,
             now,

@@ -43,13 +43,13 @@ from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader
 from p2p_diloco.swarm.snapshots import SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
-from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS
+from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
 from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex
 
 REJECT_NOT_ALLOWED = "not allowed"
-UNVOUCHED_SNAPSHOT = "unvouched snapshot"  # a snapshot whose state no checked update or two peers vouch for
+UNVOUCHED_SNAPSHOT = "unvouched snapshot"  # no checked update, and no two peers that may sync, vouch for it
 Task = Generator[Request, Any, Any]
 
 
@@ -240,16 +240,17 @@ class Repair:
 
     def _vouched_term(self, fragment: int, source: str, snap: SnapshotIndex) -> Task:
         """The term of the update that produced the snapshot's state, if that state is vouched for: by an
-        update record this peer checked, by two live peers' tips, or by the record that produced it in the
-        source's log (its leader's signature and lease checked here); None otherwise."""
+        update record this peer checked, by the tips of two live peers that may synchronize (terms capped
+        at the highest leased term), or by the record that produced it in the source's log (its leader's
+        signature and lease checked here); None otherwise. What unlisted keys report never counts."""
         term = self.book.vouchers.term_of(fragment, snap.version, snap.checksum)
         if term is not None:
             return term
         state = BranchTip(0, snap.version, snap.checksum)
         alike = [
             tip.term
-            for peer, info in self.membership.live_peers.items()
-            if peer != self.peer_id and (tip := info.tip(fragment)) is not None and tip.same_state(state)
+            for peer, tip in self._reported(fragment).items()
+            if self.manifest.may_synchronize(peer) and tip.same_state(state)
         ]
         if len(alike) >= MIN_INDEPENDENT_PEERS:
             return min(alike)
@@ -346,37 +347,41 @@ class Repair:
         )
         return False
 
+    def _reported(self, fragment: int) -> dict[str, BranchTip]:
+        """Other live peers' tips of `fragment`, terms capped at the highest leased term (`swarm.vouching`)."""
+        membership = self.membership
+        return reported_tips(membership.live_peers, fragment, self.peer_id, membership.term_seen)
+
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
-        """Fragments off the live peers' winning tip for a whole heartbeat period (not a push still in
-        flight): (fragment, winning tip, peers on it, classification), to `reconcile_fragment`."""
+        """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):
+        (fragment, winning tip, peers on it, classification), to `reconcile_fragment`. Only tips vouched for
+        or reported by peers that may synchronize name a target (`swarm.vouching`)."""
         self.snapshots.expire(now)  # served states nobody asked for lately are dropped, requests or not
         self.offer_snapshots()
         due = []
         period = self.manifest.timing.heartbeat_period
+        witness = self.manifest.may_synchronize
         for p in range(self.plan.num_fragments):
             mine = self.book.tip(p)
-            reported = {
-                peer: tip
-                for peer, info in self.membership.live_peers.items()
-                if peer != self.peer_id and (tip := info.tip(p)) is not None
-            }
-            theirs = self.book.vouchers.trusted_tips(p, reported)
+            reported = self._reported(p)
+            theirs = self.book.vouchers.trusted_tips(p, reported, witness)
             winner = reconcile.winning_tip([mine, *theirs.values()])
             decision = reconcile.classify(mine, winner)
-            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP) and reported.keys() - theirs.keys():
-                # A tip nobody vouches for may still show I am behind on my own branch: replaying its log
-                # is safe (every record's signature and lease is checked; a snapshot fallback must be
-                # vouched for), a rollback toward it is not.
-                ahead = reconcile.winning_tip([mine, *reported.values()])
+            credible = self.book.vouchers.credible_tips(p, reported, witness)
+            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP) and credible.keys() - theirs.keys():
+                # A credible tip nobody else vouches for (one listed synchronizer's) may still show I am
+                # behind on my own branch: replaying its log is safe (every record's signature and lease is
+                # checked; a snapshot fallback must be vouched for), a rollback toward it is not.
+                ahead = reconcile.winning_tip([mine, *credible.values()])
                 if reconcile.classify(mine, ahead).action == reconcile.CATCH_UP:
-                    winner, decision, theirs = ahead, reconcile.classify(mine, ahead), reported
+                    winner, decision = ahead, reconcile.classify(mine, ahead)
             if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):
                 self.book.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
                 self.behind_since.pop(p, None)
                 continue
             since = self.behind_since.setdefault(p, now)
             if now - since >= period and p not in self.busy:
-                sources = sorted(peer for peer, tip in theirs.items() if tip.same_state(winner))
+                sources = sources_on(winner, reported, witness)
                 self.journal.note(f"fragment {p}: {decision}; repairing from {len(sources)} peers")
                 self.behind_since.pop(p, None)
                 due.append((p, winner, sources, decision))
@@ -401,17 +406,19 @@ class Repair:
         if not others:
             return stats
         for p in range(self.plan.num_fragments):
-            tips = {peer: tip for peer, info in others.items() if (tip := info.tip(p)) is not None}
-            if tips:  # the winning branch's tip (protocol/reconcile.py), not merely the highest version
-                winner = reconcile.winning_tip(tips.values())
-                target = winner.version
-                ranked = sorted(peer for peer, tip in tips.items() if tip.same_state(winner))
-            else:
-                target = max(info.versions[p] for info in others.values())
-                ranked = sorted(peer for peer, i in others.items() if i.versions[p] >= target)
+            reported = self._reported(p)
+            tips = self.book.vouchers.credible_tips(p, reported, self.manifest.may_synchronize)
+            if not tips:
+                continue  # only unlisted keys report it: wait for a credible tip, never follow theirs
+            # the winning branch's tip (protocol/reconcile.py), not merely the highest version
+            winner = reconcile.winning_tip(tips.values())
+            target = winner.version
             if self.replica.version(p) >= target:
                 continue  # up to date, or ahead on a branch that anti-entropy reconciles
-            sources = ranked[p % len(ranked) :] + ranked[: p % len(ranked)]
+            ranked = sources_on(winner, reported, self.manifest.may_synchronize)
+            listed = [peer for peer in ranked if self.manifest.may_synchronize(peer)]
+            first = p % len(listed) if listed else 0  # spread fragments over the listed sources
+            sources = listed[first:] + listed[:first] + ranked[len(listed) :]
             if replay:
                 behind.append((p, sources, target))
             else:

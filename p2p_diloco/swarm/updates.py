@@ -31,7 +31,7 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.learner import Adopt
 from p2p_diloco.swarm.update_checks import UpdateChecks
 from p2p_diloco.swarm.update_log import UpdateLog
-from p2p_diloco.swarm.vouching import Ahead, Vouchers, trusted_ahead
+from p2p_diloco.swarm.vouching import Ahead, Vouchers, reported_tips, trusted_ahead
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.frames import encode_update, update_signing_bytes
 from p2p_diloco.wire.records import HeartbeatInfo
@@ -109,26 +109,17 @@ class UpdateBook:
             for p in range(self.plan.num_fragments)
         )
 
-    def trusted_ahead(self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str) -> dict[int, Ahead]:
-        """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica.
-
-        Only tips of peers that may synchronize (in a public run: the listed synchronizers) or tips a
-        checked record vouches for count: two strangers reporting the same made-up tip would otherwise
-        make every honest peer think it lags, and no one would claim the lease."""
+    def trusted_ahead(
+        self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str, term_ceiling: int
+    ) -> dict[int, Ahead]:
+        """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica
+        (`swarm.vouching`: vouched for, or reported alike by two peers that may synchronize; tip terms
+        capped at `term_ceiling`). Two strangers reporting the same made-up tip would otherwise make every
+        honest peer think it lags, and no one would claim the lease."""
         reported = [
-            {
-                peer: tip
-                for peer, info in live_peers.items()
-                if peer != peer_id
-                and (tip := info.tip(p)) is not None
-                and (
-                    self.manifest.may_synchronize(peer)
-                    or self.vouchers.term_of(p, tip.version, tip.checksum) is not None
-                )
-            }
-            for p in range(self.plan.num_fragments)
+            reported_tips(live_peers, p, peer_id, term_ceiling) for p in range(self.plan.num_fragments)
         ]
-        return trusted_ahead(self.vouchers, self.tips(), reported)
+        return trusted_ahead(self.vouchers, self.tips(), reported, self.manifest.may_synchronize)
 
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         """(tag, detail) if a record is not for this run, manifest or fragment layout."""

@@ -1,23 +1,35 @@
-"""Which fragment states this peer may trust without having computed them: states vouched for by a signed,
-validly leased update record, or reported alike by at least two other peers.
+"""Which fragment states this peer may trust without having computed them, and which tips may tell it where
+to look: the one place where heartbeats' branch tips become evidence (docs/security.md, "Where trust
+comes from").
 
 A heartbeat's branch tips are self-reports, and a snapshot is whatever its server chose to send, so
-neither may move a replica by itself (a forged tip once pulled every honest replica onto random weights).
-`Vouchers` remembers, per fragment, the (version, checksum, term) of every update record this peer
-checked (signature of its leader, and the leader's lease; `Peer` and `Repair` check, then call `vouch`).
-Anti-entropy only repairs toward a trusted tip, and a snapshot is installed only if its state is vouched.
+neither may move a replica by itself (a forged tip once pulled every honest replica onto random weights;
+two fresh keys reporting the same forged tip once did it again). Trust flows from the run authority:
+authority -> peers that may synchronize (`RunManifest.may_synchronize`: listed synchronizers, the
+allowlist; everyone in an open run) -> their leases -> update records -> fragment states.
+
+- `Vouchers` remembers, per fragment, the (version, checksum, term) of every update record this peer
+  checked (signature of its leader, and the leader's lease; `Peer` and `Repair` check, then call `vouch`).
+- `reported_tips`: other live peers' tips with every term capped at the highest term a valid lease has
+  shown (`Membership.term_seen`): a claimed term never counts above it.
+- `credible_tips`: tips a checked record vouches for or that a peer that may synchronize reports: these
+  may name a repair's target; tips of any other key never do.
+- `Vouchers.trusted_tips`: states vouched for, or reported alike by two peers that may synchronize:
+  these may be installed or reconciled toward. A thousand unlisted keys saying the same weigh nothing.
+
 Memory is bounded: the newest `MAX_VOUCHED` states per fragment. `trusted_ahead` tells on which fragments
-trusted tips of live peers are ahead of this replica (election and the holder's catch-up before merging).
+trusted tips are ahead of this replica (election and the holder's catch-up before merging).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from p2p_diloco.protocol import reconcile
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
+from p2p_diloco.wire.records import HeartbeatInfo
 
 MAX_VOUCHED = 64
 MIN_INDEPENDENT_PEERS = 2
@@ -42,17 +54,47 @@ class Vouchers:
     def newest(self, fragment: int) -> int:
         return max(self._states[fragment], default=0)
 
-    def trusted_tips(self, fragment: int, tips: Mapping[str, BranchTip]) -> dict[str, BranchTip]:
-        """The peers' tips of `fragment` that are vouched for, or reported alike by two peers or more."""
+    def vouched(self, fragment: int, tip: BranchTip) -> bool:
+        return self.term_of(fragment, tip.version, tip.checksum) is not None
+
+    def trusted_tips(
+        self, fragment: int, tips: Mapping[str, BranchTip], may_witness: Witness
+    ) -> dict[str, BranchTip]:
+        """The peers' tips of `fragment` that are vouched for, or reported alike by `MIN_INDEPENDENT_PEERS`
+        peers that may witness (may synchronize); what other keys report never counts."""
         trusted = {}
         for peer, tip in tips.items():
-            alike = sum(other.same_state(tip) for other in tips.values())
-            if (
-                self.term_of(fragment, tip.version, tip.checksum) is not None
-                or alike >= MIN_INDEPENDENT_PEERS
-            ):
+            alike = sum(other.same_state(tip) for who, other in tips.items() if may_witness(who))
+            if self.vouched(fragment, tip) or alike >= MIN_INDEPENDENT_PEERS:
                 trusted[peer] = tip
         return trusted
+
+    def credible_tips(
+        self, fragment: int, tips: Mapping[str, BranchTip], may_witness: Witness
+    ) -> dict[str, BranchTip]:
+        """The tips that may name a repair's target: vouched for, or reported by a peer that may witness."""
+        return {peer: tip for peer, tip in tips.items() if may_witness(peer) or self.vouched(fragment, tip)}
+
+
+Witness = Callable[[str], bool]  # whether a peer's reports may count as evidence (it may synchronize)
+
+
+def reported_tips(
+    live_peers: Mapping[str, HeartbeatInfo], fragment: int, me: str, term_ceiling: int
+) -> dict[str, BranchTip]:
+    """Other live peers' tips of `fragment`, each term capped at `term_ceiling` (the highest term a valid
+    lease has shown this peer): a heartbeat's claimed term never counts above what a lease backs."""
+    tips = {}
+    for peer, info in live_peers.items():
+        if peer != me and (tip := info.tip(fragment)) is not None:
+            tips[peer] = tip if tip.term <= term_ceiling else replace(tip, term=term_ceiling)
+    return tips
+
+
+def sources_on(state: BranchTip, tips: Mapping[str, BranchTip], may_witness: Witness) -> list[str]:
+    """Peers reporting `state` (where to look: what they send is checked), those that may witness first."""
+    on = [peer for peer, tip in tips.items() if tip.same_state(state)]
+    return sorted(on, key=lambda peer: (not may_witness(peer), peer))
 
 
 @dataclass(frozen=True)
@@ -65,7 +107,10 @@ class Ahead:
 
 
 def trusted_ahead(
-    vouchers: Vouchers, mine: Sequence[BranchTip], reported: Sequence[Mapping[str, BranchTip]]
+    vouchers: Vouchers,
+    mine: Sequence[BranchTip],
+    reported: Sequence[Mapping[str, BranchTip]],
+    may_witness: Witness,
 ) -> dict[int, Ahead]:
     """Fragments whose trusted winning tip among `reported[p]` (other live peers' tips) is ahead of `mine[p]`
     on a history my state may lie on (`reconcile.classify` says catch up).
@@ -77,11 +122,10 @@ def trusted_ahead(
     """
     ahead = {}
     for p, (tip, tips) in enumerate(zip(mine, reported, strict=True)):
-        theirs = vouchers.trusted_tips(p, tips)
+        theirs = vouchers.trusted_tips(p, tips, may_witness)
         if not theirs:
             continue
         winner = reconcile.winning_tip(theirs.values())
         if reconcile.classify(tip, winner).action == reconcile.CATCH_UP:
-            sources = tuple(sorted(peer for peer, t in theirs.items() if t.same_state(winner)))
-            ahead[p] = Ahead(winner, sources)
+            ahead[p] = Ahead(winner, tuple(sources_on(winner, tips, may_witness)))
     return ahead

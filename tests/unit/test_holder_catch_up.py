@@ -36,6 +36,10 @@ _TRAINING = tiny_training(MANIFEST)
 MANIFEST_SHAPES = [_TRAINING.replica.shapes(p) for p in range(_TRAINING.plan.num_fragments)]
 
 
+def ANYONE(peer: str) -> bool:  # noqa: N802 - an open run: every peer may witness
+    return True
+
+
 def tip(term: int, version: int, checksum: str = "c" * 16) -> BranchTip:
     return BranchTip(term, version, checksum)
 
@@ -46,19 +50,29 @@ def record(fragment: int, version: int, term: int, checksum: str) -> UpdateRecor
 
 def test_tips_two_peers_report_alike_are_ahead_one_peers_alone_are_not():
     mine = [tip(1, 1, "x" * 16)]
-    both = trusted_ahead(Vouchers(1), mine, [{"a": tip(1, 3), "b": tip(1, 3)}])
+    both = trusted_ahead(Vouchers(1), mine, [{"a": tip(1, 3), "b": tip(1, 3)}], ANYONE)
     assert set(both) == {0} and both[0].winner == tip(1, 3) and both[0].sources == ("a", "b")
-    assert trusted_ahead(Vouchers(1), mine, [{"a": tip(1, 3), "b": tip(1, 2, "d" * 16)}]) == {}
+    assert trusted_ahead(Vouchers(1), mine, [{"a": tip(1, 3), "b": tip(1, 2, "d" * 16)}], ANYONE) == {}
 
     vouchers = Vouchers(1)
     vouchers.vouch(record(0, 3, 1, "c" * 16))  # a checked record produced this state
-    assert trusted_ahead(vouchers, mine, [{"a": tip(1, 3)}])[0].sources == ("a",)
+    assert trusted_ahead(vouchers, mine, [{"a": tip(1, 3)}], ANYONE)[0].sources == ("a",)
+
+
+def test_two_unlisted_keys_reporting_alike_are_no_evidence_two_listed_synchronizers_are():
+    mine = [tip(1, 1, "x" * 16)]
+    forged = {"stranger-1": tip(1, 3), "stranger-2": tip(1, 3)}
+    listed = {"sync-a", "sync-b"}
+    assert trusted_ahead(Vouchers(1), mine, [forged], listed.__contains__) == {}
+    honest = {"sync-a": tip(1, 3), "sync-b": tip(1, 3), "stranger-1": tip(1, 3)}
+    ahead = trusted_ahead(Vouchers(1), mine, [honest], listed.__contains__)
+    assert ahead[0].sources == ("sync-a", "sync-b", "stranger-1")  # listed first, strangers only as sources
 
 
 def test_newer_versions_of_a_lower_term_are_not_ahead_of_a_higher_terms_branch():
     """My state cannot lie on their history (that is reconciliation's business, not a catch-up)."""
-    assert trusted_ahead(Vouchers(1), [tip(2, 1, "x" * 16)], [{"a": tip(1, 3), "b": tip(1, 3)}]) == {}
-    assert trusted_ahead(Vouchers(1), [tip(1, 3)], [{"a": tip(1, 3), "b": tip(1, 3)}]) == {}
+    assert trusted_ahead(Vouchers(1), [tip(2, 1, "x" * 16)], [{"a": tip(1, 3), "b": tip(1, 3)}], ANYONE) == {}
+    assert trusted_ahead(Vouchers(1), [tip(1, 3)], [{"a": tip(1, 3), "b": tip(1, 3)}], ANYONE) == {}
 
 
 def report(peer: PeerHarness, who: str, versions: tuple[int, ...], tips: tuple, now: float) -> None:

@@ -63,13 +63,18 @@ def test_the_signature_covers_every_field_and_the_payload_and_survives_the_wire(
         assert not keys.verify("leader", update_signing_bytes(forged), forged.signature)
 
 
-def test_a_state_is_trusted_when_a_checked_record_or_two_peers_vouch_for_it():
+def test_a_state_is_trusted_when_a_checked_record_or_two_peers_that_may_sync_vouch_for_it():
     vouchers = Vouchers(2)
+    listed = {"a", "b", "c"}.__contains__  # the run's synchronizers; mallory and eve are unlisted keys
     lone = {"mallory": BranchTip(99, 50, "forged")}
-    assert vouchers.trusted_tips(0, lone) == {}
+    assert vouchers.trusted_tips(0, lone, listed) == {}
     two = {"a": BranchTip(2, 4, "x"), "b": BranchTip(2, 4, "x"), "mallory": BranchTip(99, 50, "forged")}
-    assert set(vouchers.trusted_tips(0, two)) == {"a", "b"}
+    assert set(vouchers.trusted_tips(0, two, listed)) == {"a", "b"}
+    sybils = {"mallory": BranchTip(99, 50, "forged"), "eve": BranchTip(99, 50, "forged")}
+    assert vouchers.trusted_tips(0, sybils, listed) == {}  # two unlisted keys alike: no evidence
+    assert vouchers.credible_tips(0, {**sybils, "a": BranchTip(2, 4, "x")}, listed).keys() == {"a"}
+    assert set(vouchers.trusted_tips(0, sybils, lambda peer: True)) == {"mallory", "eve"}  # an open run
     vouchers.vouch(RECORD)  # v3 -> v4 with checksum c0ffee, term 2
     assert vouchers.term_of(0, 4, "c0ffee") == 2 and vouchers.term_of(0, 4, "other") is None
-    assert set(vouchers.trusted_tips(0, {"c": BranchTip(2, 4, "c0ffee")})) == {"c"}
+    assert set(vouchers.trusted_tips(0, {"eve": BranchTip(2, 4, "c0ffee")}, listed)) == {"eve"}
     assert vouchers.newest(0) == 4 and vouchers.newest(1) == 0
