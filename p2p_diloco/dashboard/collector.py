@@ -20,8 +20,10 @@ from p2p_diloco.node.status import swarm_status
 from p2p_diloco.wire.interfaces import KeyValueStore, StoredValue
 from p2p_diloco.wire.keys import eval_key, heartbeat_key, stats_key
 from p2p_diloco.wire.observe import (
+    MAX_EVAL_SKEW,
     EvalHistory,
     EvalPoint,
+    admit_histories,
     decode_eval_history,
     decode_peer_stats,
     merge_points,
@@ -142,7 +144,11 @@ class Collector:
                 out[writer] = decode_eval_history(stored.value, self.fragments)
             except RecordError:
                 self.ignored["bad eval history"] += 1
-        return out
+        admitted = admit_histories(
+            out, may_evaluate=self.manifest.may_evaluate, now=now, max_skew=MAX_EVAL_SKEW
+        )
+        self.ignored.update(reason for _, reason, _ in admitted.refused)
+        return admitted.records
 
     def _sample(self, status: dict[str, Any], now: float) -> None:
         sync = status["synchronizer"]

@@ -15,8 +15,10 @@ in place) and bound into a weightless model for the evaluation (`BorrowedWeights
 in-process swarm use).
 
 The history (`wire.observe.EvalHistory`, bounded to `MAX_EVAL_POINTS`) is published owner-signed under
-`keys.eval_key` on the I/O thread, after merging every other evaluator's record read from the DHT; a
-new evaluator (a failover) therefore continues the curve. `tokens` of a point is the number of merged
+`keys.eval_key` on the I/O thread, after merging every other permitted evaluator's record read from the
+DHT (`wire.observe.admit_histories`: the run's synchronizers and `[trust] evaluators`; records of other
+keys, and records with points dated in the future, are refused with a counter in `ignored`); a new
+evaluator (a failover) therefore continues the curve, and no key outside the list can pause it. `tokens` of a point is the number of merged
 tokens in the global model, estimated from this peer's contribution ledger: exact between two of its
 own points, and for its first point the last published point plus the ledger's tokens of the updates
 applied since that point's versions (updates a snapshot download skipped count nothing).
@@ -41,7 +43,15 @@ from p2p_diloco.node.ledger import ContributionLedger, read_ledger
 from p2p_diloco.node.logsinks import SafeSinks
 from p2p_diloco.wire.interfaces import Clock, KeyValueStore
 from p2p_diloco.wire.keys import eval_key
-from p2p_diloco.wire.observe import EvalHistory, EvalPoint, decode_eval_history, merge_points, merge_records
+from p2p_diloco.wire.observe import (
+    MAX_EVAL_SKEW,
+    EvalHistory,
+    EvalPoint,
+    admit_histories,
+    decode_eval_history,
+    merge_points,
+    merge_records,
+)
 from p2p_diloco.wire.records import RecordError
 
 log = logging.getLogger(__name__)
@@ -148,7 +158,7 @@ class GlobalEvaluator:
         self.history: tuple[EvalPoint, ...] = ()
         self.contributions: tuple[tuple[str, int, int], ...] = ()
         self.ignored: Counter[str] = Counter()
-        self.dedicated_seen = 0.0  # DHT time of the newest point of another dedicated evaluator
+        self.dedicated_seen = 0.0  # DHT time of the newest point of another permitted dedicated evaluator
         self.evaluations = 0
         self.refreshed = False  # read the published history at least once (a first point continues it)
         self._lock = threading.Lock()
@@ -239,14 +249,24 @@ class GlobalEvaluator:
     def refresh(self) -> None:
         """Merge every evaluator's published history into ours; log points the sinks have not seen."""
         now = self.clock.now()
-        records: dict[str, EvalHistory] = {}
+        decoded: dict[str, EvalHistory] = {}
         for writer, stored in self.kv.get(self.key, now).items():
             try:
-                history = decode_eval_history(stored.value, self.manifest.diloco.fragments)
+                decoded[writer] = decode_eval_history(stored.value, self.manifest.diloco.fragments)
             except RecordError:
                 self.ignored["bad eval history"] += 1
-                continue
-            records[writer] = history
+        admitted = admit_histories(
+            decoded,
+            may_evaluate=self.manifest.may_evaluate,
+            now=now,
+            max_skew=MAX_EVAL_SKEW,
+        )
+        for writer, reason, detail in admitted.refused:
+            if self.ignored[reason] == 0:  # the first of each reason; then only the counter
+                log.info("eval history of %s refused: %s (%s)", writer, reason, detail)
+            self.ignored[reason] += 1
+        records = admitted.records
+        for writer, history in records.items():
             if history.dedicated and writer != self.peer_id and history.points:
                 self.dedicated_seen = max(self.dedicated_seen, history.points[-1].t)
         found = list(records.values())

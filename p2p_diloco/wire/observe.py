@@ -4,6 +4,9 @@
   history of global evaluations that peer holds (its own points and those it read from others), plus
   the contribution leaderboard of its ledger. A newcomer, or the next evaluator after a failover, reads
   every subkey and merges them (`merge_points`), so the curve survives the loss of any one peer.
+  Only records of permitted evaluators count (`admit_histories`: the run's synchronizers and listed
+  evaluators), and only their points attributed to permitted evaluators: what another key writes under
+  this key never reaches a curve, a leaderboard or the choice of who evaluates.
 * `PeerStats` (key `keys.stats_key`, subkey = the peer's ID): facts the heartbeat does not carry
   (start time, device, bytes in and out), for the dashboard's peer table.
 
@@ -15,8 +18,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from p2p_diloco.wire.records import MAX_TEXT, RecordError
 
@@ -28,6 +32,9 @@ MAX_CONTRIBUTORS = 32  # rows of the leaderboard one record carries (most tokens
 MAX_FRAGMENTS = 4096
 MAX_STATS_BYTES = 2 * 1024
 MAX_LOSS = 1e4
+# Clock skew tolerated on an eval point's time: a point dated further ahead refuses its record (a far-future
+# point once paused every synchronizer's evaluation until restart)
+MAX_EVAL_SKEW = 60.0
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,46 @@ def merge_records(records: dict[str, EvalHistory], limit: int = MAX_EVAL_POINTS)
             elif p.evaluator not in own or p.t < since[p.evaluator]:
                 relayed.append(p)
     return merge_points(relayed, first_hand, limit=limit)  # a first-hand copy wins over a relayed one
+
+
+class EvalRefusal(StrEnum):
+    """Why a decoded eval history record, or some of its points, did not count (`admit_histories`)."""
+
+    WRITER = "eval writer not permitted"  # the subkey's owner is no permitted evaluator: whole record
+    FUTURE = (
+        "eval point from the future"  # a point dated past now + skew: whole record (it would pause others)
+    )
+    UNATTRIBUTED = "eval point not attributable"  # a point naming an evaluator that is not permitted
+
+
+@dataclass(frozen=True)
+class AdmittedHistories:
+    records: dict[str, EvalHistory]  # writer -> its record, keeping only points of permitted evaluators
+    refused: tuple[tuple[str, EvalRefusal, str], ...]  # (writer, reason, detail)
+
+
+def admit_histories(
+    records: Mapping[str, EvalHistory], *, may_evaluate: Callable[[str], bool], now: float, max_skew: float
+) -> AdmittedHistories:
+    """The records whose points may count. A record counts only if its writer (the owner-signed subkey) is a
+    permitted evaluator and none of its points is dated after `now + max_skew`; within it, a point counts
+    only if the evaluator it names is permitted too (a permitted writer relays such points, never others).
+    So an honest peer never re-publishes a point no permitted evaluator's signature stands behind."""
+    admitted, refused = {}, []
+    for writer, history in records.items():
+        if not may_evaluate(writer):
+            refused.append((writer, EvalRefusal.WRITER, f"{len(history.points)} points"))
+            continue
+        late = max((p.t for p in history.points), default=-math.inf)
+        if late > now + max_skew:
+            refused.append((writer, EvalRefusal.FUTURE, f"a point at t={late:.0f}, {late - now:.0f}s ahead"))
+            continue
+        kept = tuple(p for p in history.points if may_evaluate(p.evaluator))
+        if len(kept) < len(history.points):
+            dropped = len(history.points) - len(kept)
+            refused.append((writer, EvalRefusal.UNATTRIBUTED, f"{dropped} points of unpermitted evaluators"))
+        admitted[writer] = EvalHistory(kept, history.dedicated, history.contributions)
+    return AdmittedHistories(admitted, tuple(refused))
 
 
 @dataclass(frozen=True)

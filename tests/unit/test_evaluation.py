@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from p2p_diloco.config import TrustConfig
 from p2p_diloco.model.data import load_corpus
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.node.evaluation import DEDICATED_STALE, EvalMode, EvalOptions, GlobalEvaluator
@@ -15,7 +16,7 @@ from p2p_diloco.node.logsinks import SafeSinks
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.memory import InMemoryKeyValueStore
 from p2p_diloco.wire.keys import eval_key
-from p2p_diloco.wire.observe import EvalHistory, decode_eval_history
+from p2p_diloco.wire.observe import MAX_EVAL_SKEW, EvalHistory, EvalPoint, EvalRefusal, decode_eval_history
 from tests.support.manifests import tiny_manifest
 
 MANIFEST = tiny_manifest("eval-unit")
@@ -57,10 +58,10 @@ class Sink:
 
 
 def evaluator(
-    peer_id: str, kv, clock, world, *, mode=EvalMode.AUTO, ledger=None, sinks=None
+    peer_id: str, kv, clock, world, *, mode=EvalMode.AUTO, ledger=None, sinks=None, manifest=MANIFEST
 ) -> GlobalEvaluator:  # noqa: ANN001
     return GlobalEvaluator(
-        MANIFEST,
+        manifest,
         EvalOptions(mode=mode, every_updates=4, min_seconds=1.0, batches=1, batch_size=2),
         peer_id=peer_id,
         kv=kv,
@@ -177,3 +178,49 @@ def test_a_non_finite_loss_is_not_published(monkeypatch, loss):
     ev = evaluator("QmA", kv, clock, world)
     ev.refresh()
     assert ev.maybe_evaluate() is None and ev.history == ()
+
+
+SYNC, DEDICATED, STRANGER = "Qm" + "S" * 44, "Qm" + "D" * 44, "Qm" + "X" * 44
+PUBLIC = tiny_manifest(
+    "eval-unit", trust=TrustConfig(authority=SYNC, synchronizers=(SYNC,), evaluators=(DEDICATED,))
+)
+PUBLIC_KEY = eval_key(PUBLIC.run_id, PUBLIC.manifest_hash)
+
+
+def forged(evaluator_id: str, t: float, loss: float = 9.0) -> EvalPoint:
+    if evaluator_id == STRANGER:
+        return EvalPoint(t, 10**9, (10**6, 10**6), loss, evaluator_id, term=10**4)
+    return EvalPoint(t, 0, (0, 0), loss, evaluator_id, term=1)
+
+
+def test_only_permitted_evaluators_count_and_a_strangers_record_never_pauses_evaluation():
+    """Issue #27: a stranger's dedicated record dated far in the future once stopped the synchronizer from
+    evaluating until restart, and honest evaluators re-published its points. Only the run's synchronizers
+    and `[trust] evaluators` count; a point dated ahead refuses its record even from a permitted writer."""
+    kv, clock, world = InMemoryKeyValueStore(), Clock(), World()
+    far = clock.t + 10**7
+    kv.store(PUBLIC_KEY, STRANGER, EvalHistory((forged(STRANGER, far),), dedicated=True).to_bytes(), 1e12)
+    # a listed writer relaying a point it cannot attribute to a permitted evaluator: that point is dropped
+    relay = EvalHistory((forged(STRANGER, clock.t - 5), forged(DEDICATED, clock.t - 4, loss=3.0)), True)
+    kv.store(PUBLIC_KEY, DEDICATED, relay.to_bytes(), 1e12)
+    world.holder = True
+    sync = evaluator(SYNC, kv, clock, world, manifest=PUBLIC)
+    sync.refresh()
+    assert sync.ignored[EvalRefusal.WRITER] == 1 and sync.ignored[EvalRefusal.UNATTRIBUTED] == 1
+    assert [p.evaluator for p in sync.history] == [DEDICATED]  # nothing of the stranger's
+    assert not sync.wants_to_evaluate(clock.now())  # the listed dedicated evaluator evaluates (recently)
+    clock.t += DEDICATED_STALE + 1
+    assert sync.wants_to_evaluate(clock.now())  # the stranger's far-future point pauses nothing
+    world.versions = (2, 2)  # due: every_updates after the dedicated evaluator's point
+    point = sync.maybe_evaluate()
+    assert point is not None
+    sync.publish()
+    mine = decode_eval_history(kv.get(PUBLIC_KEY, 0.0)[SYNC].value, 2)
+    assert {p.evaluator for p in mine.points} == {DEDICATED, SYNC}  # never re-publishes the stranger's point
+
+    # the listed dedicated evaluator itself, with a point dated ahead (clock off, or hostile): refused
+    ahead = EvalHistory((forged(DEDICATED, clock.t + MAX_EVAL_SKEW + 100),), dedicated=True)
+    kv.store(PUBLIC_KEY, DEDICATED, ahead.to_bytes(), 2e12)
+    sync.refresh()
+    assert sync.ignored[EvalRefusal.FUTURE] == 1
+    assert sync.wants_to_evaluate(clock.now())
