@@ -13,14 +13,16 @@ import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.manifest_types import build_section, section_values
+from p2p_diloco.packaged import missing_manifest_hint
 from p2p_diloco.protocol.robust import RobustConfig
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.specs import (
+    Choice,
     DataConfig,
     DataSource,
     InnerOptimizer,
@@ -30,8 +32,10 @@ from p2p_diloco.specs import (
     Precision,
     TrainConfig,
 )
+from p2p_diloco.trust_config import LEARNERS_ANY, TrustConfig
 
 __all__ = [
+    "LEARNERS_ANY",
     "DataConfig",
     "DataSource",
     "DilocoConfig",
@@ -48,7 +52,7 @@ __all__ = [
 ]
 
 
-class Codec(StrEnum):
+class Codec(Choice):
     """Tensor codecs of `[wire] codec`: dense int8 blockwise (default), raw fp32, and sparse top-k with
     int8 or 4-bit values (`wire.sparse`)."""
 
@@ -241,70 +245,6 @@ class LimitsConfig:
         return max(2 * num_params, self.MIN_AUTO_UPDATE_LOG_BYTES)
 
 
-LEARNERS_ANY = "any"
-
-
-@dataclass(frozen=True)
-class TrustConfig:
-    """Who may do what in a run (`[trust]`, see docs/security.md).
-
-    `authority`: the organizer's peer ID; when set the run is *public*: the manifest must carry the
-    authority's detached signature (`MANIFEST.sig`, `p2p-diloco manifest sign`), only `synchronizers` may
-    hold the lease, and the public-run defaults of `[robust]` apply. `learners`: "any" or a list of peer IDs
-    that may send deltas. An empty `[trust]` keeps a private run open to every peer (with a warning).
-    """
-
-    authority: str = ""
-    synchronizers: tuple[str, ...] = ()
-    learners: str | tuple[str, ...] = LEARNERS_ANY
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.authority, str), "trust.authority must be a peer ID string (Qm...)")
-        _require(
-            not self.authority or _looks_like_peer_id(self.authority),
-            f"trust.authority must be a peer ID (Qm..., from `p2p-diloco keygen`), got {self.authority!r}",
-        )
-        _require(
-            isinstance(self.synchronizers, tuple)
-            and all(isinstance(p, str) and _looks_like_peer_id(p) for p in self.synchronizers),
-            f"trust.synchronizers must be a list of peer IDs (Qm...), got {self.synchronizers!r}",
-        )
-        _require(
-            not self.authority or bool(self.synchronizers),
-            "a run with trust.authority must list trust.synchronizers (the only peers that may hold the "
-            "lease); add at least one peer ID, e.g. the authority's own",
-        )
-        learners = self.learners
-        if isinstance(learners, list):
-            learners = tuple(learners)
-            object.__setattr__(self, "learners", learners)
-        _require(
-            learners == LEARNERS_ANY
-            or (
-                isinstance(learners, tuple)
-                and all(isinstance(p, str) and _looks_like_peer_id(p) for p in learners)
-            ),
-            f'trust.learners must be "any" or a list of peer IDs (Qm...), got {learners!r}',
-        )
-
-    @property
-    def public(self) -> bool:
-        """A run with an authority: signed manifest, listed synchronizers, strangers expected."""
-        return bool(self.authority)
-
-    def may_synchronize(self, peer: str) -> bool:
-        return not self.synchronizers or peer in self.synchronizers
-
-    def may_learn(self, peer: str) -> bool:
-        return self.learners == LEARNERS_ANY or peer in self.learners or peer in self.synchronizers
-
-
-def _looks_like_peer_id(text: str) -> bool:
-    """A base58 libp2p peer ID (RSA IDs start with Qm); the DHT and transport check the key behind it."""
-    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-    return 40 <= len(text) <= 64 and all(c in alphabet for c in text)
-
-
 @dataclass(frozen=True)
 class RunManifest:
     """Everything peers of one run must agree on. Its `manifest_hash` is part of every key and header."""
@@ -345,6 +285,16 @@ class RunManifest:
         """Whether `peer` may send deltas and fetch state: the allowlist (if any) and `trust.learners`."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_learn(peer)
 
+    def may_evaluate(self, peer: str) -> bool:
+        """Whether `peer`'s global eval points count (`trust.may_evaluate`, within the allowlist if any)."""
+        return (not self.allowlist or peer in self.allowlist) and self.trust.may_evaluate(peer)
+
+    @property
+    def restricts_synchronizers(self) -> bool:
+        """Whether some peers may not synchronize (an allowlist or `trust.synchronizers`): then what the
+        others claim is never evidence (docs/security.md, "Where trust comes from")."""
+        return bool(self.allowlist or self.trust.synchronizers)
+
     @property
     def loss_check_on(self) -> bool:
         """Whether the synchronizer tries each delta on held-out data before merging (`[robust] loss_check`)."""
@@ -370,6 +320,8 @@ class RunManifest:
         d["model"].pop("base_dir")
         d["data"].pop("base_dir")
         d["data"].pop("shards")
+        if not d["trust"]["evaluators"]:
+            d["trust"].pop("evaluators")  # added later: manifests without it keep their hash
         if isinstance(d["model"]["config"], str):
             d["model"]["config"] = "file"
         if d["model"]["weights_digest"]:
@@ -396,22 +348,15 @@ class RunManifest:
         unknown = sorted(set(raw) - known)
         _require(not unknown, f"{where}: unknown top-level keys {unknown}; expected some of {sorted(known)}")
         _require("run_id" in raw, f'{where}: missing run_id = "..."')
+        _require(
+            isinstance(raw["run_id"], str),
+            f'{where}: run_id must be a string, got {raw["run_id"]!r}: write run_id = "{raw["run_id"]}"',
+        )
         kwargs: dict[str, Any] = {"run_id": raw["run_id"]}
         for name, klass in sections.items():
-            section = raw.get(name, {})
-            _require(isinstance(section, dict), f"{where}: [{name}] must be a table")
-            fields = {
-                f.name for f in dataclasses.fields(klass) if f.name not in ("base_dir", "resolved_config")
-            }
-            bad = sorted(set(section) - fields)
-            _require(not bad, f"{where}: unknown keys in [{name}]: {bad}; valid keys are {sorted(fields)}")
-            values = {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}
-            if name in ("model", "data"):
-                values["base_dir"] = base_dir
-            try:
-                kwargs[name] = klass(**values)
-            except TypeError as exc:
-                raise ConfigError(f"{where}: [{name}]: {exc}") from exc
+            base = base_dir if name in ("model", "data") else None
+            values = section_values(name, klass, raw.get(name, {}), where=where, base_dir=base)
+            kwargs[name] = build_section(name, klass, values, where=where)
         for name in ("allowlist", "bootstrap"):
             value = raw.get(name, [])
             _require(
@@ -425,7 +370,7 @@ class RunManifest:
     def load(cls, path: str | Path) -> RunManifest:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"manifest {path} does not exist; see peers/demo.toml for an example")
+            raise ConfigError(missing_manifest_hint(path))
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:

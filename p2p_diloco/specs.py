@@ -27,6 +27,14 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+class Choice(StrEnum):
+    """A manifest choice: compares, hashes, prints and reprs as its plain string, so a message shows
+    ``'custom'`` as the manifest spells it, never ``<ModelKind.CUSTOM: 'custom'>``."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def _enum(klass: type[StrEnum], value: object, key: str) -> StrEnum:
     try:
         return klass(value)
@@ -45,7 +53,7 @@ def resolve_path(base_dir: str, path: str) -> Path:
     return beside if beside.exists() or not p.exists() else p
 
 
-class ModelKind(StrEnum):
+class ModelKind(Choice):
     GPT = "gpt"  # the built-in byte-level GPT (model/gpt.py)
     HF = "hf"  # any transformers causal LM built from a config (model/external.py)
     CUSTOM = "custom"  # `factory = "package.module:function"` returning an nn.Module
@@ -137,7 +145,7 @@ class ModelConfig:
         return resolve_path(self.base_dir, path)
 
 
-class DataSource(StrEnum):
+class DataSource(Choice):
     BUILTIN = "builtin"  # Python's bundled pydoc text, as bytes
     FILES = "files"  # local text files, as bytes
     SHARDS = "shards"  # token shards written by `p2p-diloco data prepare` (model/shards.py)
@@ -186,18 +194,18 @@ class DataConfig:
         return resolve_path(self.base_dir, path)
 
 
-class Precision(StrEnum):
+class Precision(Choice):
     FP32 = "fp32"
     BF16 = "bf16"  # autocast to bfloat16 (weights and optimizer state stay fp32)
     FP16 = "fp16"  # autocast to float16 with a gradient scaler (CUDA; other devices use bf16)
 
 
-class InnerOptimizer(StrEnum):
+class InnerOptimizer(Choice):
     ADAMW = "adamw"  # torch AdamW, fp32 state (model/gpt.py make_inner_optimizer)
     ADAMW_8BIT = "adamw8bit"  # bitsandbytes AdamW8bit: blockwise 8-bit state on CUDA; AdamW elsewhere
 
 
-class LRSchedule(StrEnum):
+class LRSchedule(Choice):
     CONSTANT = "constant"
     COSINE = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * inner_lr over decay_steps
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 
 from p2p_diloco.config import ModelConfig, ModelKind
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.hf_check import check_hf_config
 
 HF_PREFIX = "hf."  # parameter names of an `HFCausalLM` are the transformers names behind this prefix
 
@@ -81,6 +83,7 @@ def hf_config(cfg: ModelConfig) -> Any:
         config = AutoConfig.for_model(model_type, **raw)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model.config: transformers refused it: {exc}") from exc
+    check_hf_config(cfg.resolved_config, config)  # unknown keys, heads that do not fit (model/hf_check.py)
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and max_positions < cfg.block_size:
         raise ConfigError(
@@ -206,13 +209,27 @@ def embedding_names(model: nn.Module) -> set[str]:
 
 
 def cli_model_digest(args: Any) -> int:
-    """`p2p-diloco model-digest MANIFEST`: the `weights_digest` of the manifest's initial model."""
+    """`p2p-diloco model-digest MANIFEST`: the `weights_digest` of the manifest's initial model. It is
+    computed without the manifest's own `weights_digest`, so a stale one is reported, not refused: exit
+    status 1 when they differ (the new value is printed for the organizer to put in the manifest)."""
+    import dataclasses
+
     from p2p_diloco.config import RunManifest
     from p2p_diloco.model.gpt import build_model
 
     manifest = RunManifest.load(args.manifest)
-    model = build_model(manifest.model)
+    stated = manifest.model.weights_digest
+    model = build_model(dataclasses.replace(manifest.model, weights_digest=""))
     count = sum(p.numel() for p in model.parameters())
+    found = weights_digest(model)
     print(f"{manifest.model.kind} model, {count} parameters")
-    print(f"weights_digest: {weights_digest(model)}")
+    print(f"weights_digest: {found}")
+    if stated and stated != found:
+        print(
+            f"the manifest says weights_digest = {stated!r}: it differs from the weights built here. If the "
+            f'model changed, write weights_digest = "{found}" under [model] (and sign the manifest again); '
+            "if not, build with the run's torch/transformers versions and model.init file",
+            file=sys.stderr,
+        )
+        return 1
     return 0

@@ -41,6 +41,7 @@ from p2p_diloco.config import DataSource, RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.files import write_atomic
 from p2p_diloco.net.identity import load_identity, public_key_from_proto, public_key_proto
+from p2p_diloco.packaged import missing_manifest_hint
 
 SIG_SUFFIX = ".sig"
 FORMAT = "p2p_diloco.manifest-signature.v1"
@@ -173,7 +174,7 @@ def read_manifest(path: str | Path) -> tuple[bytes, RunManifest]:
     what is used even if the file changes meanwhile (errors worded as `RunManifest.load`'s)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"manifest {path} does not exist; see peers/demo.toml for an example")
+        raise ConfigError(missing_manifest_hint(path))
     try:
         blob = path.read_bytes()
         raw = tomllib.loads(blob.decode())

@@ -36,6 +36,8 @@ from p2p_diloco.node.observing import ObserveOptions
 from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
 from p2p_diloco.node.standby import check_standby_args, stand_by
+from p2p_diloco.node.state import PEER_STATE_FILE
+from p2p_diloco.preflight import check_reachable, explain_start_failure, identity_taken
 
 
 def options_from_args(args: argparse.Namespace) -> NodeOptions:
@@ -148,6 +150,11 @@ def cli_join(args: argparse.Namespace) -> int:
         # Skip the interpreter's teardown: native threads of the torch.distributed (gloo) backend can
         # abort it (SIGABRT) after a clean STOP, and torchrun then reports the whole island as failed.
         os._exit(code)
+    # A first start refuses unreachable initial peers and daemon start failures with exit status 2 (a
+    # mistake to fix); a restart on a used state directory keeps exit status 1, for its supervisor to retry.
+    first_start = not standby and not (options.state_dir / PEER_STATE_FILE).exists()
+    if first_start and options.initial_peers:
+        check_reachable(options.initial_peers)
     if not options.initial_peers:
         print(
             "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
@@ -182,8 +189,8 @@ def cli_join(args: argparse.Namespace) -> int:
     try:
         return node.run()
     except ConnectionError as exc:
-        print(f"p2p-diloco join: {exc}", file=sys.stderr)
-        return 1
+        print(f"p2p-diloco join: {explain_start_failure(exc, options.identity)}", file=sys.stderr)
+        return 2 if first_start or identity_taken(exc) else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
