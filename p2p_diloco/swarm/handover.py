@@ -7,7 +7,9 @@ pushed to some peers just before it was killed, or published while this peer did
 lease (slow DHT writes). An update published from behind starts a branch of the higher term, which wins
 reconciliation and drops those versions, with the deltas they merged (two such losses in the 30-minute
 chaos run at 977d15f). So when this peer takes a term it asks, directly, every fragment's updates after
-its own versions from the previous holders and the most advanced live peers (`handover_sources`), replays
+its own versions from the previous holders and the most advanced live peers that may synchronize or whose
+updates it checked before (`handover_sources`; a flood of fresh keys claiming high versions is never
+asked), replays
 what extends its replica (each record checked: leader's signature and lease, `Repair.replay_log`) and
 holds every round of the term until all have answered or `timing.heartbeat_period` has passed: a frozen
 or unreachable peer delays the term by at most that, and a late answer is still replayed if it fits.
@@ -79,7 +81,15 @@ class Handover:
             for t in sorted((t for t in membership.lease_holders if t < term), reverse=True)[:2]
             for holder in sorted(membership.lease_holders[t])
         ]
-        sources = handover_sources(self.peer_id, previous, membership.live_peers, membership.seen_down(now))
+        # Only peers backed by a signed record are asked (docs/security.md): those that may synchronize, and
+        # peers whose updates this peer checked; never whoever writes a heartbeat claiming high versions.
+        verified = self.repair.book.verified_sources
+        askable = {
+            peer: info
+            for peer, info in membership.live_peers.items()
+            if self.manifest.may_synchronize(peer) or peer in verified
+        }
+        sources = handover_sources(self.peer_id, previous, askable, membership.seen_down(now))
         self.term = term
         self.waiting = set(sources)
         self.deadline = now + self.manifest.timing.heartbeat_period

@@ -13,6 +13,10 @@ from p2p_diloco.swarm.effects import Intent, Note
 from p2p_diloco.wire.replies import Reply
 
 DECISIONS_KEPT = 64
+# Senders counted one by one; refusals of any further sender count under `OTHER_SENDERS` (a flood of fresh
+# keys must not grow a peer's memory)
+MAX_SENDERS_COUNTED = 256
+OTHER_SENDERS = "<other senders>"
 
 
 class Journal:
@@ -30,6 +34,9 @@ class Journal:
     def reject(self, sender: str, tag: str, detail: str) -> Reply:
         """Count and log a refused frame or record; the `Reply` the sender gets."""
         self.rejections[tag] += 1
-        self.rejections_by_sender[(sender, tag)] += 1
+        key = (sender, tag)
+        if key not in self.rejections_by_sender and len(self.rejections_by_sender) >= MAX_SENDERS_COUNTED:
+            key = (OTHER_SENDERS, tag)
+        self.rejections_by_sender[key] += 1
         self.note(f"rejected from {sender}: {tag}: {detail}")
         return Reply.refused(tag, detail)

@@ -6,13 +6,15 @@ for each term), the synchronizer this peer follows and its own lease. It decodes
 counted and skipped, never fatal), screens leases with `protocol.lease_rules` (a refused one is counted
 by reason and never reaches the election), runs `protocol.election.decide` and returns the lease records
 to store; the `Peer` turns its decisions into role changes and intents. Heartbeats are self-reports: they
-never raise a term, their `may_sync` counts only for the run's synchronizers, and peers the manifest does
-not let take part are not read at all.
+never raise a term, their `may_sync` counts only for the run's synchronizers, the election reads only the
+heartbeats of peers that may synchronize, peers the manifest does not let take part are not read at all,
+and one read keeps at most `MAX_HEARTBEATS` (listed and known peers first).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from p2p_diloco.config import RunManifest
@@ -22,11 +24,13 @@ from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.effects import StoreRecord, SwarmRecords
 from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
 LEASE_HISTORY = 64
 RECORDS_PER_TERM = 8
+MAX_HEARTBEATS = 1024  # heartbeats of one read kept (listed synchronizers and known peers first)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class Membership:
         """Decode what was read from the DHT; remembers live peers and every lease holder seen."""
         heartbeats, leases = [], []
         live: dict[str, HeartbeatInfo] = {}
-        for peer, stored in records.heartbeats.items():
+        for peer, stored in self._capped(records.heartbeats).items():
             if not self.allowed(peer):
                 continue
             try:
@@ -93,6 +97,8 @@ class Membership:
                 self.journal.note(f"ignored heartbeat of {peer}: {exc}")
                 continue
             live[peer] = info
+            if peer != self.peer_id and not self.manifest.may_synchronize(peer):
+                continue  # the election reads only peers that may synchronize (and this peer itself)
             record = info.as_election_record(peer, stored.expiration)
             if record.may_sync and not self.manifest.may_synchronize(peer):
                 record = replace(record, may_sync=False)
@@ -141,6 +147,18 @@ class Membership:
         self.standing.heard(live, records.now)
         self.last_read = records.now
         return SwarmView(heartbeats, leases)
+
+    def _capped(self, heartbeats: Mapping[str, StoredValue]) -> Mapping[str, StoredValue]:
+        """At most `MAX_HEARTBEATS` of a read's heartbeats, those of peers that may synchronize and of peers
+        already live first: what a flood of fresh keys costs this peer is bounded, and never displaces them."""
+        if len(heartbeats) <= MAX_HEARTBEATS:
+            return heartbeats
+        ranked = sorted(
+            heartbeats,
+            key=lambda peer: (not self.manifest.may_synchronize(peer), peer not in self.live_peers, peer),
+        )
+        self.journal.rejections["heartbeats over the cap"] += len(heartbeats) - MAX_HEARTBEATS
+        return {peer: heartbeats[peer] for peer in ranked[:MAX_HEARTBEATS]}
 
     def _remembered(self, now: float, read: set[str]) -> list[LeaseRecord]:
         """Valid leases this peer saw, still live, whose holder's record this read did not return: a

@@ -41,6 +41,7 @@ from p2p_diloco.wire.signing import PeerKeys
 # The default count bound of the log per fragment (`[limits] update_log_length`); a fetch of updates
 # answers at most this many frames.
 UPDATE_LOG_LENGTH = LimitsConfig().update_log_length
+MAX_VERIFIED_SOURCES = 32
 
 
 class UpdateSource(StrEnum):
@@ -84,6 +85,9 @@ class UpdateBook:
         # e.g. restored from disk); see protocol/reconcile.py.
         self.tip_terms: list[int] = [0] * plan.num_fragments
         self.applied = 0
+        # Peers that pushed or served an update this peer checked and applied, newest last (the handover
+        # check may ask them besides the listed synchronizers); at most MAX_VERIFIED_SOURCES
+        self.verified_sources: dict[str, None] = {}
 
     def tip(self, fragment: int) -> BranchTip:
         return BranchTip(
@@ -190,6 +194,11 @@ class UpdateBook:
             self.merged_seqs[key] = max(seq, self.merged_seqs.get(key, 0))
         self.log.append(record)
         self.applied += 1
+        if how != UpdateSource.OWN:
+            self.verified_sources.pop(source, None)
+            self.verified_sources[source] = None
+            if len(self.verified_sources) > MAX_VERIFIED_SOURCES:
+                del self.verified_sources[next(iter(self.verified_sources))]
         if self.has_learner:
             self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
         self._emit(Applied(record, source, how))
