@@ -17,14 +17,14 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 # only `__version__`). `files` (the atomic-write helper) sits at the bottom so `protocol` can use it.
 # `specs` and `dashboard` do not exist today; they are placed where they will go.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "errors", "files", "specs"),  # 0: leaves, no p2p_diloco imports
+    ("", "errors", "files", "specs", "manifest_types", "trust_config", "packaged"),  # 0: leaves
     ("protocol",),  # 1: pure protocol rules and the replica
     ("config",),  # 2: the run manifest
     ("model", "wire"),  # 3: the model; DHT keys, record codecs, store/transport interfaces
     ("swarm",),  # 4: the peer core
     ("net",),  # 5: hivemind DHT and libp2p transport
-    ("node",),  # 6: a real process
-    ("baseline", "demo", "sim", "wan", "cli", "__main__", "dashboard"),  # 7: commands and tools
+    ("node", "preflight"),  # 6: a real process; command-line checks before one starts
+    ("baseline", "demo", "sim", "wan", "cli", "cli_peers", "doctor", "__main__", "dashboard"),  # 7: commands
 )
 LAYER_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
 
