@@ -289,11 +289,15 @@ class RunManifest:
         """Whether `peer`'s global eval points count (`trust.may_evaluate`, within the allowlist if any)."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_evaluate(peer)
 
-    @property
-    def restricts_synchronizers(self) -> bool:
-        """Whether some peers may not synchronize (an allowlist or `trust.synchronizers`): then what the
-        others claim is never evidence (docs/security.md, "Where trust comes from")."""
-        return bool(self.allowlist or self.trust.synchronizers)
+    def listed(self, peer: str) -> bool:
+        """Whether the manifest names `peer` (allowlist, `trust.learners`, `trust.synchronizers`): a listed
+        peer's heartbeat makes rounds await it; an unlisted key is awaited from its first accepted delta on.
+        In a run that restricts nobody, every peer."""
+        if self.allowlist:
+            return peer in self.allowlist
+        if self.trust.learners != LEARNERS_ANY:
+            return self.trust.may_learn(peer)
+        return self.trust.may_synchronize(peer)
 
     @property
     def loss_check_on(self) -> bool:

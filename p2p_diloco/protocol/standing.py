@@ -42,12 +42,13 @@ class Standing:
 
     def active(self, learners: Iterable[str], now: float) -> frozenset[str]:
         """The live `learners` that count: merged within `active_window`, or heard first within
-        `newcomer_grace` (a new learner is awaited while its first deltas are on their way)."""
+        `newcomer_grace` (a new learner is awaited while its first deltas are on their way); a learner
+        never heard (an unlisted key before its first accepted delta) does not count."""
         return frozenset(
             peer
             for peer in learners
             if now - self.last_merged.get(peer, float("-inf")) <= self.active_window
-            or now - self.first_heard.get(peer, now) <= self.newcomer_grace
+            or now - self.first_heard.get(peer, float("-inf")) <= self.newcomer_grace
         )
 
     def _forget(self, now: float) -> None:

@@ -70,7 +70,7 @@ class InProcessSwarm:
         self.learners: dict[int, Learner] = {}
         self.generation: dict[int, int] = {}
         self.persisted: dict[int, GlobalReplica] = {}
-        self.stats = [LearnerStats(f"learner-{i}", spec.step_time(i)) for i in range(spec.learners)]
+        self.stats = [LearnerStats(spec.peer_id(i), spec.step_time(i)) for i in range(spec.learners)]
         self.eval_curve: list[tuple[float, int, float]] = []
         self.version_curve: list[tuple[float, int]] = []
         self.terms: list[tuple[float, str, int]] = []

@@ -144,7 +144,9 @@ class Membership:
         leases += self._remembered(records.now, {item.lease.holder for item in seen})
         self._forget_old(records.now, {item.lease for item in seen})
         self.live_peers = live
-        self.standing.heard(live, records.now)
+        # A heartbeat starts the newcomer grace of a listed peer only: an unlisted key is awaited from its
+        # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
+        self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
         self.last_read = records.now
         return SwarmView(heartbeats, leases)
 

@@ -62,12 +62,17 @@ class SwarmSpec:
     seed: int = 0
     partitions: tuple[Partition, ...] = ()
     hostile: dict[int, str] = field(default_factory=dict)  # learner -> swarm.hostile attack; never syncs
+    peer_ids: tuple[str, ...] = ()  # the learners' peer IDs (default learner-0, learner-1, ...)
 
     def __post_init__(self) -> None:
         if self.learners < 1:
             raise ConfigError(f"learners must be >= 1, got {self.learners}")
         if self.step_times and len(self.step_times) != self.learners:
             raise ConfigError(f"step_times lists {len(self.step_times)} values for {self.learners} learners")
+        if self.peer_ids and len(set(self.peer_ids)) != self.learners:
+            raise ConfigError(
+                f"peer_ids lists {len(self.peer_ids)} distinct IDs for {self.learners} learners"
+            )
         if any(t <= 0 for t in self.step_times):
             raise ConfigError("step_times must be > 0")
         if self.total_tokens is None and self.duration is None:
@@ -91,6 +96,9 @@ class SwarmSpec:
 
     def step_time(self, i: int) -> float:
         return self.step_times[i] if self.step_times else 1.0
+
+    def peer_id(self, i: int) -> str:
+        return self.peer_ids[i] if self.peer_ids else f"learner-{i}"
 
 
 @dataclass

@@ -193,6 +193,7 @@ class Synchronizer:
                 self.ahead_hints[p] = sender  # this learner adopted a version I lack: catch up from it
             return self._reject(sender, _tag(decision.reason), decision.reason, now)
         self.guard.note_accepted(p, screened.tensors, header.steps)
+        self.guard.standing.heard((sender,), now)  # an unlisted learner is awaited from its first delta on
         clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
         self.decisions.append(
             f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)
