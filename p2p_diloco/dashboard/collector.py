@@ -199,6 +199,7 @@ class Collector:
                 peers.append(
                     {
                         "peer_id": p["peer_id"],
+                        "listed": p["listed"],  # false: the row is the peer's own claims
                         "role": p["role"],
                         "tokens_per_s": p["tokens_per_s"],
                         "uptime": now - stats["started_at"] if "started_at" in stats else None,

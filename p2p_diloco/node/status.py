@@ -38,8 +38,9 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
     ``synchronizer`` is the holder of the live lease with the highest term among the leases the run's lease
     rules accept (`screen_read`; the others are listed in ``refused_leases`` with their reason), None if
     no such lease is live;
-    a fragment's version is the highest any live peer reports; ``ignored`` counts records that failed
-    their schema check.
+    a fragment's version is the highest a live peer that may synchronize reports (``listed`` per peer: the
+    fields of an unlisted peer are its own claims); ``ignored`` counts records that failed their schema
+    check.
     """
     num_fragments = manifest.diloco.fragments
     ignored: Counter[str] = Counter()
@@ -55,6 +56,7 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
         peers.append(
             {
                 "peer_id": peer_id,
+                "listed": manifest.may_synchronize(peer_id),  # else every field below is an unbacked claim
                 "role": info.role,
                 "may_sync": info.may_sync,
                 "ranks": info.ranks,
@@ -84,8 +86,12 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
     screened = screen_read(leases, peers, manifest, now)
     valid = [item.lease for item in screened.valid]
     current = election.current_holder(valid, now)
+    # A fragment's version as the run's trust chain backs it: the highest a peer that may synchronize
+    # reports (in a public run the listed synchronizers; in an open run every peer). What other keys
+    # report stays in their rows, marked `listed: false`, as claims.
     versions = [
-        max((p["versions"][i] for p in peers if p["versions"]), default=0) for i in range(num_fragments)
+        max((p["versions"][i] for p in peers if p["versions"] and p["listed"]), default=0)
+        for i in range(num_fragments)
     ]
     return {
         "run_id": manifest.run_id,
@@ -120,9 +126,9 @@ def screen_read(
     leases: list[election.LeaseRecord], peers: list[dict[str, Any]], manifest: RunManifest, now: float
 ) -> lease_rules.Screened:
     """The lease rules every peer applies (`protocol.lease_rules`), on one read by a passive observer: every
-    record first seen now, and the trusted term the one at least two live peers report (a lone forged
-    heartbeat cannot raise it)."""
-    reported = sorted((p["term_seen"] for p in peers), reverse=True)
+    record first seen now, and the trusted term the one at least two live peers that may synchronize report
+    (a forged heartbeat, or a thousand of fresh keys, cannot raise it)."""
+    reported = sorted((p["term_seen"] for p in peers if manifest.may_synchronize(p["peer_id"])), reverse=True)
     floor = reported[1] if len(reported) >= 2 else 0
     return lease_rules.screen_leases(
         [lease_rules.SeenLease(lease, now) for lease in leases],
@@ -138,7 +144,8 @@ def screen_read(
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [
-        f"run {status['run_id']} (manifest {status['manifest_hash']}): {len(status['peers'])} live peers"
+        f"run {status['run_id']} (manifest {status['manifest_hash']}): {len(status['peers'])} live peers, "
+        f"{sum(p['listed'] for p in status['peers'])} that may synchronize (the others' rows are their claims)"
     ]
     sync = status["synchronizer"]
     if sync:
@@ -156,7 +163,7 @@ def format_status(status: dict[str, Any]) -> str:
     for p in status["peers"]:
         age = p["last_contribution_age"]
         lines.append(
-            f"{p['peer_id']:<48} {p['role']:<12} {p['step']:>7} {p['loss']:>6.3f} {p['tokens_per_s']:>8.0f} "
+            f"{p['peer_id']:<48} {p['role'] + ('' if p['listed'] else '*'):<12} {p['step']:>7} {p['loss']:>6.3f} {p['tokens_per_s']:>8.0f} "
             f"{p['updates_applied']:>7} {(f'{age:.1f}s ago' if age is not None else 'never'):>8} "
             f"{p['digest']:<16} {','.join(str(v) for v in p['versions'])}"
         )

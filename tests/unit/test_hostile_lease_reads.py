@@ -121,3 +121,36 @@ def test_forged_far_future_leases_do_not_grow_a_peers_memory():
         me.ingest(read(now, LeaseRecord(INSIDER, 1000 + i, now + 3600.0 + i)))
     assert me.journal.rejections[rules.TOO_LONG] == 200
     assert len(me.first_seen) <= 4 * T.lease_ttl + 2  # only records of the last few seconds are kept
+
+
+def test_status_shows_versions_and_terms_backed_by_peers_that_may_synchronize_not_a_sybil_flood():
+    """Issue #27: 200 fresh keys whose heartbeats claim versions 10^6 and term_seen T + 1000 made `status`
+    (and the dashboard) show versions 1,000,000: a stranger decided what the run shows. Fragment versions
+    now come from peers that may synchronize; unlisted rows stay, marked `listed: false` (claims)."""
+    from p2p_diloco.node.status import format_status, swarm_status
+    from p2p_diloco.swarm.memory import InMemoryKeyValueStore
+    from p2p_diloco.wire.keys import heartbeat_key, lease_key
+    from p2p_diloco.wire.records import HeartbeatInfo
+
+    manifest = follower().manifest
+    kv, now = InMemoryKeyValueStore(), 1000.0
+    hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
+    honest = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(5, 6), term_seen=3)
+    kv.store(hb_key, HONEST, honest.to_bytes(), now + 2)
+    for i in range(200):
+        sybil = f"QmSybi1{i:04d}".replace("0", "a") + "x" * 33
+        forged = HeartbeatInfo(
+            role="synchronizer", may_sync=True, reachable=True, versions=(10**6, 10**6), term_seen=1003
+        )
+        kv.store(hb_key, sybil, forged.to_bytes(), now + 2)
+    kv.store(
+        lease_key(manifest.run_id, manifest.manifest_hash),
+        HONEST,
+        encode_lease(LeaseRecord(HONEST, 3, now + 2.0)),
+        now + 5,
+    )
+    status = swarm_status(kv, manifest, now)
+    assert [f["version"] for f in status["fragments"]] == [5, 6]
+    assert status["synchronizer"]["peer_id"] == HONEST and status["highest_term"] == 3
+    assert len(status["peers"]) == 201 and sum(p["listed"] for p in status["peers"]) == 1
+    assert "1 that may synchronize" in format_status(status)
