@@ -11,16 +11,18 @@ a heartbeat period has passed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import replace
 
 import torch
 
+from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.handover import handover_sources
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_update, update_signing_bytes
-from p2p_diloco.wire.keys import lease_key
+from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from tests.support.peers import KEYS, PeerHarness, signed
 from tests.unit.test_holder_catch_up import MANIFEST, delta, ticks
@@ -118,3 +120,30 @@ def test_a_source_that_refuses_ends_its_part_of_the_check_at_once():
     me = after_old_holder(logs={"old": ConnectionError("connection refused")})
     assert not me.peer.handover.holding(me.clock.now() - 1.0)  # at the claim, not a period later
     assert any("handover check, old did not answer" in line for line in me.peer.decisions)
+
+
+def test_in_a_public_run_the_check_never_asks_unlisted_keys_claiming_high_versions():
+    """Issue #27: under a flood of 200 fresh keys the handover check dialed all of them (ranked by the
+    versions their heartbeats claim). It asks the previous holders, peers that may synchronize and peers whose
+    updates this peer checked; the claims of other keys never put them on the list."""
+    me_id, other = "QmMe" + "1" * 42, "QmSync" + "2" * 40
+    public = dataclasses.replace(
+        MANIFEST, trust=TrustConfig(authority=me_id, synchronizers=(me_id, other, "QmPrev" + "3" * 40))
+    )
+    me, kv, clock, transport = make_peer(public, peer_id=me_id, may_sync=True)
+    key = heartbeat_key(public.run_id, public.manifest_hash)
+    for i in range(20):
+        sybil = "QmSybi1" + "abcdefghijkmnopqrstu"[i] * 39
+        info = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(10**6, 10**6))
+        kv.store(key, sybil, info.to_bytes(), 1e9)
+    honest = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(0, 0))
+    kv.store(key, other, honest.to_bytes(), 1e9)
+    old = LeaseRecord("QmPrev" + "3" * 40, 1, expires_at=clock.now() + 1.0)
+    kv.store(lease_key(public.run_id, public.manifest_hash), old.holder, encode_lease(old), 1e9)
+    for _ in range(20):
+        ticks(me, 1)
+        if me.peer.sync is not None:
+            break
+    assert me.peer.sync is not None
+    asked = {source for source, _, _ in transport.asked}
+    assert asked and asked <= {old.holder, other}, asked

@@ -154,3 +154,29 @@ def test_status_shows_versions_and_terms_backed_by_peers_that_may_synchronize_no
     assert status["synchronizer"]["peer_id"] == HONEST and status["highest_term"] == 3
     assert len(status["peers"]) == 201 and sum(p["listed"] for p in status["peers"]) == 1
     assert "1 that may synchronize" in format_status(status)
+
+
+def test_what_a_flood_of_fresh_keys_costs_a_peer_is_bounded_and_never_displaces_listed_peers():
+    """One read keeps at most `MAX_HEARTBEATS` heartbeats (listed synchronizers first); the election reads
+    only peers that may synchronize; refusals are counted per sender for at most `MAX_SENDERS_COUNTED`
+    senders; and an unlisted key's heartbeat starts no newcomer grace (it is awaited from its first
+    accepted delta on)."""
+    from p2p_diloco.swarm.journal import MAX_SENDERS_COUNTED, OTHER_SENDERS
+    from p2p_diloco.swarm.membership import MAX_HEARTBEATS
+    from p2p_diloco.wire.records import HeartbeatInfo
+
+    me = follower()
+    beat = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(10**6, 10**6), term_seen=9)
+    flood = {f"QmFresh{i:06d}": StoredValue(beat.to_bytes(), 103.0) for i in range(MAX_HEARTBEATS + 50)}
+    honest = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(5, 5), term_seen=3)
+    flood[HONEST] = StoredValue(honest.to_bytes(), 103.0)
+    view = me.ingest(SwarmRecords(heartbeats=flood, leases={}, now=100.0))
+    assert len(me.live_peers) == MAX_HEARTBEATS and HONEST in me.live_peers
+    assert me.journal.rejections["heartbeats over the cap"] == 51
+    assert [hb.peer_id for hb in view.heartbeats] == [HONEST]  # the election sees listed peers only
+    assert me.live_learners(100.0) == frozenset({HONEST})  # 1023 idle fresh keys: nobody to wait for
+
+    for i in range(MAX_SENDERS_COUNTED + 10):
+        me.journal.reject(f"QmFresh{i:06d}", "bad lease", "forged")
+    assert len(me.journal.rejections_by_sender) == MAX_SENDERS_COUNTED + 1
+    assert me.journal.rejections_by_sender[(OTHER_SENDERS, "bad lease")] == 10
