@@ -15,7 +15,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 # The layers of `p2p_diloco`, low to high, by top-level module or package. A module may import from its
 # own layer and the ones below it, never from one above. "" is the package root (`p2p_diloco/__init__.py`,
 # only `__version__`). `files` (the atomic-write helper) sits at the bottom so `protocol` can use it.
-# `specs` and `dashboard` do not exist today; they are placed where they will go.
+# `specs` (the [model], [data] and [train] sections, re-exported by `config`) is a leaf; `dashboard` (the
+# run's web page) is a command.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "errors", "files", "specs", "manifest_types", "trust_config", "packaged"),  # 0: leaves
     ("protocol",),  # 1: pure protocol rules and the replica
