@@ -78,6 +78,7 @@ TAG_CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is ope
 TAG_NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable, lagging, or just rotated out
 TAG_NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
 TAG_SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
+TAG_PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
 # should_accept_update(): actions and tags
 ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE
 TAG_CURRENT_TERM = "current term"

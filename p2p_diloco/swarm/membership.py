@@ -7,14 +7,13 @@ counted and skipped, never fatal), screens leases with `protocol.lease_rules` (a
 by reason and never reaches the election), runs `protocol.election.decide` and returns the lease records
 to store; the `Peer` turns its decisions into role changes and intents. Heartbeats are self-reports: they
 never raise a term, their `may_sync` counts only for the run's synchronizers, the election reads only the
-heartbeats of peers that may synchronize, peers the manifest does not let take part are not read at all,
-and one read keeps at most `MAX_HEARTBEATS` (listed and known peers first).
+heartbeats of peers that may synchronize, and peers the manifest does not let take part are not read at
+all (a real peer's DHT reads keep at most 512 records per key, listed peers first: `net.admission`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from p2p_diloco.config import RunManifest
@@ -24,13 +23,11 @@ from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.effects import StoreRecord, SwarmRecords
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
 LEASE_HISTORY = 64
 RECORDS_PER_TERM = 8
-MAX_HEARTBEATS = 1024  # heartbeats of one read kept (listed synchronizers and known peers first)
 
 
 @dataclass(frozen=True)
@@ -70,6 +67,9 @@ class Membership:
         self._own_sums: deque[tuple[float, int]] = deque()  # (time, this replica's versions sum)
         self.down: dict[str, float] = {}  # peer -> when its address last refused a connection
         self.followed: LeaseRecord | None = None  # the lease of the synchronizer this peer follows
+        self._reading_since: float | None = None  # when this peer's elections first read the swarm
+        # peer that may synchronize -> (its heartbeat, when a read last held it)
+        self._candidates_seen: dict[str, tuple[PeerHeartbeat, float]] = {}
 
     def allowed(self, peer: str) -> bool:
         """False for peers the manifest does not let take part (allowlist, `[trust] learners`)."""
@@ -87,7 +87,7 @@ class Membership:
         """Decode what was read from the DHT; remembers live peers and every lease holder seen."""
         heartbeats, leases = [], []
         live: dict[str, HeartbeatInfo] = {}
-        for peer, stored in self._capped(records.heartbeats).items():
+        for peer, stored in records.heartbeats.items():
             if not self.allowed(peer):
                 continue
             try:
@@ -150,18 +150,6 @@ class Membership:
         self.last_read = records.now
         return SwarmView(heartbeats, leases)
 
-    def _capped(self, heartbeats: Mapping[str, StoredValue]) -> Mapping[str, StoredValue]:
-        """At most `MAX_HEARTBEATS` of a read's heartbeats, those of peers that may synchronize and of peers
-        already live first: what a flood of fresh keys costs this peer is bounded, and never displaces them."""
-        if len(heartbeats) <= MAX_HEARTBEATS:
-            return heartbeats
-        ranked = sorted(
-            heartbeats,
-            key=lambda peer: (not self.manifest.may_synchronize(peer), peer not in self.live_peers, peer),
-        )
-        self.journal.rejections["heartbeats over the cap"] += len(heartbeats) - MAX_HEARTBEATS
-        return {peer: heartbeats[peer] for peer in ranked[:MAX_HEARTBEATS]}
-
     def _remembered(self, now: float, read: set[str]) -> list[LeaseRecord]:
         """Valid leases this peer saw, still live, whose holder's record this read did not return: a
         DHT read can come back partial (a slow or frozen node), and a live lease missing from one read
@@ -221,7 +209,7 @@ class Membership:
     ) -> ElectionDecision:
         """The election on `view`; `own_versions` (this peer's replica now) stand in for the versions of
         its own heartbeat, which are up to a heartbeat period old."""
-        heartbeats = view.heartbeats
+        heartbeats = self._with_recent_candidates(view, now)
         if own_versions is not None:
             heartbeats = [
                 replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats
@@ -241,6 +229,7 @@ class Membership:
             down=self.seen_down(now),
             successor_lag=lag,
         )
+        decision = self._warming_up(decision, view, now)
         self.followed = None
         if decision.action == election.FOLLOW:
             self.followed = next(
@@ -255,6 +244,46 @@ class Membership:
             self.journal.note(f"election: {decision}")
         self.last_election = decision.reason
         return decision
+
+    def _with_recent_candidates(self, view: SwarmView, now: float) -> list[PeerHeartbeat]:
+        """The view's heartbeats, plus those of peers that may synchronize seen in a read within the last
+        `heartbeat_ttl + lease_ttl` that this read lacks (not seen down, not the holder of a lapsed lease):
+        a read that misses a candidate (a flood, a loaded machine) must not let two peers each rank
+        themselves "1 of 1" and claim one term. A remembered candidate only takes its claim window in the
+        ranking; if it is gone, the next-ranked claims one `claim_grace` later."""
+        timing = self.manifest.timing
+        for hb in view.heartbeats:
+            if hb.may_sync and hb.live(now):
+                self._candidates_seen[hb.peer_id] = (hb, now)
+        horizon = now - timing.heartbeat_ttl - timing.lease_ttl
+        for peer in [p for p, (_, at) in self._candidates_seen.items() if at < horizon]:
+            del self._candidates_seen[peer]
+        present = {hb.peer_id for hb in view.heartbeats}
+        gone = self.seen_down(now) | {x.holder for x in view.leases if not x.live(now)}
+        missing = [
+            replace(hb, expires_at=now + timing.heartbeat_period)
+            for peer, (hb, _) in self._candidates_seen.items()
+            if peer not in present and peer not in gone
+        ]
+        return [*view.heartbeats, *missing]
+
+    def _warming_up(self, decision: ElectionDecision, view: SwarmView, now: float) -> ElectionDecision:
+        """A claim waits until this peer has read the swarm for `heartbeat_ttl` (every live peer's heartbeat
+        was written meanwhile): at a run's start two peers that each read only themselves both claimed
+        term 1. A succession claim (the holder is down and named me) is exact and never waits."""
+        if self._reading_since is None:
+            self._reading_since = now
+        waited = now - self._reading_since
+        down = self.seen_down(now)
+        succession = any(x.successor == self.peer_id and x.holder in down for x in view.leases if x.live(now))
+        if decision.action != election.CLAIM or succession or waited >= self.manifest.timing.heartbeat_ttl:
+            return decision
+        return ElectionDecision(
+            election.WAIT,
+            f"{election.TAG_PARTIAL_READ}: would claim term {decision.term}; reading the swarm for "
+            f"{waited:.1f}s of {self.manifest.timing.heartbeat_ttl:.1f}s first",
+            term=decision.term,
+        )
 
     def _published_lately(self, now: float, versions_sum: int) -> int:
         """How many versions this replica gained in the last two heartbeat periods, plus one per fragment:

@@ -171,6 +171,11 @@ class Repair:
             if fork is not None:  # the source's history does not pass through my state: a fork, not a gap
                 mine, record = fork
                 theirs = BranchTip(record.term, record.to_version, record.checksum)
+                if mine > theirs:  # their branch loses to mine (a lower term): its peers move, not me
+                    self.journal.note(
+                        f"fragment {fragment}: {source}'s log forks onto {theirs}, which loses to my {mine}; kept"
+                    )
+                    return False
                 proof = reconcile.fork_proven(
                     mine, theirs, update_term=record.term, from_version=record.from_version
                 )

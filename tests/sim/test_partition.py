@@ -23,7 +23,7 @@ GROUPS = ((0, 1), (2, 3))
 RECOVERY_BOUND = 10.0  # fake seconds from heal to identical digests
 SCENARIOS = {
     "equal speeds": ((1.0, 1.0, 1.0, 1.0), TAG_DIVERGED),
-    "slow losing side": ((2.0, 2.0, 1.0, 1.0), TAG_FORK_PROVEN),
+    "slow losing side": ((1.0, 1.0, 2.0, 2.0), TAG_FORK_PROVEN),  # learner-2 (rendezvous rank 1) holds first
 }
 
 
