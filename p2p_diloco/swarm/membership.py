@@ -247,7 +247,7 @@ class Membership:
 
     def _with_recent_candidates(self, view: SwarmView, now: float) -> list[PeerHeartbeat]:
         """The view's heartbeats, plus those of peers that may synchronize seen in a read within the last
-        `heartbeat_ttl + lease_ttl` that this read lacks (not seen down, not the holder of a lapsed lease):
+        `heartbeat_ttl + lease_ttl` that this read lacks (unless seen down):
         a read that misses a candidate (a flood, a loaded machine) must not let two peers each rank
         themselves "1 of 1" and claim one term. A remembered candidate only takes its claim window in the
         ranking; if it is gone, the next-ranked claims one `claim_grace` later."""
@@ -259,11 +259,11 @@ class Membership:
         for peer in [p for p, (_, at) in self._candidates_seen.items() if at < horizon]:
             del self._candidates_seen[peer]
         present = {hb.peer_id for hb in view.heartbeats}
-        gone = self.seen_down(now) | {x.holder for x in view.leases if not x.live(now)}
+        down = self.seen_down(now)
         missing = [
             replace(hb, expires_at=now + timing.heartbeat_period)
             for peer, (hb, _) in self._candidates_seen.items()
-            if peer not in present and peer not in gone
+            if peer not in present and peer not in down
         ]
         return [*view.heartbeats, *missing]
 
