@@ -23,7 +23,7 @@ class TrustConfig:
     authority's detached signature (`MANIFEST.sig`, `p2p-diloco manifest sign`), only `synchronizers` may
     hold the lease, and the public-run defaults of `[robust]` apply. `learners`: "any" or a list of peer IDs
     that may send deltas. `evaluators`: peers besides the synchronizers whose global eval points count
-    (dedicated evaluators, `join --eval always`). An empty `[trust]` keeps a private run open to every peer
+    (dedicated evaluators, `join --evaluate`). An empty `[trust]` keeps a private run open to every peer
     (with a warning).
     """
 

@@ -102,7 +102,7 @@ function render(v) {
   chart("c-versions", vs, {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
   chart("c-terms", [{name: "synchronizer term", points: S.map(s => [s.t, s.term]), color: "#9467bd"}], {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
   table("t-peers", ["peer", "role", "tokens/s", "uptime", "link", "version lag", "device", "loss", "sent", "received"],
-    v.peers.map(p => [p.peer_id, p.role, fmt(p.tokens_per_s), p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-", fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
+    v.peers.map(p => [p.peer_id, p.listed === false ? p.role + " (claims)" : p.role, fmt(p.tokens_per_s), p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-", fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
   table("t-eval", ["time", "evaluator", "term", "merged tokens", "versions", "eval loss", "perplexity"],
     ev.slice(-8).reverse().map(p => [clock(p.t), short(p.evaluator), p.term, human(p.tokens), p.versions.join(","), p.loss.toFixed(4), p.perplexity.toFixed(2)]));
   table("t-contrib", ["peer", "merged tokens", "updates"], v.contributions.map(c => [c.peer_id, human(c.tokens), c.updates]));
