@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="public address to announce (repeatable)",
     )
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="with --manifest: remember the run's peers and the proof it is under way across restarts",
+    )
     p.set_defaults(func=_lazy("p2p_diloco.net.bootstrap:cli_bootstrap"))
 
     p = sub.add_parser("data", help="prepare token shards (and train a tokenizer) from local text")

@@ -109,6 +109,7 @@ class NodeSnapshot:
     ledger: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer -> tokens, weight, share, updates
     deltas_accepted: int = 0  # remote deltas this process accepted as synchronizer
     first_accepts: tuple[tuple[int, float], ...] = ()  # (term, DHT time of its first accepted delta)
+    waiting: str = ""  # why this peer claims no term (`swarm.underway`: a run under way, replica at 0)
 
     def event_fields(self) -> dict[str, Any]:
         """What a ``progress`` event adds to the runtime's own counters (``first_accepts``: the demo times
@@ -185,6 +186,7 @@ class Telemetry:
             f"step {learner.step} loss {learner.last_loss:.3f} tok/s {self.tokens_per_s(training):.0f} "
             f"role {role} sync {(peer.holder or 'none')[:12]} term {peer.term_seen} versions {versions} "
             f"applied {peer.updates_applied} digest {peer.replica.digest()[:12]} rejected {rejected}"
+            + (f" waiting: {peer.underway.waiting}" if peer.underway.waiting else "")
         )
 
     def snapshot(
@@ -230,6 +232,7 @@ class Telemetry:
             ledger=ledger_rows,
             deltas_accepted=guard.accepts.count if guard is not None else 0,
             first_accepts=guard.accepts.first_accepts() if guard is not None else (),
+            waiting=peer.underway.waiting or "",
         )
 
 
@@ -259,6 +262,7 @@ def snapshot_rows(s: NodeSnapshot, run_id: str) -> list[tuple[str, str]]:
             f"{s.holder or 'none'}   term {s.term}   live peers {s.live_peers}   failovers seen {s.failovers_seen}",
         ),
         ("versions", "  ".join(f"{p}:v{v}" for p, v in enumerate(s.versions)) + f"   digest {s.digest}"),
+        *([("waiting", s.waiting)] if s.waiting else []),
         (
             "updates",
             f"applied {s.updates_applied}   my deltas sent {s.deltas_sent}, merged {s.deltas_merged}, "

@@ -79,6 +79,7 @@ TAG_NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable
 TAG_NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
 TAG_SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
 TAG_PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
+TAG_UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
 # should_accept_update(): actions and tags
 ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE
 TAG_CURRENT_TERM = "current term"

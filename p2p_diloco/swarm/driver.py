@@ -114,7 +114,8 @@ class PeerDriver:
         now = self.clock.now()
         membership = self.peer.membership
         heartbeats, leases = self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now)
-        return fx.SwarmRecords(heartbeats, leases, self.clock.now())  # as of the end of a (maybe slow) read
+        underway = self.kv.get(self.peer.underway.key, now) if self.peer.underway.reading else {}
+        return fx.SwarmRecords(heartbeats, leases, self.clock.now(), underway)  # as of the end of the read
 
     def _store_latest(self, record: fx.StoreRecord) -> None:
         """Store `record`; while an earlier write to the same key and subkey still waits for the DHT, only

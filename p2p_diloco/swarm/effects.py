@@ -149,6 +149,7 @@ class SwarmRecords:
     heartbeats: Mapping[str, StoredValue]
     leases: Mapping[str, StoredValue]
     now: float
+    underway: Mapping[str, StoredValue] = field(default_factory=dict)  # proofs of a run under way
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.swarm.role import SynchronizerRole
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer
+from p2p_diloco.swarm.underway import UnderwayGate
 from p2p_diloco.swarm.update_intake import UpdateIntake
 from p2p_diloco.swarm.updates import UpdateBook
 from p2p_diloco.wire.records import HeartbeatInfo
@@ -99,6 +100,7 @@ class Peer:
             has_learner=has_learner,
         )
         self.deltas = DeltaRouting(peer_id, manifest, self.journal, emit)
+        self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.handover = Handover(peer_id, manifest, self.membership, self.repair, self.journal, self.spawn)
         self.role = SynchronizerRole(
             peer_id, manifest, plan, replica, shapes, self.embedding_names, self.robust, self.book, self.deltas,
@@ -210,6 +212,9 @@ class Peer:
     def _swarm_tick(self, tick: fx.Tick) -> None:
         self._emit(self.membership.heartbeat_record(self.heartbeat_info(**tick.heartbeat_fields), tick.now))
         self.deltas.expire(tick.now)
+        proof = self.underway.publish(self.book.log, self.plan.num_fragments, tick.now)
+        if proof is not None:
+            self._emit(proof)
         if not self._electing:  # a slow DHT read (a frozen node) must not pile up reads behind it
             self.spawn(self._election_round(tick.now))
 
@@ -220,6 +225,7 @@ class Peer:
         finally:
             self._electing = False
         view = self.membership.ingest(records)
+        self.underway.ingest(records.underway)
         self.elect(view, max(now, records.now))  # decide on the time the records were read by
         self.watch.probe_if_successor()
         if self.sync is not None:
@@ -254,13 +260,17 @@ class Peer:
         rounds = self.sync.rounds_done if self.sync else 0
         membership = self.membership
         ahead = self.book.trusted_ahead(membership.live_peers, self.peer_id, membership.term_seen)
+        term_seen = membership.term_seen
         decision = membership.decide(
-            view,
+            self.underway.election_view(view, self.replica.versions()),  # no fresh start of a run under way
             now,
             rounds,
             verified_newest=self.book.verified_newest({p: a.winner.version for p, a in ahead.items()}),
             own_versions=self.replica.versions(),
         )
+        if (held := self.underway.hold_back(decision)) is not None:
+            membership.term_seen, decision = term_seen, held
+            membership.last_election = decision.reason
         if decision.action in (election.CLAIM, election.RENEW):
             lease = decision.lease_to_write()
             assert lease is not None

@@ -24,7 +24,8 @@ UPDATE_LOG = "updates"
 SNAPSHOTS = "snapshots"
 EVALS = "evals"
 STATS = "stats"
-RECORD_NAMES = (HEARTBEAT, LEASE, UPDATE_LOG, SNAPSHOTS, EVALS, STATS)
+UNDERWAY = "underway"  # proofs that a run is under way (`wire.underway`)
+RECORD_NAMES = (HEARTBEAT, LEASE, UPDATE_LOG, SNAPSHOTS, EVALS, STATS, UNDERWAY)
 
 # transport operations (one libp2p protocol each)
 OP_DELTA = "delta"

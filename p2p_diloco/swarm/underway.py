@@ -1,0 +1,109 @@
+"""No silent fresh start: a peer at version 0 never claims a term of a run a signed record shows under way.
+
+A newcomer that reaches nobody (a restarted bootstrap node that has not found the swarm again, a
+partition) would otherwise rank itself first, claim term 1 and train the run again from its initial
+weights: an island that a later heal may even prefer (issue #31). `UnderwayGate` reads the run's
+``underway`` DHT key (`wire.underway`: headers of update records signed by a peer that may synchronize,
+carried by peers and by bootstrap nodes, which keep one across restarts) and, while this peer's replica is
+still at version 0 of every fragment, leaves this peer out of its own election's candidates (so it waits,
+or follows a live holder) and says why (``run under way: ...``) in its decisions, its heartbeat and so
+``status``, and its progress line and panel. It never blocks
+following a live holder nor catching up; once the replica holds any applied update it has nothing to say.
+
+The proof is checked here, by the reader: a stranger may carry one (and so say where to look), never make
+one. A run nobody has published an update of yet has no proof, so an organizer starts a run from nothing
+as before; a run that must start again from nothing takes a new manifest (a new run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol import election
+from p2p_diloco.protocol.election import ElectionDecision
+from p2p_diloco.swarm.effects import StoreRecord
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.membership import SwarmView
+from p2p_diloco.swarm.update_log import UpdateLog
+from p2p_diloco.wire.interfaces import StoredValue
+from p2p_diloco.wire.keys import UNDERWAY, record_key
+from p2p_diloco.wire.signing import SignatureCheck
+from p2p_diloco.wire.underway import Underway, check_proof, encode_proof
+
+NOTE_WITHIN = 3  # the wait is noted again once it is not among the last 3 decision lines
+PUBLISH_EVERY_TTLS = 4  # a peer's proof lives this many heartbeat TTLs; it is written again at half of that
+
+
+class UnderwayGate:
+    def __init__(self, peer_id: str, manifest: RunManifest, check: SignatureCheck, journal: Journal):
+        self.peer_id = peer_id
+        self.manifest = manifest
+        self.check = check
+        self.journal = journal
+        self.key = record_key(manifest.run_id, manifest.manifest_hash, UNDERWAY)
+        self.best: Underway | None = None
+        self.fresh = True  # the replica is at version 0 of every fragment (only then is the key read)
+        self._published: float | None = None  # when this peer last wrote its proof
+        self.waiting: str | None = None  # why this peer claims no term now (shown in its panel and status)
+
+    @property
+    def reading(self) -> bool:
+        return self.fresh
+
+    def ingest(self, stored: Mapping[str, StoredValue]) -> None:
+        """Keep the best proof among those read (each checked; a bad one is counted, never believed)."""
+        for _carrier, value in stored.items():
+            found = check_proof(
+                value.value,
+                run_id=self.manifest.run_id,
+                manifest_hash=self.manifest.manifest_hash,
+                check=self.check,
+                may_synchronize=self.manifest.may_synchronize,
+            )
+            if isinstance(found, str):
+                self.journal.rejections["bad underway proof"] += 1
+            elif self.best is None or found > self.best:
+                if self.best is None:
+                    self.journal.note(f"proof the run is under way: {found.describe()}")
+                self.best = found
+
+    def reason(self) -> str:
+        assert self.best is not None
+        return (
+            f"{election.TAG_UNDER_WAY}: {self.best.describe()}; my replica is at version 0, so I claim no "
+            "term and wait for a peer that holds the run's state (no fresh start)"
+        )
+
+    def election_view(self, view: SwarmView, versions: Sequence[int]) -> SwarmView:
+        """`view` without this peer's own heartbeat while it may not claim: it is then no candidate, so
+        the election waits (or follows a live holder) instead of ranking it first."""
+        self.fresh = not any(versions)
+        holding = self.fresh and self.best is not None
+        recent = list(self.journal.decisions)[-NOTE_WITHIN:]
+        if holding and not any(line.startswith(f"election: {election.TAG_UNDER_WAY}") for line in recent):
+            self.journal.note(f"election: {self.reason()}")  # kept among the lines `status` shows
+        self.waiting = self.reason() if holding else None
+        if not holding:
+            return view
+        return replace(view, heartbeats=[hb for hb in view.heartbeats if hb.peer_id != self.peer_id])
+
+    def hold_back(self, decision: ElectionDecision) -> ElectionDecision | None:
+        """The wait that replaces a claim the election still made from version 0 of a run under way (a
+        candidate it remembered from an earlier read may be this peer itself)."""
+        if decision.action != election.CLAIM or self.waiting is None:
+            return None
+        return ElectionDecision(election.WAIT, self.waiting, term=decision.term)
+
+    def publish(self, log: UpdateLog, num_fragments: int, now: float) -> StoreRecord | None:
+        """This peer's proof (the newest signed record in its log) when it is due to be written again."""
+        newest = [r for p in range(num_fragments) for r in log.records(p)[-1:] if r.signature]
+        if not newest:
+            return None
+        value = encode_proof(max(newest, key=lambda r: (r.term, r.to_version)))
+        ttl = PUBLISH_EVERY_TTLS * self.manifest.timing.heartbeat_ttl
+        if self._published is not None and now - self._published < ttl / 2:
+            return None
+        self._published = now
+        return StoreRecord(self.key, self.peer_id, value, now + ttl, what="underway proof")
