@@ -239,7 +239,10 @@ class Run:
             self.samples.append(
                 {
                     "t": time.monotonic(),
-                    "versions": sum(max(p["versions"][i] for p in listed) for i in range(2)) if listed else 0,
+                    # None: this read held no listed synchronizer's heartbeat (a partial DHT answer)
+                    "versions": sum(max(p["versions"][i] for p in listed) for i in range(2))
+                    if listed
+                    else None,
                     "status_versions": [f["version"] for f in status["fragments"]],
                     "status_peers": len(status["peers"]),
                     "status_synchronizer": honest.get(sync["peer_id"], "UNLISTED " + sync["peer_id"][:12])
@@ -298,7 +301,12 @@ def one_run(folder: Path, sybils: int, settle: float, window: float, nodes: int 
     finally:
         run.close()
     samples = run.samples
-    rate = (samples[-1]["versions"] - samples[0]["versions"]) / (samples[-1]["t"] - samples[0]["t"])
+    seen = [s for s in samples if s["versions"] is not None]
+    rate = (
+        (seen[-1]["versions"] - seen[0]["versions"]) / (seen[-1]["t"] - seen[0]["t"])
+        if len(seen) > 1
+        else 0.0
+    )
     honest_max = max((max(v) for s in samples for v in s["honest_versions"].values() if v), default=0)
     return {
         "sybils": sybils,
@@ -321,11 +329,19 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=30.0)
     parser.add_argument("--window", type=float, default=90.0)
     parser.add_argument("--work", help="folder for the runs' logs and state (default: a new temporary one)")
+    parser.add_argument("--replot", action="store_true", help="redraw DIR/flood.png from DIR/flood.json")
     parser.add_argument("--flood-only", action="store_true", help="skip the quiet run (for debugging)")
     parser.add_argument("--flood-nodes", type=int, default=2, help="DHT nodes that write the Sybil records")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        result = json.loads((out / "flood.json").read_text())
+        for run in ("quiet", "flood"):  # runs before None marked a read without listed peers wrote 0
+            for sample in result[run]["samples"]:
+                sample["versions"] = sample["versions"] or None
+        plot(result, out / "flood.png")
+        return 0
     runs = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-flood-"))
     quiet = flood = None
     if not args.flood_only:
@@ -365,7 +381,8 @@ def plot(result: dict, path: Path) -> None:
     for name in ("quiet", "flood"):
         samples = result[name]["samples"]
         t0 = samples[0]["t"]
-        right.plot([s["t"] - t0 for s in samples], [s["versions"] for s in samples], label=name)
+        seen = [s for s in samples if s["versions"] is not None]
+        right.plot([s["t"] - t0 for s in seen], [s["versions"] for s in seen], label=name)
     right.set_xlabel("seconds into the window")
     right.set_ylabel("sum of fragment versions (listed synchronizers)")
     right.legend()
