@@ -35,6 +35,7 @@ import torch
 from p2p_diloco.net.admission import admission_for
 from p2p_diloco.net.dht_store import EXIT_DHT_DIED, DhtKeyValueStore, DhtPeer
 from p2p_diloco.net.limits import run_transport_options
+from p2p_diloco.net.redial import FIRST_BACKOFF, Redialer
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import (
     build_training,
@@ -192,6 +193,8 @@ class PeerNode:
         driver = self.driver
         driver.every(manifest.timing.heartbeat_period, self._swarm_tick)
         driver.every(SYNC_POLL_SECONDS, driver.sync_tick, when=lambda: self.peer.sync is not None)
+        redial = Redialer(self.dht_peer.dht, opts.initial_peers, peer_id)  # a restarted bootstrap (#31)
+        driver.every(FIRST_BACKOFF, lambda: redial.tick(time.monotonic()))
         self.saver = ReplicaSaver(self.state, self.peer, driver, self.clock, last_in_sync, self.event)
         driver.every(opts.persist_every, self.saver.save)
         driver.every(self.display.period(opts.progress_every), self.progress)

@@ -1,8 +1,10 @@
 """A restarted bootstrap node must not split the run (#31), with real processes on 127.0.0.1.
 
 A bootstrap node watching a signed public run (``--manifest --state-dir``) and two peers train; the
-bootstrap is SIGKILLed and started again on the same address and key. A newcomer through it then joins
-the real swarm and catches up, never publishing from version 0 (the bootstrap dialed the peers it saved).
+bootstrap is SIGKILLed and started again on the same address and key, first with its saved peers wiped
+(the peers re-dial it) and then as it saved them (it dials them): both times a fresh observer through it
+sees the peers. A newcomer through it then joins the real swarm and catches up, never publishing from
+version 0.
 Then every process goes, the bootstrap comes back alone, and a second newcomer reaches nobody: it learns
 from the bootstrap's saved proof (an update header signed by a listed synchronizer) that the run is under
 way, claims no term, publishes nothing and says why in its decisions (what ``status`` shows).
@@ -142,9 +144,28 @@ def test_a_newcomer_through_a_restarted_bootstrap_joins_the_swarm_and_alone_neve
         trained, START_TIMEOUT, "two peers at v2 and the bootstrap's saved peers and proof", interval=0.3
     )
 
-    # SIGKILL and restart the bootstrap on the same address and key; a newcomer joins through it only
+    def sees(*names: str) -> bool:  # a fresh observer through the bootstrap only: what `status` sees
+        observer = dht_peers(initial_peers=run.addresses, client_mode=True)
+        try:
+            found = DhtKeyValueStore(observer, timeout=5.0).get(key, get_dht_time())
+        except TimeoutError:
+            return False
+        finally:
+            observer.shutdown()
+        return {run.ids[n] for n in names} <= set(found)
+
+    key = heartbeat_key(run.manifest.run_id, run.manifest.manifest_hash)
+    # Restart the bootstrap with no saved peers: the peers re-dial it (net/redial.py), so it sees them.
+    run.handles["bootstrap"].kill_group()
+    state_file = run.tmp / "bootstrap-state" / STATE_FILE
+    state_file.write_text(json.dumps({**run.bootstrap_state(), "peers": []}))
+    run.start_bootstrap()
+    run.wait_for(lambda: sees("p0", "p1"), START_TIMEOUT, "p0 and p1 through the bootstrap (their re-dial)")
+
+    # SIGKILL and restart it again (it dials the peers it saved); a newcomer joins through it only
     run.handles["bootstrap"].kill_group()
     run.start_bootstrap()
+    run.wait_for(lambda: sees("p0", "p1"), START_TIMEOUT, "p0 and p1 through the bootstrap again")
     at_restart = max(run.versions("p0"), run.versions("p1"))
     run.join("late")
 
@@ -167,7 +188,6 @@ def test_a_newcomer_through_a_restarted_bootstrap_joins_the_swarm_and_alone_neve
     run.join("island")
     observer = dht_peers(initial_peers=run.addresses, client_mode=True)
     kv = DhtKeyValueStore(observer, timeout=5.0)
-    key = heartbeat_key(run.manifest.run_id, run.manifest.manifest_hash)
 
     waiting_beats: set[float] = set()
 
