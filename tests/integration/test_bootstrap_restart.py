@@ -7,7 +7,9 @@ sees the peers. A newcomer through it then joins the real swarm and catches up, 
 version 0.
 Then every process goes, the bootstrap comes back alone, and a second newcomer reaches nobody: it learns
 from the bootstrap's saved proof (an update header signed by a listed synchronizer) that the run is under
-way, claims no term, publishes nothing and says why in its decisions (what ``status`` shows).
+way, claims no term, publishes nothing and says why in its decisions (what ``status`` shows). A second
+test takes a run's first bootstrap node down for good: a newcomer with both addresses joins through the
+second one.
 
 Every condition is awaited with a deadline; nothing is timed.
 """
@@ -214,3 +216,34 @@ def test_a_newcomer_through_a_restarted_bootstrap_joins_the_swarm_and_alone_neve
     island = run.events("island")
     assert not [e for e in island if e["event"] in ("claim", "published")], island[-20:]
     assert not any(run.versions("island")), run.versions("island")
+
+
+def test_with_its_first_bootstrap_down_for_good_a_newcomer_joins_through_the_second(run: Run) -> None:
+    run.start_bootstrap()
+    first = list(run.addresses)
+    cmd = run.cli(
+        "bootstrap", "--identity", str(run.tmp / "second.key"), "--listen", LOOPBACK_LISTEN,
+        "--initial-peers", *first,
+    )  # fmt: skip
+    write_identity(run.tmp / "second.key")
+    second = run.spawn(cmd).wait_for_lines("bootstrap address: ", timeout=START_TIMEOUT)
+    run.addresses = first + [line.removeprefix("bootstrap address: ").strip() for line in second]
+    run.join("p0")
+
+    def trained() -> bool:
+        run.alive("p0")
+        return min(run.versions("p0") or (0,)) >= 2
+
+    run.wait_for(trained, START_TIMEOUT, "p0 at v2", interval=0.3)
+    run.handles["bootstrap"].kill_group()  # the first bootstrap node is gone for good
+    at_kill = run.versions("p0")
+    run.join("late")  # the manifest's two addresses, the first one dead
+
+    def caught_up() -> bool:
+        run.alive("p0", "late")
+        mine = run.versions("late")
+        return bool(mine) and all(v >= w for v, w in zip(mine, at_kill, strict=True))
+
+    run.wait_for(caught_up, START_TIMEOUT, f"the newcomer at the swarm's versions {at_kill}", interval=0.3)
+    late = run.events("late")
+    assert not [e for e in late if e["event"] == "published" and e["version"] == 1], late[-20:]
