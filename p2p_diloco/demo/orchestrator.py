@@ -148,7 +148,12 @@ class SwarmRun:
             )
 
     def bootstrap_cmd(self, listen: list[str]) -> list[str]:
-        return python_cmd("bootstrap", "--identity", str(self.bootstrap_key), "--listen", *listen)
+        # watching the run, it remembers its peers and the proof the run is under way across restarts (#31)
+        state = str(self.workdir / "bootstrap-state")
+        return python_cmd(
+            "bootstrap", "--identity", str(self.bootstrap_key), "--listen", *listen,
+            "--manifest", str(self.manifest_path), "--state-dir", state,
+        )  # fmt: skip
 
     def _start_bootstrap(self) -> None:
         from p2p_diloco.net.identity import write_identity
