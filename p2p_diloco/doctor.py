@@ -4,7 +4,7 @@ What a volunteer runs before joining and what an organizer asks for in a bug rep
 ``ok`` / ``warn`` / ``fail``, and for anything not ok the fix. Checks: Python and the package versions
 (numpy below 2.4, see FINDINGS), torch's devices (CUDA, bitsandbytes), the run manifest (loads, signature,
 model size), host and GPU memory against what that model needs (the per-parameter costs measured in the
-README: 16 B/param of training state, up to 19.1 B/param beyond it, 0.51 GiB of runtime), reachability of
+docs/model_size.md: 16 B/param of training state, up to 19.1 B/param beyond it, 0.51 GiB of runtime), reachability of
 the initial peers, whether this machine has a public address or should join with ``--behind-nat`` (a
 heuristic from its interface addresses), and the state directory. Exit status 1 when a check fails.
 """
@@ -28,10 +28,12 @@ from typing import Any
 from p2p_diloco.errors import ConfigError
 
 GIB = 1024**3
-RUNTIME_BYTES = int(0.51 * GIB)  # python, torch, the DHT child and p2pd (README, bench_scale)
+RUNTIME_BYTES = int(0.51 * GIB)  # python, torch, the DHT child and p2pd (docs/model_size.md, bench_scale)
 TRAIN_BYTES_PER_PARAM = 16.0  # fp32 weights, gradients, AdamW's two moments
 TRAIN_BYTES_PER_PARAM_8BIT = 10.0  # bitsandbytes 8-bit AdamW state on CUDA
-BEYOND_BYTES_PER_PARAM = 19.1  # replica, momentum, residuals, reference, update log (peak, README)
+BEYOND_BYTES_PER_PARAM = (
+    19.1  # replica, momentum, residuals, reference, update log (peak, docs/model_size.md)
+)
 DISK_BYTES_PER_PARAM = 8.0  # the replica on disk: Θ and outer momentum, fp32
 
 

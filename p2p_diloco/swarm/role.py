@@ -69,7 +69,7 @@ class SynchronizerRole:
         self.sync: Synchronizer | None = None
         # Sparse codecs: what an update left out is carried into the fragment's next update. One store
         # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
-        # peer loses at most that residual (measured harmless: docs/results/sparse, README "Wire codecs").
+        # peer loses at most that residual (measured harmless: docs/results/sparse, docs/wire_codecs.md).
         self.outer_feedback = outer_feedback_for(manifest)
 
     def take(self, term: int) -> None:

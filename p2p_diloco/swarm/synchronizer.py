@@ -101,7 +101,7 @@ class Synchronizer:
         self.ahead_hints: dict[int, str] = {}
         self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
         # Sparse codecs: what an update leaves out is carried into the fragment's next update. Lost with
-        # this object (failover, rotation) unless the peer passes one store to every term (README, wire).
+        # this object (failover, rotation) unless the peer passes one store to every term (docs/wire_codecs.md).
         self.outer_feedback = outer_feedback or outer_feedback_for(manifest)
 
     def _reject(self, sender: str, tag: str, detail: str, now: float) -> Reply:
