@@ -1,16 +1,14 @@
 """Layering: no module under `p2p_diloco/` imports from a higher layer (read with `ast`, nothing imported).
 
 Every import counts, at module level or inside a function; only the bodies of ``if TYPE_CHECKING:``
-blocks are exempt (they never run). Imports within one layer are allowed.
+blocks are exempt (they never run), see `tests/support/modules.py`. Imports within one layer are allowed.
 """
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PACKAGE = "p2p_diloco"
-PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
+from tests.support.modules import PACKAGE, PACKAGE_DIR, imported_modules, package_files, top_level
 
 # The layers of `p2p_diloco`, low to high, by top-level module or package. A module may import from its
 # own layer and the ones below it, never from one above. "" is the package root (`p2p_diloco/__init__.py`,
@@ -30,58 +28,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 LAYER_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def top_level(module: str) -> str:
-    """`p2p_diloco.swarm.peer` -> "swarm"; the package root -> ""."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
-
-
-def is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def imported_modules(tree: ast.Module, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, p2p_diloco module) for every import of the package in `tree`, outside TYPE_CHECKING blocks."""
-    found: list[tuple[int, str]] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            found.extend((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module.split(".") if is_package else module.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            if base == PACKAGE:  # `from p2p_diloco import x`: x may be a subpackage or module
-                found.extend((node.lineno, f"{PACKAGE}.{alias.name}") for alias in node.names)
-            else:
-                found.append((node.lineno, base))
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return [(line, name) for line, name in found if name == PACKAGE or name.startswith(PACKAGE + ".")]
-
-
 def scan() -> tuple[list[str], list[str], int]:
     """(modules scanned, violations, imports checked)."""
     modules, violations, checked = [], [], 0
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        module = module_name(path)
+    for module, path in package_files():
         modules.append(module)
         own = top_level(module)
         assert own in LAYER_OF, f"{module}: top-level `{own}` is in no layer; add it to LAYERS in {__file__}"
