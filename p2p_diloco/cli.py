@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model-digest", help="build a manifest's initial model and print its weights digest")
     p.add_argument("manifest", nargs="?", metavar="MANIFEST", help=MANIFEST_HELP)
-    p.set_defaults(func=_lazy("p2p_diloco.model.external:cli_model_digest"))
+    p.set_defaults(func=_lazy("p2p_diloco.model.gpt:cli_model_digest"))
 
     add_peer_commands(sub, _lazy)
     add_doctor(sub, _lazy)

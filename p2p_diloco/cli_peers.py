@@ -1,5 +1,5 @@
-"""The `p2p-diloco` subcommands that run against a swarm: `join`, `status`, `dashboard`, `export` and
-`baseline-worker` (argument parsing only; `cli.build_parser` adds them).
+"""The `p2p-diloco` subcommands that run against a swarm: `join` (its flags are `node.join_command`'s),
+`status`, `dashboard`, `export` and `baseline-worker` (argument parsing only; `cli.build_parser` adds them).
 
 A run manifest argument is optional to argparse (``nargs="?"``) so that `preflight` can say what happened
 when ``--initial-peers`` swallowed it; `--identity` likewise, so its absence gets the `keygen` hint.
@@ -10,111 +10,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-MANIFEST_HELP = "run manifest: a .toml file, or a packaged example by name (demo, llama-tiny, public)"
+from p2p_diloco.node.join_command import MANIFEST_HELP, add_join_command
 
 
 def add_peer_commands(sub: argparse._SubParsersAction, lazy: Callable[[str], Callable]) -> None:
-    p = sub.add_parser("join", help="run a learner (and synchronizer candidate) in a real swarm")
-    p.add_argument("manifest", nargs="?", metavar="MANIFEST", help=MANIFEST_HELP)
-    p.add_argument(
-        "--initial-peers",
-        nargs="*",
-        default=[],
-        metavar="MULTIADDR",
-        help="peer addresses to join through (default: the manifest's bootstrap list)",
-    )
-    p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
-    p.add_argument("--state-dir", required=True, help="directory for the replica, peer state and event log")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--no-sync", action="store_true", help="never take the synchronizer role")
-    p.add_argument(
-        "--behind-nat",
-        action="store_true",
-        help="this peer cannot accept connections: relay through the initial peers, never synchronize",
-    )
-    p.add_argument(
-        "--listen", action="append", default=None, metavar="MULTIADDR", help="default /ip4/0.0.0.0/tcp/0"
-    )
-    p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR")
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        help="stop training after N steps (keeps serving until stopped)",
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument(
-        "--train-nice",
-        type=int,
-        default=5,
-        help="nice value added to the training thread so heartbeats, leases and the DHT get the CPU "
-        "first (Linux; default 5, 0: off)",
-    )
-    p.add_argument("--persist-every", type=float, default=30.0, help="seconds between replica saves")
-    p.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
-    p.add_argument(
-        "--min-step-time", type=float, default=0.0, help="pace inner steps to at least this many seconds"
-    )
-    p.add_argument("--verbose", action="store_true", help="print every decision to stderr")
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default 0: off)"
-    )
-    p.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default 127.0.0.1)"
-    )
-    p.add_argument(
-        "--display",
-        choices=["auto", "live", "plain"],
-        default="auto",
-        help="progress output: a live panel (rich) or plain lines; auto: live when stdout is a terminal",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=int,
-        default=0,
-        metavar="N",
-        help="sequences per forward/backward; the manifest's batch_size (a step) is accumulated over "
-        "batch_size/N micro-batches (default: the whole batch at once)",
-    )
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="run this learner as an island of N local ranks (execs torchrun --standalone; docs/island.md)",
-    )
-    p.add_argument(
-        "--evaluate",
-        action="store_true",
-        help="evaluate the global model on the held-out split and publish the curve (default: the "
-        "synchronizer does, unless a peer with --evaluate is live)",
-    )
-    p.add_argument("--no-evaluate", action="store_true", help="never evaluate the global model")
-    p.add_argument(
-        "--eval-every", type=int, default=None, metavar="N", help="merged updates between evaluations (20)"
-    )
-    p.add_argument(
-        "--eval-batches", type=int, default=None, metavar="B", help="eval batches of 8 windows (4)"
-    )
-    p.add_argument(
-        "--log-to",
-        action="append",
-        default=[],
-        metavar="TARGET",
-        help="tensorboard:DIR or wandb[:PROJECT] (repeatable): loss, tokens/s, merged tokens, global eval",
-    )
-    p.add_argument(
-        "--hot-spare",
-        action="store_true",
-        help="keep a prepared spare process beside this peer that takes over within seconds if the peer "
-        "dies (a supervisor runs both; README: Hot spare)",
-    )
-    p.add_argument(
-        "--standby",
-        action="store_true",
-        help="be a hot spare: prepare the model, then wait for the line 'go' on stdin to take over "
-        "(what --hot-spare and `demo --hot-spares` start)",
-    )
-    p.set_defaults(func=lazy("p2p_diloco.node.supervise:cli_join_entry"))
+    add_join_command(sub)
 
     p = sub.add_parser("status", help="print the swarm of a run: synchronizer, versions, peers")
     p.add_argument("manifest", nargs="?", metavar="MANIFEST", help=MANIFEST_HELP)

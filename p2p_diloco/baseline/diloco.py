@@ -40,9 +40,8 @@ from p2p_diloco.baseline.ledger import ALONE, allreduce_bytes
 from p2p_diloco.baseline.outer_averager import EXACT_DTYPE, OuterAverager, RoundTracker
 from p2p_diloco.baseline.rounds import Decision, decide_round, outer_gradients, outer_step, round_outcome
 from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker, parameter_digest, tensors_digest
-from p2p_diloco.model.data import load_corpus
+from p2p_diloco.model.data import load_corpus, make_sampler
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
-from p2p_diloco.model.shards import make_sampler
 from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.net.dht_store import create_dht
 from p2p_diloco.net.identity import signing_key

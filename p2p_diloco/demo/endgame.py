@@ -1,6 +1,6 @@
 """The end of a long chaos run (``demo --chaos-every``): did the swarm keep its global state?
 
-`finish_long_run(run, end)` runs after the timed window, in this order:
+`finish_long_run(run, injector)` runs after the timed window, in this order:
 
 1. every SIGSTOPped learner is continued, the bootstrap node brought back if it was down, faults still
    pending are logged as skipped (`FaultInjector.finish`); workers still starting get up to
@@ -24,13 +24,13 @@ import json
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2p_diloco.demo import checks as verdicts
+from p2p_diloco.demo.faults import FaultInjector
 from p2p_diloco.demo.slots import Slot
-
-if TYPE_CHECKING:
-    from p2p_diloco.demo.orchestrator import SwarmRun
+from p2p_diloco.demo.workers import DECOUPLED, Workers, python_cmd, stop_slots
+from p2p_diloco.node.state import read_peer_state
 
 STARTING_WAIT = 20.0  # for workers still starting when the window ends
 SETTLE_SECONDS = 8.0  # after SIGUSR1: time for rounds in flight to publish and replicas to apply them
@@ -58,13 +58,19 @@ def _settle(up: list[Slot], since: float) -> bool:
     return False
 
 
-def ask_status(run: SwarmRun) -> dict[str, Any]:
+def ask_status(run: Workers) -> dict[str, Any]:
     """``p2p-diloco status --json`` entering through the bootstrap node and the learners' own addresses (a
     restarted bootstrap knows no peer until they contact it again): {"peers": [...]} or {"error": ...}."""
-    from p2p_diloco.demo.orchestrator import python_cmd
-
-    cmd = python_cmd("status", str(run.manifest_path), "--initial-peers", *run.bootstrap_addresses,
-                     *_learner_addresses(run), "--json", "--wait", "10")  # fmt: skip
+    cmd = python_cmd(
+        "status",
+        str(run.manifest_path),
+        "--initial-peers",
+        *run.bootstrap_addresses,
+        *_learner_addresses(run),
+        "--json",
+        "--wait",
+        "10",
+    )
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=STATUS_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -75,7 +81,7 @@ def ask_status(run: SwarmRun) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def _learner_addresses(run: SwarmRun) -> list[str]:
+def _learner_addresses(run: Workers) -> list[str]:
     """The addresses live learners announced in their latest ``start`` event."""
     found = []
     for slot in run.slots:
@@ -85,24 +91,20 @@ def _learner_addresses(run: SwarmRun) -> list[str]:
     return found
 
 
-def _replica_rows(run: SwarmRun, status: dict[str, Any]) -> list[dict[str, Any]]:
+def _replica_rows(run: Workers, status: dict[str, Any]) -> list[dict[str, Any]]:
     names = {s.peer_id: s.name for s in run.slots}
     return [
-        {"peer": names.get(p["peer_id"], p["peer_id"]), "versions": p.get("versions"), "digest": p.get("digest"),
-         "tips": p.get("tips") or []}
+        {
+            "peer": names.get(p["peer_id"], p["peer_id"]),
+            "versions": p.get("versions"),
+            "digest": p.get("digest"),
+            "tips": p.get("tips") or [],
+        }
         for p in status.get("peers", [])
-    ]  # fmt: skip
-
-
-def _stop(slots: list[Slot]) -> None:
-    from p2p_diloco.demo.orchestrator import stop_slots
-
-    stop_slots(slots)
+    ]
 
 
 def _persisted_versions(slot: Slot) -> list[int] | None:
-    from p2p_diloco.node.state import read_peer_state
-
     try:
         state = read_peer_state(slot.state_dir)
     except (OSError, ValueError):
@@ -110,11 +112,11 @@ def _persisted_versions(slot: Slot) -> list[int] | None:
     return list(state["versions"]) if state and "versions" in state else None
 
 
-def _restart_and_read(run: SwarmRun, slots: list[Slot]) -> dict[str, list[int] | None]:
+def _restart_and_read(run: Workers, slots: list[Slot]) -> dict[str, list[int] | None]:
     """Restart `slots` from their state dirs; the versions each restored (its next ``start`` event)."""
     seen = {slot.name: len(slot.tail.events) for slot in slots}
     for slot in slots:
-        run._launch(slot, time.time())
+        run.launch(slot, time.time())
     restored: dict[str, list[int] | None] = {}
     deadline = time.monotonic() + RESTART_TIMEOUT
     while len(restored) < len(slots) and time.monotonic() < deadline:
@@ -131,12 +133,8 @@ def _restart_and_read(run: SwarmRun, slots: list[Slot]) -> dict[str, list[int] |
     return restored
 
 
-def finish_long_run(run: SwarmRun, end: float) -> dict[str, Any]:
+def finish_long_run(run: Workers, injector: FaultInjector) -> dict[str, Any]:
     """The end of a long chaos run (module docstring)."""
-    from p2p_diloco.demo.orchestrator import DECOUPLED
-
-    injector = run.injector
-    assert injector is not None
     injector.finish(time.time())
     found: dict[str, Any] = {"bootstrap_restarts": injector.bootstrap_restarts, "exits": injector.exits}
     decoupled = run.system == DECOUPLED
@@ -144,7 +142,7 @@ def finish_long_run(run: SwarmRun, end: float) -> dict[str, Any]:
     while time.monotonic() < deadline and any(
         s.alive and s.marks and s.marks[-1][1] == "launch" for s in run.slots
     ):
-        run._poll_events(time.time())  # workers restarted late in the run: let them come up and be checked
+        run.poll_events(time.time())  # workers restarted late in the run: let them come up and be checked
         injector.watch_exits(time.time(), relaunch=False)
         time.sleep(0.25)
     up = [s for s in run.slots if injector.up(s)]
@@ -165,13 +163,13 @@ def finish_long_run(run: SwarmRun, end: float) -> dict[str, Any]:
                 if p
             ]
         )
-    _stop(run.slots)
+    stop_slots(run.slots)
     found["final_eval_loss"] = run.evaluate_saved()
     if decoupled:
         stopped_ok = [s for s in up if s.proc is not None and s.proc.returncode == 0]
         before = {s.name: _persisted_versions(s) for s in stopped_ok}
         after = _restart_and_read(run, stopped_ok)
-        _stop(stopped_ok)
+        stop_slots(stopped_ok)
         found["resume"] = verdicts.resume_check(before, after)
         found["resume"]["not_checked"] = sorted({s.name for s in run.slots} - set(before))
     for slot in run.slots:

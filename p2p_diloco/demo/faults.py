@@ -1,4 +1,4 @@
-"""Executes the long chaos schedule (``demo --chaos-every``) on a running `SwarmRun`.
+"""Executes the long chaos schedule (``demo --chaos-every``) on a running swarm (`demo.workers.Workers`).
 
 `FaultInjector.apply(now)` is called every tick of the run. A due fault waits (stays pending) until it
 can be done as a single fault, i.e. without leaving the swarm without the newest global state: a kill or
@@ -18,19 +18,15 @@ every peer's ``--initial-peers`` stays valid); its restart is watched without bl
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2p_diloco.demo.chaos import KILL_BOOTSTRAP, KILL_LEARNER, KILL_SYNC, STOP_LEARNER, Fault
 from p2p_diloco.demo.slots import Slot
+from p2p_diloco.demo.workers import DECOUPLED, Workers, killpg, read_addresses
 
-if TYPE_CHECKING:
-    from p2p_diloco.demo.orchestrator import SwarmRun
-
-ADDRESS_LINE = "bootstrap address: "
 RELAUNCH_SECONDS = 2.0
 FRESH_SECONDS = 3.0  # a learner's progress older than this says nothing about its replica now
 
@@ -56,18 +52,10 @@ def is_current(name: str, reports: dict[str, tuple[float, Any]], now: float, *, 
     return all(m >= n - behind for m, n in zip(mine, newest, strict=True))
 
 
-def read_addresses(log_path: Path) -> list[str]:
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    return [ln.removeprefix(ADDRESS_LINE).strip() for ln in lines if ln.startswith(ADDRESS_LINE)]
-
-
 class FaultInjector:
     """The long schedule's executor (module docstring)."""
 
-    def __init__(self, run: SwarmRun):
+    def __init__(self, run: Workers):
         self.run = run
         self.pending: list[Fault] = sorted(run.schedule.faults, key=lambda f: f.at)
         self.paused: dict[str, float] = {}  # slot name -> when to SIGCONT
@@ -113,7 +101,7 @@ class FaultInjector:
         def spared(victim: Slot) -> bool:  # another learner keeps the newest state
             return any(s is not victim for s in current)
 
-        sync = self.run.current_synchronizer() if self.run.system == "decoupled" else None
+        sync = self.run.current_synchronizer() if self.run.system == DECOUPLED else None
         if fault.action == KILL_SYNC:
             if sync is not None and self.up(sync):
                 return (sync, "the current synchronizer") if spared(sync) else (None, "")
@@ -135,7 +123,7 @@ class FaultInjector:
         for slot in run.slots:
             if slot.restart_at is not None and now >= slot.restart_at:
                 slot.restart_at = None
-                run._launch(slot, now)
+                run.launch(slot, now)
         waiting = []
         for fault in list(self.pending):
             if now - run.start_time < fault.at:
@@ -151,40 +139,44 @@ class FaultInjector:
         if fault.action == KILL_BOOTSTRAP:
             if not self.bootstrap_up() or run.bootstrap is None:
                 return False
-            from p2p_diloco.demo.orchestrator import _killpg
-
             self.original_addresses = list(run.bootstrap_addresses)
-            _killpg(run.bootstrap, signal.SIGKILL)
+            killpg(run.bootstrap, signal.SIGKILL)
             run.bootstrap.wait(timeout=10)
             self.bootstrap_down_until = now + fault.down
             run.kills.append(
-                {"t": now - run.start_time, "action": fault.action, "learner": "bootstrap", "down": fault.down,
-                 "why": "the bootstrap node", "delayed": delayed}
-            )  # fmt: skip
+                {
+                    "t": now - run.start_time,
+                    "action": fault.action,
+                    "learner": "bootstrap",
+                    "down": fault.down,
+                    "why": "the bootstrap node",
+                    "delayed": delayed,
+                }
+            )
             return True
         victim, why = self._victim(fault, now)
         if victim is None:
             return False
         if fault.action == STOP_LEARNER:
-            self._signal(victim, signal.SIGSTOP)
+            killpg(victim.proc, signal.SIGSTOP)
             self.paused[victim.name] = now + fault.down
             victim.marks.append((now, "pause"))
             run.kills.append(
-                {"t": now - run.start_time, "learner": victim.name, "peer_id": victim.peer_id,
-                 "action": fault.action, "why": why, "down": fault.down, "delayed": delayed}
-            )  # fmt: skip
+                {
+                    "t": now - run.start_time,
+                    "learner": victim.name,
+                    "peer_id": victim.peer_id,
+                    "action": fault.action,
+                    "why": why,
+                    "down": fault.down,
+                    "delayed": delayed,
+                }
+            )
             return True
         assert fault.action in (KILL_SYNC, KILL_LEARNER), fault.action
-        run._kill(victim, now, fault, why)
+        run.kill(victim, now, fault, why)
         run.kills[-1]["delayed"] = delayed
         return True
-
-    def _signal(self, slot: Slot, sig: int) -> None:
-        if slot.proc is not None:
-            try:
-                os.killpg(slot.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def watch_exits(self, now: float, *, relaunch: bool = True) -> None:
         run = self.run
@@ -213,7 +205,7 @@ class FaultInjector:
         for name, until in list(self.paused.items()):
             if all_now or now >= until:
                 slot = next(s for s in self.run.slots if s.name == name)
-                self._signal(slot, signal.SIGCONT)
+                killpg(slot.proc, signal.SIGCONT)
                 slot.marks.append((now, "up"))
                 del self.paused[name]
 
@@ -222,7 +214,7 @@ class FaultInjector:
         if self.bootstrap_down_until is not None and now >= self.bootstrap_down_until:
             self.bootstrap_down_until = None
             self.bootstrap_log = run.workdir / f"bootstrap.restart-{len(self.bootstrap_restarts) + 1}.log"
-            run.bootstrap = run._spawn(
+            run.bootstrap = run.spawn(
                 run.bootstrap_cmd(listen_addresses(self.original_addresses)), self.bootstrap_log
             )
             self.bootstrap_restarts.append({"t": now - run.start_time, "up": None, "same_address": None})

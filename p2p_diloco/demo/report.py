@@ -16,7 +16,8 @@ from typing import Any
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.demo import accounting, stalls
-from p2p_diloco.demo.orchestrator import BASELINE, DECOUPLED, DILOCO, RunRecord
+from p2p_diloco.demo.orchestrator import RunRecord
+from p2p_diloco.demo.workers import BASELINE, DECOUPLED, DILOCO
 
 SYSTEMS = (DECOUPLED, BASELINE, DILOCO)  # report.json sections, in the order they are shown
 

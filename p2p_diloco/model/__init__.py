@@ -5,9 +5,17 @@ all built by `build_model`. Data: bytes of text (`data`) or prepared token shard
 `prepare`), sampled per peer by `make_sampler`. The inner step: `trainer.InnerTrainer`.
 """
 
-from p2p_diloco.model.data import BatchSampler, Corpus, evaluate, load_corpus, split_train_eval
+from p2p_diloco.model.data import (
+    BatchSampler,
+    Corpus,
+    eval_split,
+    evaluate,
+    load_corpus,
+    make_sampler,
+    split_train_eval,
+)
 from p2p_diloco.model.gpt import GPT, build_model, embedding_parameter_names, make_inner_optimizer
-from p2p_diloco.model.shards import TokenData, eval_split, make_sampler
+from p2p_diloco.model.shards import TokenData
 from p2p_diloco.model.trainer import InnerTrainer, lr_at, make_trainer
 
 __all__ = [

@@ -6,6 +6,8 @@ overlaps train), `BatchSampler` (learner `shard` of `num_shards` draws windows f
 slice of the train bytes with its own generator; resumable) and `evaluate` (deterministic eval loss).
 With `data.source = "shards"` the corpus is the run's prepared token shards (model/shards.py), memory
 mapped and checked against the manifest's digest; `BatchSampler` and `evaluate` read them the same way.
+`make_sampler(manifest, peer_id)` is the sampler a peer trains on (its own stream, `shards.stream_seed`)
+and `eval_split` the run's held-out tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from p2p_diloco.config import DataConfig, DataSource
+from p2p_diloco.config import DataConfig, DataSource, RunManifest
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.model.shards import TokenData, open_run_shards
+from p2p_diloco.model.shards import TokenData, check_vocab, open_run_shards, stream_seed
 
 EVAL_CHUNK_BYTES = 4096
 FILE_SEPARATOR = "\n\n"
@@ -232,3 +234,28 @@ def evaluate(
     finally:
         model.train(was_training)
     return total / n_windows
+
+
+def make_sampler(
+    manifest: RunManifest, peer_id: str, corpus: Corpus | None = None, *, salt: int = 0
+) -> BatchSampler:
+    """The `BatchSampler` a peer trains on: `diloco.batch_size` windows of `model.block_size` tokens from
+    the run's train split, drawn by a generator seeded from (`data.seed`, `peer_id`, `salt`): the same
+    stream every time for one peer, a different one for every other peer. `corpus`: an already loaded
+    `load_corpus(manifest.data)` (loaded here otherwise). Resumable with `state_dict`."""
+    corpus = corpus if corpus is not None else load_corpus(manifest.data)
+    if corpus.vocab_size is not None:
+        check_vocab(manifest, corpus.vocab_size)
+    return BatchSampler(
+        corpus.train,
+        block_size=manifest.model.block_size,
+        batch_size=manifest.diloco.batch_size,
+        shard=0,
+        num_shards=1,
+        seed=stream_seed(manifest.data.seed, peer_id, salt),
+    )
+
+
+def eval_split(manifest: RunManifest, corpus: Corpus | None = None) -> Tensor | TokenData:
+    """The held-out tokens of the run (for `evaluate`)."""
+    return (corpus if corpus is not None else load_corpus(manifest.data)).eval

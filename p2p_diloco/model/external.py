@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -206,30 +205,3 @@ def embedding_names(model: nn.Module) -> set[str]:
             names.add(f"{module_name}.weight" if module_name else "weight")
     params = {name for name, _ in model.named_parameters()}
     return names & params
-
-
-def cli_model_digest(args: Any) -> int:
-    """`p2p-diloco model-digest MANIFEST`: the `weights_digest` of the manifest's initial model. It is
-    computed without the manifest's own `weights_digest`, so a stale one is reported, not refused: exit
-    status 1 when they differ (the new value is printed for the organizer to put in the manifest)."""
-    import dataclasses
-
-    from p2p_diloco.config import RunManifest
-    from p2p_diloco.model.gpt import build_model
-
-    manifest = RunManifest.load(args.manifest)
-    stated = manifest.model.weights_digest
-    model = build_model(dataclasses.replace(manifest.model, weights_digest=""))
-    count = sum(p.numel() for p in model.parameters())
-    found = weights_digest(model)
-    print(f"{manifest.model.kind} model, {count} parameters")
-    print(f"weights_digest: {found}")
-    if stated and stated != found:
-        print(
-            f"the manifest says weights_digest = {stated!r}: it differs from the weights built here. If the "
-            f'model changed, write weights_digest = "{found}" under [model] (and sign the manifest again); '
-            "if not, build with the run's torch/transformers versions and model.init file",
-            file=sys.stderr,
-        )
-        return 1
-    return 0

@@ -3,7 +3,8 @@
 Owns: the `GPT` module, `build_model` (identical initial weights on every peer, from `ModelConfig.seed`
 through a local generator, never the global RNG), `embedding_parameter_names` (tensors that the
 synchronizer merges by plain weighted mean instead of RDA) and `make_inner_optimizer` (AdamW),
-and `gpt_config_for` (a byte GPT of about a given size, for benchmarks).
+`gpt_config_for` (a byte GPT of about a given size, for benchmarks) and `p2p-diloco model-digest`
+(`cli_model_digest`: the `weights_digest` of a manifest's initial model, of any kind).
 
 Embeddings are untied: the token embedding and the output head are separate tensors, so each can live
 in a different fragment and be merged by its own rule. Parameter names are stable and carry the layer
@@ -17,14 +18,23 @@ index as ``blocks.{i}.``:
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import re
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2p_diloco.config import ModelConfig, ModelKind
+from p2p_diloco.config import ModelConfig, ModelKind, RunManifest
+from p2p_diloco.model.external import (
+    build_external_model,
+    check_weights_digest,
+    embedding_names,
+    weights_digest,
+)
 
 VOCAB_SIZE = 256
 INIT_STD = 0.02
@@ -138,8 +148,6 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     accelerator after building it, not before, so the initial weights stay identical everywhere.
     """
     if cfg.kind != ModelKind.GPT:
-        from p2p_diloco.model.external import build_external_model
-
         return build_external_model(cfg)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -148,8 +156,6 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     generator.manual_seed(cfg.seed)
     _init_weights(model, generator)
     if cfg.weights_digest:
-        from p2p_diloco.model.external import check_weights_digest
-
         check_weights_digest(model, cfg.weights_digest)
     return model
 
@@ -157,8 +163,6 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 def embedding_parameter_names(model: nn.Module) -> set[str]:
     """Names of the token and position embeddings (merged by plain weighted mean, not RDA): the
     parameters of every `nn.Embedding` module, so any model kind is covered."""
-    from p2p_diloco.model.external import embedding_names
-
     return embedding_names(model)
 
 
@@ -200,3 +204,25 @@ def gpt_config_for(params: int, block_size: int = 32) -> ModelConfig:
             if GPT(config).num_parameters() >= params:
                 return config
     raise ValueError(f"{params} parameters need more than 199 layers of width {width}")
+
+
+def cli_model_digest(args: argparse.Namespace) -> int:
+    """`p2p-diloco model-digest MANIFEST`: the `weights_digest` of the manifest's initial model. It is
+    computed without the manifest's own `weights_digest`, so a stale one is reported, not refused: exit
+    status 1 when they differ (the new value is printed for the organizer to put in the manifest)."""
+    manifest = RunManifest.load(args.manifest)
+    stated = manifest.model.weights_digest
+    model = build_model(dataclasses.replace(manifest.model, weights_digest=""))
+    count = sum(p.numel() for p in model.parameters())
+    found = weights_digest(model)
+    print(f"{manifest.model.kind} model, {count} parameters")
+    print(f"weights_digest: {found}")
+    if stated and stated != found:
+        print(
+            f"the manifest says weights_digest = {stated!r}: it differs from the weights built here. If the "
+            f'model changed, write weights_digest = "{found}" under [model] (and sign the manifest again); '
+            "if not, build with the run's torch/transformers versions and model.init file",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

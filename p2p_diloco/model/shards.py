@@ -15,8 +15,8 @@ it by size and modification time). Shards are `numpy.memmap`s: nothing is read w
 
 `TokenData` looks enough like a 1-D tensor for `BatchSampler` and `evaluate` (`len`, `dim`, slicing,
 and indexing with a LongTensor of positions, which returns int64 token ids).
-`make_sampler(manifest, peer_id)` is the sampler a peer trains on: its own deterministic stream,
-derived from its peer ID and the run's data seed.
+`stream_seed(seed, peer_id)` seeds a peer's own deterministic stream (`model.data.make_sampler`) and
+`check_vocab` refuses data whose tokenizer outgrows the model.
 """
 
 from __future__ import annotations
@@ -246,30 +246,3 @@ def check_vocab(manifest: RunManifest, vocab_size: int) -> None:
             f"the data's tokenizer has {vocab_size} tokens but the model embeds only {model_vocab}: raise the "
             "model's vocab_size or prepare the data with a smaller tokenizer"
         )
-
-
-def make_sampler(manifest: RunManifest, peer_id: str, corpus: Any = None, *, salt: int = 0) -> Any:
-    """The `BatchSampler` a peer trains on: `diloco.batch_size` windows of `model.block_size` tokens from
-    the run's train split, drawn by a generator seeded from (`data.seed`, `peer_id`, `salt`): the same
-    stream every time for one peer, a different one for every other peer. `corpus`: an already loaded
-    `load_corpus(manifest.data)` (loaded here otherwise). Resumable with `state_dict`."""
-    from p2p_diloco.model.data import BatchSampler, load_corpus
-
-    corpus = corpus if corpus is not None else load_corpus(manifest.data)
-    if corpus.vocab_size is not None:
-        check_vocab(manifest, corpus.vocab_size)
-    return BatchSampler(
-        corpus.train,
-        block_size=manifest.model.block_size,
-        batch_size=manifest.diloco.batch_size,
-        shard=0,
-        num_shards=1,
-        seed=stream_seed(manifest.data.seed, peer_id, salt),
-    )
-
-
-def eval_split(manifest: RunManifest, corpus: Any = None) -> Tensor | TokenData:
-    """The held-out tokens of the run (for `model.data.evaluate`)."""
-    from p2p_diloco.model.data import load_corpus
-
-    return (corpus if corpus is not None else load_corpus(manifest.data)).eval

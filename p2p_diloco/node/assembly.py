@@ -17,10 +17,9 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.model.data import Corpus, load_corpus
+from p2p_diloco.model.data import Corpus, load_corpus, make_sampler
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
 from p2p_diloco.model.probe import loss_probe_for
-from p2p_diloco.model.shards import make_sampler
 from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.net.addresses import parse_peer_address, peer_id_in
 from p2p_diloco.net.dht_store import PendingDht, identity_check_needed, start_dht

@@ -5,7 +5,7 @@ message naming the bad part (exit status 2). SIGINT/SIGTERM stop the peer after 
 then releases its lease if it holds one, flushes its sends, persists its replica and exits 0.
 SIGUSR1 ends training but keeps the peer in the swarm (serving, synchronizing), like `--max-steps`.
 `--standby` makes this process a hot spare (`node.standby`); `--hot-spare` runs a peer with one beside
-it (`node.supervise`, dispatched before this module is imported).
+it (`node.supervise`, dispatched by `node.join_command` before this module is imported).
 Under torchrun (or with `--nproc N`, which execs torchrun) the ranks form one island learner
 (`node.island`): rank 0 runs the `PeerNode`, the other ranks only the inner loop.
 """

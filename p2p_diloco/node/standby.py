@@ -12,7 +12,7 @@ peer's identity. Then it waits for one line on standard input:
   on it is an ordinary peer.
 - end of input (whoever started it is gone) or any other line: exit 0 having touched nothing.
 
-The imports (`node.supervise.cli_join_entry`) and the build run on threads at a lower priority
+The imports (`node.join_command.cli_join_entry`) and the build run on threads at a lower priority
 (`node.priority`): a spare warming up beside live peers, or beside the takeover of the spare before it,
 takes the CPU only when they leave it idle. It also sets up hivemind's inter-process futures and parses
 the identity key, which the takeover would otherwise spend time on. On a GPU the spare keeps its model

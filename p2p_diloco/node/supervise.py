@@ -24,8 +24,6 @@ the peer running and the spare exiting (its input closes with the supervisor).
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import signal
 import subprocess
 import sys
@@ -33,11 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import IO
-
-from p2p_diloco.errors import ConfigError
-from p2p_diloco.node.priority import run_lowered
 
 EXIT_USAGE = 2  # a `join` that refused its arguments
 TAKEOVER = "go"  # the line that makes a spare take over (node/standby.py reads it)
@@ -235,34 +230,3 @@ class Supervisor:
             if not self._promote():
                 self.say("no spare was ready: started the peer cold")
             self.spare = self._new_spare()
-
-
-def supervised_argv(argv: Sequence[str]) -> list[str]:
-    """This process's `join` command line without ``--hot-spare``, run with this Python."""
-    if "join" not in argv:
-        raise ConfigError("--hot-spare needs the `join` command line in sys.argv")
-    return [sys.executable, "-m", "p2p_diloco", *(a for a in argv if a != "--hot-spare")]
-
-
-def cli_join_entry(args: argparse.Namespace) -> int:
-    """`p2p-diloco join`: the supervisor for ``--hot-spare`` (without importing torch), else the peer."""
-    if getattr(args, "hot_spare", False):
-        if getattr(args, "standby", False):
-            raise ConfigError("--hot-spare and --standby exclude each other: the supervisor starts the spare")
-        if getattr(args, "nproc", 1) > 1:
-            raise ConfigError("--hot-spare runs one process; an island learner (--nproc) has no hot spare")
-        return Supervisor(supervised_argv(sys.argv[1:])).run()
-    if getattr(args, "standby", False):
-        return _imported_quietly().cli_join(args)
-    from p2p_diloco.node import join
-
-    return join.cli_join(args)
-
-
-def _imported_quietly() -> ModuleType:
-    """`node.join` (torch, hivemind and the rest) imported on a thread at a lower priority: a spare's
-    imports take the CPU only where the peers beside it leave it idle (the takeover then runs at the
-    priority the process started with)."""
-    return run_lowered(
-        SPARE_NICENESS, lambda: importlib.import_module("p2p_diloco.node.join"), name="standby-imports"
-    )

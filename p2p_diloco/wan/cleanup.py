@@ -17,12 +17,9 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from p2p_diloco.wan.spec import FAMILY, KILL_GRACE_S, REGISTRY_DIR, run_cmd
-
-if TYPE_CHECKING:
-    from p2p_diloco.wan.emulator import WanEmulator
 
 
 def list_namespaces(prefix: str) -> list[str]:
@@ -113,7 +110,14 @@ def cleanup_stale() -> list[str]:
 
 # ---- teardown on exit and signals --------------------------------------------------------------------
 
-LIVE: list[WanEmulator] = []
+
+class TearsDown(Protocol):
+    """What `LIVE` holds: an emulator (`wan.emulator.WanEmulator`) that can remove what it set up."""
+
+    def teardown(self) -> None: ...
+
+
+LIVE: list[TearsDown] = []
 _PREVIOUS_HANDLERS: dict[int, Any] = {}
 _MAIN_PID = os.getpid()
 

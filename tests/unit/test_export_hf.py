@@ -7,8 +7,7 @@ import torch
 from test_export import TINY, state_dir_with_replica  # tests/unit is on sys.path (rootdir imports)
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.node.export import model_plan
-from p2p_diloco.node.export_hf import export_hf
+from p2p_diloco.node.export import export_hf, model_plan
 
 GPT2 = {
     "run_id": "unit-export-hf",

@@ -21,12 +21,6 @@ MAX_LINES = 400
 
 # Cycles not broken yet (each a strongly connected set of modules, names below `p2p_diloco.`).
 CYCLES_LEFT: dict[frozenset[str], str] = {
-    frozenset({"demo.orchestrator", "demo.faults", "demo.endgame"}): "h3: the run type moves down",
-    frozenset({"model.data", "model.shards"}): "h3: the shared piece moves down",
-    frozenset({"model.gpt", "model.external"}): "h3: the shared piece moves down",
-    frozenset({"node.export", "node.export_hf"}): "h3: the shared piece moves down",
-    frozenset({"node.join", "node.runtime", "node.standby", "node.supervise"}): "h3: join restarts itself",
-    frozenset({"wan.cleanup", "wan.emulator"}): "h3: cleanup names the emulator type",
     frozenset({"swarm.deltas", "swarm.learner"}): "h1: the learner names the send gate's type",
 }
 
@@ -42,9 +36,6 @@ LONG_LEFT: dict[str, str] = {
 PACKED_LEFT: dict[str, str] = {
     "baseline/diloco.py": "h3",
     "demo/checks.py": "h3",
-    "demo/endgame.py": "h3",
-    "demo/faults.py": "h3",
-    "demo/orchestrator.py": "h3",
     "node/island.py": "h3",
     "wan/cli.py": "h3",
     "wan/emulator.py": "h3",

@@ -12,15 +12,13 @@ import torch
 from p2p_diloco.cli import main
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.model.data import evaluate, load_corpus
+from p2p_diloco.model.data import eval_split, evaluate, load_corpus, make_sampler
 from p2p_diloco.model.prepare import prepare, train_tokenizer
 from p2p_diloco.model.shards import (
     INDEX_FILE,
     VERIFIED_FILE,
     TokenData,
-    eval_split,
     index_digest,
-    make_sampler,
 )
 
 

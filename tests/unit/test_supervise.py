@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.node.join_command import supervised_argv
 from p2p_diloco.node.supervise import (
     MAX_TAKEOVERS,
     TAKEOVER_WINDOW,
@@ -16,7 +17,6 @@ from p2p_diloco.node.supervise import (
     Verdict,
     after_exit,
     exit_status,
-    supervised_argv,
 )
 
 
