@@ -1,8 +1,9 @@
 """The inbound side of `P2PTransport`: answering the requests other peers open streams for.
 
 `InboundServer` owns what serving needs: the `InboundHandlers`, the allowlist, the stream slots and
-deadlines of `net.limits.InboundLimits`, the per-op size caps of `net.limits.FrameCaps` and the counters
-of requests answered (`served`) and rejected (`rejected`, by tag). Any peer may be hostile and hold
+deadlines of `net.limits.InboundLimits` and the per-op size caps of `net.limits.FrameCaps`; it counts the
+bytes it reads and writes, requests answered (`served`) and rejected (`rejected`, by tag) in the
+transport's `net.traffic.TrafficBook` (on the loop thread; `served` and `rejected` read its snapshot). Any peer may be hostile and hold
 streams open, so every stream is bounded before its body is read: the sender must be on the allowlist,
 hold fewer than `per_peer` streams (and all strangers together fewer than `total`), send its header
 within `header_timeout`, claim no more than the op's cap, and then keep the body above `min_body_rate`.
@@ -20,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -37,6 +37,7 @@ from p2p_diloco.net.limits import (
     InboundLimits,
     StreamSlots,
 )
+from p2p_diloco.net.traffic import TrafficBook
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
 from p2p_diloco.wire.replies import Reply, encode_reply
@@ -89,6 +90,7 @@ class InboundServer:
         allowed_peers: Collection[str] | None,
         answer_timeout: float,
         admit: Callable[[str, str], bool] | None = None,
+        traffic: TrafficBook | None = None,
     ):
         self.handlers = handlers
         self.caps = caps
@@ -96,10 +98,19 @@ class InboundServer:
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
         self.admit = admit  # (op, peer) -> whether the run lets `peer` make this request at all
         self.answer_timeout = answer_timeout
-        self.rejected: Counter[str] = Counter()  # inbound rejections by tag
-        self.served: Counter[str] = Counter()  # inbound requests answered, by op
+        self.traffic = traffic if traffic is not None else TrafficBook()
         self.slots = StreamSlots(limits)
         self._lingering = 0
+
+    @property
+    def rejected(self) -> Mapping[str, int]:
+        """Inbound rejections by tag (an immutable snapshot)."""
+        return self.traffic.counts.rejected
+
+    @property
+    def served(self) -> Mapping[str, int]:
+        """Inbound requests answered, by op (an immutable snapshot)."""
+        return self.traffic.counts.served
 
     def stream_handler(self, op: str) -> Callable[..., Any]:
         async def handle(
@@ -115,6 +126,7 @@ class InboundServer:
                     await asyncio.wait_for(reply, DROP_WRITE_SECONDS)
                     return
                 await asyncio.wait_for(streams.write_reply(writer, status, items), timeout)
+                self.traffic.moved(sent=sum(map(len, items)))
                 if status != streams.STATUS_OK:
                     await self._linger(reader, writer)
             except Exception as exc:  # a broken or slow stream must never take the peer down
@@ -144,7 +156,7 @@ class InboundServer:
             self._lingering -= 1
 
     def _reject(self, op: str, sender: str, tag: str, detail: str) -> tuple[int, list[bytes]]:
-        self.rejected[tag] += 1
+        self.traffic.rejected(tag)
         reason = f"{tag}: {detail}"
         log.info("rejected %s from %s: %s", op, sender, reason)
         return streams.STATUS_REJECTED, [reason.encode()]
@@ -180,6 +192,7 @@ class InboundServer:
                 )
             except streams.TooSlow as exc:
                 raise self._drop(op, sender, REJECT_TOO_SLOW, str(exc)) from None
+            self.traffic.moved(received=len(body))
             return await self._dispatch(op, sender, body)
         finally:
             self.slots.release(sender)
@@ -229,7 +242,7 @@ class InboundServer:
         except Exception as exc:
             log.warning("%s handler failed on a request from %s", op, sender, exc_info=True)
             return self._reject(op, sender, REJECT_HANDLER_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
-        self.served[op] += 1
+        self.traffic.served(op)
         return streams.STATUS_OK, items
 
 

@@ -18,7 +18,12 @@ runs no handler threads. Deltas and updates are answered with a typed `wire.repl
 Outbound: `send_delta`/`push_update` return at once and deliver in the background (optional
 `on_reply(Reply)` callback, called on the transport's loop thread: keep it short);
 `request_updates`/`request_snapshot` return futures; `fetch_updates`/`fetch_snapshot` block up to a
-timeout. Failures are `TimeoutError`, `ConnectionError` or `RemoteRejected` (a `ConnectionError`).
+timeout. Failures are `TimeoutError`, `ConnectionError` or `RemoteRejected` (a `ConnectionError`). One
+request's stream and the meaning of its answer are `net.outbound`'s.
+
+This module owns the transport's lifecycle (its loop thread, the daemon connection, closing) and the
+public API. Everything that moves bytes runs on the loop thread, which alone changes the counters
+(`net.traffic`: bytes, served, rejected); other threads read `counts`, an immutable snapshot.
 """
 
 from __future__ import annotations
@@ -27,14 +32,13 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import hivemind
 import uvloop
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
-from p2p_diloco.errors import DecodeError
 from p2p_diloco.net import streams
 from p2p_diloco.net.addresses import parse_peer_id, tcp_endpoints
 from p2p_diloco.net.limits import (
@@ -44,7 +48,17 @@ from p2p_diloco.net.limits import (
     InboundLimits,
     OutboundSlots,
 )
-from p2p_diloco.net.liveness import probe_endpoints, refused
+from p2p_diloco.net.liveness import probe_endpoints
+from p2p_diloco.net.outbound import (
+    REPLY_CLOSED,
+    REPLY_TIMEOUT,
+    REPLY_UNREACHABLE,
+    OnReply,
+    RemoteRejected,
+    call_remote,
+    delivery_reply,
+    fetch_items,
+)
 from p2p_diloco.net.serving import (
     LINGER_SECONDS,
     REJECT_BAD_REQUEST,
@@ -57,9 +71,10 @@ from p2p_diloco.net.serving import (
     REJECT_TOO_SLOW,
     InboundServer,
 )
+from p2p_diloco.net.traffic import TrafficBook, TransportCounts
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers, Liveness
-from p2p_diloco.wire.replies import PEER_DOWN, Reply, ReplyStatus, decode_reply
+from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.snapshot_chunks import encode_chunk_request
 
 log = logging.getLogger(__name__)
@@ -81,25 +96,6 @@ __all__ = [
     "P2PTransport",
     "RemoteRejected",
 ]
-
-# reasons of local delivery failures (to on_reply); inbound rejections are `net.serving`'s
-REPLY_TIMEOUT = "transport timeout"
-REPLY_UNREACHABLE = "transport unreachable"
-REPLY_CLOSED = "transport closed"
-# inbound rejections a sender may retry later (the receiver was busy, or its limits cut this stream)
-TRANSIENT_REJECTIONS = frozenset(
-    (REJECT_BUSY, REJECT_PEER_BUSY, REJECT_HANDLER_ERROR, REJECT_HEADER_TIMEOUT, REJECT_TOO_SLOW)
-)
-
-OnReply = Callable[[Reply], None]
-
-
-class RemoteRejected(ConnectionError):
-    """The remote peer answered with a rejection; `reason` is its reason string."""
-
-    def __init__(self, peer: str, op: str, reason: str):
-        self.reason = reason
-        super().__init__(f"{peer} rejected {op}: {reason}")
 
 
 async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
@@ -139,6 +135,7 @@ class P2PTransport:
         self.send_timeout = send_timeout
         self.fetch_timeout = fetch_timeout
         self.answer_timeout = answer_timeout
+        self._traffic = TrafficBook()  # changed on the loop thread only (it takes ownership first)
         self._inbound = InboundServer(
             handlers,
             caps=self.caps,
@@ -146,10 +143,9 @@ class P2PTransport:
             allowed_peers=allowed_peers,
             answer_timeout=answer_timeout,
             admit=admit,
+            traffic=self._traffic,
         )
         self.allowed_peers = self._inbound.allowed_peers
-        self.rejected = self._inbound.rejected  # inbound rejections by tag
-        self.served = self._inbound.served  # inbound requests answered, by op
         self.slots = self._inbound.slots  # inbound streams in progress, per peer
         self._outbound = OutboundSlots(self.limits.per_peer)  # as many to one peer as we would admit
         self._handlers = handlers
@@ -160,6 +156,7 @@ class P2PTransport:
         daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="p2p-transport", daemon=True)
+        self._loop.call_soon_threadsafe(self._traffic.owner.take)  # before any stream is served
         self._thread.start()
         try:
             self._p2p: P2P = self._submit(self._start(daemon_maddr)).result(timeout=30)
@@ -167,6 +164,21 @@ class P2PTransport:
             self._stop_loop()
             raise
         self.peer_id: str = self._p2p.peer_id.to_base58()
+
+    @property
+    def counts(self) -> TransportCounts:
+        """Bytes moved, requests served and rejected so far: an immutable snapshot (`net.traffic`)."""
+        return self._traffic.counts
+
+    @property
+    def rejected(self) -> Mapping[str, int]:
+        """Inbound rejections by tag (an immutable snapshot)."""
+        return self._traffic.counts.rejected
+
+    @property
+    def served(self) -> Mapping[str, int]:
+        """Inbound requests answered, by op (an immutable snapshot)."""
+        return self._traffic.counts.served
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -277,25 +289,7 @@ class P2PTransport:
 
     async def _deliver(self, op: str, to_peer: str, frame: bytes, timeout: float) -> Reply:
         """A delta/update round trip turned into one `Reply` (never raises)."""
-        try:
-            status, items = await asyncio.wait_for(
-                self._call(op, to_peer, frame, *self.caps.reply(op)), timeout
-            )
-        except TimeoutError:
-            return Reply.transient(REPLY_TIMEOUT, f"no answer from {to_peer} within {timeout:.1f} s")
-        except (ConnectionError, OSError, ValueError) as exc:
-            return Reply.transient(PEER_DOWN if refused(exc) else REPLY_UNREACHABLE, str(exc))
-        if len(items) != 1:
-            return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}")
-        if status != streams.STATUS_OK:  # rejected by the transport before any handler saw it
-            reason = items[0].decode("utf-8", "replace")
-            tag = reason.split(":", 1)[0]
-            transient = tag in TRANSIENT_REJECTIONS
-            return Reply(ReplyStatus.TRANSIENT if transient else ReplyStatus.REFUSED, reason)
-        try:
-            return decode_reply(items[0])
-        except DecodeError as exc:
-            return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}: {exc}")
+        return await delivery_reply(self._call(op, to_peer, frame, *self.caps.reply(op)), to_peer, timeout)
 
     def probe(self, peer: str, addresses: Sequence[str] = ()) -> concurrent.futures.Future[Liveness]:
         """`Liveness` of `peer` from plain TCP connects to its `addresses` (its heartbeat's), not through
@@ -347,20 +341,7 @@ class P2PTransport:
         if max_item is not None:  # a chunk: no more than the index says it holds
             item_cap, total_cap = min(item_cap, max_item), min(total_cap, max_item)
         call = self._call(op, from_peer, body, item_cap, total_cap)
-        try:
-            status, items = await asyncio.wait_for(call, self.fetch_timeout)
-        except TimeoutError as exc:
-            raise TimeoutError(f"{op} from {from_peer}: no answer within {self.fetch_timeout:.1f} s") from exc
-        except streams.FrameTooLarge as exc:
-            raise ConnectionError(f"{op} from {from_peer}: {exc}") from exc
-        if status != streams.STATUS_OK:
-            reason = items[0].decode("utf-8", "replace") if items else "no reason given"
-            raise RemoteRejected(from_peer, op, reason)
-        if op == keys.OP_FETCH_UPDATES:
-            return items
-        if len(items) != 1:
-            raise ConnectionError(f"{from_peer} answered a {op} request with {len(items)} items, expected 1")
-        return items[0]
+        return await fetch_items(call, op, from_peer, self.fetch_timeout)
 
     async def _call(
         self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
@@ -368,37 +349,7 @@ class P2PTransport:
         if to_peer == self.peer_id:
             return await self._inbound.answer_local(op, self.peer_id, body)
         async with self._outbound.slot(to_peer):
-            return await self._call_remote(op, to_peer, body, max_item, max_total)
-
-    async def _call_remote(
-        self, op: str, to_peer: str, body: bytes, max_item: int, max_total: int
-    ) -> tuple[int, list[bytes]]:
-        try:
-            _, reader, writer = await self._p2p.call_binary_stream_handler(
-                PeerID.from_base58(to_peer), self._protocols[op]
+            protocol = self._protocols[op]
+            return await call_remote(
+                self._p2p, protocol, op, to_peer, body, max_item, max_total, self._traffic
             )
-        except Exception as exc:
-            raise ConnectionError(f"cannot open a {op} stream to {to_peer}: {exc}") from exc
-        writing = asyncio.create_task(streams.write_request(writer, body))
-        reading = asyncio.create_task(
-            streams.read_reply(reader, max_item_bytes=max_item, max_total_bytes=max_total)
-        )
-        try:
-            # the reply may come before we finish writing (an early rejection): stop writing then
-            await asyncio.wait({writing, reading}, return_when=asyncio.FIRST_COMPLETED)
-            try:
-                return await reading
-            except asyncio.IncompleteReadError as exc:
-                detail = (
-                    f" (while sending: {writing.exception()!r})"
-                    if writing.done() and writing.exception()
-                    else ""
-                )
-                raise ConnectionError(f"{to_peer} closed the {op} stream without an answer{detail}") from exc
-            except streams.BadEnvelope as exc:
-                raise ConnectionError(f"{to_peer} sent a malformed {op} reply: {exc}") from exc
-        finally:
-            for task in (writing, reading):
-                task.cancel()
-            await asyncio.gather(writing, reading, return_exceptions=True)
-            writer.close()

@@ -1,7 +1,8 @@
 """Building a real peer's parts: its DHT process, the model with its replica and optimizer, the learner.
 
 `node.runtime.PeerNode.start` calls these in order (the DHT fork first, so the model build overlaps
-p2pd's start); they hold no state of their own.
+p2pd's start), on the main thread before the peer's owner thread starts (the catch-up after, through
+it); they hold no state of their own.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from p2p_diloco.node.island import Island, island_sampler
 from p2p_diloco.node.island_learner import IslandLearner
 from p2p_diloco.node.options import NodeOptions
 from p2p_diloco.node.state import StateDir
+from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.driver import PeerDriver
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.signing import PeerKeys
@@ -188,12 +189,15 @@ def make_learner(
     return learner
 
 
-def catch_up_at_start(driver: PeerDriver, peer: Peer, now: float, away: float, timeout: float) -> dict | None:
+def catch_up_at_start(
+    driver: ThreadedDriver, peer: Peer, now: float, away: float, timeout: float
+) -> dict | None:
     """Bring a starting peer's replica to the swarm's versions (`Repair.catch_up` on the owner thread):
     a peer away less than `timing.rejoin_grace` replays, any other downloads snapshots. The `catch_up`
-    event's fields, or None if it did not finish within `timeout` seconds."""
+    event's fields, or None if it did not finish within `timeout` seconds. Called on the training
+    thread: the replica's versions are read on the owner thread."""
     replay = away < peer.manifest.timing.rejoin_grace
-    before = peer.replica.versions()
+    before = driver.call(peer.replica.versions, timeout=timeout)
     started = time.monotonic()
     done: concurrent.futures.Future = concurrent.futures.Future()
     driver.post(fx.CatchUpRequested(now, replay, done))
@@ -203,7 +207,7 @@ def catch_up_at_start(driver: PeerDriver, peer: Peer, now: float, away: float, t
         return None
     if stats is None:  # the catch-up task failed (its note says why)
         return None
-    after = peer.replica.versions()
+    after = driver.call(peer.replica.versions, timeout=timeout)
     sizes = peer.plan.sizes()
     if not replay:  # params and momentum, fp32
         stats["bytes"] = sum(8 * sizes[p] for p in range(len(sizes)) if after[p] != before[p])

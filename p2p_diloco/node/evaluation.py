@@ -7,12 +7,17 @@ whatever its role and marks its records dedicated, so synchronizers leave the jo
 
 When: once it has read the published history (on its follow job, within `follow_seconds` of becoming
 the evaluator), then every `every_updates` merged updates (the sum of the fragment versions) and at most once per
-`min_seconds`. How: on the training thread between two inner steps (so the peer's owner thread and
-the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), on the replica's own
-parameter tensors, read on the owner thread (`GlobalReplica.frozen` shares tensors that are never changed
-in place) and bound into a weightless model for the evaluation (`BorrowedWeights`: no copy), over
-`batches` batches of the run's held-out split (`model.data.evaluate`, the same function the demo and the
-in-process swarm use).
+`min_seconds`. How: the owner thread decides (`GlobalEvaluator.ask`) and hands the training thread an
+`EvalRequest` with the replica's own parameter tensors (`GlobalReplica.frozen` shares tensors that are
+never changed in place); the training thread evaluates it between two inner steps (`EvalWorker`: so the
+owner and the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), bound into a
+weightless model (`BorrowedWeights`: no copy), over `batches` batches of the run's held-out split
+(`model.data.evaluate`, the same function the demo and the in-process swarm use), and posts the loss
+back; the owner thread records the point (`GlobalEvaluator.finish`).
+
+Threads: `GlobalEvaluator`'s state (history, counters, its own last point) belongs to the owner thread;
+`EvalWorker` and its model to the training thread; the I/O thread only reads the DHT
+(`read_histories`, stateless) and stores the record the owner thread encoded.
 
 The history (`wire.observe.EvalHistory`, bounded to `MAX_EVAL_POINTS`) is published owner-signed under
 `keys.eval_key` on the I/O thread, after merging every other permitted evaluator's record read from the
@@ -27,7 +32,6 @@ applied since that point's versions (updates a snapshot download skipped count n
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -41,10 +45,12 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import evaluate
 from p2p_diloco.node.ledger import ContributionLedger, read_ledger
 from p2p_diloco.node.logsinks import SafeSinks
-from p2p_diloco.wire.interfaces import Clock, KeyValueStore
+from p2p_diloco.owner import Owner
+from p2p_diloco.wire.interfaces import KeyValueStore
 from p2p_diloco.wire.keys import eval_key
 from p2p_diloco.wire.observe import (
     MAX_EVAL_SKEW,
+    AdmittedHistories,
     EvalHistory,
     EvalPoint,
     admit_histories,
@@ -125,9 +131,74 @@ class BorrowedWeights:
             self._release()
 
 
+@dataclass(frozen=True)
+class EvalRequest:
+    """One evaluation the owner thread asks the training thread for: the replica's tensors at `versions`
+    (shared, never changed in place) and what the point will say besides its loss."""
+
+    t: float  # DHT time of the decision: the point's time
+    versions: tuple[int, ...]
+    params: Mapping[str, torch.Tensor]
+    term: int
+    tokens: int  # merged tokens in the global model at `versions` (module docstring)
+    ledger_total: int  # this peer's ledger tokens when asked (the next point counts from here)
+
+
+class EvalWorker:
+    """The training thread's side: evaluates `EvalRequest`s on a weightless model built at the first one
+    (peers that never evaluate never pay for it)."""
+
+    def __init__(
+        self,
+        manifest: RunManifest,
+        options: EvalOptions,
+        make_model: Callable[[], torch.nn.Module],  # a model to bind the replica into, on the peer's device
+        eval_data,  # noqa: ANN001 - Tensor or TokenData, the run's held-out split
+    ):
+        self.manifest, self.options, self.make_model, self.eval_data = (
+            manifest,
+            options,
+            make_model,
+            eval_data,
+        )
+        self.model: BorrowedWeights | None = None
+
+    def evaluate(self, request: EvalRequest) -> float:
+        if self.model is None:
+            self.model = BorrowedWeights(self.make_model())
+        with self.model.bound(request.params) as model:
+            return evaluate(
+                model,
+                self.eval_data,
+                block_size=self.manifest.model.block_size,
+                batch_size=self.options.batch_size,
+                max_batches=self.options.batches,
+            )
+
+
+def read_histories(kv: KeyValueStore, key: str, manifest: RunManifest, now: float) -> HistoryRead:
+    """Every evaluator's published history under `key`, decoded and screened (on the I/O thread)."""
+    decoded: dict[str, EvalHistory] = {}
+    bad = 0
+    for writer, stored in kv.get(key, now).items():
+        try:
+            decoded[writer] = decode_eval_history(stored.value, manifest.diloco.fragments)
+        except RecordError:
+            bad += 1
+    admitted = admit_histories(decoded, may_evaluate=manifest.may_evaluate, now=now, max_skew=MAX_EVAL_SKEW)
+    return HistoryRead(admitted, bad)
+
+
+@dataclass(frozen=True)
+class HistoryRead:
+    """What one read of the eval history records found: the admitted ones, and how many did not decode."""
+
+    admitted: AdmittedHistories
+    undecodable: int = 0
+
+
 class GlobalEvaluator:
-    """This peer's share of global evaluation (module docstring). `maybe_evaluate` on the training
-    thread; `refresh` and `publish` on the I/O thread."""
+    """This peer's share of global evaluation (module docstring); every method on the owner thread."""
 
     def __init__(
         self,
@@ -135,25 +206,14 @@ class GlobalEvaluator:
         options: EvalOptions,
         *,
         peer_id: str,
-        kv: KeyValueStore,
-        clock: Clock,
-        make_model: Callable[[], torch.nn.Module],  # a model to load the replica into, on the peer's device
-        eval_data,  # noqa: ANN001 - Tensor or TokenData, the run's held-out split
-        versions: Callable[[], tuple[int, ...]],
-        snapshot: Callable[[], tuple[dict[str, torch.Tensor], tuple[int, ...]]],
-        holds_lease: Callable[[], bool],
-        term: Callable[[], int],
         ledger: ContributionLedger | None,
         sinks: SafeSinks | None = None,
         event: Callable[..., None] = lambda kind, **fields: None,
+        owner: Owner | None = None,
     ):
         self.manifest, self.options, self.peer_id = manifest, options, peer_id
-        self.kv, self.clock = kv, clock
-        self.make_model, self.eval_data = make_model, eval_data
-        self.eval_model: BorrowedWeights | None = None  # built at the first evaluation: others never pay
-        self.versions, self.snapshot = versions, snapshot  # cheap reads; the replica's tensors, not copies
-        self.holds_lease, self.term = holds_lease, term
         self.ledger, self.sinks, self.event = ledger, sinks, event
+        self.owner = owner or Owner("peer-owner")
         self.key = eval_key(manifest.run_id, manifest.manifest_hash)
         self.history: tuple[EvalPoint, ...] = ()
         self.contributions: tuple[tuple[str, int, int], ...] = ()
@@ -161,20 +221,20 @@ class GlobalEvaluator:
         self.dedicated_seen = 0.0  # DHT time of the newest point of another permitted dedicated evaluator
         self.evaluations = 0
         self.refreshed = False  # read the published history at least once (a first point continues it)
-        self._lock = threading.Lock()
+        self.asked: EvalRequest | None = None  # handed to the training thread, not finished yet
         self._last: EvalPoint | None = None  # this peer's own last point
         self._ledger_at_last = 0
         self._logged_t = 0.0  # newest point handed to the sinks
 
     # ---- who and when ------------------------------------------------------------------------------
 
-    def wants_to_evaluate(self, now: float) -> bool:
+    def wants_to_evaluate(self, now: float, holds_lease: bool) -> bool:
         mode = self.options.mode
         if mode is EvalMode.NEVER:
             return False
         if mode is EvalMode.ALWAYS:
             return True
-        return self.holds_lease() and now - self.dedicated_seen > DEDICATED_STALE
+        return holds_lease and now - self.dedicated_seen > DEDICATED_STALE
 
     def due(self, now: float, updates: int) -> bool:
         last = self._last
@@ -185,41 +245,49 @@ class GlobalEvaluator:
             updates >= last.updates + self.options.every_updates and now >= last.t + self.options.min_seconds
         )
 
-    # ---- the evaluation (training thread) ---------------------------------------------------------
+    # ---- one evaluation: asked here, run on the training thread, finished here -----------------------
 
-    def maybe_evaluate(self) -> EvalPoint | None:
-        """Evaluate the global model if this peer is the evaluator and one is due; the new point."""
-        now = self.clock.now()
-        if not self.wants_to_evaluate(now) or not self.refreshed:
-            return None  # not the evaluator, or the history it would continue is not read yet
-        updates = sum(self.versions())
+    def ask(
+        self,
+        now: float,
+        *,
+        versions: tuple[int, ...],
+        holds_lease: bool,
+        term: int,
+        frozen: Callable[[], tuple[Mapping[str, torch.Tensor], tuple[int, ...]]],
+    ) -> EvalRequest | None:
+        """An `EvalRequest` if this peer is the evaluator, one is due and none is under way; `frozen` (the
+        replica's tensors and their versions, not copies) is only called then."""
+        if self.asked is not None or not self.wants_to_evaluate(now, holds_lease) or not self.refreshed:
+            return None  # busy, not the evaluator, or the history it would continue is not read yet
+        updates = sum(versions)
         if not self.due(now, updates) or (updates == 0 and self.history):
             return None
-        params, versions = self.snapshot()
-        if self.eval_model is None:
-            self.eval_model = BorrowedWeights(self.make_model())
-        with self.eval_model.bound(params) as model:
-            loss = evaluate(
-                model,
-                self.eval_data,
-                block_size=self.manifest.model.block_size,
-                batch_size=self.options.batch_size,
-                max_batches=self.options.batches,
-            )
+        self.owner.check("GlobalEvaluator")
+        params, at = frozen()
+        total = self._ledger_total()
+        self.asked = EvalRequest(now, tuple(at), params, term, self._merged_tokens(tuple(at), total), total)
+        return self.asked
+
+    def finish(self, request: EvalRequest, loss: float | None) -> EvalPoint | None:
+        """The training thread's loss for `request` (None: it failed); the new point, if it is one."""
+        self.owner.check("GlobalEvaluator")
+        self.asked = None
+        if loss is None:
+            return None
         if loss != loss or loss in (float("inf"), float("-inf")):
             self.event("eval_failed", error=f"eval loss {loss}")
             return None
         point = EvalPoint(
-            t=now,
-            tokens=self._merged_tokens(versions),
-            versions=tuple(versions),
+            t=request.t,
+            tokens=request.tokens,
+            versions=request.versions,
             loss=float(loss),
             evaluator=self.peer_id,
-            term=self.term(),
+            term=request.term,
         )
-        with self._lock:
-            self._last, self._ledger_at_last = point, self._ledger_total()
-            self.history = merge_points(self.history, [point])
+        self._last, self._ledger_at_last = point, request.ledger_total
+        self.history = merge_points(self.history, [point])
         self.evaluations += 1
         self.event("global_eval", **{k: v for k, v in point.as_dict().items() if k not in ("evaluator", "t")})
         return point
@@ -227,10 +295,9 @@ class GlobalEvaluator:
     def _ledger_total(self) -> int:
         if self.ledger is None:
             return 0
-        return sum(c.tokens for c in list(self.ledger.totals.values()))
+        return sum(c.tokens for c in self.ledger.totals.values())
 
-    def _merged_tokens(self, versions: tuple[int, ...]) -> int:
-        total = self._ledger_total()
+    def _merged_tokens(self, versions: tuple[int, ...], total: int) -> int:
         if self._last is not None:
             return self._last.tokens + max(0, total - self._ledger_at_last)
         before = max(self.history, key=lambda p: (p.updates, p.t)) if self.history else None
@@ -244,61 +311,45 @@ class GlobalEvaluator:
         )
         return before.tokens + since
 
-    # ---- the history in the DHT (I/O thread) -------------------------------------------------------
+    # ---- the history in the DHT (read and stored on the I/O thread) ---------------------------------
 
-    def refresh(self) -> None:
+    def absorb(self, read: HistoryRead) -> None:
         """Merge every evaluator's published history into ours; log points the sinks have not seen."""
-        now = self.clock.now()
-        decoded: dict[str, EvalHistory] = {}
-        for writer, stored in self.kv.get(self.key, now).items():
-            try:
-                decoded[writer] = decode_eval_history(stored.value, self.manifest.diloco.fragments)
-            except RecordError:
-                self.ignored["bad eval history"] += 1
-        admitted = admit_histories(
-            decoded,
-            may_evaluate=self.manifest.may_evaluate,
-            now=now,
-            max_skew=MAX_EVAL_SKEW,
-        )
-        for writer, reason, detail in admitted.refused:
+        self.owner.check("GlobalEvaluator")
+        if read.undecodable:
+            self.ignored["bad eval history"] += read.undecodable
+        for writer, reason, detail in read.admitted.refused:
             if self.ignored[reason] == 0:  # the first of each reason; then only the counter
                 log.info("eval history of %s refused: %s (%s)", writer, reason, detail)
             self.ignored[reason] += 1
-        records = admitted.records
+        records = read.admitted.records
         for writer, history in records.items():
             if history.dedicated and writer != self.peer_id and history.points:
                 self.dedicated_seen = max(self.dedicated_seen, history.points[-1].t)
         found = list(records.values())
-        with self._lock:
-            self.history = merge_points(self.history, merge_records(records))
-            if found and not self.contributions:
-                self.contributions = max(
-                    (h.contributions for h in found), key=lambda rows: sum(r[1] for r in rows)
-                )
+        self.history = merge_points(self.history, merge_records(records))
+        if found and not self.contributions:
+            self.contributions = max(
+                (h.contributions for h in found), key=lambda rows: sum(r[1] for r in rows)
+            )
         self.refreshed = True
         self._log_new()
 
-    def publish(self) -> None:
-        """Merge, then store this peer's history and leaderboard (after an evaluation of its own)."""
-        try:
-            self.refresh()
-        except Exception as exc:  # noqa: BLE001 - publish what we have
-            log.info("eval history read failed: %r", exc)
-        with self._lock:
-            history = EvalHistory(
-                points=self.history,
-                dedicated=self.options.mode is EvalMode.ALWAYS,
-                contributions=self._leaderboard(),
-            )
-        now = self.clock.now()
-        self.kv.store(self.key, self.peer_id, history.to_bytes(), now + HISTORY_TTL)
+    def record(self) -> bytes:
+        """This peer's history and leaderboard, encoded (stored under `key` with `HISTORY_TTL`)."""
+        self.owner.check("GlobalEvaluator")
+        history = EvalHistory(
+            points=self.history,
+            dedicated=self.options.mode is EvalMode.ALWAYS,
+            contributions=self._leaderboard(),
+        )
+        return history.to_bytes()
 
     def _leaderboard(self) -> tuple[tuple[str, int, int], ...]:
         if self.ledger is None:
             return self.contributions
         rows = sorted(
-            ((peer, c.tokens, c.updates) for peer, c in list(self.ledger.totals.items())),
+            ((peer, c.tokens, c.updates) for peer, c in self.ledger.totals.items()),
             key=lambda r: (-r[1], r[0]),
         )
         self.contributions = tuple(rows)

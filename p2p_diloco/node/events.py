@@ -1,6 +1,7 @@
 """What a real peer writes about itself: its peer's telemetry intents as `events.jsonl` lines and ledger
 entries (`PeerEventLog`), the cumulative goodput counters of its progress events (`GoodputCounters`,
-read by `p2p_diloco.demo.accounting`) and its replica on disk (`ReplicaSaver`)."""
+read by `p2p_diloco.demo.accounting`) and its replica on disk (`ReplicaSaver`). All three run on the
+peer's owner thread (a save's write on the I/O thread, from a frozen copy)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from p2p_diloco.net.traffic import TransportCounts
 from p2p_diloco.node.ledger import ContributionLedger
-from p2p_diloco.node.reporting import Telemetry
 from p2p_diloco.node.state import StateDir
+from p2p_diloco.node.training import TrainingView
+from p2p_diloco.owner import Owner
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.swarm.updates import UpdateSource
 from p2p_diloco.wire.interfaces import Clock
@@ -72,27 +74,27 @@ class PeerEventLog:
 
 
 class GoodputCounters:
-    """Cumulative goodput counters of this process lifetime, for progress events."""
+    """Cumulative goodput counters of this process lifetime, for progress events (owner thread)."""
 
-    def __init__(self, telemetry: Telemetry):
-        self.telemetry = telemetry
-        self.loop_started = 0.0  # monotonic start of the training loop
+    def __init__(self, owner: Owner | None = None):
+        self.owner = owner or Owner("peer-owner")
         self._blocked = 0.0
 
-    def fields(self, learner: Learner, peer: Peer, byte_counter, *, training: bool) -> dict[str, object]:  # noqa: ANN001
-        alive = time.monotonic() - self.loop_started if self.loop_started else 0.0
-        if training:  # loop time not spent in inner steps, kept monotone (paced steps may count more)
-            self._blocked = max(self._blocked, alive - learner.compute_seconds)
+    def fields(self, view: TrainingView, peer: Peer, counts: TransportCounts | None) -> dict[str, object]:
+        self.owner.check("GoodputCounters")
+        alive = time.monotonic() - view.loop_started if view.loop_started else 0.0
+        if view.training:  # loop time not spent in inner steps, kept monotone (paced steps may count more)
+            self._blocked = max(self._blocked, alive - view.compute_seconds)
         return {
-            "tokens": learner.tokens_trained,
-            "compute_seconds": learner.compute_seconds,
-            "compute_merged": learner.compute_merged,
+            "tokens": view.tokens,
+            "compute_seconds": view.compute_seconds,
+            "compute_merged": view.compute_merged,
             "blocked_seconds": self._blocked,
-            "bytes_sent": byte_counter.sent,
-            "bytes_received": byte_counter.received,
+            "bytes_sent": counts.bytes_sent if counts else 0,
+            "bytes_received": counts.bytes_received if counts else 0,
             "role": "synchronizer" if peer.sync is not None else "learner",
             "term": peer.term_seen,
-            "tokens_per_s": self.telemetry.tokens_per_s(training),
+            "tokens_per_s": view.tokens_per_s,
         }
 
 

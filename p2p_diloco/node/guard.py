@@ -5,17 +5,17 @@ before the peer's driver does (the driver needs it) and outlives it at shutdown,
 attached (and after it is detached) every request is answered `not ready`. Once attached, requests
 go to the driver, which posts them to the peer's owner thread and hands the transport a future; the
 transport awaits it (`P2PTransport.answer_timeout`, then `busy`). A driver call that raises is
-answered `handler error`: the node keeps serving. It also notes the replies to remote deltas that were
-accepted (`DeltaAccepts`: how many, and per synchronizer term when the first one was), which progress
-events report so that the demo can time a new synchronizer's first accepted delta.
+answered `handler error`: the node keeps serving. The slot runs on the transport's thread, the only one
+that changes its refusal counts; it publishes them as an immutable mapping (`rejections`, replaced whole)
+that other threads read.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from hivemind.utils.timed_storage import get_dht_time
@@ -38,28 +38,6 @@ class DhtClock:
         return get_dht_time()
 
 
-class DeltaAccepts:
-    """Remote deltas this peer accepted as synchronizer: a count, and per term the DHT time of the first
-    (the last `TERMS_KEPT` terms). Its own deltas never pass through the transport and are not counted."""
-
-    TERMS_KEPT = 8
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.first_by_term: dict[int, float] = {}
-
-    def note(self, term: int, now: float) -> None:
-        self.count += 1
-        if term not in self.first_by_term:
-            self.first_by_term[term] = now
-            for old in sorted(self.first_by_term)[: -self.TERMS_KEPT]:
-                del self.first_by_term[old]
-
-    def first_accepts(self) -> tuple[tuple[int, float], ...]:
-        """((term, DHT time of the first accepted delta), ...) by term."""
-        return tuple(sorted(self.first_by_term.items()))
-
-
 class ServeRefused(RuntimeError):
     """A request could not be served; the transport answers the requester with this reason."""
 
@@ -68,8 +46,7 @@ class HandlerSlot:
     """`InboundHandlers` in front of the node's driver (module docstring)."""
 
     def __init__(self) -> None:
-        self.rejections: Counter[str] = Counter()  # the slot's own rejections, by tag
-        self.accepts = DeltaAccepts()
+        self.rejections: Mapping[str, int] = MappingProxyType({})  # the slot's own rejections, by tag
         self._driver: InboundHandlers | None = None
 
     def attach(self, driver: InboundHandlers) -> None:
@@ -80,7 +57,9 @@ class HandlerSlot:
         self._driver = None
 
     def _refuse(self, op: str, sender: str, tag: str, detail: str) -> Reply:
-        self.rejections[tag] += 1
+        counts = Counter(self.rejections)  # changed on the transport's thread only, published whole
+        counts[tag] += 1
+        self.rejections = MappingProxyType(counts)
         level = logging.INFO if tag == REJECT_NOT_READY else logging.WARNING
         log.log(level, "%s from %s refused: %s: %s", op, sender, tag, detail)
         return Reply.transient(tag, detail)
@@ -101,23 +80,7 @@ class HandlerSlot:
         return answer  # a Future: the transport awaits it (and answers `busy` after its answer timeout)
 
     def handle_delta(self, sender: str, frame: bytes):  # noqa: ANN201
-        answer = self._call("delta", sender, lambda d: d.handle_delta(sender, frame), lambda r: r)
-        if isinstance(answer, concurrent.futures.Future):
-            driver = self._driver
-            answer.add_done_callback(lambda done: self._note_reply(done, driver))
-        return answer
-
-    def _note_reply(self, done: concurrent.futures.Future, driver: Any) -> None:
-        """Count an accepted delta under the term this peer synchronizes (called when the reply is set)."""
-        if done.cancelled() or done.exception() is not None:
-            return
-        reply = done.result()
-        if not isinstance(reply, Reply) or not reply.ok:
-            return
-        peer = getattr(driver, "peer", None)
-        sync = getattr(peer, "sync", None)
-        term = getattr(sync, "term", None) if sync is not None else getattr(peer, "term_seen", None)
-        self.accepts.note(int(term) if isinstance(term, int) else -1, get_dht_time())
+        return self._call("delta", sender, lambda d: d.handle_delta(sender, frame), lambda r: r)
 
     def handle_update(self, sender: str, frame: bytes):  # noqa: ANN201
         return self._call("update", sender, lambda d: d.handle_update(sender, frame), lambda r: r)

@@ -1,10 +1,11 @@
-"""What a node tells the swarm and its operator about itself: step timing, contributions, rejections.
+"""What a node tells the swarm and its operator about itself: contributions, rejections, snapshots.
 
-`Telemetry` keeps the step-time average and when this peer's work last reached the global model, and
-builds the status fields of its heartbeat (`HeartbeatInfo`: tokens/s, rejection counters by reason
-and by sender, last decisions; what `p2p-diloco status` shows), the progress line `join` prints, and
-`NodeSnapshot`s: everything the operator sees at one moment (the live display and the Prometheus
-metrics both render snapshots). Callers hold the peer's lock.
+`Telemetry` (owned by the peer's owner thread, where all its methods run) keeps when this peer's work
+last reached the global model, and builds from the `Peer`, the training thread's `TrainingView` and
+the transport's `TransportCounts` (both immutable snapshots) the status fields of its heartbeat
+(`HeartbeatInfo`: tokens/s, rejection counters by reason and by sender, last decisions; what
+`p2p-diloco status` shows), the progress line `join` prints, and `NodeSnapshot`s: everything the
+operator sees at one moment, frozen (the live display and the Prometheus metrics both render them).
 
 `ProgressDisplay` prints progress lines (stdout not a terminal); `LiveProgressDisplay` redraws a rich
 panel in place instead (stdout a terminal), with other lines printed above it.
@@ -18,9 +19,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from p2p_diloco.config import RunManifest
+from p2p_diloco.net.traffic import TransportCounts
 from p2p_diloco.node.guard import HandlerSlot
-from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.node.threads import DeltaAccepts
+from p2p_diloco.node.training import TrainingView
+from p2p_diloco.owner import Owner
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.records import MAX_COUNTERS, MAX_DECISIONS, MAX_TEXT
 
@@ -37,7 +40,6 @@ def seconds_since_launch() -> float | None:
         return None
 
 
-STEP_TIME_EMA = 0.1
 MAX_TAG_CHARS = 64
 ROLES = ("learner", "synchronizer", "observer")
 LIVE_PERIOD = 1.0  # seconds between redraws of the live display (at most --progress-every)
@@ -51,8 +53,11 @@ def _short(text: str, limit: int = MAX_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def rejection_counts(peer: Peer | None, guard: HandlerSlot | None, transport: Any) -> Counter[str]:
-    """Every rejection this peer answered or dropped, by reason tag (peer, synchronizer, guard, transport)."""
+def rejection_counts(
+    peer: Peer | None, guard: HandlerSlot | None, counts: TransportCounts | None
+) -> Counter[str]:
+    """Every rejection this peer answered or dropped, by reason tag (peer, synchronizer, guard, transport);
+    on the owner thread (the guard's and the transport's counts are immutable snapshots)."""
     total: Counter[str] = Counter()
     if peer is not None:
         total.update(peer.rejections)
@@ -60,11 +65,8 @@ def rejection_counts(peer: Peer | None, guard: HandlerSlot | None, transport: An
             total.update(peer.sync.rejections)
     if guard is not None:
         total.update(guard.rejections)
-    if transport is not None:
-        try:
-            total.update(transport.rejected.copy())
-        except RuntimeError:  # changed by the transport's thread while copying: next time
-            pass
+    if counts is not None:
+        total.update(counts.rejected)
     return total
 
 
@@ -125,48 +127,32 @@ class NodeSnapshot:
 
 
 class Telemetry:
-    """Step timing and contribution tracking of one node (module docstring)."""
+    """When this node's work last reached the global model, and what it reports (module docstring)."""
 
-    def __init__(self, manifest: RunManifest):
-        self.tokens_per_step = manifest.diloco.batch_size * manifest.model.block_size
-        self.step_time = 0.0  # moving average of the seconds between two step ends
+    def __init__(self, owner: Owner | None = None):
+        self.owner = owner or Owner("peer-owner")
         self.last_contribution = 0.0  # DHT time at which an update merging our delta was first seen
         self._steps_merged_seen = 0.0
-        self._last_step_end: float | None = None
-
-    def step_finished(self, monotonic_now: float) -> None:
-        if self._last_step_end is not None:
-            seconds = monotonic_now - self._last_step_end
-            self.step_time = (
-                seconds
-                if self.step_time == 0
-                else (1 - STEP_TIME_EMA) * self.step_time + STEP_TIME_EMA * seconds
-            )
-        self._last_step_end = monotonic_now
-
-    def tokens_per_s(self, training: bool) -> float:
-        return self.tokens_per_step / self.step_time if training and self.step_time > 0 else 0.0
 
     def heartbeat_fields(
         self,
         now: float,
         peer: Peer,
-        learner: Learner,
+        view: TrainingView,
         guard: HandlerSlot | None,
-        transport: Any,
-        *,
-        training: bool,
+        counts: TransportCounts | None,
     ) -> dict[str, Any]:
         """Keyword arguments for `Peer.heartbeat` (the status fields of `HeartbeatInfo`)."""
-        if learner.steps_merged > self._steps_merged_seen:
-            self._steps_merged_seen = learner.steps_merged
+        self.owner.check("Telemetry")
+        if view.steps_merged > self._steps_merged_seen:
+            self._steps_merged_seen = view.steps_merged
             self.last_contribution = now
-        rejections = _top(rejection_counts(peer, guard, transport), MAX_COUNTERS)
+        rejections = _top(rejection_counts(peer, guard, counts), MAX_COUNTERS)
         by_sender = _top(rejections_by_sender(peer), MAX_COUNTERS)
         return {
-            "step_time": self.step_time if training else 0.0,
-            "tokens_per_s": self.tokens_per_s(training),
-            "tokens": learner.tokens_trained,
+            "step_time": view.step_time,
+            "tokens_per_s": view.tokens_per_s,
+            "tokens": view.tokens,
             "updates_applied": peer.updates_applied,
             "last_contribution": self.last_contribution,
             "rejections": tuple((_short(tag, MAX_TAG_CHARS), n) for tag, n in rejections),
@@ -176,62 +162,62 @@ class Telemetry:
             "decisions": tuple(_short(line) for line in list(peer.decisions)[-MAX_DECISIONS:]),
         }
 
+    @staticmethod
     def progress_line(
-        self, peer: Peer, learner: Learner, guard: HandlerSlot | None, transport: Any, *, training: bool
+        peer: Peer, view: TrainingView, guard: HandlerSlot | None, counts: TransportCounts | None
     ) -> str:
         versions = ",".join(str(v) for v in peer.replica.versions())
         role = "synchronizer" if peer.sync else "learner"
-        rejected = sum(rejection_counts(peer, guard, transport).values())
+        rejected = sum(rejection_counts(peer, guard, counts).values())
         return (
-            f"step {learner.step} loss {learner.last_loss:.3f} tok/s {self.tokens_per_s(training):.0f} "
+            f"step {view.step} loss {view.loss:.3f} tok/s {view.tokens_per_s:.0f} "
             f"role {role} sync {(peer.holder or 'none')[:12]} term {peer.term_seen} versions {versions} "
             f"applied {peer.updates_applied} digest {peer.replica.digest()[:12]} rejected {rejected}"
             + (f" waiting: {peer.underway.waiting}" if peer.underway.waiting else "")
         )
 
+    @staticmethod
     def snapshot(
-        self,
         peer: Peer,
-        learner: Learner | None,
+        view: TrainingView | None,
         guard: HandlerSlot | None,
-        transport: Any,
+        counts: TransportCounts | None,
         *,
-        training: bool,
-        bytes_sent: int = 0,
-        bytes_received: int = 0,
+        accepts: DeltaAccepts | None = None,
         ledger: dict[str, Any] | None = None,
         tick_errors: Counter[str] | None = None,
     ) -> NodeSnapshot:
-        """A `NodeSnapshot`; `ledger` maps peer ID -> `ledger.PeerContribution`."""
+        """A `NodeSnapshot` (`view` None: a peer without a learner); `ledger` maps peer ID ->
+        `ledger.PeerContribution`."""
         ledger_rows = {p: c.as_dict() for p, c in (ledger or {}).items()}
         mine = ledger_rows.get(peer.peer_id, {})
         return NodeSnapshot(
             peer_id=peer.peer_id,
-            role="synchronizer" if peer.sync else ("learner" if learner else "observer"),
-            training=training,
-            step=learner.step if learner else 0,
-            tokens=learner.tokens_trained if learner else 0,
-            loss=learner.last_loss if learner else math.nan,
-            tokens_per_s=self.tokens_per_s(training),
+            role="synchronizer" if peer.sync else ("learner" if view else "observer"),
+            training=view.training if view else False,
+            step=view.step if view else 0,
+            tokens=view.tokens if view else 0,
+            loss=view.loss if view else math.nan,
+            tokens_per_s=view.tokens_per_s if view else 0.0,
             holder=peer.holder,
             term=peer.term_seen,
             versions=peer.replica.versions(),
             digest=peer.replica.digest()[:16],
             live_peers=len(peer.live_peers),
             updates_applied=peer.updates_applied,
-            deltas_sent=learner.deltas_sent if learner else 0,
-            deltas_rejected=learner.deltas_rejected if learner else 0,
+            deltas_sent=view.deltas_sent if view else 0,
+            deltas_rejected=view.deltas_rejected if view else 0,
             deltas_merged=int(mine.get("updates", 0)),
             failovers_seen=peer.failovers_seen,
             rounds_merged=peer.sync.rounds_done if peer.sync else 0,
-            rejections=dict(rejection_counts(peer, guard, transport)),
+            rejections=dict(rejection_counts(peer, guard, counts)),
             rejections_by_sender=dict(rejections_by_sender(peer)),
-            bytes_sent=bytes_sent,
-            bytes_received=bytes_received,
+            bytes_sent=counts.bytes_sent if counts else 0,
+            bytes_received=counts.bytes_received if counts else 0,
             tick_errors=dict(tick_errors or {}),
             ledger=ledger_rows,
-            deltas_accepted=guard.accepts.count if guard is not None else 0,
-            first_accepts=guard.accepts.first_accepts() if guard is not None else (),
+            deltas_accepted=accepts.count if accepts is not None else 0,
+            first_accepts=accepts.first_accepts() if accepts is not None else (),
             waiting=peer.underway.waiting or "",
         )
 

@@ -8,15 +8,18 @@ Lifecycle (`run`):
    start the transport, build the learner, the `Peer` and its `ThreadedDriver`; then catch up:
    a peer away less than `timing.rejoin_grace` replays the update logs of its peers, any other peer
    (fresh, or away longer) downloads snapshots of the fragments it lacks, spread over several peers.
-2. loop: the main thread trains: one inner step, then the due delta (if any) goes to the peer as an
-   event. After `--max-steps` it stops training but keeps serving the swarm. The peer's owner thread
-   (`node.threads`) runs everything else: swarm ticks every heartbeat period, the synchronizer's
-   rounds, inbound frames, replica saves (written on the I/O thread) and progress lines.
+2. loop: the main thread trains (`node.training.TrainingLoop`): one inner step, then the due delta (if
+   any) goes to the peer as an event. After `--max-steps` it stops training but keeps serving the
+   swarm. The peer's owner thread (`node.threads`) runs everything else: swarm ticks every heartbeat
+   period, the synchronizer's rounds, inbound frames, replica saves (written on the I/O thread),
+   progress lines and snapshots, the observability jobs.
 3. shutdown (SIGINT/SIGTERM sets `stop`; the current step finishes first): the peer gives up its role
    and releases the lease if held, in-flight sends are flushed, the replica persisted, transport and
    DHT stopped; each step bounded so SIGTERM -> exit stays near `SHUTDOWN_SECONDS`.
 
-The clock is hivemind's DHT time, since DHT records expire at absolute times.
+The clock is hivemind's DHT time, since DHT records expire at absolute times. Which thread owns what:
+`docs/architecture.md`; the node's reports (heartbeat fields, progress, snapshots, error counts) are
+`node.upkeep`'s, on the owner thread.
 """
 
 from __future__ import annotations
@@ -44,8 +47,7 @@ from p2p_diloco.node.assembly import (
     make_peer,
     start_node_dht,
 )
-from p2p_diloco.node.bytes import ByteCounter
-from p2p_diloco.node.events import GoodputCounters, PeerEventLog, ReplicaSaver, own_threads
+from p2p_diloco.node.events import PeerEventLog, ReplicaSaver
 from p2p_diloco.node.guard import DhtClock, HandlerSlot
 from p2p_diloco.node.island import Island
 from p2p_diloco.node.island_learner import finish_island
@@ -53,10 +55,8 @@ from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.metrics import MetricsServer, make_registry
 from p2p_diloco.node.observing import ObserveOptions, Observing
 from p2p_diloco.node.options import NodeOptions, check_device
-from p2p_diloco.node.priority import lower_this_thread
 from p2p_diloco.node.reporting import (
     NodeSnapshot,
-    Telemetry,
     make_display,
     rejection_counts,
     seconds_since_launch,
@@ -64,13 +64,15 @@ from p2p_diloco.node.reporting import (
 from p2p_diloco.node.standby import Takeover
 from p2p_diloco.node.state import StateDir
 from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
+from p2p_diloco.node.training import TrainingLoop, TrainingView
+from p2p_diloco.node.upkeep import Upkeep
+from p2p_diloco.owner import Owner
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_SECONDS = 0.05  # how often a peer that does not train (max steps reached) checks for work
 SHUTDOWN_SECONDS = 10.0  # SIGTERM -> exit target of `PeerNode.shutdown` (a lease release may add to it)
 TEARDOWN_SECONDS = 2.0  # grace for the transport and the DHT process to stop after the state is saved
 HOT_SPARE_LOCK_SECONDS = 15.0  # at most this long for a dead predecessor's helpers to release the lock
@@ -106,16 +108,13 @@ class PeerNode:
         self.peer: Peer | None = None
         self.driver: ThreadedDriver | None = None
         self.learner: Learner | None = None
-        self.training = True
+        self.training: TrainingLoop | None = None
         self.finish_training = threading.Event()  # set (e.g. by SIGUSR1) to stop training, keep serving
-        self.tick_errors: Counter[str] = Counter()
-        self.telemetry = Telemetry(self.manifest)
+        self.owner = Owner("peer-owner")  # handed to the driver's owner thread when it starts
         self.ledger: ContributionLedger | None = None
         self.metrics: MetricsServer | None = None
         self.display = make_display(out, self.manifest.run_id, options.display)
-        self._last_snapshot: NodeSnapshot | None = None
-        self.bytes = ByteCounter("")
-        self.counters = GoodputCounters(self.telemetry)
+        self.upkeep = Upkeep(self.owner, self.event, self.display)  # the owner thread's reports
         self.saver: ReplicaSaver | None = None
         self.observe = observe or ObserveOptions()  # global eval, stats record, --log-to (node.observing)
         self.observing: Observing | None = None
@@ -160,19 +159,16 @@ class PeerNode:
         last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
 
         peer_id = self.dht_peer.peer_id
-        self.bytes = ByteCounter(peer_id)
         self.p2p = P2PTransport(
             self.dht_peer.dht,
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
-            handlers=self.bytes.counting_handlers(self.guard),
+            handlers=self.guard,
             **run_transport_options(manifest, plan, built_model.shapes),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
         self.learner = make_learner(manifest, opts, built_model, peer_id, self.island)
-        if self.island is not None:
-            self.telemetry.tokens_per_step *= self.island.world_size
         self.peer = make_peer(manifest, opts, built_model, peer_id)
         if saved is not None:
             # Terms climb one at a time from the highest this peer trusted (`protocol.lease_rules`). A
@@ -182,25 +178,48 @@ class PeerNode:
         self.driver = ThreadedDriver(
             self.peer,
             kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),
-            transport=self.bytes.counting_transport(self.p2p),
+            transport=self.p2p,
             clock=self.clock,
             learner=self.learner,
             observer=PeerEventLog(self.event, self.ledger, verbose=self.options.verbose, clock=self.clock),
-            on_error=self._on_error,
+            on_error=self.upkeep.on_error,
             bind=False,
+            owner=self.owner,
         )
         self.guard.attach(self.driver)
         driver = self.driver
+        self.observing = Observing(self.observe, manifest, peer_id, self.clock)
+        self.training = TrainingLoop(
+            opts,
+            self.learner,
+            gate=lambda: self.peer.deltas.gate,
+            post=driver.post,
+            clock=self.clock,
+            stop=self.stop,
+            finish_training=self.finish_training,
+            tokens_per_step=self._tokens_per_step(),
+            after_step=self.observing.after_step,
+            event=self.event,
+            say=self.say,
+        )
         driver.every(manifest.timing.heartbeat_period, self._swarm_tick)
         driver.every(SYNC_POLL_SECONDS, driver.sync_tick, when=lambda: self.peer.sync is not None)
         redial = Redialer(self.dht_peer.dht, opts.initial_peers, peer_id)  # a restarted bootstrap (#31)
         driver.every(FIRST_BACKOFF, lambda: redial.tick(time.monotonic()))
         self.saver = ReplicaSaver(self.state, self.peer, driver, self.clock, last_in_sync, self.event)
         driver.every(opts.persist_every, self.saver.save)
-        driver.every(self.display.period(opts.progress_every), self.progress)
-        self.observing = Observing(self.observe, manifest, peer_id, self.clock)
+        driver.every(self.display.period(opts.progress_every), self.upkeep.progress)
         self.observing.attach(
-            driver, self.peer, built_model.corpus.eval, opts.device, self.ledger, self.bytes, self.event
+            driver, self.peer, built_model.corpus.eval, opts.device, self.ledger, self._counts, self.event
+        )
+        self.upkeep.bind(
+            self.peer,
+            view=self._view,
+            counts=self._counts,
+            guard=self.guard,
+            accepts=driver.accepts,
+            ledger=self.ledger,
+            observing=self.observing,
         )
         # the named successor probes them (`swarm.succession.HolderWatch`) to see this process gone
         self.addresses = tuple(self.dht_peer.visible_addresses())
@@ -262,48 +281,20 @@ class PeerNode:
         return self.exit_status
 
     def loop(self) -> None:
-        opts = self.options
-        assert self.learner is not None and self.driver is not None
-        self.driver.call(self._swarm_tick, timeout=opts.dht_timeout + 1.0)  # announce ourselves first
-        lower_this_thread(opts.train_nice)  # the owner, DHT and transport threads keep their priority
-        self.counters.loop_started = time.monotonic()
-        while not self.stop.is_set():
-            started = time.monotonic()
-            if self.training and self._training_done():
-                self.training = False
-                finish_island(self.learner)  # an island's other ranks stop with the training
-            if self.training:
-                self._train_step()
-            if not self.training:
-                self.learner.settle()  # adopt what the peer posted: no step does it now
-                self.stop.wait(IDLE_POLL_SECONDS)
-            elif opts.min_step_time > 0:  # a paced learner emulates a slower device
-                self.stop.wait(max(0.0, started + opts.min_step_time - time.monotonic()))
-            if self.observing is not None:
-                self.observing.after_step()  # global eval, when this peer is the evaluator and it is due
+        assert self.training is not None and self.driver is not None
+        self.driver.call(self._swarm_tick, timeout=self.options.dht_timeout + 1.0)  # announce ourselves first
+        self.training.run()
 
-    def _training_done(self) -> bool:
-        assert self.learner is not None
-        max_steps = self.options.max_steps
-        reached = max_steps is not None and self.learner.step >= max_steps
-        if reached or self.finish_training.is_set():
-            why = f"reached --max-steps {max_steps}" if reached else "asked to finish training"
-            self.event("training_stopped", step=self.learner.step, why=why)
-            self.say(f"{why}: training stopped at step {self.learner.step}; still serving the swarm")
-            return True
-        return False
+    def _tokens_per_step(self) -> int:
+        ranks = self.island.world_size if self.island is not None else 1
+        return self.manifest.diloco.batch_size * self.manifest.model.block_size * ranks
 
-    def _train_step(self) -> None:
-        assert self.peer is not None and self.learner is not None and self.driver is not None
-        # a paced (--min-step-time) learner emulates a slower device: its step counts as that long
-        paced = (
-            max(self.options.min_step_time, self.telemetry.step_time) if self.options.min_step_time else None
-        )
-        self.learner.train_step(compute_seconds=paced)
-        ready = self.learner.take_due(self.clock.now(), self.peer.deltas.gate)
-        if ready is not None:
-            self.driver.post(ready)  # compressed and sent on the owner thread while the next step runs
-        self.telemetry.step_finished(time.monotonic())
+    def _view(self) -> TrainingView | None:
+        """The training thread's last published numbers (immutable)."""
+        return self.training.view if self.training is not None else None
+
+    def _counts(self):  # noqa: ANN202 - the transport's immutable counts, None before it exists
+        return self.p2p.counts if self.p2p is not None else None
 
     # ---- the owner thread's jobs -------------------------------------------------------------------
 
@@ -312,7 +303,7 @@ class PeerNode:
         A peer whose DHT process died can neither renew a lease nor see the swarm: it stops (its state is
         saved), with `EXIT_DHT_DIED`, so that its supervisor restarts it whole."""
         peer, driver = self.peer, self.driver
-        assert peer is not None and driver is not None and self.learner is not None
+        assert peer is not None and driver is not None
         if self.dht_peer is not None and not self.dht_peer.alive():
             if self.exit_status == 0:
                 self.exit_status = EXIT_DHT_DIED
@@ -320,20 +311,8 @@ class PeerNode:
                 self.say("error: the DHT process died; stopping (state saved) so that a restart rejoins")
                 self.stop.set()
             return
-        fields = self.telemetry.heartbeat_fields(
-            self.clock.now(), peer, self.learner, self.guard, self.p2p, training=self.training
-        )
-        learner = self.learner
-        fields["addresses"] = self.addresses[:16]
-        fields["step"] = learner.step
-        fields["loss"] = learner.last_loss if learner.last_loss == learner.last_loss else 0.0
-        if self.island is not None:
-            fields["ranks"] = self.island.world_size
-        driver.swarm_tick(fields)
-
-    def _on_error(self, what: str, exc: BaseException) -> None:
-        self.tick_errors[type(exc).__name__] += 1
-        self.event("tick_error", error=f"{what}: {type(exc).__name__}: {exc}")
+        ranks = self.island.world_size if self.island is not None else None
+        driver.swarm_tick(self.upkeep.heartbeat_fields(self.clock.now(), self.addresses, ranks))
 
     # ---- events, progress, persistence -------------------------------------------------------------
 
@@ -344,54 +323,17 @@ class PeerNode:
     def say(self, line: str) -> None:
         self.display.say(line)
 
-    def progress(self) -> None:
-        peer, learner = self.peer, self.learner
-        assert peer is not None and learner is not None
-        line = self.telemetry.progress_line(peer, learner, self.guard, self.p2p, training=self.training)
-        snapshot = self._take_snapshot()
-        fields = {
-            **snapshot.event_fields(),
-            **self.counters.fields(learner, peer, self.bytes, training=self.training),
-        }  # the demo's counters win a name clash
-        versions = list(peer.replica.versions())
-        self.event(
-            "progress",
-            step=learner.step,
-            loss=learner.last_loss,
-            versions=versions,
-            threads=own_threads(),
-            **fields,
-        )
-        self.display.show(snapshot, line)
-        if self.observing is not None:  # to the --log-to sinks
-            self.observing.progress(learner, self.telemetry.tokens_per_s(self.training))
-
-    def _take_snapshot(self) -> NodeSnapshot:
-        assert self.peer is not None
-        self._last_snapshot = self.telemetry.snapshot(
-            self.peer,
-            self.learner,
-            self.guard,
-            self.p2p,
-            training=self.training,
-            bytes_sent=self.bytes.sent,
-            bytes_received=self.bytes.received,
-            ledger=self.ledger.totals if self.ledger is not None else None,
-            tick_errors=self.tick_errors,
-        )
-        return self._last_snapshot
-
     def snapshot(self) -> NodeSnapshot | None:
         """A fresh `NodeSnapshot` (metrics scrapes, from the owner thread); the last one if it is busy."""
-        if self.driver is None:
-            return self._last_snapshot
+        if self.driver is None or self.peer is None:
+            return self.upkeep.last_snapshot
         try:
-            return self.driver.call(self._take_snapshot, timeout=1.0)
+            return self.driver.call(self.upkeep.take_snapshot, timeout=1.0)
         except Exception:
-            return self._last_snapshot
+            return self.upkeep.last_snapshot
 
     def rejection_counts(self) -> Counter[str]:
-        return rejection_counts(self.peer, self.guard, self.p2p)
+        return rejection_counts(self.peer, self.guard, self._counts())
 
     # ---- shutdown ----------------------------------------------------------------------------------
 

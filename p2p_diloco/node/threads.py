@@ -1,16 +1,13 @@
 """`ThreadedDriver`: the real node's driver, one owner thread for the peer and one thread for DHT calls.
 
-Threads of a `join` process (at most four of its own):
-- the training thread (the main thread) owns the model: inner steps, then `Learner.take_due`; a due
-  delta is posted here as an event; adoptions come back through the learner's inbox;
-- the owner thread (`peer-owner`) is the only one that touches the `Peer`: it takes events from one
-  queue (inbound frames and requests, send replies, fetch and DHT results, deltas from the training
-  thread) and its timers (swarm tick every heartbeat period, sync tick while synchronizer, the
-  node's periodic jobs), handles each in turn and performs the intents;
-- the I/O thread (`dht-io`) runs blocking DHT calls (stores, reads) and writes the replica to disk;
-  their results come back as events;
-- the transport's event loop thread (`p2p-transport`) sends, fetches and serves; inbound requests
-  become events here, the owner's answer is awaited there.
+The owner thread (`peer-owner`) is the only one that touches the `Peer` (`process` checks it, see
+`p2p_diloco.owner`): it takes events and functions from one queue (inbound frames and requests, send
+replies, fetch and DHT results, deltas from the training thread, the node's posted jobs) and runs its
+timers (swarm tick every heartbeat period, sync tick while synchronizer, the node's periodic jobs),
+handles each in turn and performs the intents. The I/O thread (`dht-io`) runs blocking DHT calls and
+disk writes; their results, and their errors, come back to the owner thread as events. The driver also
+keeps, on the owner thread, the remote deltas this peer accepted as synchronizer (`DeltaAccepts`). The
+threads of a whole `join` process are listed in `docs/architecture.md`.
 """
 
 from __future__ import annotations
@@ -23,12 +20,40 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from p2p_diloco.owner import Owner
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.driver import PeerDriver
+from p2p_diloco.wire.replies import Reply
 
 log = logging.getLogger(__name__)
 
 SYNC_POLL_SECONDS = 0.02  # how often the synchronizer's rounds are polled
+
+
+class DeltaAccepts:
+    """Remote deltas this peer accepted as synchronizer: a count, and per term the DHT time of the first
+    (the last `TERMS_KEPT` terms); progress events report them so that the demo can time a new
+    synchronizer's first accepted delta. Owned by the owner thread. Its own deltas never arrive as
+    `DeltaArrived` and are not counted."""
+
+    TERMS_KEPT = 8
+
+    def __init__(self, owner: Owner | None = None) -> None:
+        self.owner = owner or Owner("peer-owner")
+        self.count = 0
+        self.first_by_term: dict[int, float] = {}
+
+    def note(self, term: int, now: float) -> None:
+        self.owner.check("DeltaAccepts")
+        self.count += 1
+        if term not in self.first_by_term:
+            self.first_by_term[term] = now
+            for old in sorted(self.first_by_term)[: -self.TERMS_KEPT]:
+                del self.first_by_term[old]
+
+    def first_accepts(self) -> tuple[tuple[int, float], ...]:
+        """((term, DHT time of the first accepted delta), ...) by term."""
+        return tuple(sorted(self.first_by_term.items()))
 
 
 class _Job:
@@ -43,9 +68,15 @@ class ThreadedDriver(PeerDriver):
     """`PeerDriver` on an owner thread and a DHT I/O thread (module docstring). `start`, then `stop`."""
 
     def __init__(
-        self, *args: Any, on_error: Callable[[str, BaseException], None] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        on_error: Callable[[str, BaseException], None] | None = None,
+        owner: Owner | None = None,
+        **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self.owner = owner or Owner("peer-owner")  # the constructing thread until the owner thread starts
+        self.accepts = DeltaAccepts(self.owner)
         self._events: queue.SimpleQueue[fx.Event | Callable[[], None] | None] = queue.SimpleQueue()
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dht-io")
         self._jobs: list[_Job] = []
@@ -66,6 +97,25 @@ class ThreadedDriver(PeerDriver):
 
     def post(self, event: fx.Event) -> None:
         self._events.put(event)
+
+    def post_call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the owner thread soon (a job handed over by another thread); errors are reported."""
+        self._events.put(fn)
+
+    def process(self, event: fx.Event) -> None:
+        self.owner.check("the peer")
+        super().process(event)
+        if isinstance(event, fx.DeltaArrived):  # answered within `handle` (a `Respond`)
+            self._note_accept(event.answer)
+
+    def _note_accept(self, answer: concurrent.futures.Future) -> None:
+        """Count an accepted delta under the term this peer synchronizes."""
+        if not answer.done() or answer.cancelled() or answer.exception() is not None:
+            return
+        reply = answer.result()
+        if isinstance(reply, Reply) and reply.ok:
+            sync = self.peer.sync
+            self.accepts.note(sync.term if sync is not None else self.peer.term_seen, self.clock.now())
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run `fn` on the owner thread and return its result (for shutdown and snapshots)."""
@@ -88,8 +138,8 @@ class ThreadedDriver(PeerDriver):
                 value, error = call(), None
             except Exception as exc:
                 value, error = None, exc
-                if task is None:
-                    self._on_error("dht", exc)
+                if task is None:  # reported on the owner thread, which owns the error counts
+                    self.post_call(lambda error=exc: self._on_error("dht", error))
             if task is not None:
                 self.post(fx.TaskResult(task, value, error))
 
@@ -106,6 +156,7 @@ class ThreadedDriver(PeerDriver):
         return self._io.submit(fn)
 
     def _loop(self) -> None:
+        self.owner.take()
         while not self._stopped.is_set():
             now = time.monotonic()
             due = [job for job in self._jobs if job.due <= now]

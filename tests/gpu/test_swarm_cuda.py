@@ -13,7 +13,14 @@ import torch
 from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.model.data import evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model
-from p2p_diloco.node.evaluation import BorrowedWeights, EvalMode, EvalOptions, GlobalEvaluator
+from p2p_diloco.node.evaluation import (
+    BorrowedWeights,
+    EvalMode,
+    EvalOptions,
+    EvalWorker,
+    GlobalEvaluator,
+    read_histories,
+)
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 from p2p_diloco.swarm.memory import InMemoryKeyValueStore
@@ -99,22 +106,20 @@ def test_the_global_evaluator_evaluates_on_cuda():
         made.append(build_model(manifest.model).to("cuda"))
         return made[-1]
 
-    ev = GlobalEvaluator(
-        manifest,
-        EvalOptions(mode=EvalMode.ALWAYS, every_updates=1, batches=2, batch_size=8),
-        peer_id="QmGpu",
-        kv=InMemoryKeyValueStore(),
-        clock=Clock(),
-        make_model=make_model,
-        eval_data=corpus.eval,
-        versions=lambda: (0,) * manifest.diloco.fragments,
-        snapshot=lambda: (params, (0,) * manifest.diloco.fragments),
-        holds_lease=lambda: True,
-        term=lambda: 1,
-        ledger=None,
+    options = EvalOptions(mode=EvalMode.ALWAYS, every_updates=1, batches=2, batch_size=8)
+    ev = GlobalEvaluator(manifest, options, peer_id="QmGpu", ledger=None)
+    worker = EvalWorker(manifest, options, make_model, corpus.eval)
+    fragments = manifest.diloco.fragments
+    ev.absorb(read_histories(InMemoryKeyValueStore(), ev.key, manifest, Clock().now()))
+    request = ev.ask(
+        Clock().now(),
+        versions=(0,) * fragments,
+        holds_lease=True,
+        term=1,
+        frozen=lambda: (params, (0,) * fragments),
     )
-    ev.refresh()
-    point = ev.maybe_evaluate()
+    assert request is not None
+    point = ev.finish(request, worker.evaluate(request))
     assert point is not None and len(made) == 1
     expected = evaluate(model, corpus.eval, block_size=manifest.model.block_size, batch_size=8, max_batches=2)
     assert math.isclose(point.loss, expected, rel_tol=1e-4), (point.loss, expected)

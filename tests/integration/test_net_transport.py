@@ -80,11 +80,16 @@ def pair(pair_peers):
     server.close()
 
 
-def test_10_mib_delta_arrives_intact_with_the_sender_from_the_connection(pair):
+def test_10_mib_delta_arrives_intact_with_the_sender_from_the_connection(pair, wait_for):
     server, handlers, client = pair
     frame = hashlib.sha256(b"seed").digest() * (10 * MiB // 32)
+    sent, received = client.counts.bytes_sent, server.counts.bytes_received
     assert str(client.send_and_wait(OP_DELTA, server.peer_id, frame)) == "accepted"
     assert handlers.deltas[-1] == (client.peer_id, hashlib.sha256(frame).hexdigest(), 10 * MiB)
+    # counted on each side's loop thread as the bytes moved; read here as immutable snapshots
+    wait_for(lambda: client.counts.bytes_sent - sent == len(frame), 10, "the client to count the frame sent")
+    wait_for(lambda: server.counts.bytes_received - received == len(frame), 10, "the server to count it")
+    assert client.counts.bytes_received > 0 and server.counts.served[OP_DELTA] >= 1
 
 
 def test_fetches_round_trip(pair):

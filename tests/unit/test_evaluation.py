@@ -10,7 +10,15 @@ import pytest
 from p2p_diloco.config import TrustConfig
 from p2p_diloco.model.data import load_corpus
 from p2p_diloco.model.gpt import build_model
-from p2p_diloco.node.evaluation import DEDICATED_STALE, EvalMode, EvalOptions, GlobalEvaluator
+from p2p_diloco.node.evaluation import (
+    DEDICATED_STALE,
+    HISTORY_TTL,
+    EvalMode,
+    EvalOptions,
+    EvalWorker,
+    GlobalEvaluator,
+    read_histories,
+)
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.logsinks import SafeSinks
 from p2p_diloco.protocol.messages import UpdateRecord
@@ -57,23 +65,42 @@ class Sink:
         pass
 
 
+class Evaluating:
+    """One peer's evaluation as the node runs it, on one thread: `ask` and `finish` (owner thread) around
+    `EvalWorker.evaluate` (training thread), the history read (I/O thread) then merged (owner thread)."""
+
+    def __init__(self, evaluator: GlobalEvaluator, kv, clock, world) -> None:  # noqa: ANN001
+        self.ev, self.kv, self.clock, self.world = evaluator, kv, clock, world
+        options = evaluator.options
+        self.worker = EvalWorker(MANIFEST, options, lambda: build_model(MANIFEST.model), CORPUS.eval)
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - history, ignored, ...: the evaluator's
+        return getattr(self.ev, name)
+
+    def wants_to_evaluate(self, now: float) -> bool:
+        return self.ev.wants_to_evaluate(now, self.world.holder)
+
+    def maybe_evaluate(self) -> EvalPoint | None:
+        world = self.world
+        request = self.ev.ask(
+            self.clock.now(), versions=world.versions, holds_lease=world.holder, term=3, frozen=world.snapshot
+        )
+        return None if request is None else self.ev.finish(request, self.worker.evaluate(request))
+
+    def refresh(self) -> None:
+        self.ev.absorb(read_histories(self.kv, self.ev.key, self.ev.manifest, self.clock.now()))
+
+    def publish(self) -> None:
+        self.refresh()
+        self.kv.store(self.ev.key, self.ev.peer_id, self.ev.record(), self.clock.now() + HISTORY_TTL)
+
+
 def evaluator(
     peer_id: str, kv, clock, world, *, mode=EvalMode.AUTO, ledger=None, sinks=None, manifest=MANIFEST
-) -> GlobalEvaluator:  # noqa: ANN001
-    return GlobalEvaluator(
-        manifest,
-        EvalOptions(mode=mode, every_updates=4, min_seconds=1.0, batches=1, batch_size=2),
-        peer_id=peer_id,
-        kv=kv,
-        clock=clock,
-        make_model=lambda: build_model(MANIFEST.model),
-        eval_data=CORPUS.eval,
-        versions=lambda: world.versions,
-        snapshot=world.snapshot,
-        holds_lease=lambda: world.holder,
-        term=lambda: 3,
-        ledger=ledger,
-        sinks=sinks,
+) -> Evaluating:  # noqa: ANN001
+    options = EvalOptions(mode=mode, every_updates=4, min_seconds=1.0, batches=1, batch_size=2)
+    return Evaluating(
+        GlobalEvaluator(manifest, options, peer_id=peer_id, ledger=ledger, sinks=sinks), kv, clock, world
     )
 
 

@@ -16,7 +16,7 @@ from tests.support.modules import PACKAGE, PACKAGE_DIR, imported_modules, packag
 # `specs` (the [model], [data] and [train] sections, re-exported by `config`) is a leaf; `dashboard` (the
 # run's web page) is a command.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "errors", "files", "specs", "manifest_types", "trust_config", "packaged"),  # 0: leaves
+    ("", "errors", "files", "owner", "specs", "manifest_types", "trust_config", "packaged"),  # 0: leaves
     ("protocol",),  # 1: pure protocol rules and the replica
     ("config",),  # 2: the run manifest
     ("model", "wire"),  # 3: the model; DHT keys, record codecs, store/transport interfaces

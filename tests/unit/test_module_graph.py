@@ -28,8 +28,6 @@ CYCLES_LEFT: dict[frozenset[str], str] = {
 LONG_LEFT: dict[str, str] = {
     "swarm/repair.py": "h1",
     "protocol/replica.py": "h1",
-    "node/runtime.py": "h2",
-    "net/transport.py": "h2",
 }
 
 # Modules with `# fmt: skip` lines packed by hand, not unpacked yet.

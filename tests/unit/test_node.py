@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ from p2p_diloco.node.guard import REJECT_HANDLER_ERROR, REJECT_NOT_READY, Handle
 from p2p_diloco.node.join import options_from_args
 from p2p_diloco.node.options import check_device
 from p2p_diloco.node.state import StateDir, read_events
+from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm import effects as fx
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
@@ -63,41 +66,50 @@ def test_handler_slot_answers_with_reasons_and_never_raises_from_handle():
     assert slot.rejections == {REJECT_NOT_READY: 3, REJECT_HANDLER_ERROR: 2}
 
 
-class FuturesDriver:
-    """Answers deltas through futures set later (the owner thread), as the threaded driver does."""
+class AnsweringPeer:
+    """A peer that answers each arriving delta with the next of `replies` (as `Peer.handle` does)."""
 
     def __init__(self, sync_term: int | None):
-        self.peer = type("P", (), {"term_seen": 9})()
-        self.peer.sync = None if sync_term is None else type("S", (), {"term": sync_term})()
-        self.answers: list[concurrent.futures.Future] = []
+        self.sync = None if sync_term is None else SimpleNamespace(term=sync_term)
+        self.term_seen = 9
+        self.replies: list[Reply] = []
 
-    def handle_delta(self, sender: str, frame: bytes) -> concurrent.futures.Future:
-        self.answers.append(concurrent.futures.Future())
-        return self.answers[-1]
+    def handle(self, event: fx.Event) -> list[fx.Intent]:
+        return [fx.Respond(event.answer, self.replies.pop(0))]
 
 
-def test_handler_slot_notes_accepted_deltas_and_the_first_one_per_term():
-    slot = HandlerSlot()
-    driver = FuturesDriver(sync_term=4)
-    slot.attach(driver)
-    for _ in range(3):
-        slot.handle_delta("a", b"x")
-    driver.answers[0].set_result(Reply(ReplyStatus.REFUSED, "stale anchor: v1"))
-    driver.answers[1].set_result(Reply(ReplyStatus.ACCEPTED, "accepted"))
-    driver.answers[2].set_exception(TimeoutError())
-    assert slot.accepts.count == 1 and [term for term, _ in slot.accepts.first_accepts()] == [4]
-    first = slot.accepts.first_accepts()[0][1]
-    driver.peer.sync.term = 5
-    slot.handle_delta("b", b"x")
-    slot.handle_delta("b", b"x")
-    driver.answers[3].set_result(Reply(ReplyStatus.ACCEPTED, "accepted"))
-    driver.answers[4].set_result(Reply(ReplyStatus.ACCEPTED, "replaced"))
-    accepts = slot.accepts.first_accepts()
-    assert slot.accepts.count == 3 and [term for term, _ in accepts] == [4, 5]
-    assert accepts[0][1] == first <= accepts[1][1]
-    for term in range(6, 20):  # only the last few terms are kept
-        slot.accepts.note(term, 1.0)
-    assert [term for term, _ in slot.accepts.first_accepts()] == list(range(12, 20))
+class Clock:
+    t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def test_the_driver_notes_accepted_deltas_and_the_first_one_per_term():
+    peer, clock = AnsweringPeer(sync_term=4), Clock()
+    driver = ThreadedDriver(peer, kv=None, transport=None, clock=clock, bind=False)
+
+    def arrive(reply: Reply) -> concurrent.futures.Future:
+        peer.replies.append(reply)
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        driver.process(fx.DeltaArrived("a", b"x", answer, clock.now()))
+        return answer
+
+    assert arrive(Reply(ReplyStatus.REFUSED, "stale anchor: v1")).result(0).status is ReplyStatus.REFUSED
+    arrive(Reply(ReplyStatus.ACCEPTED, "accepted"))
+    assert driver.accepts.count == 1 and driver.accepts.first_accepts() == ((4, 100.0),)
+    peer.sync.term, clock.t = 5, 130.0
+    arrive(Reply(ReplyStatus.ACCEPTED, "accepted"))
+    clock.t = 140.0
+    arrive(Reply(ReplyStatus.ACCEPTED, "replaced"))
+    assert driver.accepts.count == 3 and driver.accepts.first_accepts() == ((4, 100.0), (5, 130.0))
+    peer.sync = None  # no longer the synchronizer: counted under the highest term seen
+    arrive(Reply(ReplyStatus.ACCEPTED, "accepted"))
+    assert [term for term, _ in driver.accepts.first_accepts()] == [4, 5, 9]
+    for term in range(10, 20):  # only the last few terms are kept
+        driver.accepts.note(term, 1.0)
+    assert [term for term, _ in driver.accepts.first_accepts()] == list(range(12, 20))
+    driver.stop(timeout=1.0)
 
 
 def test_state_dir_round_trip_lock_and_foreign_manifest(tmp_path):
