@@ -319,12 +319,14 @@ def test_three_peers_train_and_end_with_identical_replicas(swarm):
     assert any(e["event"] == "released_lease" for e in read_events(holder.state_dir))
     assert_no_update_applied_twice(swarm)
     for peer in peers:  # one owner per peer: the training, owner, DHT I/O and transport threads
-        seen = {
-            name for e in read_events(peer.state_dir) if e["event"] == "progress" for name in e["threads"]
-        }
+        events = read_events(peer.state_dir)
+        seen = {name for e in events if e["event"] == "progress" for name in e["threads"]}
         assert {"MainThread", "peer-owner", "p2p-transport"} <= seen, seen
         own = sorted(name for name in seen if not library_thread(name))
         assert len(own) <= 4, (own, sorted(seen))
+        # ownership checks are on in the processes tests start (`p2p_diloco.owner`): none failed
+        wrong = [e for e in events if e["event"] == "tick_error" and "WrongThread" in e["error"]]
+        assert not wrong, wrong
 
 
 @pytest.mark.slow
