@@ -104,7 +104,7 @@ class ReplicaSaver:
 
     def __init__(self, state: StateDir, peer: Peer, driver, clock: Clock, last_in_sync: float, event):  # noqa: ANN001
         self.state, self.peer, self.driver, self.clock, self.event = state, peer, driver, clock, event
-        self.last_in_sync = last_in_sync  # when this peer last saved while connected to the swarm
+        self.last_in_sync = last_in_sync  # last save while connected to the swarm (I/O thread's, in `write`)
 
     def save(self) -> concurrent.futures.Future:
         now = self.clock.now()

@@ -30,7 +30,6 @@ import math
 import sys
 import threading
 import time
-from collections import Counter
 from typing import TextIO
 
 import torch
@@ -58,7 +57,6 @@ from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.reporting import (
     NodeSnapshot,
     make_display,
-    rejection_counts,
     seconds_since_launch,
 )
 from p2p_diloco.node.standby import Takeover
@@ -245,7 +243,7 @@ class PeerNode:
             f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), {plan.num_fragments} fragments, "
             f"{sum(plan.sizes())} parameters, device {opts.device}"
         )
-        self._catch_up(self.clock.now(), restored)
+        self._catch_up(self.clock.now(), last_in_sync)
 
     def _since_launch(self) -> float | None:
         """Seconds since this process started, or since it took over as a hot spare."""
@@ -253,10 +251,11 @@ class PeerNode:
             return round(time.monotonic() - self.takeover.promoted_at, 2)
         return seconds_since_launch()
 
-    def _catch_up(self, now: float, restored: bool) -> None:
+    def _catch_up(self, now: float, last_in_sync: float) -> None:
+        """`last_in_sync`: the restored state's (0 for a fresh replica); the saver's own copy belongs to
+        the I/O thread, which writes the saves."""
         assert self.peer is not None and self.driver is not None
-        last = self.saver.last_in_sync if self.saver is not None else 0.0
-        away = now - last if restored and last > 0 else math.inf
+        away = now - last_in_sync if last_in_sync > 0 else math.inf
         fields = catch_up_at_start(self.driver, self.peer, now, away, CATCH_UP_SECONDS)
         if fields is None:  # anti-entropy catches up later
             self.event("catch_up_failed", error=f"no catch-up within {CATCH_UP_SECONDS:.0f} s")
@@ -331,9 +330,6 @@ class PeerNode:
             return self.driver.call(self.upkeep.take_snapshot, timeout=1.0)
         except Exception:
             return self.upkeep.last_snapshot
-
-    def rejection_counts(self) -> Counter[str]:
-        return rejection_counts(self.peer, self.guard, self._counts())
 
     # ---- shutdown ----------------------------------------------------------------------------------
 
