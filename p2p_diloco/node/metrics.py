@@ -3,16 +3,19 @@
 * `NodeCollector`: a prometheus_client collector that turns one `NodeSnapshot` (taken when scraped)
   into metric families. It lives in its own `CollectorRegistry`, never the process-global one, so two
   nodes in one process (tests) never clash.
-* `MetricsServer`: the HTTP endpoint (``/metrics``) on a daemon thread, 127.0.0.1 by default.
+* `MetricsServer`: the HTTP endpoint (``/metrics``) on a daemon thread, 127.0.0.1 by default. A scrape
+  takes its snapshot on the peer's owner thread (`PeerNode.snapshot`), never reading the peer itself.
 
 Metric names (prefix ``p2p_diloco_``): steps_total, tokens_total, loss, tokens_per_second, training,
 role{role}, term, synchronizer_info{holder,term}, fragment_version{fragment}, live_peers,
-bytes_sent_total, bytes_received_total (transport payload bytes: frames sent, pushed, fetched and served;
-framing, libp2p and DHT traffic excluded), rejections_total{reason}, rejections_by_sender_total{sender,reason},
-deltas_sent_total, deltas_rejected_total, deltas_merged_total, deltas_accepted_total (remote deltas accepted
-as synchronizer), updates_applied_total,
-failovers_seen_total, rounds_merged (this term, as synchronizer), tick_errors_total{error},
-ledger_tokens_total{peer}, ledger_weight_total{peer}, ledger_updates_total{peer}.
+bytes_sent_total, bytes_received_total (payload bytes over the transport's streams to other peers,
+counted by the transport as they move: request bodies and reply items, deltas, updates, fetches and
+what this peer serves; framing, libp2p and DHT traffic excluded), rejections_total{reason},
+rejections_by_sender_total{sender,reason}, deltas_sent_total, deltas_rejected_total,
+deltas_merged_total, deltas_accepted_total (remote deltas accepted as synchronizer),
+updates_applied_total, failovers_seen_total, rounds_merged (this term, as synchronizer),
+tick_errors_total{error}, ledger_tokens_total{peer}, ledger_weight_total{peer},
+ledger_updates_total{peer}.
 """
 
 from __future__ import annotations
