@@ -99,30 +99,49 @@ class DilocoWorker(BaselineWorker):
         self.trainer = make_trainer(manifest, self.model, self.inner, self.sampler)
         elastic = opts.elastic
         self.tracker = RoundTracker(
-            dht=dht, prefix=elastic.run_id, target_batch_size=self._round_samples(), min_refresh_period=0.5,
-            max_refresh_period=1.0, default_refresh_period=1.0, metadata_expiration=elastic.peer_expiration,
-            private_key=signing_key(opts.identity), start=True,
-        )  # fmt: skip
+            dht=dht,
+            prefix=elastic.run_id,
+            target_batch_size=self._round_samples(),
+            min_refresh_period=0.5,
+            max_refresh_period=1.0,
+            default_refresh_period=1.0,
+            metadata_expiration=elastic.peer_expiration,
+            private_key=signing_key(opts.identity),
+            start=True,
+        )
         self.tracker.report_local_progress(self.epoch, samples_accumulated=0)
         shapes = [p.shape for p in self.global_model.parameters()]
         dtype = EXACT_DTYPE if elastic.compression == "fp32" else torch.float32  # see outer_averager
         self.averager = OuterAverager(
-            shapes, dht, state=self._shared_state, prefix=f"{elastic.run_id}_outer",
-            target_group_size=settings.group_size, min_matchmaking_time=elastic.matchmaking_time,
-            request_timeout=elastic.matchmaking_time / 2, allreduce_timeout=elastic.averaging_timeout,
-            compression=COMPRESSIONS[elastic.compression][0](), state_compression=NoCompression(),
+            shapes,
+            dht,
+            state=self._shared_state,
+            prefix=f"{elastic.run_id}_outer",
+            target_group_size=settings.group_size,
+            min_matchmaking_time=elastic.matchmaking_time,
+            request_timeout=elastic.matchmaking_time / 2,
+            allreduce_timeout=elastic.averaging_timeout,
+            compression=COMPRESSIONS[elastic.compression][0](),
+            state_compression=NoCompression(),
             dtype=dtype,
-        )  # fmt: skip
+        )
         self.averager.state_sharing_priority = self.epoch
         n_params = sum(p.numel() for p in self.model.parameters())
         self._gradient_bytes = n_params * (dtype.itemsize if elastic.compression == "fp32" else 2)
         self._state_bytes = 2 * n_params * 4  # Θ and momentum, float32
         addresses = self.dht_peer.visible_addresses()
         self.event(
-            "start", role=MODE, peer_id=peer_id, run_id=manifest.run_id, manifest_hash=manifest.manifest_hash,
-            hivemind_run_id=elastic.run_id, restored_epoch=restored, inner_steps=settings.inner_steps,
-            parameters=n_params, addresses=addresses,
-        )  # fmt: skip
+            "start",
+            role=MODE,
+            peer_id=peer_id,
+            run_id=manifest.run_id,
+            manifest_hash=manifest.manifest_hash,
+            hivemind_run_id=elastic.run_id,
+            restored_epoch=restored,
+            inner_steps=settings.inner_steps,
+            parameters=n_params,
+            addresses=addresses,
+        )
         self.say(f"peer id: {peer_id}")
         for address in addresses:
             self.say(f"address: {address}")
@@ -201,10 +220,16 @@ class DilocoWorker(BaselineWorker):
         try:
             while outcome is None and not self.stop.is_set():
                 view = decide_round(
-                    self.me, self.epoch, self.tracker.fetch_peers(), target_samples=self._round_samples(),
-                    now=get_dht_time(), grace=self._grace(), waited=time.perf_counter() - began,
-                    wait_limit=self.settings.wait_limit, expected_peers=self.settings.group_size,
-                )  # fmt: skip
+                    self.me,
+                    self.epoch,
+                    self.tracker.fetch_peers(),
+                    target_samples=self._round_samples(),
+                    now=get_dht_time(),
+                    grace=self._grace(),
+                    waited=time.perf_counter() - began,
+                    wait_limit=self.settings.wait_limit,
+                    expected_peers=self.settings.group_size,
+                )
                 if view.decision == Decision.WAIT:
                     self.stop.wait(0.1)
                 elif view.decision == Decision.RELOAD:
@@ -237,9 +262,12 @@ class DilocoWorker(BaselineWorker):
             t0 = time.perf_counter()
             with self._lock:
                 outer_step(
-                    list(self.global_model.parameters()), self.momentum, grads,
-                    lr=self.manifest.diloco.outer_lr, mu=self.manifest.diloco.outer_momentum,
-                )  # fmt: skip
+                    list(self.global_model.parameters()),
+                    self.momentum,
+                    grads,
+                    lr=self.manifest.diloco.outer_lr,
+                    mu=self.manifest.diloco.outer_momentum,
+                )
                 self.epoch += 1
             self._adopt_global()
             stepped = time.perf_counter() - t0
@@ -251,9 +279,15 @@ class DilocoWorker(BaselineWorker):
         if group > 1:
             self.ledger.add_bytes(*allreduce_bytes(self._gradient_bytes, group))
         self.event(
-            "global_step", epoch=self.epoch, outcome=outcome, group_size=group, peers_seen=view.peers_at_epoch,
-            attempts=attempts, digest=parameter_digest(self.global_model), local_digest=local_digest,
-        )  # fmt: skip
+            "global_step",
+            epoch=self.epoch,
+            outcome=outcome,
+            group_size=group,
+            peers_seen=view.peers_at_epoch,
+            attempts=attempts,
+            digest=parameter_digest(self.global_model),
+            local_digest=local_digest,
+        )
 
     def _grace(self) -> float:
         """Seconds past its expected finish a silent peer of this epoch is still waited for."""

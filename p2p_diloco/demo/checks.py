@@ -68,9 +68,14 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
     for (fragment, version), updates in sorted(by_version.items()):
         if len(updates) > 1:
             problems.append(
-                {"t": max(first_replicated[(fragment, version, u)] for u in updates), "kind": "forked",
-                 "fragment": fragment, "version": version, "updates": sorted(map(list, updates), key=str)}
-            )  # fmt: skip
+                {
+                    "t": max(first_replicated[(fragment, version, u)] for u in updates),
+                    "kind": "forked",
+                    "fragment": fragment,
+                    "version": version,
+                    "updates": sorted(map(list, updates), key=str),
+                }
+            )
     for t, fragment, version, update, peer in _update_rows(events_by_peer, "published"):
         if (fragment, version, update) not in first_replicated:
             continue  # nobody else applied it (fenced off, e.g. a holder cut off from the DHT): not global
@@ -82,9 +87,17 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
         if older:
             v, u = max(older, key=lambda vu: vu[0])
             problems.append(
-                {"t": t, "kind": "republished", "peer": peer, "fragment": fragment, "version": version,
-                 "term": update[0], "after": v, "after_term": u[0]}
-            )  # fmt: skip
+                {
+                    "t": t,
+                    "kind": "republished",
+                    "peer": peer,
+                    "fragment": fragment,
+                    "version": version,
+                    "term": update[0],
+                    "after": v,
+                    "after_term": u[0],
+                }
+            )
     replicated_updates = set(first_replicated)
     for peer, events in events_by_peer.items():
         current: tuple[int, ...] | None = None
@@ -104,9 +117,15 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
                     ]
                     if back:
                         problems.append(
-                            {"t": e.get("t"), "kind": "replica went back", "peer": peer, "fragments": back,
-                             "from": list(current), "to": list(seen)}
-                        )  # fmt: skip
+                            {
+                                "t": e.get("t"),
+                                "kind": "replica went back",
+                                "peer": peer,
+                                "fragments": back,
+                                "from": list(current),
+                                "to": list(seen),
+                            }
+                        )
                 current = seen
     return sorted(problems, key=lambda p: float(p.get("t") or 0.0))
 
@@ -149,7 +168,7 @@ def digest_agreement(peers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             }
             if largest
             else None
-        ),  # fmt: skip
+        ),
         "fragment_versions_compared": sum(
             1 for found in by_fragment.values() if sum(len(v) for v in found.values()) > 1
         ),
@@ -168,8 +187,12 @@ def resume_check(
         now = after.get(name)
         same = was is not None and now is not None and list(now) == list(was)
         from_zero = now is not None and not any(now)
-        rows[name] = {"stopped_at": None if was is None else list(was), "restarted_at": None if now is None else list(now),
-                      "same": same, "from_zero": from_zero}  # fmt: skip
+        rows[name] = {
+            "stopped_at": None if was is None else list(was),
+            "restarted_at": None if now is None else list(now),
+            "same": same,
+            "from_zero": from_zero,
+        }
         ok = ok and same and not from_zero
     swarm_before = _elementwise_max([v for v in before.values() if v is not None])
     swarm_after = _elementwise_max([v for v in after.values() if v is not None])
@@ -192,5 +215,8 @@ def faults_by_kind(kills: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``{"executed": {kind: n}, "skipped": {kind: n}, "total": n}`` from the run's fault log."""
     executed = Counter(str(k.get("action")) for k in kills if "skipped" not in k)
     skipped = Counter(str(k.get("action")) for k in kills if "skipped" in k)
-    return {"executed": dict(sorted(executed.items())), "skipped": dict(sorted(skipped.items())),
-            "total": sum(executed.values())}  # fmt: skip
+    return {
+        "executed": dict(sorted(executed.items())),
+        "skipped": dict(sorted(skipped.items())),
+        "total": sum(executed.values()),
+    }

@@ -120,8 +120,16 @@ def torchrun_argv(nproc: int, argv: Sequence[str], python: str = sys.executable)
             skip = True
         elif not arg.startswith("--nproc="):
             rest.append(arg)
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "p2p_diloco", *rest]  # fmt: skip
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "p2p_diloco",
+        *rest,
+    ]
 
 
 def params_checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -237,8 +245,11 @@ class Island:
         self.checks += 1
         if not equal:
             self.mismatches += 1
-            log.error("island ranks diverged after broadcasting fragments %s: checksums %s", dirty,
-                      [int(t.item()) for t in gathered])  # fmt: skip
+            log.error(
+                "island ranks diverged after broadcasting fragments %s: checksums %s",
+                dirty,
+                [int(t.item()) for t in gathered],
+            )
         return equal
 
     def write_pid(self, state_dir: Path) -> None:
@@ -344,8 +355,11 @@ def run_follower(options: NodeOptions, island: Island) -> int:
     finally:
         island.write_digest(options.state_dir, step, params)
         island.close()
-    print(f"island rank {island.rank}: stopped by rank 0 at step {step}"
-          f"{' (after a stop signal)' if stop_asked else ''}", flush=True)  # fmt: skip
+    print(
+        f"island rank {island.rank}: stopped by rank 0 at step {step}"
+        f"{' (after a stop signal)' if stop_asked else ''}",
+        flush=True,
+    )
     return 0
 
 

@@ -120,9 +120,11 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="wan_emulator.py", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="wan_emulator.py",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("start", help="create the namespaces and links")
     p.add_argument("peers", nargs="+", metavar="NAME[:DELAY_MS[:RATE_MBIT]][:nat]")

@@ -38,6 +38,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.files import write_atomic
 from p2p_diloco.wan.cleanup import LIVE, cleanup, install_handlers, pid_alive, start_ticks
 from p2p_diloco.wan.cleanup import cleanup_stale as cleanup_stale
 from p2p_diloco.wan.cleanup import list_namespaces as list_namespaces
@@ -185,9 +186,7 @@ class WanEmulator:
             "namespaces": self.namespaces(),
             "peers": [{"name": s.name, "nat": s.nat, **asdict(s.link)} for s in self.peers.values()],
         }
-        tmp = self._registry_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, self._registry_file)
+        write_atomic(self._registry_file, json.dumps(record, indent=1).encode())
 
     def detach(self) -> None:
         """Leave the emulation running after this process exits; the forwarder becomes its owner."""
@@ -288,25 +287,29 @@ class WanEmulator:
             rate_bytes = spec.link.rate_mbit * 1e6 / 8
             burst = max(32 * 1024, int(rate_bytes / 100))  # >= rate/HZ for any HZ <= 100... 1000
             limit = int(rate_bytes * spec.link.queue_ms / 1000) + burst
-            run_cmd(
-                ["tc", "-n", ns, "qdisc", "add", "dev", ifname, "root", "tbf", "rate",
-                 f"{spec.link.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
-            )  # fmt: skip
+            shaping = ["rate", f"{spec.link.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
+            run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", ifname, "root", "tbf", *shaping])
 
     def _write_forwarder_config(self) -> None:
         uplink, downlink = {}, {}
         for name, spec in self.peers.items():
             subnet = f"{PUBLIC_NET}.{self.index[name]}"
             uplink[subnet] = downlink[subnet] = spec.link.delay_ms / 1000.0
-        tmp = self._forwarder_config_file.with_suffix(".tmp")
-        tmp.write_text(ForwarderConfig(uplink_s=uplink, downlink_s=downlink).to_json())
-        os.replace(tmp, self._forwarder_config_file)
+        config = ForwarderConfig(uplink_s=uplink, downlink_s=downlink)
+        write_atomic(self._forwarder_config_file, config.to_json().encode())
 
     def _start_forwarder(self) -> None:
+        forwarder = ["--tun", self.tun_name, "--config", str(self._forwarder_config_file)]
         argv = [
-            "ip", "netns", "exec", self.router, sys.executable, "-m", "p2p_diloco.wan.forwarder",
-            "--tun", self.tun_name, "--config", str(self._forwarder_config_file),
-        ]  # fmt: skip
+            "ip",
+            "netns",
+            "exec",
+            self.router,
+            sys.executable,
+            "-m",
+            "p2p_diloco.wan.forwarder",
+            *forwarder,
+        ]
         log_file = REGISTRY_DIR / f"{self.prefix}.forwarder.log"
         with open(log_file, "w") as log:
             self.forwarder = subprocess.Popen(
