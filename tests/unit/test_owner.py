@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +19,14 @@ from p2p_diloco.node.evaluation import EvalMode, EvalOptions, GlobalEvaluator
 from p2p_diloco.node.events import GoodputCounters
 from p2p_diloco.node.reporting import Telemetry
 from p2p_diloco.node.threads import ThreadedDriver
-from p2p_diloco.node.training import TrainingView
+from p2p_diloco.node.training import TrainingLoop, TrainingView
 from p2p_diloco.owner import Owner, WrongThread, checks_on, set_checks
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from tests.support.manifests import tiny_manifest
 
 WAIT = 10.0
+REPO = Path(__file__).resolve().parents[2]
 
 
 def on_thread(fn: Callable[[], object], name: str = "intruder") -> BaseException | None:
@@ -42,8 +46,13 @@ def on_thread(fn: Callable[[], object], name: str = "intruder") -> BaseException
     return raised[0] if raised else None
 
 
-def test_the_test_suite_runs_with_checks_on():
+def test_the_test_suite_runs_with_checks_on_also_in_the_processes_it_starts():
     assert checks_on()
+    probe = "from p2p_diloco.owner import checks_on; print(checks_on())"
+    started = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert started.stdout.strip() == "True", started.stderr[-2000:]
 
 
 def test_an_owner_is_the_constructing_thread_until_another_takes_it():
@@ -152,3 +161,65 @@ def test_one_evaluation_at_a_time_and_a_failed_one_frees_the_next():
     assert again is not None
     point = evaluator.finish(again, 4.0)
     assert point is not None and evaluator.history == (point,) and evaluator.evaluations == 1
+
+
+class CountingLearner:
+    """What `TrainingLoop` uses of a `Learner`: steps that count, a delta due at step 2."""
+
+    def __init__(self) -> None:
+        self.step, self.tokens_trained, self.last_loss = 0, 0, float("nan")
+        self.steps_merged = self.compute_seconds = self.compute_merged = 0.0
+        self.deltas_sent = self.deltas_rejected = self.settled = 0
+
+    def train_step(self, compute_seconds: float | None = None) -> None:
+        self.step, self.tokens_trained, self.last_loss = (
+            self.step + 1,
+            self.tokens_trained + 16,
+            5.0 - self.step,
+        )
+
+    def take_due(self, now: float, gate: object) -> tuple[str, int] | None:
+        return ("delta", self.step) if self.step == 2 and gate == "open" else None
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
+def test_the_training_loop_publishes_a_frozen_view_that_only_its_thread_replaces():
+    posted, events, views = [], [], []
+    stop = threading.Event()
+    options = SimpleNamespace(train_nice=0, min_step_time=0.0, max_steps=3)
+
+    def after_step() -> None:  # the loop's own thread, between steps
+        views.append(loop.view)
+        if not loop.view.training:
+            stop.set()
+
+    loop = TrainingLoop(
+        options,  # type: ignore[arg-type]
+        CountingLearner(),  # type: ignore[arg-type]
+        gate=lambda: "open",
+        post=posted.append,
+        clock=SimpleNamespace(now=lambda: 7.0),
+        stop=stop,
+        finish_training=threading.Event(),
+        tokens_per_step=16,
+        after_step=after_step,
+        event=lambda kind, **fields: events.append((kind, fields["step"])),
+    )
+    assert on_thread(loop.run, name="MainThread-like") is None
+    assert posted == [("delta", 2)]  # the due delta went to the owner thread's queue
+    assert [v.step for v in views] == [1, 2, 3, 3] and all(v.training for v in views[:3])
+    final = loop.view
+    assert (final.training, final.step, final.tokens, final.loss, final.tokens_per_s) == (
+        False,
+        3,
+        48,
+        3.0,
+        0.0,
+    )
+    assert events == [("training_stopped", 3)] and final.loop_started > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        final.step = 0  # type: ignore[misc]
+    with pytest.raises(WrongThread, match="training"):
+        loop._publish()  # the test's thread is not the one that ran the loop
