@@ -53,17 +53,37 @@ __all__ = [
 
 
 class Codec(Choice):
-    """Tensor codecs of `[wire] codec`: dense int8 blockwise (default), raw fp32, and sparse top-k with
-    int8 or 4-bit values (`wire.sparse`)."""
+    """Tensor codecs of `[wire] codec`: dense int8 blockwise (default), raw fp32; sparse top-k per chunk of
+    65536 entries with int8 or 4-bit values (`wire.sparse`); and SparseLoCo's layout, top-k per chunk of
+    4096 entries with 12-bit chunk-local offsets and 2-, 4- or 8-bit values (`wire.chunked`)."""
 
     INT8 = "int8"
     FP32 = "fp32"
     TOPK_INT8 = "topk-int8"
     TOPK_INT4 = "topk-int4"
+    TOPK4K_INT2 = "topk4k-int2"
+    TOPK4K_INT4 = "topk4k-int4"
+    TOPK4K_INT8 = "topk4k-int8"
 
     @property
     def sparse(self) -> bool:
-        return self in (Codec.TOPK_INT8, Codec.TOPK_INT4)
+        return self not in (Codec.INT8, Codec.FP32)
+
+    @property
+    def chunked(self) -> bool:
+        """SparseLoCo's layout (`wire.chunked`): 4096-entry chunks, 12-bit offsets."""
+        return self in (Codec.TOPK4K_INT2, Codec.TOPK4K_INT4, Codec.TOPK4K_INT8)
+
+
+# `[wire] feedback_decay` when the manifest leaves it out: sparse codecs fade their residual as SparseLoCo's
+# error-feedback accumulator does (0.9-0.95 measured 3-4 % better than 1.0, docs/results.md); a dense
+# codec's residual is one rounding error, kept whole.
+SPARSE_FEEDBACK_DECAY = 0.95
+DENSE_FEEDBACK_DECAY = 1.0
+
+
+def default_feedback_decay(codec: Codec) -> float:
+    return SPARSE_FEEDBACK_DECAY if codec.sparse else DENSE_FEEDBACK_DECAY
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -146,8 +166,9 @@ class DilocoConfig:
 class WireConfig:
     """How outer deltas and updates are encoded (`wire.codec`; sparse top-k bodies: `wire.sparse`)."""
 
-    # "int8" (dense blockwise, the default), "fp32", or sparse "topk-int8" / "topk-int4": per chunk of
-    # 65536 entries only the top `density` by magnitude are sent, the rest is carried by error feedback.
+    # "int8" (dense blockwise, the default), "fp32", or sparse: "topk-int8" / "topk-int4" (per chunk of
+    # 65536 entries only the top `density` by magnitude are sent) or "topk4k-int2" / "-int4" / "-int8"
+    # (SparseLoCo's layout: chunks of 4096, 12-bit offsets); the rest is carried by error feedback.
     codec: Codec = Codec.INT8
     block_size: int = 4096
     error_feedback: bool = True
@@ -155,8 +176,11 @@ class WireConfig:
     norm_bound: float = 1e4  # absolute bound on a delta tensor's L2 norm
     density: float = 0.03  # fraction of each chunk a sparse codec keeps (ignored by dense codecs)
     # Error feedback keeps decay x (the residual) before adding the next delta; 1.0 keeps all of it. Below 1
-    # a residual left out of many deltas fades, as SparseLoCo's error-feedback accumulator does.
-    feedback_decay: float = 1.0
+    # a residual left out of many deltas fades, as SparseLoCo's error-feedback accumulator does. Left out
+    # (None), it depends on the codec: 0.95 for sparse codecs, 1.0 for dense ones (`default_feedback_decay`),
+    # resolved here, so the manifest hash and every reader see the number. `dataclasses.replace` passes the
+    # resolved number on: give `feedback_decay` too when replacing the codec.
+    feedback_decay: float | None = None
 
     def __post_init__(self) -> None:
         names = [str(c) for c in Codec]
@@ -165,6 +189,8 @@ class WireConfig:
             f"wire.codec must be one of {names}, got {self.codec!r}",
         )
         object.__setattr__(self, "codec", Codec(self.codec))
+        if self.feedback_decay is None:
+            object.__setattr__(self, "feedback_decay", default_feedback_decay(self.codec))
         _require(
             _is_fraction(self.density),
             f"wire.density must be in (0, 1] (e.g. 0.01-0.1: the fraction of entries a sparse codec "

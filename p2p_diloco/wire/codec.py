@@ -8,6 +8,7 @@ Frame layout, all integers little-endian::
                 block size u32 | int8: absmax f32 * ceil(numel / block) then codes u8 * numel
                                  fp32: values f32 * numel (block size 0)
                                  topk-int8 / topk-int4: the sparse body of `wire.sparse`
+                                 topk4k-int2 / -int4 / -int8: the chunked body of `wire.chunked`
 
 Encoding uses `bitsandbytes.functional.quantize_blockwise` on accelerators and the same algorithm on the
 CPU (`quantize_blockwise_cpu`: the C kernels of `protocol.fused` when built, else plain torch, with the same
@@ -17,8 +18,9 @@ the block's absmax (`kernels.dequantize_into`: in C or in torch, the same IEEE o
 for bit on every machine. `decode_tensors(lazy=True)` leaves int8 tensors in that form
 (`kernels.QuantizedTensor`) for the outer step to decode on the fly. The decoder checks every field
 before it allocates anything and raises only `DecodeError` with one of the reason tags of
-`wire.blockwise` (re-exported here) or `wire.sparse.SparseReason`. The shared primitives (tags, code table, byte reader, CPU quantizer) live in
-`wire.blockwise`; sparse bodies in `wire.sparse`.
+`wire.blockwise` (re-exported here), `wire.sparse.SparseReason` or `wire.bitpack.PackReason`. The shared
+primitives (tags, code table, byte reader, CPU quantizer) live in `wire.blockwise`; sparse bodies in
+`wire.sparse` and `wire.chunked`, which `decode_sparse` hands over as index/value sets.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.kernels import QuantizedTensor
-from p2p_diloco.wire import sparse
+from p2p_diloco.protocol.union_merge import SparseTensor
+from p2p_diloco.wire import chunked, sparse
 from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-exported for callers)
     BAD_HEADER,
     BAD_MAGIC,
@@ -57,7 +60,15 @@ from p2p_diloco.wire.sparse import DEFAULT_DENSITY
 
 MAGIC = b"PDTF"
 FORMAT_VERSION = 1
-CODEC_IDS = {Codec.INT8: 1, Codec.FP32: 2, Codec.TOPK_INT8: 3, Codec.TOPK_INT4: 4}
+CODEC_IDS = {
+    Codec.INT8: 1,
+    Codec.FP32: 2,
+    Codec.TOPK_INT8: 3,
+    Codec.TOPK_INT4: 4,
+    Codec.TOPK4K_INT2: 5,
+    Codec.TOPK4K_INT4: 6,
+    Codec.TOPK4K_INT8: 7,
+}
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' blockwise kernels accept
 MAX_NAME_BYTES = 256
 MAX_NDIM = 8
@@ -83,7 +94,12 @@ class _Entry:
     block_size: int
     absmax_at: int
     data_at: int
-    layout: sparse.SparseLayout | None = None
+    layout: sparse.SparseLayout | chunked.ChunkedLayout | None = None
+
+
+def _bodies(codec: Codec):  # noqa: ANN202 - the module of a sparse codec's bodies
+    """`wire.chunked` or `wire.sparse`: both offer body_size, encode_body, claim_body, decode_sparse."""
+    return chunked if codec.chunked else sparse
 
 
 def check_codec(codec: str, block_size: int, density: float = DEFAULT_DENSITY) -> Codec:
@@ -178,7 +194,10 @@ def encode_tensors(
             chunks += (head, absmax, codes)
     elif codec.sparse:
         for head, tensor in zip(heads, tensors.values()):
-            chunks += (head, sparse.encode_body(tensor, codec=codec, density=density, block_size=block_size))
+            chunks += (
+                head,
+                _bodies(codec).encode_body(tensor, codec=codec, density=density, block_size=block_size),
+            )
     else:
         for head, tensor in zip(heads, tensors.values()):
             values = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
@@ -202,7 +221,7 @@ def frame_size(
         if codec == Codec.INT8:
             size += 4 * (-(-numel // block_size)) + numel
         elif codec.sparse:
-            size += sparse.body_size(numel, codec=codec, density=density, block_size=block_size)
+            size += _bodies(codec).body_size(numel, codec=codec, density=density, block_size=block_size)
         else:
             size += 4 * numel
     return size
@@ -248,7 +267,7 @@ def _read_entry(
         data_at = reader.claim(numel, f"codes of {name!r}")
     elif codec.sparse:
         absmax_at = data_at = -1
-        layout = sparse.claim_body(reader, name, numel, codec, block)
+        layout = _bodies(codec).claim_body(reader, name, numel, codec, block)
     else:
         if block != 0:
             raise DecodeError(BAD_HEADER, f"fp32 tensor {name!r} has block size {block}, expected 0")
@@ -286,19 +305,10 @@ def _read_fp32(view: memoryview, entry: _Entry) -> torch.Tensor:
     return values.reshape(entry.shape)
 
 
-def decode_tensors(
-    data: bytes,
-    *,
-    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    lazy: bool = False,
-) -> dict[str, torch.Tensor]:
-    """CPU float32 tensors from a frame, in frame order; raises only `DecodeError`.
-
-    With `expected_shapes`, the frame must hold exactly those names with exactly those shapes.
-    `lazy`: the tensors of an int8 frame come back as `kernels.QuantizedTensor` (checked the same way, not
-    yet decoded; they keep views of `data`), which `GlobalReplica.apply` decodes inside the outer step.
-    """
+def _read_frame(
+    data: bytes, expected_shapes: Mapping[str, tuple[int, ...]] | None, max_bytes: int
+) -> tuple[memoryview, Codec, list[_Entry]]:
+    """The frame's view, codec and entries, every size checked and claimed; raises only `DecodeError`."""
     view = byte_view(data)
     if len(view) > max_bytes:
         raise DecodeError(OVERSIZED, f"frame of {len(view)} bytes exceeds the limit of {max_bytes}")
@@ -323,13 +333,45 @@ def decode_tensors(
         missing = [name for name in expected_shapes if name not in seen]
         if missing:
             raise DecodeError(MISSING_TENSOR, f"{len(missing)} expected tensors absent, first {missing[0]!r}")
+    return view, codec, entries
+
+
+def decode_tensors(
+    data: bytes,
+    *,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    lazy: bool = False,
+) -> dict[str, torch.Tensor]:
+    """CPU float32 tensors from a frame, in frame order; raises only `DecodeError`.
+
+    With `expected_shapes`, the frame must hold exactly those names with exactly those shapes.
+    `lazy`: the tensors of an int8 frame come back as `kernels.QuantizedTensor` (checked the same way, not
+    yet decoded; they keep views of `data`), which `GlobalReplica.apply` decodes inside the outer step.
+    """
+    view, codec, entries = _read_frame(data, expected_shapes, max_bytes)
     if codec.sparse:
-        return {
-            e.name: sparse.decode_body(view, e.name, e.shape, e.layout, codec, e.block_size)  # type: ignore[arg-type]
-            for e in entries
-        }
+        return {e.name: _sparse_entry(view, codec, e).to_dense() for e in entries}
     read = (_quantized if lazy else _dequantize) if codec == Codec.INT8 else _read_fp32
     return {entry.name: read(view, entry) for entry in entries}
+
+
+def _sparse_entry(view: memoryview, codec: Codec, e: _Entry) -> SparseTensor:
+    return _bodies(codec).decode_sparse(view, e.name, e.shape, e.layout, codec, e.block_size)
+
+
+def decode_sparse(
+    data: bytes,
+    *,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> dict[str, SparseTensor]:
+    """The entries a sparse frame sent, per tensor in frame order (flat indices, float32 values), checked
+    exactly as `decode_tensors` checks them; a dense frame is a `DecodeError` (UNKNOWN_CODEC)."""
+    view, codec, entries = _read_frame(data, expected_shapes, max_bytes)
+    if not codec.sparse:
+        raise DecodeError(UNKNOWN_CODEC, f"codec {codec} is not sparse: its tensors are not index/value sets")
+    return {e.name: _sparse_entry(view, codec, e) for e in entries}
 
 
 def frame_codec(data: bytes) -> Codec | None:

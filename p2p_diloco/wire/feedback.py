@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
+from p2p_diloco.config import default_feedback_decay
 from p2p_diloco.protocol import kernels
 from p2p_diloco.wire.blockwise import all_finite
 from p2p_diloco.wire.codec import check_codec, decode_tensors, encode_tensors
@@ -22,7 +23,8 @@ class ErrorFeedback:
     delta of that fragment, so the sum of what receivers decode tracks the sum of the true deltas. With a
     sparse codec the residual also holds every entry that was not among the chunk's top `density`.
     The synchronizer keeps one for its outer gradients when the codec is sparse (`outer_feedback`).
-    `decay` < 1 scales the stored residual by it before adding the next delta (old residuals fade).
+    `decay` < 1 scales the stored residual by it before adding the next delta (old residuals fade); None
+    takes the codec's default (`config.default_feedback_decay`: 0.95 sparse, 1.0 dense), as `[wire]` does.
 
     A dense codec's residual is one rounding error per value (at most half a quantization step), so it
     is kept in bfloat16: 2 B/param instead of 4 (issue #14's memory budget), and what bfloat16 rounds off
@@ -36,9 +38,10 @@ class ErrorFeedback:
         block_size: int = 4096,
         enabled: bool = True,
         density: float = DEFAULT_DENSITY,
-        decay: float = 1.0,
+        decay: float | None = 1.0,
     ):
         self.codec = check_codec(codec, block_size, density)
+        decay = default_feedback_decay(self.codec) if decay is None else decay
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
         self.decay = decay

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.union_merge import SparseTensor
+from p2p_diloco.wire.bitpack import PackReason, pack_codes, unpack_codes
 from p2p_diloco.wire.blockwise import (
     BAD_HEADER,
     CODE_TABLE,
@@ -44,7 +46,7 @@ DEFAULT_DENSITY = 0.03
 INT4_TABLE = torch.tensor(
     [-(8 - i) / 8 for i in range(8)] + [(i + 1) / 8 for i in range(8)], dtype=torch.float32
 )
-_INT4_BOUNDS = (INT4_TABLE[:-1] + INT4_TABLE[1:]) / 2
+INT4_BOUNDS = (INT4_TABLE[:-1] + INT4_TABLE[1:]) / 2
 
 
 class SparseReason(StrEnum):
@@ -52,7 +54,7 @@ class SparseReason(StrEnum):
 
     BAD_COUNT = "bad count"  # a chunk claims more kept entries than it has elements
     BAD_INDEX = "bad index"  # an offset out of its chunk, or not strictly increasing
-    BAD_PADDING = "bad padding"  # the unused high nibble of an odd 4-bit code count is not 0
+    BAD_PADDING = PackReason.BAD_PADDING  # the unused high nibble of an odd 4-bit code count is not 0
 
 
 def check_density(density: float) -> None:
@@ -79,7 +81,7 @@ def body_size(numel: int, *, codec: Codec, density: float, block_size: int) -> i
     return 4 * len(lengths) + 2 * k + 4 * (-(-k // block_size)) + codes
 
 
-def _top_offsets(mags: torch.Tensor, keep: int) -> torch.Tensor:
+def top_offsets(mags: torch.Tensor, keep: int) -> torch.Tensor:
     """Sorted chunk-local offsets of the `keep` largest of each row of `mags`."""
     return torch.topk(mags, keep, dim=1, sorted=False).indices.sort(dim=1).values
 
@@ -94,9 +96,9 @@ def encode_body(tensor: torch.Tensor, *, codec: Codec, density: float, block_siz
     full = n // CHUNK
     parts = []
     if full:
-        parts.append(_top_offsets(flat[: full * CHUNK].abs().view(full, CHUNK), chunk_keep(CHUNK, density)))
+        parts.append(top_offsets(flat[: full * CHUNK].abs().view(full, CHUNK), chunk_keep(CHUNK, density)))
     if n % CHUNK:
-        parts.append(_top_offsets(flat[full * CHUNK :].abs().view(1, -1), chunk_keep(n % CHUNK, density)))
+        parts.append(top_offsets(flat[full * CHUNK :].abs().view(1, -1), chunk_keep(n % CHUNK, density)))
     counts = [chunk_keep(length, density) for length in lengths]
     offsets = torch.cat([p.reshape(-1) for p in parts])
     base = torch.repeat_interleave(
@@ -104,22 +106,17 @@ def encode_body(tensor: torch.Tensor, *, codec: Codec, density: float, block_siz
         torch.tensor(counts, device=flat.device),
     )
     values = flat[base + offsets].cpu()
-    bounds = None if codec == Codec.TOPK_INT8 else _INT4_BOUNDS
+    bounds = None if codec == Codec.TOPK_INT8 else INT4_BOUNDS
     codes, absmax = quantize_blockwise_cpu(values, block_size, bounds)
     absmax_np = absmax.numpy().astype("<f4")
     if not all_finite(flat):  # mark the tensor so receivers reject it, as the dense int8 path does
         absmax_np = np.full_like(absmax_np, np.nan)
-    codes_np = codes.numpy()
-    if codec == Codec.TOPK_INT4:
-        if codes_np.size % 2:
-            codes_np = np.concatenate([codes_np, np.zeros(1, np.uint8)])
-        codes_np = (codes_np[0::2] | (codes_np[1::2] << 4)).astype(np.uint8)
     return b"".join(
         (
             np.asarray(counts, dtype="<u4").tobytes(),
             offsets.cpu().numpy().astype("<u2").tobytes(),
             absmax_np.tobytes(),
-            codes_np.tobytes(),
+            pack_codes(codes.numpy(), 8 if codec == Codec.TOPK_INT8 else 4),
         )
     )
 
@@ -154,15 +151,14 @@ def claim_body(reader: ByteReader, name: str, numel: int, codec: Codec, block_si
     return SparseLayout(tuple(int(c) for c in counts), kept, offsets_at, absmax_at, codes_at)
 
 
-def decode_body(
+def decode_sparse(
     view: memoryview, name: str, shape: tuple[int, ...], layout: SparseLayout, codec: Codec, block_size: int
-) -> torch.Tensor:
-    """The dense float32 tensor of a claimed sparse body; zeros where nothing was kept."""
+) -> SparseTensor:
+    """The kept entries of a claimed sparse body: flat indices and float32 values."""
     numel = math.prod(shape)
-    dense = torch.zeros(numel, dtype=torch.float32)
     k = layout.kept
     if k == 0:
-        return dense.reshape(shape)
+        return SparseTensor(shape, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32))
     offsets = np.frombuffer(view, "<u2", k, layout.offsets_at).astype(np.int64)
     chunk_of = np.repeat(np.arange(len(layout.counts), dtype=np.int64), layout.counts)
     index = chunk_of * CHUNK + offsets
@@ -178,17 +174,15 @@ def decode_body(
         raise DecodeError(NON_FINITE, f"tensor {name!r} has a non-finite block absmax")
     if bool((absmax < 0).any()):
         raise DecodeError(BAD_HEADER, f"tensor {name!r} has a negative block absmax")
-    if codec == Codec.TOPK_INT8:
-        codes = np.frombuffer(view, np.uint8, k, layout.codes_at).astype(np.int64)
-        table = CODE_TABLE
-    else:
-        packed = np.frombuffer(view, np.uint8, -(-k // 2), layout.codes_at)
-        if k % 2 and int(packed[-1]) >> 4:
-            raise DecodeError(SparseReason.BAD_PADDING, f"{name!r}: odd 4-bit code count, high nibble not 0")
-        codes = np.empty(2 * packed.size, dtype=np.int64)
-        codes[0::2], codes[1::2] = packed & 0x0F, packed >> 4
-        codes = codes[:k]
-        table = INT4_TABLE
+    int8 = codec == Codec.TOPK_INT8
+    codes = unpack_codes(view, layout.codes_at, k, 8 if int8 else 4, f"{name!r}: odd 4-bit code count")
+    table = CODE_TABLE if int8 else INT4_TABLE
     values = scale_blocks(torch.index_select(table, 0, torch.from_numpy(codes)), absmax, block_size)
-    dense[torch.from_numpy(index)] = values
-    return dense.reshape(shape)
+    return SparseTensor(shape, torch.from_numpy(index), values)
+
+
+def decode_body(
+    view: memoryview, name: str, shape: tuple[int, ...], layout: SparseLayout, codec: Codec, block_size: int
+) -> torch.Tensor:
+    """The dense float32 tensor of a claimed sparse body; zeros where nothing was kept."""
+    return decode_sparse(view, name, shape, layout, codec, block_size).to_dense()

@@ -11,7 +11,7 @@ from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 pytestmark = pytest.mark.sim
 
 
-@pytest.mark.parametrize("codec", ["topk-int8", "topk-int4"])
+@pytest.mark.parametrize("codec", ["topk-int8", "topk-int4", "topk4k-int2"])
 def test_sparse_codec_swarm_trains_and_replicas_agree(manifest, corpus, codec):
     sparse = dataclasses.replace(
         manifest,

@@ -258,7 +258,7 @@ def test_structural_errors_have_their_own_reasons():
     frame = encode_tensors({"w": torch.randn(100)}, block_size=64)
     assert _reason(b"XXXX" + frame[4:]) == codec.BAD_MAGIC
     assert _reason(frame[:4] + b"\x09" + frame[5:]) == codec.UNSUPPORTED_VERSION
-    assert _reason(frame[:5] + b"\x07" + frame[6:]) == codec.UNKNOWN_CODEC
+    assert _reason(frame[:5] + b"\x08" + frame[6:]) == codec.UNKNOWN_CODEC
     assert _reason(frame + b"\x00") == codec.TRAILING_BYTES
     for cut in range(len(frame)):
         assert _reason(frame[:cut]) == codec.TRUNCATED

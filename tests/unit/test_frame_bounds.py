@@ -22,6 +22,9 @@ CODECS = [
     ("topk-int8", 256, 0.5),
     ("topk-int4", 64, 0.03),
     ("topk-int4", 1024, 1.0),
+    ("topk4k-int2", 64, 0.03),
+    ("topk4k-int4", 4096, 0.02),
+    ("topk4k-int8", 256, 1.0),
 ]
 
 

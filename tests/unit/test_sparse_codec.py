@@ -255,7 +255,7 @@ SPARSE_MANIFEST = RunManifest(
     run_id="sp",
     model=MODEL,
     diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2),
-    wire=WireConfig(codec="topk-int8", density=0.1, block_size=64),
+    wire=WireConfig(codec="topk-int8", density=0.1, block_size=64, feedback_decay=1.0),  # exact carry
 )
 _template = build_model(MODEL)
 SHAPES = {n: tuple(p.shape) for n, p in _template.named_parameters()}
