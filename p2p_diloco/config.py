@@ -69,21 +69,11 @@ class Codec(Choice):
     def sparse(self) -> bool:
         return self not in (Codec.INT8, Codec.FP32)
 
-    @property
-    def chunked(self) -> bool:
-        """SparseLoCo's layout (`wire.chunked`): 4096-entry chunks, 12-bit offsets."""
-        return self in (Codec.TOPK4K_INT2, Codec.TOPK4K_INT4, Codec.TOPK4K_INT8)
-
-
-# `[wire] feedback_decay` when the manifest leaves it out: sparse codecs fade their residual as SparseLoCo's
-# error-feedback accumulator does (0.9-0.95 measured 3-4 % better than 1.0, docs/results.md); a dense
-# codec's residual is one rounding error, kept whole.
-SPARSE_FEEDBACK_DECAY = 0.95
-DENSE_FEEDBACK_DECAY = 1.0
-
 
 def default_feedback_decay(codec: Codec) -> float:
-    return SPARSE_FEEDBACK_DECAY if codec.sparse else DENSE_FEEDBACK_DECAY
+    """`[wire] feedback_decay` left out: 0.95 for sparse codecs (SparseLoCo's; 0.9-0.95 measured 3-4 % better
+    than 1.0, docs/results.md), 1.0 for dense ones (their residual is one rounding error, kept whole)."""
+    return 0.95 if codec.sparse else 1.0
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -176,10 +166,9 @@ class WireConfig:
     norm_bound: float = 1e4  # absolute bound on a delta tensor's L2 norm
     density: float = 0.03  # fraction of each chunk a sparse codec keeps (ignored by dense codecs)
     # Error feedback keeps decay x (the residual) before adding the next delta; 1.0 keeps all of it. Below 1
-    # a residual left out of many deltas fades, as SparseLoCo's error-feedback accumulator does. Left out
-    # (None), it depends on the codec: 0.95 for sparse codecs, 1.0 for dense ones (`default_feedback_decay`),
-    # resolved here, so the manifest hash and every reader see the number. `dataclasses.replace` passes the
-    # resolved number on: give `feedback_decay` too when replacing the codec.
+    # a residual left out of many deltas fades, as SparseLoCo's error-feedback accumulator does. Left out, it
+    # is `default_feedback_decay(codec)`, resolved here (the hash sees the number; `dataclasses.replace` of
+    # the codec keeps the old number: pass feedback_decay too).
     feedback_decay: float | None = None
 
     def __post_init__(self) -> None:

@@ -99,7 +99,7 @@ class _Entry:
 
 def _bodies(codec: Codec):  # noqa: ANN202 - the module of a sparse codec's bodies
     """`wire.chunked` or `wire.sparse`: both offer body_size, encode_body, claim_body, decode_sparse."""
-    return chunked if codec.chunked else sparse
+    return chunked if codec in chunked.VALUE_BITS else sparse
 
 
 def check_codec(codec: str, block_size: int, density: float = DEFAULT_DENSITY) -> Codec:
