@@ -141,7 +141,11 @@ def union_merge(
     for name in shapes:  # the caller's order, as frames list their tensors
         numel = math.prod(shapes[name])
         index_sets = [c.tensors[name].indices.numpy() for c in ordered]
-        union = np.unique(np.concatenate(index_sets)) if index_sets else np.zeros(0, np.int64)
+        sent = np.zeros(numel, dtype=bool)  # 1 B/param: far faster than np.unique of the concatenation
+        for indices in index_sets:
+            sent[indices] = True
+        union = np.flatnonzero(sent)
+        del sent
         numerator = np.zeros(union.size, dtype=np.float64)
         weight = np.zeros(union.size, dtype=np.float64)
         for c, scale, indices in zip(ordered, scales, index_sets):
