@@ -52,7 +52,7 @@ def payload_digest(payload: bytes) -> bytes:
     return hashlib.blake2b(byte_view(payload), digest_size=DIGEST_BYTES).digest()
 
 
-def _identifier(value: object) -> str | None:
+def identifier_problem(value: object) -> str | None:
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
         return f"must be a string of 1-{MAX_ID_CHARS} characters"
     if not all(c.isascii() and (c.isalnum() or c in "-_.:") for c in value):
@@ -76,7 +76,7 @@ class SignedDelta:
     def problem(self) -> str | None:
         """Why these fields cannot be signed (out of range), or None."""
         for name in ("run_id", "manifest_hash", "learner"):
-            problem = _identifier(getattr(self, name))
+            problem = identifier_problem(getattr(self, name))
             if problem is not None:
                 return f"{name} {problem}"
         for name, high in (
