@@ -72,6 +72,7 @@ from p2p_diloco.net.serving import (
     InboundServer,
 )
 from p2p_diloco.net.traffic import TrafficBook, TransportCounts
+from p2p_diloco.owner import Owner
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers, Liveness
 from p2p_diloco.wire.replies import Reply
@@ -109,7 +110,8 @@ class P2PTransport:
     future of one (module docstring). `caps` bound request and reply sizes per op (by default every
     frame up to `max_frame_bytes`, a fetch's reply up to `max_reply_bytes`; `net.limits.run_frame_caps`
     gives a run's exact ones); `limits` bound inbound streams; `admit(op, peer)` refuses requests the
-    run does not let a peer make (`net.admission.stream_admission`). Create DHTs before transports where possible:
+    run does not let a peer make (`net.admission.stream_admission`). `owner` is taken by the loop thread
+    before it serves anything: handlers that keep state may check it (`p2p_diloco.owner`). Create DHTs before transports where possible:
     hivemind forks the DHT process, and forking while this class's threads run is best avoided.
     """
 
@@ -129,13 +131,15 @@ class P2PTransport:
         allowed_peers: Collection[str] | None = None,
         answer_timeout: float = 10.0,
         admit: Callable[[str, str], bool] | None = None,
+        owner: Owner | None = None,
     ):
         self.caps = caps if caps is not None else FrameCaps.uniform(max_frame_bytes, max_reply_bytes)
         self.limits = limits if limits is not None else InboundLimits()
         self.send_timeout = send_timeout
         self.fetch_timeout = fetch_timeout
         self.answer_timeout = answer_timeout
-        self._traffic = TrafficBook()  # changed on the loop thread only (it takes ownership first)
+        # changed on the loop thread only, which takes `owner` first (the node's guard shares it)
+        self._traffic = TrafficBook(owner or Owner("p2p-transport"))
         self._inbound = InboundServer(
             handlers,
             caps=self.caps,

@@ -5,9 +5,9 @@ before the peer's driver does (the driver needs it) and outlives it at shutdown,
 attached (and after it is detached) every request is answered `not ready`. Once attached, requests
 go to the driver, which posts them to the peer's owner thread and hands the transport a future; the
 transport awaits it (`P2PTransport.answer_timeout`, then `busy`). A driver call that raises is
-answered `handler error`: the node keeps serving. The slot runs on the transport's thread, the only one
-that changes its refusal counts; it publishes them as an immutable mapping (`rejections`, replaced whole)
-that other threads read.
+answered `handler error`: the node keeps serving. The slot runs on the transport's thread (`owner`, which
+the node hands to its transport), the only one that changes its refusal counts; it publishes them as an
+immutable mapping (`rejections`, replaced whole) that other threads read.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2p_diloco.owner import Owner
 from p2p_diloco.wire.interfaces import InboundHandlers
 from p2p_diloco.wire.replies import Reply
 
@@ -45,7 +46,8 @@ class ServeRefused(RuntimeError):
 class HandlerSlot:
     """`InboundHandlers` in front of the node's driver (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Owner | None = None) -> None:
+        self.owner = owner or Owner("p2p-transport")
         self.rejections: Mapping[str, int] = MappingProxyType({})  # the slot's own rejections, by tag
         self._driver: InboundHandlers | None = None
 
@@ -57,6 +59,7 @@ class HandlerSlot:
         self._driver = None
 
     def _refuse(self, op: str, sender: str, tag: str, detail: str) -> Reply:
+        self.owner.check("the handler slot's rejections")
         counts = Counter(self.rejections)  # changed on the transport's thread only, published whole
         counts[tag] += 1
         self.rejections = MappingProxyType(counts)

@@ -102,7 +102,7 @@ class PeerNode:
         self.dht_peer: DhtPeer | None = None
         self.addresses: tuple[str, ...] = ()  # this peer's multiaddrs, announced in every heartbeat
         self.p2p: P2PTransport | None = None
-        self.guard = HandlerSlot()
+        self.guard = HandlerSlot(Owner("p2p-transport"))  # its owner: the transport's loop thread
         self.peer: Peer | None = None
         self.driver: ThreadedDriver | None = None
         self.learner: Learner | None = None
@@ -162,6 +162,7 @@ class PeerNode:
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
             handlers=self.guard,
+            owner=self.guard.owner,
             **run_transport_options(manifest, plan, built_model.shapes),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,

@@ -17,6 +17,7 @@ import pytest
 from p2p_diloco.net.traffic import TrafficBook
 from p2p_diloco.node.evaluation import EvalMode, EvalOptions, GlobalEvaluator
 from p2p_diloco.node.events import GoodputCounters
+from p2p_diloco.node.guard import REJECT_NOT_READY, HandlerSlot
 from p2p_diloco.node.reporting import Telemetry
 from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.node.training import TrainingLoop, TrainingView
@@ -103,6 +104,16 @@ def test_transport_counts_change_on_the_loop_thread_and_are_read_as_immutable_sn
         book.counts.bytes_sent = 0  # type: ignore[misc]
     assert isinstance(on_thread(lambda: book.moved(sent=1)), WrongThread)
     assert book.counts.bytes_sent == 15
+
+
+def test_the_handler_slot_counts_refusals_on_the_transport_thread_only():
+    slot = HandlerSlot()  # owned by its constructing thread until a transport's loop takes the owner
+    assert slot.handle_delta("QmA", b"x").tag == REJECT_NOT_READY
+    error = on_thread(lambda: slot.handle_delta("QmA", b"x"), name="peer-owner")
+    assert isinstance(error, WrongThread) and "p2p-transport" in str(error)
+    assert slot.rejections == {REJECT_NOT_READY: 1}
+    with pytest.raises(TypeError):
+        slot.rejections[REJECT_NOT_READY] = 0  # type: ignore[index]
 
 
 class AnsweringPeer:
