@@ -176,6 +176,8 @@ def test_a_trickling_body_is_closed_as_too_slow_and_an_oversized_claim_before_an
         assert fast.reason() == "ok" and handlers.deltas == [("fast", 60 * KiB)]
         await asyncio.gather(*net.tasks)
         assert server.rejected == {REJECT_TOO_SLOW: 1, REJECT_TOO_LARGE: 1}
+        counts = server.traffic.counts  # bytes count where they move: only the body read in full
+        assert counts.bytes_received == 60 * KiB and counts.served == {OP_DELTA: 1} and counts.bytes_sent > 0
 
     asyncio.run(scenario())
 
