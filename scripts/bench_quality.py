@@ -15,6 +15,9 @@ Variants (all on the embedded corpus, the same tiny GPT, the same total number o
   decoupled_h4, decoupled_topk{1,3}_int4_h4, decoupled_topk3_int4_h8
                                 int8 / sparse int4 with H = 4 or 8 instead of the manifest's H: more,
                                 smaller rounds (the same bytes per round, more bytes per inner step)
+  decoupled_4k2_{2,3}_h4, decoupled_4k4_3_h4
+                                SparseLoCo's chunked codecs "topk4k-int2" at 2 and 3 %, "topk4k-int4" at
+                                3 %, H = 4, feedback decay 0.95 (still re-sparsified by the synchronizer)
 Writes DIR/quality.json (final_eval_loss, tokens, bytes_sent, and per swarm variant `wire`: bytes per
 parameter per fragment round up (one learner's delta) and down (one pushed update), measured on every
 frame the sim network carried, and up bytes per parameter per inner step of a learner) and DIR/quality.png.
@@ -158,7 +161,8 @@ def main() -> int:
         "--variants",
         default="dp,diloco_sync,decoupled,decoupled_fp32,decoupled_topk1,decoupled_topk3,decoupled_topk10",
         help="comma-separated; also decoupled_topk3_int4, decoupled_topk5_int4, decoupled_topk3_rotate10, "
-        "decoupled_h4, decoupled_topk1_int4_h4, decoupled_topk3_int4_h4, decoupled_topk3_int4_h8",
+        "decoupled_h4, decoupled_topk1_int4_h4, decoupled_topk3_int4_h4, decoupled_topk3_int4_h8, "
+        "decoupled_4k2_2_h4, decoupled_4k2_3_h4, decoupled_4k4_3_h4",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -188,6 +192,10 @@ def main() -> int:
         "decoupled_topk3_decay95": sparse(base, "topk-int8", 0.03, feedback_decay=0.95),
         "decoupled_topk1_decay90": sparse(base, "topk-int8", 0.01, feedback_decay=0.9),
         "decoupled_topk3_int4_h4_decay90": sparse(base, "topk-int4", 0.03, inner_steps=4, feedback_decay=0.9),
+        # SparseLoCo's compressor (wire.chunked), still merged and re-sparsified by the synchronizer
+        "decoupled_4k2_2_h4": sparse(base, "topk4k-int2", 0.02, inner_steps=4, feedback_decay=0.95),
+        "decoupled_4k2_3_h4": sparse(base, "topk4k-int2", 0.03, inner_steps=4, feedback_decay=0.95),
+        "decoupled_4k4_3_h4": sparse(base, "topk4k-int4", 0.03, inner_steps=4, feedback_decay=0.95),
     }
     results: dict[str, dict] = {}
     for name in args.variants.split(","):
