@@ -343,6 +343,8 @@ class RunManifest:
             d["trust"].pop("evaluators")  # added later: manifests without it keep their hash
         if isinstance(d["model"]["config"], str):
             d["model"]["config"] = "file"
+        if d["model"]["weights_digest"] or not d["model"]["pretrained"]:
+            d["model"].pop("pretrained")  # pinned by the digest, or absent (added later: hashes kept)
         if d["model"]["weights_digest"]:
             d["model"].pop("init")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

@@ -61,12 +61,15 @@ class ModelKind(Choice):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model. `gpt` uses n_layer..dropout; `hf` needs `config`; `custom` needs `factory`.
+    """The model. `gpt` uses n_layer..dropout; `hf` needs `config` or `pretrained`; `custom` needs `factory`.
 
     `block_size` is the training sequence length for every kind. `seed` seeds the initial weights (the
     same on every peer); `init` names local weights (a ``.safetensors`` file or a folder holding them)
     that replace the seeded ones; `weights_digest`, when set, must equal the checksum of the built
     initial weights (`p2p-diloco model-digest MANIFEST` prints it), so it becomes part of the run identity.
+    `pretrained` (hf only, instead of `config`) starts from the weights and config.json of a local folder
+    or of a Hub model ``"ORG/NAME"`` in the local cache (model/hub.py: never downloaded unless
+    ``HF_HUB_OFFLINE=0``). `dropout` is every dropout probability of an hf model too (model/external.py).
     """
 
     kind: ModelKind = ModelKind.GPT
@@ -79,6 +82,7 @@ class ModelConfig:
     config: dict[str, Any] | str | None = None  # hf: inline table or path to config.json; custom: kwargs
     init: str = ""  # hf/custom: local weights file or folder
     factory: str = ""  # custom: "package.module:function"
+    pretrained: str = ""  # hf: a folder or a Hub name "ORG/NAME" whose config and weights start the run
     weights_digest: str = ""  # checksum of the initial weights (see `model.external.weights_digest`)
     base_dir: str = field(default="", compare=False)  # the manifest's folder; not hashed
     # the hashed content of `config`, computed at construction (a value passed in is replaced)
@@ -96,19 +100,27 @@ class ModelConfig:
                 self.n_embd % self.n_head == 0,
                 f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})",
             )
-            for key in ("config", "init", "factory"):
+            for key in ("config", "init", "factory", "pretrained"):
                 _require(
                     not getattr(self, key),
                     f"model.{key} is for kind = 'hf' or 'custom'; remove it or set model.kind",
                 )
             return
         if self.kind == ModelKind.HF:
+            _require(not self.factory, "model.factory is for kind = 'custom'; remove it")
             _require(
-                self.config is not None and not self.factory,
-                "model.kind = 'hf' needs a transformers config: an inline [model.config] table "
-                '(model_type = "llama", ...) or config = "path/config.json"; and no model.factory',
+                (self.config is None) != (not self.pretrained),
+                "model.kind = 'hf' needs a transformers config (an inline [model.config] table with "
+                'model_type = "llama", ..., or config = "path/config.json") or pretrained = "ORG/NAME" (or a '
+                "folder holding config.json and *.safetensors), not both: a pretrained model brings its "
+                "own config (its dropout comes from model.dropout)",
+            )
+            _require(
+                not (self.pretrained and self.init),
+                "model.pretrained and model.init both give the initial weights; keep one",
             )
         else:
+            _require(not self.pretrained, "model.pretrained is for kind = 'hf'; remove it")
             module, _, func = self.factory.partition(":")
             _require(
                 bool(module) and func.isidentifier(),

@@ -4,6 +4,13 @@ Owns `build_external_model` (called by `model.gpt.build_model` for these kinds),
 wrapper, `weights_digest` (the checksum of initial weights a manifest may pin) and the checks that
 make a missing file a `ConfigError` naming it.
 
+An `hf` model is built from its `[model.config]` (seeded random weights) or, with ``pretrained``, loaded
+with `from_pretrained` from a local folder or the local Hugging Face cache (model/hub.py: offline unless
+``HF_HUB_OFFLINE=0``); the bytes of that folder's config.json then count in `weights_digest`. Every
+dropout probability of an hf config (``attn_pdrop``, ``attention_dropout``, ...) is set to
+``[model] dropout`` unless the `[model.config]` table sets that key itself: transformers' own defaults
+(GPT-2's 0.1) never apply silently.
+
 Both kinds are built on CPU in float32 inside `torch.random.fork_rng` seeded with `model.seed`, so
 their random initializers see the same generator state on every peer and the global RNG is left
 untouched: initial weights are bit-identical for the same torch version. `init` then overwrites them
@@ -33,6 +40,7 @@ from torch import Tensor, nn
 from p2p_diloco.config import ModelConfig, ModelKind
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.hf_check import check_hf_config
+from p2p_diloco.model.hub import local_folder
 
 HF_PREFIX = "hf."  # parameter names of an `HFCausalLM` are the transformers names behind this prefix
 
@@ -44,9 +52,10 @@ class HFCausalLM(nn.Module):
     transformers' own `labels=` path would shift a second time.
     """
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, source_config: bytes = b""):
         super().__init__()
         self.hf = hf_model
+        self.source_config = source_config  # a pretrained folder's config.json (part of the digest)
 
     @property
     def config(self) -> Any:
@@ -68,8 +77,28 @@ class HFCausalLM(nn.Module):
             self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers `PretrainedConfig` of `cfg.resolved_config` (needs its `model_type`)."""
+def pretrained_folder(cfg: ModelConfig) -> Path:
+    """The local folder of `cfg.pretrained`: the folder it names, or its snapshot in the Hub cache."""
+    return local_folder(
+        cfg.pretrained,
+        cfg.path(cfg.pretrained),
+        what="model.pretrained",
+        fetch_hint="HF_HUB_OFFLINE=0 p2p-diloco model-digest RUN.toml",
+    )
+
+
+def dropout_keys(config: Any) -> list[str]:
+    """The config's dropout probabilities: numeric keys named ``*dropout*`` or ``*pdrop``."""
+    return sorted(
+        key
+        for key, value in config.to_dict().items()
+        if ("dropout" in key or key.endswith("pdrop"))
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+    )
+
+
+def _table_config(cfg: ModelConfig) -> Any:
     from transformers import AutoConfig
 
     raw = dict(cfg.resolved_config)
@@ -83,6 +112,28 @@ def hf_config(cfg: ModelConfig) -> Any:
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model.config: transformers refused it: {exc}") from exc
     check_hf_config(cfg.resolved_config, config)  # unknown keys, heads that do not fit (model/hf_check.py)
+    return config
+
+
+def _pretrained_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.pretrained folder {folder} has no usable config.json ({exc})") from exc
+
+
+def hf_config(cfg: ModelConfig, folder: Path | None = None) -> Any:
+    """The transformers `PretrainedConfig` of `cfg`: its `[model.config]` table (needs its `model_type`) or
+    the config.json of its pretrained folder (`folder`, resolved when None), with `[model] dropout`."""
+    if cfg.pretrained:
+        config = _pretrained_config(folder or pretrained_folder(cfg))
+    else:
+        config = _table_config(cfg)
+    for key in dropout_keys(config):
+        if key not in cfg.resolved_config:
+            setattr(config, key, cfg.dropout)
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and max_positions < cfg.block_size:
         raise ConfigError(
@@ -94,12 +145,23 @@ def hf_config(cfg: ModelConfig) -> Any:
 def _build_hf(cfg: ModelConfig) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(cfg)
+    if not cfg.pretrained:
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"model.config: transformers cannot build a causal LM from it: {exc}") from exc
+        return HFCausalLM(model)
+    folder = pretrained_folder(cfg)
+    config = hf_config(cfg, folder)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"model.config: transformers cannot build a causal LM from it: {exc}") from exc
-    return HFCausalLM(model)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), config=config, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"model.pretrained {cfg.pretrained!r}: transformers cannot load a causal LM from {folder} ({exc})"
+        ) from exc
+    return HFCausalLM(model, source_config=(folder / "config.json").read_bytes())
 
 
 def _build_custom(cfg: ModelConfig) -> nn.Module:
@@ -160,8 +222,11 @@ def load_init_weights(model: nn.Module, cfg: ModelConfig) -> None:
 
 
 def weights_digest(model: nn.Module) -> str:
-    """16 hex digits over every parameter's name, shape and float32 bytes, in `named_parameters()` order."""
+    """16 hex digits over every parameter's name, shape and float32 bytes, in `named_parameters()` order
+    (and a pretrained model's config.json bytes)."""
     h = hashlib.blake2b(digest_size=8)
+    if isinstance(model, HFCausalLM) and model.source_config:
+        h.update(b"config.json:" + model.source_config)
     for name, param in model.named_parameters():
         h.update(f"{name}:{tuple(param.shape)};".encode())
         h.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
@@ -187,13 +252,17 @@ def check_weights_digest(model: nn.Module, expected: str) -> None:
     if found != expected:
         raise ConfigError(
             f"the initial weights built here have digest {found}, the run's manifest says {expected}: "
-            "use the run's torch/transformers versions and model.init file"
+            "use the run's torch/transformers versions and model.init file (or model.pretrained folder)"
         )
 
 
 def build_skeleton(cfg: ModelConfig) -> nn.Module:
     """The model of `cfg` on the meta device: names and shapes only, nothing initialized or loaded."""
     with torch.device("meta"):
+        if cfg.kind == ModelKind.HF and cfg.pretrained:  # the pretrained folder's config, no weights read
+            from transformers import AutoModelForCausalLM
+
+            return HFCausalLM(AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32))
         return _build_hf(cfg) if cfg.kind == ModelKind.HF else _build_custom(cfg)
 
 

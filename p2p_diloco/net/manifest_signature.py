@@ -157,7 +157,7 @@ def file_sha256(path: Path) -> str:
 def pinned_files(manifest: RunManifest) -> list[PinnedFile]:
     """The files whose content the manifest names but does not hold (module docstring). A `[model] config`
     file is not among them: its content is part of `manifest_hash`; `[model] init` is pinned by
-    `weights_digest` (`sign_manifest` insists on one)."""
+    `weights_digest`, as is `[model] pretrained` (`sign_manifest` insists on one)."""
     data = manifest.data
     if data.source == DataSource.FILES:
         return [PinnedFile(f"data.paths[{i}]", p, data.path(p)) for i, p in enumerate(data.paths)]
@@ -212,9 +212,10 @@ def sign_manifest(
             f"{identity} is peer {signer}, but {manifest_path} names trust.authority {authority}: sign with "
             f'the authority\'s key, or set authority = "{signer}" in its [trust] section',
         )
-    if manifest.model.init and not manifest.model.weights_digest:
+    loads = manifest.model.init or manifest.model.pretrained
+    if loads and not manifest.model.weights_digest:
         raise ConfigError(
-            f"{manifest_path} loads [model] init = {manifest.model.init!r} without weights_digest: set "
+            f"{manifest_path} loads weights from {loads!r} ([model]) without weights_digest: set "
             "weights_digest (`p2p-diloco model-digest` prints it) so the signed manifest pins the weights"
         )
     files = []
