@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -22,8 +21,8 @@ from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
-from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.lifeline import install_stop_handlers, restore_handlers
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 MODES = ("dp", "diloco")
@@ -101,7 +100,7 @@ def options_from_args(args: argparse.Namespace) -> BaselineOptions:
 def cli_baseline_worker(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    previous = install_stop_handlers(stop)
     if options.diloco is not None:
         from p2p_diloco.baseline.diloco import DilocoWorker
 
@@ -114,8 +113,7 @@ def cli_baseline_worker(args: argparse.Namespace) -> int:
         print(f"p2p-diloco baseline-worker: {exc}", file=sys.stderr)
         return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
     if not worker.teardown_complete:  # hivemind threads or children hang: state is saved, leave now
         sys.stdout.flush()
         sys.stderr.flush()

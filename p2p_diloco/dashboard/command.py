@@ -12,7 +12,6 @@ SIGINT/SIGTERM stop it (exit 0).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 import time
@@ -23,8 +22,8 @@ from p2p_diloco.dashboard.collector import Collector
 from p2p_diloco.dashboard.server import DashboardServer
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_peer_addresses
-from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DhtKeyValueStore, DhtPeer, create_dht
+from p2p_diloco.net.lifeline import install_stop_handlers, restore_handlers
 from p2p_diloco.net.manifest_signature import load_run_manifest
 
 RECONNECT_AFTER = 3  # failed (or empty after non-empty) polls in a row before a new DHT node
@@ -117,7 +116,7 @@ def cli_dashboard(args: argparse.Namespace) -> int:
         )
         return 1
     stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    previous = install_stop_handlers(stop)
     poller = Poller(collector, initial, poll=args.poll, timeout=args.timeout)
     try:
         try:
@@ -133,6 +132,5 @@ def cli_dashboard(args: argparse.Namespace) -> int:
     finally:
         server.close()
         poller.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
     return 0

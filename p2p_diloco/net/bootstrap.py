@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
 import threading
 from collections.abc import Sequence
-from types import FrameType
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.net.bootstrap_state import WATCH_PERIOD, BootstrapMemory, dht_now
 from p2p_diloco.net.dht_store import EXIT_DHT_DIED, DhtKeyValueStore, create_dht
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.lifeline import install_stop_handlers, restore_handlers
 from p2p_diloco.net.manifest_signature import load_run_manifest
 
 log = logging.getLogger(__name__)
@@ -32,24 +30,6 @@ log = logging.getLogger(__name__)
 # p2pd here always has QUIC; listening on it too helps peers behind NAT (UDP hole punching)
 DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1")
 ADDRESS_LINE_PREFIX = "bootstrap address: "
-
-
-def _install_stop_handlers(stop: threading.Event) -> dict[int, object]:
-    """SIGINT/SIGTERM set `stop` in this process; forked children (the DHT) get the default action back.
-
-    The DHT process is forked after this and inherits Python-level handlers; without the pid check it
-    would swallow the SIGTERM that hivemind uses as its last resort to stop it.
-    """
-    main_pid = os.getpid()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if os.getpid() != main_pid:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        stop.set()
-
-    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def run_bootstrap(
@@ -125,7 +105,7 @@ def cli_bootstrap(args: argparse.Namespace) -> int:
         print("p2p-diloco bootstrap: --state-dir needs --manifest (the run to watch)", file=sys.stderr)
         return 2
     stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    previous = install_stop_handlers(stop)
     try:
         return run_bootstrap(
             identity=args.identity,
@@ -140,5 +120,4 @@ def cli_bootstrap(args: argparse.Namespace) -> int:
         print(f"p2p-diloco bootstrap: {exc}", file=sys.stderr)
         return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)

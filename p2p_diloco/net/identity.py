@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.files import atomic_file
 
 if TYPE_CHECKING:
     from hivemind.utils.crypto import RSAPrivateKey
@@ -217,25 +217,11 @@ def write_identity(key_path: str | os.PathLike[str], *, force: bool = False) -> 
         raise ConfigError(f"directory {parent} for --out does not exist; create it first")
     key = rsa.generate_private_key(public_exponent=65537, key_size=RSA_KEY_BITS)
     blob = _encode_identity(key)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
-        os.fchmod(fd, KEY_FILE_MODE)
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(blob)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        if force:
-            os.replace(tmp_name, path)
-        else:
-            os.link(tmp_name, path)  # fails if someone created `path` meanwhile: never clobber
-            os.unlink(tmp_name)
+        with atomic_file(path, mode=KEY_FILE_MODE, exclusive=not force) as f:
+            f.write(blob)
     except FileExistsError as exc:
-        os.unlink(tmp_name)
         raise ConfigError(f"{path} was created by someone else meanwhile; pass --force to overwrite") from exc
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
     return peer_id_of_rsa_public(key.public_key())
 
 

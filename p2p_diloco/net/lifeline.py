@@ -10,6 +10,10 @@ inside `dies_with_parent()` by the calling thread ask Linux for SIGKILL when tha
 Only forks of the thread that entered the block are marked: the kernel sends the signal when the
 *forking thread* ends, so a fork from a short-lived worker thread must not get it. Elsewhere than
 Linux this is a no-op (`supported()` says so).
+
+The commands that run a DHT node stop on SIGINT/SIGTERM through `install_stop_handlers` (they set a
+stop event in this process only: a forked child such as the DHT gets the default action back) and put
+the old handlers back with `restore_handlers`.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from types import FrameType
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 _armed: dict[int, int] = {}  # forking thread ident -> pid the child must outlive (its parent)
 _lock = threading.Lock()
 _hook_installed = False
+
+Handler = Callable[[int, FrameType | None], Any] | int | None  # what `signal.signal` returns
 
 
 def supported() -> bool:
@@ -69,3 +77,27 @@ def dies_with_parent() -> Iterator[None]:
         yield
     finally:
         _armed.pop(me, None)
+
+
+def install_stop_handlers(stop: threading.Event) -> dict[int, Handler]:
+    """SIGINT/SIGTERM set `stop` in this process; forked children (the DHT) get the default action back.
+
+    The DHT process is forked after this and inherits Python-level handlers; without the pid check it
+    would swallow the SIGTERM that hivemind uses as its last resort to stop it.
+    """
+    main_pid = os.getpid()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop.set()
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore_handlers(previous: Mapping[int, Handler]) -> None:
+    """Put back the handlers `install_stop_handlers` (and any added to its dict) replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.files import write_atomic
+
 MIN_BYTES = 1 << 20
 
 
@@ -188,6 +190,4 @@ def census(roots: dict[str, object] | None = None, min_bytes: int = MIN_BYTES) -
 
 def write_census(path: Path, roots: dict[str, object] | None = None) -> None:
     """Write `census(roots)` to `path` (atomically: a reader never sees half a file)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(census(roots), indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(census(roots), indent=1).encode())

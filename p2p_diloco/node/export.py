@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 
 from p2p_diloco.config import DataSource, ModelKind, RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.files import atomic_path
 from p2p_diloco.model.external import HF_PREFIX, build_skeleton, hf_config
 from p2p_diloco.model.gpt import GPT
 from p2p_diloco.model.shards import TOKENIZER_FILE, read_index
@@ -125,15 +126,11 @@ def export_model(
         "saved_at": str(peer_state.get("saved_at", "")),
         "model": json.dumps(dataclasses.asdict(manifest.model), sort_keys=True),
     }
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, out)
+        with atomic_path(out) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
     except OSError as exc:
         raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return metadata
 
 
@@ -192,25 +189,21 @@ def export_hf(
             f"the replica does not fit the manifest's transformers model (missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}): pass the manifest that peer joined with"
         )
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(str(tmp))
-        _save_tokenizer(manifest, tmp)
-        info = {
-            "run_id": manifest.run_id,
-            "manifest_hash": manifest.manifest_hash,
-            "versions": list(replica.versions()),
-            "digest": replica.digest(),
-        }
-        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
+        with atomic_path(out) as tmp:
+            model.save_pretrained(str(tmp))
+            _save_tokenizer(manifest, tmp)
+            info = {
+                "run_id": manifest.run_id,
+                "manifest_hash": manifest.manifest_hash,
+                "versions": list(replica.versions()),
+                "digest": replica.digest(),
+            }
+            (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
+            if out.exists():  # the new folder replaces only a missing one
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
     except OSError as exc:
         raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

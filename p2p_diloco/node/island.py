@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.files import write_atomic
 from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
 from p2p_diloco.model.shards import TokenData
@@ -267,9 +268,7 @@ class Island:
             "fragments_broadcast": self.fragments_broadcast,
         }
         path = state_dir / f"island-rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        tmp.replace(path)
+        write_atomic(path, (json.dumps(record) + "\n").encode())
 
 
 def prepare_island(options: NodeOptions) -> tuple[NodeOptions, Island | None]:

@@ -23,9 +23,9 @@ from types import FrameType
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
-from p2p_diloco.net.bootstrap import _install_stop_handlers
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
+from p2p_diloco.net.lifeline import install_stop_handlers, restore_handlers
 from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.census import write_census
 from p2p_diloco.node.evaluation import EvalMode, EvalOptions
@@ -166,7 +166,7 @@ def cli_join(args: argparse.Namespace) -> int:
         if takeover is None:
             return 0
     stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    previous = install_stop_handlers(stop)
     node = PeerNode(
         options,
         stop=stop,
@@ -192,7 +192,6 @@ def cli_join(args: argparse.Namespace) -> int:
         print(f"p2p-diloco join: {explain_start_failure(exc, options.identity)}", file=sys.stderr)
         return 2 if first_start or identity_taken(exc) else 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
         if island is not None:
             island.close()

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from p2p_diloco.files import atomic_file
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica
 
@@ -73,19 +74,11 @@ def write_fragment(
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % _ALIGN)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for _, t in tensors:
-                data = t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
-                f.write(memoryview(data.numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, t in tensors:
+            data = t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+            f.write(memoryview(data.numpy()).cast("B"))
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -358,17 +357,6 @@ rejoin_grace = 30.0
 """
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.5)
-
-
 def ask_status(manifest: Path, addresses: list[str]) -> dict[str, Any]:
     from tests.integration.conftest import python_cmd
 
@@ -389,6 +377,7 @@ def cmd_realrun(args: argparse.Namespace) -> int:
     from p2p_diloco.node.export import load_global_replica
     from p2p_diloco.node.state import read_events
     from tests.integration.conftest import LOOPBACK_LISTEN, _Spawner, launch_bootstrap, python_cmd
+    from tests.support.waiting import wait_until
 
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-run-"))
@@ -460,7 +449,7 @@ def cmd_realrun(args: argparse.Namespace) -> int:
                 return None
 
             try:
-                status = wait_until(settled, 60, "both peers at the same versions")
+                status = wait_until(settled, 60, "both peers at the same versions", interval=0.5)
             except TimeoutError:
                 status = ask_status(manifest_path, bootstrap.addresses)
             rows = [

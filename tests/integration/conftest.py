@@ -25,21 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.waiting import wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 PROCESS_START_TIMEOUT = 30.0
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
-    """Poll `predicate` until it returns something truthy (returned) or `timeout` s pass (`TimeoutError`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass

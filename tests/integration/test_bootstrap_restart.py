@@ -30,32 +30,12 @@ from p2p_diloco.net.manifest_signature import load_run_manifest, sign_manifest
 from p2p_diloco.node.state import read_events, read_peer_state
 from p2p_diloco.wire.keys import heartbeat_key
 from p2p_diloco.wire.records import decode_heartbeat
+from tests.support.manifests import tiny_swarm_toml
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 90.0
-MANIFEST = """
-run_id = "restart"
-[diloco]
-inner_steps = 8
-fragments = 2
-max_in_flight = 2
-min_quorum = 1
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-[timing]
-heartbeat_period = 0.5
-heartbeat_ttl = 2.0
-lease_ttl = 3.0
-claim_grace = 1.0
-lease_margin = 0.5
-term_rounds = 1000
-rejoin_grace = 30.0
-"""
 NAMES = ("p0", "p1", "late", "island")
 
 
@@ -65,11 +45,9 @@ class Run:
         self.ids = {name: write_identity(tmp / f"{name}.key") for name in NAMES}
         organizer = write_identity(tmp / "org.key")
         self.bootstrap_id = write_identity(tmp / "bootstrap.key")
-        listed = ", ".join(f'"{self.ids[n]}"' for n in NAMES)
+        trust = {"authority": organizer, "synchronizers": [self.ids[n] for n in NAMES]}
         self.manifest_path = tmp / "run.toml"
-        self.manifest_path.write_text(
-            f'{MANIFEST}[trust]\nauthority = "{organizer}"\nsynchronizers = [{listed}]\n'
-        )
+        self.manifest_path.write_text(tiny_swarm_toml("restart", trust=trust))
         sign_manifest(self.manifest_path, tmp / "org.key")
         self.manifest = load_run_manifest(self.manifest_path)
         self.handles: dict[str, object] = {}

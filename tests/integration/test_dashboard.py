@@ -23,32 +23,13 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco.net.identity import write_identity
+from tests.support.manifests import tiny_swarm_toml
 
 pytestmark = pytest.mark.integration
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0  # process start on a loaded 2-core machine: imports, DHT, catch-up
-MANIFEST = """
-run_id = "dash-itest"
-[diloco]
-inner_steps = 8
-fragments = 2
-max_in_flight = 2
-min_quorum = 1
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-[timing]
-heartbeat_period = 0.5
-heartbeat_ttl = 2.0
-lease_ttl = 3.0
-claim_grace = 1.0
-lease_margin = 0.5
-term_rounds = 1000
-rejoin_grace = 30.0
-"""
+MANIFEST = tiny_swarm_toml("dash-itest")
 
 
 def api(url: str, path: str = "api/summary") -> dict | None:

@@ -63,6 +63,7 @@ from p2p_diloco.node.replica_store import ReplicaFileError, load_replica
 from p2p_diloco.node.state import REPLICA_DIR, read_events
 from p2p_diloco.node.status import swarm_status
 from p2p_diloco.protocol.fragments import plan_fragments
+from tests.support.manifests import tiny_swarm_toml
 from tests.support.rogue import Rogue
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -93,32 +94,6 @@ REASONS = {
     # opened together beyond the per-peer slots are busy; a silent or slow one times out
     "idle streams": {"frame too large", "peer busy", "too slow", "header timeout"},
 }
-
-MANIFEST = """
-run_id = "{run_id}"
-[diloco]
-inner_steps = {inner_steps}
-fragments = 2
-max_in_flight = 2
-min_quorum = 1
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-[timing]
-heartbeat_period = 0.5
-heartbeat_ttl = 2.0
-lease_ttl = 3.0
-claim_grace = 1.0
-lease_margin = 0.5
-term_rounds = 1000
-rejoin_grace = 30.0
-[trust]
-authority = "{authority}"
-synchronizers = [{synchronizers}]
-learners = "any"
-"""
 
 
 @dataclass
@@ -385,14 +360,8 @@ def hostile_run(request, spawn, cli, wait_for, bootstrap_node, rogue_keys, obser
     listed = [honest_keys["a"][1], honest_keys["b"][1], rogue_keys.insider.peer_id]
     run_id = "hostile-" + request.node.name.split("[")[0].removeprefix("test_")[:40].replace("_", "-")
     path = tmp_path / "public.toml"
-    path.write_text(
-        MANIFEST.format(
-            run_id=run_id,
-            inner_steps=INNER_STEPS,
-            authority=authority,
-            synchronizers=", ".join(f'"{p}"' for p in listed),
-        )
-    )
+    trust = {"authority": authority, "synchronizers": listed, "learners": "any"}
+    path.write_text(tiny_swarm_toml(run_id, diloco={"inner_steps": INNER_STEPS}, trust=trust))
     sign_manifest(path, honest_keys["a"][0])  # `p2p-diloco manifest sign`: joins refuse it unsigned
     manifest = load_run_manifest(path)
     run = HostileRun(

@@ -18,29 +18,12 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.ledger import read_ledger, tokens_per_step
 from p2p_diloco.node.state import read_events, read_peer_state
+from tests.support.manifests import tiny_swarm_toml
 
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_MANIFEST = """
-run_id = "obs-itest"
-[diloco]
-inner_steps = 8
-fragments = 2
-max_in_flight = 2
-min_quorum = 1
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-[timing]
-heartbeat_period = 0.5
-heartbeat_ttl = 2.0
-lease_ttl = 3.0
-claim_grace = 1.0
-lease_margin = 0.5
-"""
+TINY_MANIFEST = tiny_swarm_toml("obs-itest", timing={"term_rounds": None, "rejoin_grace": None})
 START_TIMEOUT = 90.0
 
 

@@ -31,33 +31,13 @@ from p2p_diloco.node.status import swarm_status
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease
+from tests.support.manifests import tiny_swarm_toml
 
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 
-TINY_MANIFEST = """
-run_id = "itest"
-[diloco]
-inner_steps = 8
-fragments = 2
-max_in_flight = 2
-min_quorum = 1
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-[timing]
-heartbeat_period = 0.5
-heartbeat_ttl = 2.0
-lease_ttl = 3.0
-claim_grace = 1.0
-lease_margin = 0.5
-term_rounds = 1000
-rejoin_grace = 30.0
-"""
 PEER_NAMES = ("p0", "p1", "p2", "late")
 START_TIMEOUT = 90.0  # process start on a loaded 2-core machine: imports, DHT, catch-up
 STOP_TIMEOUT = 60.0
@@ -83,11 +63,9 @@ class Swarm:
         # A signed public run: the organizer's key signs it, the peers' keys are its synchronizers.
         self.ids = {name: write_identity(tmp_path / f"{name}.key") for name in PEER_NAMES}
         organizer = write_identity(tmp_path / "org.key")
-        listed = ", ".join(f'"{peer_id}"' for peer_id in self.ids.values())
+        trust = {"authority": organizer, "synchronizers": list(self.ids.values())}
         self.manifest_path = tmp_path / "tiny.toml"
-        self.manifest_path.write_text(
-            f'{TINY_MANIFEST}[trust]\nauthority = "{organizer}"\nsynchronizers = [{listed}]\n'
-        )
+        self.manifest_path.write_text(tiny_swarm_toml("itest", trust=trust))
         sign_manifest(self.manifest_path, tmp_path / "org.key")
         self.manifest = load_run_manifest(self.manifest_path)
         self.kv = DhtKeyValueStore(observer, timeout=5.0)

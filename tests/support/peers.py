@@ -1,16 +1,29 @@
-"""A `Peer` under an `InlineDriver`, with the calls unit tests make, and a transport stub."""
+"""A `Peer` under an `InlineDriver`, with the calls unit tests make, and a transport stub.
+
+`make_peer(manifest)` is the tiny-model peer of a unit test (`tests.support.manifests`), with or without
+its learner, on an in-memory store and a fake clock.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import replace
 
+from p2p_diloco.config import RunManifest
+from p2p_diloco.model.gpt import build_model
+from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.driver import InlineDriver
+from p2p_diloco.swarm.effects import Published
+from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
+from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.frames import update_signing_bytes
 from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.signing import InMemoryKeys, PeerKeys
+from tests.support.manifests import tiny_training
 
 
 def settled(value) -> concurrent.futures.Future:  # noqa: ANN001
@@ -121,3 +134,44 @@ def keys_for(peer_id: str) -> PeerKeys:
 def signed(record: UpdateRecord) -> UpdateRecord:
     """`record` signed by the leader it names (as that leader's own peer would)."""
     return replace(record, signature=KEYS.signer(record.leader).sign(update_signing_bytes(record)))
+
+
+def make_peer(
+    manifest: RunManifest,
+    *,
+    peer_id: str = "me",
+    kv: InMemoryKeyValueStore | None = None,
+    clock: FakeClock | None = None,
+    may_sync: bool = False,
+    learner: bool = True,
+    published: list | None = None,
+) -> PeerHarness:
+    """A peer of `manifest` (freshly built model, 2 fragments) under a `PeerHarness`: a stub transport, a
+    new store and a clock at 100.0 unless given. `learner=False`: no learner (built without a sampler
+    or optimizer); `published`: collects the update records the peer publishes."""
+    if learner:
+        t = tiny_training(manifest)
+        plan, replica, shapes = t.plan, t.replica, t.shapes
+        trainer = Learner(peer_id, manifest, t.plan, t.replica, t.model, t.optimizer, t.sampler)
+    else:
+        model = build_model(manifest.model)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        plan = plan_fragments(list(shapes.items()), 2)
+        replica, trainer = GlobalReplica(plan, dict(model.named_parameters())), None
+    peer = Peer(
+        peer_id,
+        manifest,
+        plan,
+        replica,
+        shapes=shapes,
+        keys=keys_for(peer_id),
+        may_sync=may_sync,
+        has_learner=learner,
+    )
+
+    def observe(intent) -> None:  # noqa: ANN001
+        if isinstance(intent, Published) and published is not None:
+            published.append(intent.record)
+
+    kv, clock = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0)
+    return PeerHarness(peer, kv=kv, transport=StubTransport(), clock=clock, learner=trainer, observer=observe)

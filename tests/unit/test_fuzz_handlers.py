@@ -26,8 +26,7 @@ from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
-from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.swarm.memory import FakeClock
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
@@ -35,7 +34,7 @@ from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from p2p_diloco.wire.replies import Reply
 from tests.support.manifests import TINY_MODEL, tiny_manifest
-from tests.support.peers import PeerHarness, StubTransport, keys_for, signed
+from tests.support.peers import PeerHarness, make_peer, signed
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>"
@@ -50,20 +49,12 @@ BASE = GlobalReplica(PLAN, INITIAL)
 PEERS = st.sampled_from(["leader", "mallory", "me", "x" * 300, ""])
 
 
-def make_peer(manifest: RunManifest = MANIFEST) -> PeerHarness:
-    kv = InMemoryKeyValueStore()
+def fuzz_peer(manifest: RunManifest = MANIFEST) -> PeerHarness:
+    """A peer without a learner at time 10.0 that follows "leader"'s lease (term 1)."""
+    peer = make_peer(manifest, learner=False, clock=FakeClock(10.0))
     lease = LeaseRecord("leader", 1, expires_at=10.0 + manifest.timing.lease_ttl)  # written at 10.0
-    kv.store(lease_key(manifest.run_id, manifest.manifest_hash), "leader", encode_lease(lease), 1e9)
-    peer = Peer(
-        "me",
-        manifest,
-        PLAN,
-        GlobalReplica(PLAN, INITIAL),
-        shapes=SHAPES,
-        keys=keys_for("me"),
-        has_learner=False,
-    )
-    return PeerHarness(peer, kv=kv, transport=StubTransport(), clock=FakeClock(10.0))
+    peer.kv.store(lease_key(manifest.run_id, manifest.manifest_hash), "leader", encode_lease(lease), 1e9)
+    return peer
 
 
 def valid_update(fragment: int = 0) -> bytes:
@@ -85,7 +76,7 @@ def valid_delta(fragment: int = 0) -> bytes:
     return encode_delta(header, encode_tensors(tensors))
 
 
-UPDATE, DELTA, SNAPSHOT = valid_update(), valid_delta(), make_peer().serve_snapshot("me", 0)
+UPDATE, DELTA, SNAPSHOT = valid_update(), valid_delta(), fuzz_peer().serve_snapshot("me", 0)
 _PREFIX = struct.Struct("<BIQ")
 
 json_values = st.recursive(
@@ -157,7 +148,7 @@ def clean(reply) -> bool:
 @FUZZ
 @given(frame=mutated(UPDATE), sender=PEERS)
 def test_handle_update_answers_a_reason_and_garbage_never_changes_the_replica(frame, sender):
-    peer = make_peer()
+    peer = fuzz_peer()
     before = peer.replica.digest()
     reply = peer.handle_update(sender, frame)
     assert clean(reply), reply
@@ -167,14 +158,14 @@ def test_handle_update_answers_a_reason_and_garbage_never_changes_the_replica(fr
 
 
 def test_the_unmutated_update_is_applied_only_from_its_leader():
-    assert make_peer().handle_update("leader", UPDATE).startswith("applied")
-    assert make_peer().handle_update("mallory", UPDATE).startswith("not the leader")
+    assert fuzz_peer().handle_update("leader", UPDATE).startswith("applied")
+    assert fuzz_peer().handle_update("mallory", UPDATE).startswith("not the leader")
 
 
 @FUZZ
 @given(frame=mutated(DELTA), sender=PEERS)
 def test_peer_handle_delta_without_the_role_refuses_cleanly(frame, sender):
-    peer = make_peer()
+    peer = fuzz_peer()
     before = peer.replica.digest()
     assert clean(reply := peer.handle_delta(sender, frame)), reply
     assert not reply.startswith(("accepted", "opened round"))
@@ -184,7 +175,7 @@ def test_peer_handle_delta_without_the_role_refuses_cleanly(frame, sender):
 @FUZZ
 @given(frames=st.lists(mutated(DELTA), min_size=1, max_size=4), sender=PEERS)
 def test_synchronizer_handles_mutated_deltas_and_still_merges_cleanly(frames, sender):
-    peer = make_peer()
+    peer = fuzz_peer()
     sync = Synchronizer("me", MANIFEST, PLAN, peer.replica, term=1, shapes=SHAPES)
     before = peer.replica.digest()
     for i, frame in enumerate(frames):
@@ -197,7 +188,7 @@ def test_synchronizer_handles_mutated_deltas_and_still_merges_cleanly(frames, se
 @FUZZ
 @given(requester=PEERS, fragment=st.integers(-(2**70), 2**70), after=st.integers(-(2**70), 2**70))
 def test_serve_requests_with_garbage_indexes_answer_cleanly(requester, fragment, after):
-    peer = make_peer()
+    peer = fuzz_peer()
     assert peer.handle_update("leader", UPDATE).startswith("applied")
     before = peer.replica.digest()
     frames = peer.serve_updates(requester, fragment, after)
@@ -210,7 +201,7 @@ def test_serve_requests_with_garbage_indexes_answer_cleanly(requester, fragment,
 
 def test_allowlist_is_enforced_at_every_handler_and_on_records():
     private = RunManifest(run_id="fz", model=MODEL, diloco=MANIFEST.diloco, allowlist=("leader", "me"))
-    peer = make_peer(private)
+    peer = fuzz_peer(private)
     assert peer.handle_delta("mallory", DELTA).startswith("not allowed")
     assert peer.handle_update("mallory", UPDATE).startswith("not allowed")
     assert peer.serve_updates("mallory", 0, 0) == [] and peer.serve_snapshot("mallory", 0) == b""
@@ -233,7 +224,7 @@ def test_allowlist_is_enforced_at_every_handler_and_on_records():
 @FUZZ
 @given(snapshot=mutated(SNAPSHOT), fragment=st.integers(0, 1))
 def test_fetched_snapshot_garbage_is_refused_without_touching_the_replica(snapshot, fragment):
-    peer = make_peer()
+    peer = fuzz_peer()
     peer.transport.snapshot = snapshot
     before = peer.replica.digest()
     loaded = peer.fetch_fragment(fragment, ["src"])
@@ -245,7 +236,7 @@ def test_fetched_snapshot_garbage_is_refused_without_touching_the_replica(snapsh
 @FUZZ
 @given(frames=st.lists(mutated(UPDATE), max_size=3))
 def test_replayed_update_garbage_is_refused_without_touching_the_replica(frames):
-    peer = make_peer()
+    peer = fuzz_peer()
     peer.transport.updates = frames
     peer.transport.snapshot = b"garbage"
     before = peer.replica.digest()
@@ -257,7 +248,7 @@ def test_replayed_update_garbage_is_refused_without_touching_the_replica(frames)
 def test_a_replay_whose_prefetched_first_log_failed_goes_on_from_the_next_source():
     """A catch-up fetches every fragment's first log at once (`FetchUpdateLogs`); a failed one is noted
     and the fragment's next source is asked, as when the fetch was made one at a time."""
-    peer = make_peer()
+    peer = fuzz_peer()
     peer.transport.updates = [UPDATE]
     task = peer.peer.repair.catch_up_fragment(
         0, ["dead", "src"], target=1, now=peer.clock.now(), first_log=ConnectionError("connection refused")
@@ -266,7 +257,7 @@ def test_a_replay_whose_prefetched_first_log_failed_goes_on_from_the_next_source
     assert peer.replica.versions()[0] == 1
     assert any("replay of fragment 0 from dead failed" in line for line in peer.peer.decisions)
 
-    fetched = make_peer()  # a prefetched log is used as it is: no second fetch from that source
+    fetched = fuzz_peer()  # a prefetched log is used as it is: no second fetch from that source
     fetched.transport.updates = []
     task = fetched.peer.repair.catch_up_fragment(
         0, ["src"], target=1, now=fetched.clock.now(), first_log=[UPDATE]
@@ -298,7 +289,7 @@ def record_values(draw) -> bytes:
     leases=st.lists(st.tuples(PEERS, record_values()), max_size=3),
 )
 def test_garbage_dht_records_are_ignored_by_read_swarm_and_the_election(heartbeats, leases):
-    peer = make_peer()
+    peer = fuzz_peer()
     now = peer.clock.now()
     for who, value in heartbeats:
         peer.kv.store(heartbeat_key("fz", MANIFEST.manifest_hash), who, value, now + 5)
@@ -323,13 +314,13 @@ def test_fetch_request_bodies_only_raise_bad_envelope(body):
 
 @pytest.mark.parametrize("fragment", [-1, 2, 2**40])
 def test_snapshot_of_an_unknown_fragment_is_an_empty_answer_and_a_counted_rejection(fragment):
-    peer = make_peer()
+    peer = fuzz_peer()
     assert peer.serve_snapshot("leader", fragment) == b""
     assert peer.peer.rejections["unknown fragment"] == 1
 
 
 def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates():
-    peer = make_peer()
+    peer = fuzz_peer()
     claim = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(0, 0), term_seen=5)
     peer.kv.store(peer.peer.membership.hb_key, "mallory", claim.to_bytes(), 100.0)
     peer.read_swarm(10.0)
@@ -345,7 +336,7 @@ def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates()
 
 
 def test_replay_stops_at_an_unverifiable_lease_instead_of_reading_the_dht_per_frame():
-    peer = make_peer()
+    peer = fuzz_peer()
     reads = []
     kv_get = peer.kv.get
     peer.kv.get = lambda key, now: reads.append(key) or kv_get(key, now)

@@ -24,9 +24,8 @@ from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_update, update_signing_bytes
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
-from tests.support.peers import KEYS, PeerHarness, signed
+from tests.support.peers import KEYS, PeerHarness, make_peer, signed
 from tests.unit.test_holder_catch_up import MANIFEST, delta, ticks
-from tests.unit.test_peer_terms import make_peer
 
 PERIOD = MANIFEST.timing.heartbeat_period
 
@@ -51,7 +50,8 @@ def last_update_of(me: PeerHarness, leader: str, term: int, fragment: int = 0, *
 def after_old_holder(**transport_setup) -> PeerHarness:  # noqa: ANN003
     """`me`, may synchronize, with `old`'s lease of term 1 about to lapse in the DHT; ticks until it claims
     term 2 (the handover check starts there), with `transport_setup` set on its transport first."""
-    me, kv, clock, transport = make_peer(MANIFEST, may_sync=True)
+    me = make_peer(MANIFEST, may_sync=True)
+    kv, clock, transport = me.kv, me.clock, me.transport
     old = LeaseRecord("old", 1, expires_at=clock.now() + 1.0)
     kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), "old", encode_lease(old), 1e9)
     for name, value in transport_setup.items():
@@ -130,7 +130,8 @@ def test_in_a_public_run_the_check_never_asks_unlisted_keys_claiming_high_versio
     public = dataclasses.replace(
         MANIFEST, trust=TrustConfig(authority=me_id, synchronizers=(me_id, other, "QmPrev" + "3" * 40))
     )
-    me, kv, clock, transport = make_peer(public, peer_id=me_id, may_sync=True)
+    me = make_peer(public, peer_id=me_id, may_sync=True)
+    kv, clock, transport = me.kv, me.clock, me.transport
     key = heartbeat_key(public.run_id, public.manifest_hash)
     for i in range(20):
         sybil = "QmSybi1" + "abcdefghijkmnopqrstu"[i] * 39

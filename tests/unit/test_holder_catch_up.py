@@ -24,8 +24,7 @@ from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from tests.support.manifests import tiny_manifest, tiny_training
-from tests.support.peers import PeerHarness, signed
-from tests.unit.test_peer_terms import make_peer
+from tests.support.peers import PeerHarness, make_peer, signed
 
 MANIFEST = dataclasses.replace(
     tiny_manifest("terms"), robust=dataclasses.replace(tiny_manifest("terms").robust, enabled=False)
@@ -94,13 +93,13 @@ def ticks(peer: PeerHarness, seconds: int, **reports) -> election.ElectionDecisi
 
 
 def test_a_peer_behind_two_peers_tips_does_not_claim_one_peers_word_does_not_stop_it():
-    me, _, _, _ = make_peer(MANIFEST, may_sync=True)
+    me = make_peer(MANIFEST, may_sync=True)
     mine = me.peer.book.tips()
     ahead = ((5, 0), ((1, "c" * 16), (mine[1].term, mine[1].checksum)))
     decision = ticks(me, 10, a=ahead, b=ahead)
     assert me.peer.sync is None and decision.action != election.CLAIM, decision
 
-    alone, _, _, _ = make_peer(MANIFEST, may_sync=True)
+    alone = make_peer(MANIFEST, may_sync=True)
     ticks(alone, 10, a=ahead, b=((0, 0), tuple((t.term, t.checksum) for t in mine)))
     assert alone.peer.sync is not None  # a forged heartbeat cannot make an honest peer ineligible
 
@@ -109,7 +108,7 @@ def test_in_a_run_with_listed_synchronizers_two_strangers_tips_do_not_make_a_pee
     """Two strangers reporting the same made-up tip would otherwise keep every honest peer from claiming."""
     me_id = "QmMe" + "1" * 42
     listed = dataclasses.replace(MANIFEST, trust=dataclasses.replace(MANIFEST.trust, synchronizers=(me_id,)))
-    me, _, _, _ = make_peer(listed, peer_id=me_id, may_sync=True)
+    me = make_peer(listed, peer_id=me_id, may_sync=True)
     mine = me.peer.book.tips()
     ahead = ((5, 0), ((1, "c" * 16), (mine[1].term, mine[1].checksum)))
     ticks(me, 10, a=ahead, b=ahead)
@@ -120,7 +119,8 @@ def holder_behind() -> tuple[PeerHarness, int, bytes, tuple]:
     """`me` holds term 2 and has sent its own delta; `old` held term 1 and published fragment f v0->v1,
     which `me` missed: the update frame and the tips of the peers that applied it."""
     published: list = []
-    me, kv, clock, _ = make_peer(MANIFEST, may_sync=True, published=published)
+    me = make_peer(MANIFEST, may_sync=True, published=published)
+    kv, clock = me.kv, me.clock
     old = LeaseRecord("old", 1, expires_at=clock.now() + 1.0)
     kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), "old", encode_lease(old), 1e9)
     ticks(me, 10)

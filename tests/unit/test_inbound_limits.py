@@ -1,8 +1,9 @@
 """Bounded abuse on the inbound side, without daemons: stream slots, header deadline, body rate, caps.
 
 `InboundServer`'s stream handler runs here on in-memory streams (an `asyncio.StreamReader` the test feeds
-and a writer that records), with deadlines of a fraction of a second; the real libp2p path has its
-own test (tests/integration/test_net_abuse.py).
+and a writer that records), with deadlines of a fraction of a second on virtual time
+(`tests.support.virtual_time`: the loop's clock jumps to the next deadline, so no window depends on the
+machine's load); the real libp2p path has its own test (tests/integration/test_net_abuse.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from p2p_diloco.net.limits import (
 from p2p_diloco.net.serving import REJECT_NOT_ALLOWED, REJECT_TOO_LARGE, InboundServer
 from p2p_diloco.wire.keys import OP_DELTA
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from tests.support.virtual_time import run_virtual
 
 KiB = 1024
 LIMITS = InboundLimits(
@@ -133,7 +135,7 @@ def test_a_rogue_holding_streams_open_blocks_only_itself_and_idle_streams_are_cl
         assert server.rejected == {REJECT_PEER_BUSY: 6, REJECT_HEADER_TIMEOUT: 2}
         assert not server.slots.by_peer and server.slots.counted == 0  # no state left behind
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_the_total_cap_holds_strangers_but_not_priority_peers():
@@ -151,7 +153,7 @@ def test_the_total_cap_holds_strangers_but_not_priority_peers():
         await asyncio.gather(*net.tasks)
         assert server.slots.counted == 0
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_a_trickling_body_is_closed_as_too_slow_and_an_oversized_claim_before_any_body():
@@ -179,7 +181,7 @@ def test_a_trickling_body_is_closed_as_too_slow_and_an_oversized_claim_before_an
         counts = server.traffic.counts  # bytes count where they move: only the body read in full
         assert counts.bytes_received == 60 * KiB and counts.served == {OP_DELTA: 1} and counts.bytes_sent > 0
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_body_pace_allows_bursts_and_pauses_on_average():
@@ -206,7 +208,7 @@ def test_read_body_reads_a_body_that_keeps_up_and_stops_at_the_end_of_the_stream
             reader.feed_data(b"ab")
             await streams.read_body(reader, 7, min_rate=100.0, grace=0.1)
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_stream_slots_count_per_peer_and_in_all_and_forget_peers_with_nothing_in_progress():
@@ -246,7 +248,7 @@ def test_outbound_slots_let_two_streams_to_a_peer_run_and_the_rest_wait_their_tu
         await asyncio.gather(*(call(p) for p in "aaaaab"))
         assert most == {"a": 2, "b": 1} and len(slots) == 0  # nothing kept for peers with nothing open
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_requests_the_run_does_not_let_a_peer_make_are_refused_before_their_body():
@@ -267,7 +269,7 @@ def test_requests_the_run_does_not_let_a_peer_make_are_refused_before_their_body
         assert stranger.reason().startswith(REJECT_NOT_ALLOWED) and learner.reason() == "ok"
         assert handlers.deltas == [("learner", 5)]
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_a_body_found_behind_after_our_own_stall_is_judged_on_what_has_arrived_meanwhile():
@@ -288,4 +290,4 @@ def test_a_body_found_behind_after_our_own_stall_is_judged_on_what_has_arrived_m
         with pytest.raises(streams.TooSlow, match="10 of 100 bytes"):
             await read(10, 100)  # due by 0.6 s: too slow even counting what had arrived
 
-    asyncio.run(scenario())
+    run_virtual(scenario())

@@ -9,20 +9,14 @@ import pytest
 from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
-from p2p_diloco.swarm.peer import Peer
-from tests.support.manifests import tiny_manifest, tiny_training
-from tests.support.peers import StubTransport, keys_for
+from tests.support.manifests import tiny_manifest
+from tests.support.peers import StubTransport, make_peer
 
 MANIFEST = tiny_manifest("core")
 
 
-def make_peer() -> Peer:
-    t = tiny_training(MANIFEST)
-    return Peer("me", MANIFEST, t.plan, t.replica, shapes=t.shapes, keys=keys_for("me"), has_learner=False)
-
-
 def test_a_failing_task_ends_with_a_note_and_answers_none():
-    peer = make_peer()
+    peer = make_peer(MANIFEST, learner=False).peer
     done: list = []
 
     def broken():
@@ -40,11 +34,11 @@ def test_a_failing_task_ends_with_a_note_and_answers_none():
 
 def test_an_unknown_event_is_a_type_error():
     with pytest.raises(TypeError, match="not a peer event"):
-        make_peer().handle("tick")  # type: ignore[arg-type]
+        make_peer(MANIFEST, learner=False).peer.handle("tick")  # type: ignore[arg-type]
 
 
 def test_the_threaded_driver_handles_events_on_the_owner_thread_and_dht_calls_on_the_io_thread():
-    peer = make_peer()
+    peer = make_peer(MANIFEST, learner=False).peer
     seen: dict[str, set[str]] = {"observer": set(), "store": set(), "get": set()}
 
     class RecordingStore(InMemoryKeyValueStore):

@@ -8,47 +8,20 @@ import dataclasses
 
 import torch
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.swarm.deltas import InFlight
-from p2p_diloco.swarm.effects import Published, Stopping, StoreRecord
-from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.effects import Stopping, StoreRecord
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
-from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.codec import encode_tensors
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease, encode_lease
-from tests.support.manifests import tiny_manifest, tiny_training
-from tests.support.peers import PeerHarness, StubTransport, keys_for
+from tests.support.manifests import tiny_manifest
+from tests.support.peers import PeerHarness, make_peer
 
 MANIFEST = tiny_manifest("terms")
-
-
-def make_peer(
-    manifest: RunManifest = MANIFEST,
-    *,
-    peer_id: str = "me",
-    kv: InMemoryKeyValueStore | None = None,
-    clock: FakeClock | None = None,
-    may_sync: bool = False,
-    published: list | None = None,
-) -> tuple[PeerHarness, InMemoryKeyValueStore, FakeClock, StubTransport]:
-    t = tiny_training(manifest)
-    learner = Learner(peer_id, manifest, t.plan, t.replica, t.model, t.optimizer, t.sampler)
-    kv, clock, transport = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0), StubTransport()
-    peer = Peer(
-        peer_id, manifest, t.plan, t.replica, shapes=t.shapes, keys=keys_for(peer_id), may_sync=may_sync
-    )
-
-    def observe(intent) -> None:
-        if isinstance(intent, Published) and published is not None:
-            published.append(intent.record)
-
-    harness = PeerHarness(peer, kv=kv, transport=transport, clock=clock, learner=learner, observer=observe)
-    return harness, kv, clock, transport
 
 
 def hold(kv: InMemoryKeyValueStore, holder: str, term: int, expires_at: float) -> None:
@@ -63,7 +36,8 @@ def train_and_send(peer: PeerHarness, clock: FakeClock) -> None:
 
 
 def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one():
-    peer, kv, clock, transport = make_peer()
+    peer = make_peer(MANIFEST)
+    kv, clock, transport = peer.kv, peer.clock, peer.transport
     hold(kv, "leader", 1, expires_at=105.0)
     assert peer.election_tick(clock.now()).action == election.FOLLOW
     train_and_send(peer, clock)
@@ -86,7 +60,7 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
 
 def test_deltas_go_back_only_when_another_synchronizer_or_term_is_followed():
     """Not while no synchronizer is known (lease grace): what is in flight may still be merged."""
-    routing = make_peer()[0].peer.deltas
+    routing = make_peer(MANIFEST).peer.deltas
     routing.in_flight = {0: InFlight(1, ("leader", 1), 100.0), 1: InFlight(2, ("leader", 2), 100.0)}
     routing.follow(None)
     assert set(routing.in_flight) == {0, 1}
@@ -103,8 +77,9 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
         robust=dataclasses.replace(MANIFEST.robust, enabled=False),
     )
     published: list = []
-    me, kv, clock, _ = make_peer(manifest, may_sync=True, published=published)
-    other, _, _, _ = make_peer(manifest, kv=kv, clock=clock, peer_id="other")  # live, never reports
+    me = make_peer(manifest, may_sync=True, published=published)
+    kv, clock = me.kv, me.clock
+    other = make_peer(manifest, kv=kv, clock=clock, peer_id="other")  # live, never reports
     for _ in range(10):  # claim term 1 (after the claim grace)
         me.heartbeat(clock.now())
         other.heartbeat(clock.now())
@@ -157,7 +132,8 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
 
 
 def test_waiting_to_claim_never_raises_the_term_seen():
-    peer, kv, clock, _ = make_peer()  # may not synchronize: waits with "no candidates" forever
+    peer = make_peer(MANIFEST)  # may not synchronize: waits with "no candidates" forever
+    kv, clock = peer.kv, peer.clock
     for _ in range(5):
         peer.heartbeat(clock.now())
         assert peer.election_tick(clock.now()).action == election.WAIT
@@ -170,7 +146,8 @@ def test_waiting_to_claim_never_raises_the_term_seen():
 def test_a_synchronizer_refuses_a_delta_repeating_work_an_applied_update_merged():
     """A learner's delta s went back at a term change and its work was resent in s' (since_seq = s); an
     update of the old holder that merged s after all reached this holder first. s' would count s twice."""
-    me, _, clock, _ = make_peer(may_sync=True)
+    me = make_peer(MANIFEST, may_sync=True)
+    clock = me.clock
     me.peer.role.take(1)
     me.peer.book.merged_seqs[("other", 0)] = 5  # what applying that update recorded
     names = me.peer.plan.names(0)
@@ -195,7 +172,8 @@ def test_a_synchronizer_refuses_a_delta_repeating_work_an_applied_update_merged(
 
 def test_a_holder_that_stops_merges_its_open_rounds_before_releasing():
     manifest = dataclasses.replace(MANIFEST, robust=dataclasses.replace(MANIFEST.robust, enabled=False))
-    me, _, clock, _ = make_peer(manifest, may_sync=True)
+    me = make_peer(manifest, may_sync=True)
+    clock = me.clock
     me.peer.membership.my_lease = LeaseRecord("me", 1, expires_at=clock.now() + manifest.timing.lease_ttl)
     me.peer.role.take(1)
     me.peer.membership.follow("me", 1)
@@ -214,7 +192,8 @@ def test_a_holder_that_stops_merges_its_open_rounds_before_releasing():
 def test_a_live_lease_missing_from_one_partial_dht_read_is_still_followed():
     """A DHT read can come back without the holder's record (a slow or frozen node): the follower keeps
     following the lease it saw until that lease's own expiry instead of claiming the next term."""
-    peer, kv, clock, _ = make_peer(may_sync=True)
+    peer = make_peer(MANIFEST, may_sync=True)
+    kv, clock = peer.kv, peer.clock
     peer.heartbeat(clock.now())
     hold(kv, "leader", 3, expires_at=clock.now() + 6.0)
     assert peer.election_tick(clock.now()).action == election.FOLLOW

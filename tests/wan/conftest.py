@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco.wan import PeerSpec, WanEmulator, cleanup_stale, environment_problem
+from tests.support.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WAN_DIR = Path(__file__).resolve().parent
@@ -61,18 +62,6 @@ def _remove_stale_runs() -> None:
     """Runs left behind by a killed earlier session (owner process gone) are removed first."""
     if wan_problem() is None:
         cleanup_stale()
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
-    """Poll `predicate` until truthy (returned) or `timeout` s pass (`TimeoutError` naming `what`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass

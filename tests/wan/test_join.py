@@ -23,6 +23,7 @@ import pytest
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.state import read_events
 from p2p_diloco.wan import LinkSpec, PeerSpec, nat_problem
+from tests.support.manifests import tiny_swarm_toml
 
 pytestmark = [
     pytest.mark.wan,
@@ -37,26 +38,16 @@ TRAIN_TIMEOUT = 180.0
 STOP_TIMEOUT = 40.0
 MIN_VERSION = 3
 
-TINY_MANIFEST = """
-run_id = "wan-join"
-[diloco]
-inner_steps = 8
-fragments = 2
-max_in_flight = 2
-min_quorum = 1
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-[timing]
-heartbeat_period = 1.0
-heartbeat_ttl = 5.0
-lease_ttl = 6.0
-claim_grace = 2.0
-term_rounds = 1000
-rejoin_grace = 30.0
-"""
+TINY_MANIFEST = tiny_swarm_toml(
+    "wan-join",
+    timing={
+        "heartbeat_period": 1.0,
+        "heartbeat_ttl": 5.0,
+        "lease_ttl": 6.0,
+        "claim_grace": 2.0,
+        "lease_margin": None,
+    },
+)
 
 
 def _status(wan, manifest: Path, bootstrap: str) -> dict:
