@@ -2,7 +2,7 @@
 
 Fixtures (all cleaned up at teardown, also when the test failed):
 * `wait_for(predicate, timeout, what)`: poll a condition until a deadline; the failure names `what`.
-* `spawn(cmd) -> ProcessHandle`: a process in its own process group with its stdout lines collected;
+* `spawn(cmd, env=None, cwd=REPO_ROOT) -> ProcessHandle`: a process in its own process group with its stdout lines collected;
   teardown kills the whole group (its DHT child and p2pd too); failed waits show its stderr tail.
 * `cli(*args)`: the command line for `python -m p2p_diloco ARGS`.
 * `start_bootstrap(name=...) -> BootstrapNode`: `p2p-diloco bootstrap` on 127.0.0.1 port 0, returned
@@ -127,7 +127,7 @@ def cli() -> Callable[..., list[str]]:
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., ProcessHandle]]:
-    """Factory: `spawn(cmd, env=None) -> ProcessHandle`; every group is killed at teardown."""
+    """Factory: `spawn(cmd, env=None, cwd=REPO_ROOT) -> ProcessHandle`; every group is killed at teardown."""
     with _Spawner(tmp_path) as spawner:
         yield spawner
 
@@ -137,7 +137,9 @@ class _Spawner:
         self.log_dir = log_dir
         self.handles: list[ProcessHandle] = []
 
-    def __call__(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> ProcessHandle:
+    def __call__(
+        self, cmd: Sequence[str], env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+    ) -> ProcessHandle:
         stderr_path = self.log_dir / f"proc-{len(self.handles)}.stderr"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(stderr_path, "w") as stderr:
@@ -146,7 +148,7 @@ class _Spawner:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
-                cwd=REPO_ROOT,
+                cwd=cwd,
                 env=full_env,
                 start_new_session=True,  # own process group: teardown kills p2pd and DHT children too
             )

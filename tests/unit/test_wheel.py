@@ -1,17 +1,15 @@
-"""The wheel carries the shipped manifests and the example tokenizer (so `p2p-diloco demo` works from it)."""
+"""The wheel carries the shipped manifests and the example tokenizer (so `p2p-diloco demo` works from it);
+tests/integration/test_wheel_install.py installs it into a clean venv and runs it."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SKIP = (".venv", ".git", "build", "*.egg-info", "__pycache__", "*-out", "data", ".*_cache", ".hypothesis")
+from tests.support.wheel import REPO_ROOT, build_wheel
+
 PACKAGED = (
     "p2p_diloco/peers/demo.toml",
     "p2p_diloco/peers/llama-tiny.toml",
@@ -24,30 +22,8 @@ PACKAGED = (
 
 @pytest.mark.slow
 def test_wheel_contains_the_manifests_and_the_tokenizer(tmp_path: Path):
-    # build from a copy: an in-tree build leaves build/ behind, whose stale files later wheels would carry
-    source = tmp_path / "src"
-    shutil.copytree(REPO_ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*SKIP))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    wheels = list(tmp_path.glob("p2p_diloco-*.whl"))
-    assert len(wheels) == 1, wheels
-    names = set(zipfile.ZipFile(wheels[0]).namelist())
+    wheel = build_wheel(tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
     missing = [name for name in PACKAGED if name not in names]
     assert not missing, f"not in the wheel: {missing}"
 
