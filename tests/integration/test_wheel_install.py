@@ -1,7 +1,8 @@
 """Done-means of issue #32: the wheel built from the repository, installed into a clean venv (no system
 site-packages, dependencies from the package index at constraints.txt's versions), runs
-`p2p-diloco --version`, `doctor` and `join demo` from a directory outside the repository: the join trains
-alone against a bootstrap node the wheel starts, until its own merged updates move the global model.
+`p2p-diloco --version`, `join demo` and `doctor` from a directory outside the repository: the join trains
+alone against a bootstrap node the wheel starts, until its own merged updates move the global model; then
+doctor checks the manifest, the bootstrap node and this clock against the training peer's heartbeats.
 """
 
 from __future__ import annotations
@@ -75,19 +76,23 @@ def test_wheel_in_a_clean_venv_runs_version_doctor_and_join_demo(venv_bin, tmp_p
     bootstrap = start("bootstrap", "--identity", "bootstrap.key", "--listen", "/ip4/127.0.0.1/tcp/0")
     address = bootstrap.wait_for_lines("bootstrap address: ", START_TIMEOUT)[0].split(": ", 1)[1]
 
-    doctor = run("doctor", "demo", "--initial-peers", address, "--state-dir", "state")
-    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    assert re.search(r"^ok +manifest +\S+/p2p_diloco/peers/demo.toml: run demo ", doctor.stdout, re.M), (
-        doctor.stdout
-    )
-    assert re.search(rf"^ok +initial peer +{re.escape(address)}: accepts", doctor.stdout, re.M), doctor.stdout
-
     pacing = ("--max-steps", "200", "--min-step-time", "0.1", "--display", "plain", "--progress-every", "1")
     join = start(
         "join", "demo", "--initial-peers", address, "--identity", "me.key", "--state-dir", "state", *pacing
     )
     join.wait_for_lines("joined run demo ", START_TIMEOUT)
     wait_until(lambda: merged(join.lines), 90, "a merged update of every fragment (versions > 0)")
+    doctor = run("doctor", "demo", "--initial-peers", address, "--state-dir", "state")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert re.search(r"^ok +manifest +\S+/p2p_diloco/peers/demo.toml: run demo ", doctor.stdout, re.M), (
+        doctor.stdout
+    )
+    assert re.search(
+        r"^(ok|warn) +clock +\d+\.\d\d s (ahead of|behind) the peers' .*median of 1 peer\)",
+        doctor.stdout,
+        re.M,
+    ), doctor.stdout
+    assert re.search(rf"^ok +initial peer +{re.escape(address)}: accepts", doctor.stdout, re.M), doctor.stdout
     join.signal(signal.SIGTERM)
     assert join.wait(timeout=60) == 0, join.stderr_tail()
     assert any(line.startswith("stopped: versions ") for line in join.lines), join.lines[-5:]

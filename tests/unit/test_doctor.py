@@ -38,6 +38,12 @@ def test_doctor_on_the_packaged_demo_reports_each_check(tmp_path, capsys):
         assert checks[name]["status"] in ("ok", "warn"), checks[name]
     assert "run demo" in checks["manifest"]["detail"] and "parameters" in checks["model"]["detail"]
     assert checks["initial peers"]["status"] == "warn" and "--initial-peers" in checks["initial peers"]["fix"]
+    assert checks["clock"] == {
+        "name": "clock",
+        "status": "warn",
+        "detail": "not compared: no initial peer answers",
+        "fix": "pass --initial-peers of a live bootstrap node or peer",
+    }
     assert checks["reachability"]["status"] in ("ok", "warn")
 
 
