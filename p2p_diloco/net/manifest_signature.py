@@ -351,7 +351,10 @@ def untrusted_warning(manifest_path: Path, manifest: RunManifest) -> str:
     )
     return (
         f"warning: {manifest_path} has no [trust] authority, so it is unsigned and {who}; fine for a private "
-        "experiment, not for a run open to strangers (docs/security.md)"
+        "experiment, not for a run open to strangers: for one, its organizer adds [trust] authority = the peer "
+        "ID of `p2p-diloco keygen --out org.key` (and synchronizers = the peer IDs that may synchronize) and "
+        f"signs it with `p2p-diloco manifest sign {manifest_path} --identity org.key` "
+        "(`p2p-diloco manifest sign --help`)"
     )
 
 

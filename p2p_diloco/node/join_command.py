@@ -92,7 +92,7 @@ def add_join_command(sub: argparse._SubParsersAction) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="run this learner as an island of N local ranks (execs torchrun --standalone; docs/island.md)",
+        help="run this learner as an island of N local ranks that train as one peer (execs torchrun --standalone)",
     )
     p.add_argument(
         "--evaluate",
@@ -118,7 +118,7 @@ def add_join_command(sub: argparse._SubParsersAction) -> None:
         "--hot-spare",
         action="store_true",
         help="keep a prepared spare process beside this peer that takes over within seconds if the peer "
-        "dies (a supervisor runs both; README: Hot spare)",
+        "dies (a supervisor runs both)",
     )
     p.add_argument(
         "--standby",

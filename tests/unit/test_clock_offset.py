@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.doctor import Status, check_clock
+from p2p_diloco.doctor.checks import Status
+from p2p_diloco.doctor.clock import check_clock
 from p2p_diloco.node.clock_offset import ClockOffset, HeartbeatRead, estimate_offset, read_heartbeats
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.wire.interfaces import StoredValue

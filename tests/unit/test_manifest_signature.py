@@ -194,7 +194,10 @@ def test_cli_manifest_verify_of_a_manifest_without_an_authority_warns_and_fails(
     manifest = tmp_path / "private.toml"
     manifest.write_text('run_id = "private"\n')
     assert main(["manifest", "verify", str(manifest)]) == 1
-    assert "has no [trust] authority" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has no [trust] authority" in err
+    # the fix names commands a volunteer with only the wheel has, not the repository's docs/security.md
+    assert f"`p2p-diloco manifest sign {manifest} --identity org.key`" in err and "docs/" not in err
 
 
 def test_cli_manifest_sign_with_a_wrong_key_fails_cleanly(tmp_path, org, capsys):

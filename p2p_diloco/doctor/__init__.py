@@ -5,8 +5,8 @@ What a volunteer runs before joining and what an organizer asks for in a bug rep
 (numpy below 2.4, see FINDINGS), torch's devices (CUDA, bitsandbytes), the run manifest (loads, signature,
 model size), host and GPU memory against what that model needs (per-parameter costs of docs/model_size.md:
 16 B/param of training state, up to 19.1 B/param beyond it, 0.51 GiB of runtime), reachability of the
-initial peers, this clock against the peers' (timed from their heartbeats, `node.clock_offset`: leases
-expire on their writers' clocks and tolerate `timing.lease_margin` of disagreement), whether this machine
+initial peers, this clock against the peers' (timed from their heartbeats: leases
+expire on their writers' clocks and tolerate `timing.lease_margin` of disagreement; `doctor.clock`), whether this machine
 has a public address or should join with ``--behind-nat`` (a heuristic from its interface addresses), and
 the state directory. Exit status 1 when a check fails.
 """
@@ -22,15 +22,13 @@ import platform
 import shutil
 import socket
 import sys
-import time
-from dataclasses import asdict, dataclass
-from enum import StrEnum
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.doctor.checks import Check, Status
+from p2p_diloco.doctor.clock import measure_clock
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.node.clock_offset import ClockOffset, estimate_offset, read_heartbeats
-from p2p_diloco.protocol.timing import SwarmTiming
 
 GIB = 1024**3
 RUNTIME_BYTES = int(0.51 * GIB)  # python, torch, the DHT child and p2pd (docs/model_size.md, bench_scale)
@@ -39,20 +37,11 @@ TRAIN_BYTES_PER_PARAM_8BIT = 10.0  # bitsandbytes 8-bit AdamW state on CUDA
 # replica, momentum, residuals, reference, update log (peak, docs/model_size.md)
 BEYOND_BYTES_PER_PARAM = 19.1
 DISK_BYTES_PER_PARAM = 8.0  # the replica on disk: Θ and outer momentum, fp32
-
-
-class Status(StrEnum):
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
+# fixes that name what a volunteer has (commands and URLs, not the repository's files)
+REINSTALL = "install p2p_diloco again with its dependencies: pip install p2p_diloco (or the wheel you got)"
+CUDA_TORCH = (
+    "pip install torch --index-url https://download.pytorch.org/whl/cu124, the CUDA version of your driver"
+)
 
 
 def _version(dist: str) -> str | None:
@@ -75,7 +64,7 @@ def check_versions() -> list[Check]:
             "packages",
             Status.FAIL if missing else Status.OK,
             detail + (f"; missing: {', '.join(missing)}" if missing else ""),
-            "pip install the package again (docs/install.md)" if missing else "",
+            REINSTALL if missing else "",
         )
     )
     numpy = found.get("numpy") or "0"
@@ -117,7 +106,7 @@ def check_devices(device: str | None) -> tuple[list[Check], int | None]:
                 Status.FAIL if wanted else Status.OK,
                 f"no CUDA device (torch {torch.__version__}, built {'with CUDA ' + built if built else 'for CPU'})"
                 + ("" if wanted else ": training runs on the CPU"),
-                "install a CUDA build of torch (docs/install.md) or join with --device cpu" if wanted else "",
+                f"install a CUDA build of torch ({CUDA_TORCH}) or join with --device cpu" if wanted else "",
             )
         ]
         gpu_free = None
@@ -236,67 +225,6 @@ def check_peers(addresses: list[str], timeout: float) -> list[Check]:
             )
         )
     return out
-
-
-def unclocked(why: str, fix: str) -> Check:
-    return Check("clock", Status.WARN, f"not compared: {why}", fix)
-
-
-def check_clock(estimate: ClockOffset | None, timing: SwarmTiming, window: float) -> Check:
-    """Verdict on this clock's offset: fail when it surely exceeds `lease_margin` (a claimant and a holder
-    may then both act on one lease), warn above half of it, ok below."""
-    margin = timing.lease_margin
-    if estimate is None:
-        why = f"no peer's heartbeat read in {window:.0f} s (no peer trains yet, or this clock is more than "
-        why += f"timing.heartbeat_ttl = {timing.heartbeat_ttl:g} s ahead of theirs)"
-        return unclocked(
-            why, "run doctor again while peers train; meanwhile compare `date -u` with a time server"
-        )
-    size = abs(estimate.offset)
-    side = "ahead of" if estimate.offset > 0 else "behind"
-    plural = "s" if estimate.peers != 1 else ""
-    detail = f"{size:.2f} s {side} the peers' (± {estimate.uncertainty:.2f} s, median of {estimate.peers} peer{plural})"
-    if estimate.spread > margin:
-        detail += f"; the peers disagree among themselves by {estimate.spread:.2f} s"
-    fix = f"synchronize this clock with NTP (`timedatectl set-ntp true`, or chrony); leases tolerate {margin:g} s"
-    if size - estimate.uncertainty > margin:
-        return Check("clock", Status.FAIL, f"{detail}: beyond timing.lease_margin {margin:g} s", fix)
-    if size > margin / 2:
-        return Check("clock", Status.WARN, f"{detail}: near timing.lease_margin {margin:g} s", fix)
-    return Check("clock", Status.OK, detail)
-
-
-def measure_clock(manifest: Any, peers: list[str], answered: bool, timeout: float) -> Check:
-    """Join the DHT as a client through `peers` and time the run's heartbeats for a few periods."""
-    from hivemind.utils.timed_storage import get_dht_time
-
-    from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
-    from p2p_diloco.wire.keys import heartbeat_key
-
-    if manifest is None:
-        return unclocked(
-            "the run's heartbeats need its manifest", "p2p-diloco doctor RUN.toml --initial-peers ..."
-        )
-    if not answered:
-        return unclocked("no initial peer answers", "pass --initial-peers of a live bootstrap node or peer")
-    timing = manifest.timing
-    window = max(3 * timing.heartbeat_period, 2.0)
-    try:
-        dht_peer = create_dht(initial_peers=peers, client_mode=True)
-    except (ConnectionError, ConfigError) as exc:
-        return unclocked(f"cannot join the DHT: {exc}", "check the initial peers")
-    try:
-        kv = DhtKeyValueStore(dht_peer, timeout=timeout)
-        key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
-        interval = min(0.25, timing.heartbeat_period / 4)
-        reads = read_heartbeats(
-            kv, key, clock=get_dht_time, sleep=time.sleep, window=window, interval=interval
-        )
-    except TimeoutError as exc:
-        return unclocked(str(exc), "check the initial peers")
-    finally:
-        dht_peer.shutdown()
-    return check_clock(estimate_offset(reads, timing.heartbeat_ttl, timing.heartbeat_period), timing, window)
 
 
 def local_addresses() -> list[str]:
