@@ -160,7 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("inputs", nargs="*", help="input files (.txt/.md whole, .jsonl 'text' field, .parquet)")
     a.add_argument("--builtin", action="store_true", help="also Python's bundled pydoc text (no download)")
-    a.add_argument("--tokenizer", default="bytes", help="tokenizers JSON file, or 'bytes' (default)")
+    a.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="tokenizers JSON file, a folder or Hub name holding one, or 'bytes'",
+    )
+    a.add_argument(
+        "--dataset", help="a datasets dataset: save_to_disk folder, data file or folder, cached ORG/NAME"
+    )
+    a.add_argument("--split", default="train", help="--dataset's split (default train)")
+    a.add_argument("--subset", default=None, help="--dataset's configuration/subset name, if it has several")
+    a.add_argument("--text-field", default="text", help="--dataset's column holding the text (default text)")
     a.add_argument("--out", required=True, help="new folder for index.json and the shards")
     a.add_argument("--eval-fraction", type=float, default=0.05, help="share of the stream held out for eval")
     a.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per train shard at most")

@@ -40,9 +40,7 @@ def stay_offline() -> None:
 
 def offline_reason() -> str:
     """Why downloads are off, as a message says it."""
-    if os.environ.get("HF_HUB_OFFLINE", "").strip():
-        return f"HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}"
-    return "p2p-diloco does not download unless HF_HUB_OFFLINE=0 is set"
+    return "p2p-diloco downloads only when HF_HUB_OFFLINE=0 is set"
 
 
 def hub_cache() -> str:

@@ -1,8 +1,9 @@
 """`p2p-diloco data prepare` and `data tokenizer`: local text in, token shards (model/shards.py) out.
 
 Owns reading the inputs (``.txt``/``.md`` files whole, ``.jsonl`` lines' `text` field, ``.parquet``
-files' `text` column, or Python's bundled pydoc text with `--builtin`), the tokenizers (a Hugging Face
-`tokenizers` JSON file, or `bytes`: ids 0..255 of the UTF-8 bytes), the streaming writer and the
+files' `text` column, Python's bundled pydoc text with `--builtin`, or a `datasets` dataset with
+`--dataset`: model/dataset_input.py), the tokenizers (a Hugging Face `tokenizers` JSON file, a folder or
+Hub name holding one, found offline by model/hub.py, or `bytes`: ids 0..255 of the UTF-8 bytes), the streaming writer and the
 offline training of a byte-level BPE tokenizer. Documents are separated by the tokenizer's end-of-text
 token when it has one (``<|endoftext|>``, ``</s>``, ``<eos>``), else by a blank line.
 
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.dataset_input import DatasetSpec, dataset_texts
+from p2p_diloco.model.hub import is_repo_id, local_folder
 from p2p_diloco.model.shards import (
     FORMAT,
     INDEX_FILE,
@@ -38,12 +41,16 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 BUILTIN = "builtin:pydoc_data.topics"
 
 
-def iter_documents(inputs: Sequence[str], *, builtin: bool = False) -> Iterator[str]:
+def iter_documents(
+    inputs: Sequence[str], *, builtin: bool = False, dataset: DatasetSpec | None = None
+) -> Iterator[str]:
     """The text documents of `inputs` in order (module docstring); `ConfigError` naming a bad file."""
     if builtin:
         from p2p_diloco.model.data import _builtin_text
 
         yield _builtin_text()
+    if dataset is not None:
+        yield from dataset_texts(dataset)
     for name in inputs:
         path = Path(name)
         if not path.is_file():
@@ -75,6 +82,27 @@ def iter_documents(inputs: Sequence[str], *, builtin: bool = False) -> Iterator[
             yield path.read_bytes().decode("utf-8", errors="replace")
 
 
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizers JSON file `spec` names: the file, ``tokenizer.json`` in a folder, or that of a Hub
+    model ``ORG/NAME`` in the local cache (model/hub.py: never downloaded unless HF_HUB_OFFLINE=0)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if not path.exists() and (path.suffix == ".json" or not is_repo_id(spec)):
+        raise ConfigError(
+            f"--tokenizer {path} does not exist: give a tokenizer.json file, a folder or Hub name ORG/NAME "
+            "holding one, or 'bytes'"
+        )
+    fetch = f"HF_HUB_OFFLINE=0 p2p-diloco data prepare --tokenizer {spec} ..."
+    folder = local_folder(spec, path, what="--tokenizer", fetch_hint=fetch)
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise ConfigError(
+            f"--tokenizer {spec}: {folder} has no {TOKENIZER_FILE} (a fast tokenizer's file); write one with "
+            "transformers' AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
+        )
+    return folder / TOKENIZER_FILE
+
+
 class TextTokenizer:
     """`bytes` or a `tokenizers` JSON file: `encode(text) -> ids`, the document separator, index entry."""
 
@@ -87,9 +115,7 @@ class TextTokenizer:
             self.eos_id: int | None = None
             self.digest = "bytes"
             return
-        path = Path(spec)
-        if not path.is_file():
-            raise ConfigError(f"--tokenizer {path} does not exist: give a tokenizer.json file or 'bytes'")
+        path = tokenizer_file(spec)
         from tokenizers import Tokenizer
 
         try:
@@ -102,6 +128,7 @@ class TextTokenizer:
         )
         self.separator = [self.eos_id] if self.eos_id is not None else self.encode("\n\n")
         self.digest = file_digest(path)
+        self.path = path
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -189,13 +216,14 @@ def prepare(
     *,
     tokenizer: str = "bytes",
     builtin: bool = False,
+    dataset: DatasetSpec | None = None,
     eval_fraction: float = 0.05,
     shard_tokens: int = 50_000_000,
 ) -> dict[str, Any]:
-    """Tokenize `inputs` into `out` (a new or empty folder); returns the index, whose digest the
-    manifest must name (`shards.index_digest`)."""
-    if not inputs and not builtin:
-        raise ConfigError("give input files (.txt, .jsonl, .parquet) or --builtin")
+    """Tokenize `inputs` (and `dataset`) into `out` (a new or empty folder); returns the index, whose
+    digest the manifest must name (`shards.index_digest`)."""
+    if not inputs and not builtin and dataset is None:
+        raise ConfigError("give input files (.txt, .jsonl, .parquet), --dataset NAME or --builtin")
     if not 0.0 < eval_fraction < 0.5:
         raise ConfigError(f"--eval-fraction must be in (0, 0.5), got {eval_fraction}")
     if shard_tokens < EVAL_CHUNK_TOKENS:
@@ -209,7 +237,7 @@ def prepare(
     writer = _ShardWriter(out, dtype, max(2, round(1.0 / eval_fraction)), shard_tokens)
     try:
         first = True
-        for batch in _batches(iter_documents(inputs, builtin=builtin), ENCODE_BATCH):
+        for batch in _batches(iter_documents(inputs, builtin=builtin, dataset=dataset), ENCODE_BATCH):
             for ids in tok.encode_batch(batch):
                 if not first:
                     writer.add(tok.separator)
@@ -226,14 +254,16 @@ def prepare(
     for entry in writer.train:
         entry["digest"] = file_digest(out / entry["file"])
     if tok.tokenizer is not None:
-        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+        shutil.copyfile(tok.path, out / TOKENIZER_FILE)
     index = {
         "format": FORMAT,
         "dtype": np.dtype(dtype).name,
         "tokenizer": tok.entry(),
         "train": writer.train,
         "eval": {"file": "eval.bin", "tokens": writer.eval_tokens, "digest": file_digest(out / "eval.bin")},
-        "sources": ([BUILTIN] if builtin else []) + [os.path.basename(p) for p in inputs],
+        "sources": ([BUILTIN] if builtin else [])
+        + ([dataset.source()] if dataset else [])
+        + [os.path.basename(p) for p in inputs],
     }
     (out / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return index
@@ -271,11 +301,15 @@ def cli_data(args: argparse.Namespace) -> int:
         path = train_tokenizer(args.inputs, args.out, vocab_size=args.vocab_size, builtin=args.builtin)
         print(f"wrote {path} (byte-level BPE, {args.vocab_size} tokens, digest {file_digest(path)})")
         return 0
+    dataset = None
+    if getattr(args, "dataset", None):
+        dataset = DatasetSpec(args.dataset, split=args.split, subset=args.subset, text_field=args.text_field)
     index = prepare(
         args.inputs,
         args.out,
         tokenizer=args.tokenizer,
         builtin=args.builtin,
+        dataset=dataset,
         eval_fraction=args.eval_fraction,
         shard_tokens=args.shard_tokens,
     )

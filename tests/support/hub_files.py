@@ -44,17 +44,19 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 def cache_dataset(hf_home: Path, repo_id: str, texts: list[str], scratch: Path) -> None:
     """Put a dataset of one `text` column into `hf_home`'s datasets cache as `datasets` leaves a Hub dataset
     it has loaded once (``ORG___NAME/CONFIG/VERSION/HASH``, arrow files named after the dataset)."""
-    import datasets
-
     org, name = repo_id.split("/")
+    scratch.mkdir(parents=True, exist_ok=True)
     source = write_jsonl(scratch / f"{name}.jsonl", texts)
-    builder = datasets.load_dataset_builder(
-        "json", data_files=str(source), cache_dir=str(scratch / "built"), dataset_name=name
-    )
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.json.json import Json
+
+    files = DataFilesDict.from_patterns({"train": [str(source)]})
+    builder = Json(cache_dir=str(scratch / "built"), dataset_name=name, data_files=files, hash=COMMIT[:16])
     builder.download_and_prepare()
     target = hf_home / "datasets" / f"{org}___{name}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(scratch / "built" / name, target)
+    (config,) = [p for p in (scratch / "built" / name).iterdir() if p.is_dir()]  # "default-<data files hash>"
+    shutil.copytree(config, target / "default")  # what a Hub dataset's default configuration is called
 
 
 def cli_env(hf_home: Path, **extra: str) -> dict[str, str]:

@@ -94,11 +94,11 @@ def test_a_hub_name_not_in_the_cache_names_the_fix_and_exits_2(tmp_path, capsys,
     assert main(["model-digest", str(path)]) == 2
     err = capsys.readouterr().err
     assert "model.pretrained 'p2p-diloco-tests/not-cached' is not in the local Hugging Face cache" in err
-    assert "p2p-diloco does not download unless HF_HUB_OFFLINE=0 is set" in err
+    assert "downloads are off (p2p-diloco downloads only when HF_HUB_OFFLINE=0 is set)" in err
     assert "HF_HUB_OFFLINE=0 p2p-diloco model-digest RUN.toml" in err and "hf download" in err
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["model-digest", str(path)]) == 2
-    assert "downloads are off (HF_HUB_OFFLINE=1)" in capsys.readouterr().err
+    assert "is not in the local Hugging Face cache" in capsys.readouterr().err
     missing = write_manifest(tmp_path, 'pretrained = "./no/such/folder"\n')
     assert main(["model-digest", str(missing)]) == 2
     assert "not a Hub name (ORG/NAME); fix the path" in capsys.readouterr().err
