@@ -1,5 +1,6 @@
 """The `p2p-diloco` subcommands that run against a swarm: `join` (its flags are `node.join_command`'s),
-`status`, `dashboard`, `export` and `baseline-worker` (argument parsing only; `cli.build_parser` adds them).
+`status`, `dashboard`, `export` and `baseline-worker` (its flags are `baseline.flags`'s); argument parsing
+only, `cli.build_parser` adds them.
 
 A run manifest argument is optional to argparse (``nargs="?"``) so that `preflight` can say what happened
 when ``--initial-peers`` swallowed it; `--identity` likewise, so its absence gets the `keygen` hint.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from p2p_diloco.baseline.flags import add_baseline_command
 from p2p_diloco.node.join_command import MANIFEST_HELP, add_join_command
 
 
@@ -54,62 +56,4 @@ def add_peer_commands(sub: argparse._SubParsersAction, lazy: Callable[[str], Cal
         help="hf: a folder transformers' from_pretrained loads (model and tokenizer; [model] kind = 'hf')",
     )
     p.set_defaults(func=lazy("p2p_diloco.node.export:cli_export"))
-
-    p = sub.add_parser(
-        "baseline-worker",
-        help="one baseline peer: elastic data parallel on hivemind.Optimizer (--mode dp, the lock-step "
-        "baseline) or synchronous DiLoCo on hivemind (--mode diloco)",
-    )
-    p.add_argument("manifest", nargs="?", metavar="MANIFEST", help=MANIFEST_HELP)
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
-    p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
-    p.add_argument("--state-dir", required=True, help="directory for the checkpoint and the event log")
-    p.add_argument(
-        "--listen", action="append", default=None, metavar="MULTIADDR", help="default /ip4/127.0.0.1/tcp/0"
-    )
-    p.add_argument(
-        "--learners",
-        type=int,
-        default=4,
-        help="peers expected (dp: the default target batch; diloco: the all-reduce group size)",
-    )
-    p.add_argument(
-        "--target-batch-size",
-        type=int,
-        default=None,
-        help="samples per global step across the swarm (default: learners x the manifest's batch_size)",
-    )
-    p.add_argument("--matchmaking-time", type=float, default=1.0, help="seconds to gather a group")
-    p.add_argument("--averaging-timeout", type=float, default=10.0, help="seconds before a round is given up")
-    p.add_argument(
-        "--average-state-every", type=int, default=1, help="global steps between parameter averaging"
-    )
-    p.add_argument(
-        "--peer-expiration",
-        type=float,
-        default=10.0,
-        help="seconds a silent peer still counts as a member (hivemind's default is 60)",
-    )
-    p.add_argument("--compression", choices=["fp16", "fp32"], default="fp32")
-    p.add_argument("--max-steps", type=int, default=None, help="leave the swarm after N local steps")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument(
-        "--min-step-time", type=float, default=0.0, help="pace steps to at least this many seconds"
-    )
-    p.add_argument("--progress-every", type=float, default=1.0, help="seconds between progress events")
-    p.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds between checkpoints")
-    p.add_argument("--verbose", action="store_true", help="hivemind logs every round to stderr")
-    p.add_argument(
-        "--mode",
-        choices=["dp", "diloco"],
-        default="dp",
-        help="dp: elastic data parallel on hivemind.Optimizer; diloco: synchronous DiLoCo (H local AdamW "
-        "steps, then an all-reduce of outer gradients and the manifest's outer Nesterov step)",
-    )
-    p.add_argument(
-        "--wait-for-peers",
-        type=float,
-        default=30.0,
-        help="--mode diloco: seconds a round waits for slower peers before going on without them",
-    )
-    p.set_defaults(func=lazy("p2p_diloco.baseline.command:cli_baseline_worker"))
+    add_baseline_command(sub, lazy)

@@ -7,17 +7,22 @@ that says what is wrong and how to fix it, within a second instead of a daemon's
 * a TCP/UDP port to listen on that another process holds (a second ``bootstrap`` on the same port would
   otherwise start: p2pd sets SO_REUSEPORT), ``dashboard --port`` and ``--metrics-port`` in use;
 * ``--initial-peers`` none of which accepts a TCP connection (`check_reachable`).
+
+`given_fields(cls, args)` takes the flags whose name is an options dataclass's field as they are, so a
+command translates by hand only the ones it parses or derives.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import errno
 import re
 import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import tcp_endpoints
@@ -199,3 +204,10 @@ def explain_start_failure(exc: BaseException, identity: str | Path | None) -> st
             f"even though the port answers; and check that the node runs. [{text}]"
         )
     return text
+
+
+def given_fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of the dataclass `cls` that `args` carries under the same name (a flag ``--max-steps``
+    fills ``max_steps``), as parsed: the one translation of those flags."""
+    values = vars(args)
+    return {field.name: values[field.name] for field in dataclasses.fields(cls) if field.name in values}

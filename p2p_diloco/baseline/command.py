@@ -1,4 +1,4 @@
-"""`p2p-diloco baseline-worker`: checks of its arguments (parsed in `p2p_diloco.cli`) and the handler.
+"""`p2p-diloco baseline-worker`: checks of its arguments (declared in `baseline.flags`) and the handler.
 
 ``--mode dp`` (default) runs the elastic data-parallel peer (`worker.BaselineWorker`), ``--mode diloco``
 a synchronous DiLoCo peer (`diloco.DilocoWorker`: H, outer lr and momentum from the manifest).
@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from p2p_diloco.baseline.elastic import ElasticSettings, hivemind_run_id
+from p2p_diloco.baseline.flags import MODES
 from p2p_diloco.baseline.rounds import DilocoSettings
 from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker
 from p2p_diloco.config import RunManifest
@@ -23,9 +24,9 @@ from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.lifeline import install_stop_handlers, restore_handlers
+from p2p_diloco.preflight import given_fields
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
-MODES = ("dp", "diloco")
 
 
 def options_from_args(args: argparse.Namespace) -> BaselineOptions:
@@ -53,10 +54,10 @@ def options_from_args(args: argparse.Namespace) -> BaselineOptions:
         raise ConfigError(f"--max-steps must be >= 0, got {args.max_steps}")
     if args.min_step_time < 0:
         raise ConfigError("--min-step-time must be >= 0 seconds")
-    mode = getattr(args, "mode", "dp")
+    mode = args.mode
     if mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
-    wait_for_peers = getattr(args, "wait_for_peers", 30.0)
+    wait_for_peers = args.wait_for_peers
     if wait_for_peers < 0:
         raise ConfigError(f"--wait-for-peers must be >= 0 seconds, got {wait_for_peers}")
     batch = manifest.diloco.batch_size
@@ -69,32 +70,23 @@ def options_from_args(args: argparse.Namespace) -> BaselineOptions:
             group_size=args.learners,
             wait_limit=wait_for_peers,
         )
-    elastic = ElasticSettings(
-        run_id=hivemind_run_id(manifest, "baseline" if mode == "dp" else mode),
-        target_batch_size=args.target_batch_size or args.learners * batch,
-        batch_size_per_step=batch,
-        matchmaking_time=args.matchmaking_time,
-        averaging_timeout=args.averaging_timeout,
-        load_state_timeout=max(30.0, 3 * args.averaging_timeout),
-        average_state_every=args.average_state_every,
-        peer_expiration=args.peer_expiration,
-        compression=args.compression,
-        verbose=args.verbose,
-    )
-    return BaselineOptions(
-        manifest=manifest,
-        identity=Path(args.identity),
-        state_dir=Path(args.state_dir),
-        elastic=elastic,
-        initial_peers=tuple(initial),
-        listen=tuple(listen),
-        max_steps=args.max_steps,
-        threads=args.threads,
-        min_step_time=args.min_step_time,
-        progress_every=args.progress_every,
-        checkpoint_every=args.checkpoint_every,
-        diloco=diloco,
-    )
+    settings = {
+        "run_id": hivemind_run_id(manifest, "baseline" if mode == "dp" else mode),
+        "target_batch_size": args.target_batch_size or args.learners * batch,
+        "batch_size_per_step": batch,
+        "load_state_timeout": max(30.0, 3 * args.averaging_timeout),
+    }
+    elastic = ElasticSettings(**{**given_fields(ElasticSettings, args), **settings})
+    parsed = {
+        "manifest": manifest,
+        "identity": Path(args.identity),
+        "state_dir": Path(args.state_dir),
+        "elastic": elastic,
+        "initial_peers": tuple(initial),
+        "listen": tuple(listen),
+        "diloco": diloco,
+    }
+    return BaselineOptions(**{**given_fields(BaselineOptions, args), **parsed})
 
 
 def cli_baseline_worker(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from p2p_diloco.node.options import NodeOptions, check_device
 from p2p_diloco.node.runtime import PeerNode
 from p2p_diloco.node.standby import check_standby_args, stand_by
 from p2p_diloco.node.state import PEER_STATE_FILE
-from p2p_diloco.preflight import check_reachable, explain_start_failure, identity_taken
+from p2p_diloco.preflight import check_reachable, explain_start_failure, given_fields, identity_taken
 
 
 def options_from_args(args: argparse.Namespace) -> NodeOptions:
@@ -56,7 +56,7 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
     for name in ("persist_every", "progress_every"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
-    micro_batch = getattr(args, "micro_batch", 0)
+    micro_batch = args.micro_batch
     batch = manifest.diloco.batch_size
     if micro_batch < 0 or (micro_batch and batch % micro_batch):
         raise ConfigError(
@@ -71,28 +71,16 @@ def options_from_args(args: argparse.Namespace) -> NodeOptions:
         raise ConfigError(
             f"--metrics-port must be a TCP port (1-65535) or 0 for none, got {args.metrics_port}"
         )
-    return NodeOptions(
-        manifest=manifest,
-        identity=Path(args.identity),
-        state_dir=Path(args.state_dir),
-        initial_peers=tuple(initial),
-        device=args.device,
-        may_sync=not (args.no_sync or args.behind_nat),
-        behind_nat=args.behind_nat,
-        listen=tuple(listen),
-        announce=tuple(announce),
-        max_steps=args.max_steps,
-        micro_batch=micro_batch,
-        threads=args.threads,
-        train_nice=args.train_nice,
-        persist_every=args.persist_every,
-        progress_every=args.progress_every,
-        min_step_time=args.min_step_time,
-        verbose=args.verbose,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        display=args.display,
-    )
+    parsed = {
+        "manifest": manifest,
+        "identity": Path(args.identity),
+        "state_dir": Path(args.state_dir),
+        "initial_peers": tuple(initial),
+        "may_sync": not (args.no_sync or args.behind_nat),
+        "listen": tuple(listen),
+        "announce": tuple(announce),
+    }
+    return NodeOptions(**{**given_fields(NodeOptions, args), **parsed})
 
 
 def observe_options_from_args(args: argparse.Namespace) -> ObserveOptions:
