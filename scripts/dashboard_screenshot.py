@@ -1,12 +1,13 @@
-"""Redo `docs/dashboard.png`: a short real run on 127.0.0.1 and a headless-Chromium screenshot of its dashboard.
+"""Redo the dashboard screenshots: a short real run on 127.0.0.1 and headless-Chromium screenshots of its page.
 
-    .venv/bin/python scripts/dashboard_screenshot.py [--learners 3] [--seconds 120] [--out docs/dashboard.png]
+    .venv/bin/python scripts/dashboard_screenshot.py [--learners 3] [--seconds 120] [--widths 1400,420]
 
 Starts a bootstrap, `--learners` `join` processes of a small byte-level GPT (the synchronizer evaluates
-the global model every 8 merged updates) and `p2p-diloco dashboard` on a free port; after `--seconds`
-(or `--kill-sync-at` seconds, SIGKILL of the synchronizer, so a failover is marked) it saves a
-screenshot with Chromium (`chromium --headless --screenshot`) and stops everything. Needs `chromium`
-on PATH (Debian: `apt-get install chromium`).
+the global model every 8 merged updates and hands its role on every 150 rounds, a planned rotation) and
+`p2p-diloco dashboard` on a free port; at `--kill-sync-at` seconds it SIGKILLs the synchronizer (so a
+failover is marked too); after `--seconds` it saves one screenshot per window width with Chromium
+(`chromium --headless --screenshot`): `--out` (docs/dashboard.png) at the first width, the others beside it
+as dashboard-WIDTH.png, and stops everything. Needs `chromium` on PATH (Debian: `apt-get install chromium`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ heartbeat_period = 1.0
 heartbeat_ttl = 4.0
 lease_ttl = 6.0
 claim_grace = 2.0
-term_rounds = 100000
+term_rounds = 150
 [robust]
 min_cosine = -1.0
 """
@@ -81,12 +82,22 @@ def get(url: str) -> dict:
         return json.loads(response.read())
 
 
+def screenshot(chromium: str, url: str, width: int, out: Path) -> None:
+    """The page at `width` px, tall enough for all of it (one column of cards below 1100 px)."""
+    height = 1900 if width >= 1100 else 4300
+    out.parent.mkdir(parents=True, exist_ok=True)
+    window = [f"--window-size={width},{height}", "--virtual-time-budget=5000", f"--screenshot={out}"]
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", *window]
+    subprocess.run([chromium, *flags, url], check=True, capture_output=True, timeout=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--learners", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--kill-sync-at", type=float, default=60.0, help="0: no failover")
     parser.add_argument("--out", default=str(ROOT / "docs" / "dashboard.png"))
+    parser.add_argument("--widths", default="1400,420", help="window widths, comma-separated")
     args = parser.parse_args()
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -136,14 +147,13 @@ def main() -> int:
                     os.killpg(victim.pid, signal.SIGKILL)
                     killed = True
                     print("killed the synchronizer")
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--window-size=1400,1500", "--virtual-time-budget=5000", f"--screenshot={out}", url],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
-        print(f"wrote {out}")
+        widths = [int(w) for w in args.widths.split(",")]
+        for width in widths:
+            out = Path(args.out)
+            if width != widths[0]:
+                out = out.with_name(f"{out.stem}-{width}{out.suffix}")
+            screenshot(chromium, url, width, out)
+            print(f"wrote {out}")
         return 0
     finally:
         for proc in procs:

@@ -3,32 +3,25 @@
 `Collector.poll(kv, now)` reads the heartbeats and leases (through `node.status.swarm_status`, what
 `p2p-diloco status` prints), every peer's stats record and every evaluator's eval history, and folds
 them into `view()`: the JSON the page and scripts read. Things the DHT only knows *now* (fragment
-versions, the synchronizer and its term) are kept as a bounded time series here, with a mark at each
-change of synchronizer (``failover`` when the old lease was not released, ``rotation`` when it was).
+versions, the synchronizer and its term, the live peers' summed tokens/s and mean training loss) are kept
+as a bounded time series here, with a mark at each change of synchronizer (``failover`` when the old lease
+was not released, ``rotation`` when it was).
 The eval history is merged into the collector's own copy, so the curve stays on the page even while
 no evaluator's record can be read. Records that fail their schema check are counted, never shown.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, deque
 from typing import Any
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.node.status import swarm_status
+from p2p_diloco.node.status import eval_histories, swarm_status
 from p2p_diloco.wire.interfaces import KeyValueStore, StoredValue
-from p2p_diloco.wire.keys import eval_key, heartbeat_key, stats_key
-from p2p_diloco.wire.observe import (
-    MAX_EVAL_SKEW,
-    EvalHistory,
-    EvalPoint,
-    admit_histories,
-    decode_eval_history,
-    decode_peer_stats,
-    merge_points,
-    merge_records,
-)
+from p2p_diloco.wire.keys import heartbeat_key, stats_key
+from p2p_diloco.wire.observe import EvalHistory, EvalPoint, decode_peer_stats, merge_points, merge_records
 from p2p_diloco.wire.records import RecordError, decode_heartbeat
 
 MAX_SAMPLES = 3600  # versions/terms samples kept (2 h at the default 2 s poll)
@@ -136,30 +129,24 @@ class Collector:
         return out
 
     def _histories(self, reads: _OnePoll, now: float) -> dict[str, EvalHistory]:
-        out = {}
-        for writer, stored in reads.get(
-            eval_key(self.manifest.run_id, self.manifest.manifest_hash), now
-        ).items():
-            try:
-                out[writer] = decode_eval_history(stored.value, self.fragments)
-            except RecordError:
-                self.ignored["bad eval history"] += 1
-        admitted = admit_histories(
-            out, may_evaluate=self.manifest.may_evaluate, now=now, max_skew=MAX_EVAL_SKEW
-        )
-        self.ignored.update(reason for _, reason, _ in admitted.refused)
-        return admitted.records
+        records, ignored = eval_histories(reads, self.manifest, now)
+        self.ignored.update(ignored)
+        return records
 
     def _sample(self, status: dict[str, Any], now: float) -> None:
         sync = status["synchronizer"]
         holder = (sync["peer_id"], sync["term"]) if sync else None
         versions = [f["version"] for f in status["fragments"]]
+        training = [p["loss"] for p in status["peers"] if p["loss"] > 0 and math.isfinite(p["loss"])]
         self.samples.append(
             {
                 "t": now,
                 "versions": versions,
                 "term": status["highest_term"],
                 "holder": holder[0] if holder else None,
+                # the live peers' own reports: their summed tokens/s and mean training loss
+                "tokens_per_s": sum(p["tokens_per_s"] for p in status["peers"]),
+                "train_loss": sum(training) / len(training) if training else None,
             }
         )
         for lease in status["leases"]:
@@ -259,6 +246,7 @@ class Collector:
                     "reconnects": self.reconnects,
                     "last_error": self.last_error,
                     "last_poll_age": now - self.last_poll if self.last_poll else None,
-                    "ignored": dict(self.ignored) | dict(status.get("ignored", {})),
+                    # the collector counts eval records over all polls, the status of the last poll
+                    "ignored": dict(status.get("ignored", {})) | dict(self.ignored),
                 },
             }

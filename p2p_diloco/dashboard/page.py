@@ -5,6 +5,9 @@ The first view is embedded in the page (so it shows data at once, even before it
 JSON inside a ``<script type="application/json">`` with ``<`` escaped. Every value is put into the DOM
 with `textContent`, never as markup: peer IDs, reasons and devices come from other peers' records.
 Numbers that tests and people look for are in tables (peers, the last evaluations), not only in charts.
+Charts are drawn at their element's width (again when it changes), so labels keep their size on a phone,
+where tables show short peer IDs; series colours are inline styles (a class rule's ``fill`` would override
+an attribute).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ POLL_MS = 2000
 _STYLE = """
 body{font:14px system-ui,sans-serif;margin:16px;background:#fafafa;color:#222}
 h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
-.sub{color:#666;margin-bottom:10px} .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:12px}
-.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px}
+.sub{color:#666;margin-bottom:10px;overflow-wrap:anywhere}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(520px,100%),1fr));gap:12px}
+.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px;min-width:0;overflow-x:auto}
+@media (max-width:600px){body{margin:8px} .card{padding:6px} .kpi{margin-right:12px}}
 .kpi{display:inline-block;margin-right:22px} .kpi b{font-size:18px;display:block}
-table{border-collapse:collapse;width:100%;font-size:12px} td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right}
+table{border-collapse:collapse;width:100%;font-size:12px} td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
 td:first-child,th:first-child{text-align:left;font-family:monospace} th{color:#555;font-weight:600}
-svg{width:100%;height:220px} .axis{stroke:#999} .lbl{font-size:10px;fill:#555} .mark{stroke:#d33;stroke-dasharray:4 3}
+svg{display:block;width:100%;height:220px} .axis{stroke:#999} .lbl{font-size:10px;fill:#555} .mark{stroke:#d33;stroke-dasharray:4 3}
 .stale{color:#b60}
 """
 
@@ -40,15 +45,19 @@ function human(n) { if (n === null || n === undefined) return "-"; const u = [""
   while (Math.abs(n) >= 1000 && i < u.length - 1) { n /= 1000; i++; } return n.toFixed(i ? 1 : 0) + u[i]; }
 function clock(t) { return new Date(t * 1000).toISOString().substr(11, 8); }
 function short(id) { return id ? id.slice(0, 12) + "…" + id.slice(-4) : "-"; }
+function pid(id) { return window.innerWidth < 600 ? short(id) : id; }  // whole peer IDs where they fit
 function chart(id, series, opts) {
   const svg = document.getElementById(id); while (svg.firstChild) svg.removeChild(svg.firstChild);
-  const W = 600, H = 220, L = 48, R = 10, T = 10, B = 28; svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  const W = Math.max(260, Math.round(svg.getBoundingClientRect().width) || 600), H = 220, L = 48, R = 10, T = 10, B = 28;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`); svg.dataset.w = W;
+  const xt = W < 420 ? 2 : 4;
   const pts = series.flatMap(s => s.points);
   if (!pts.length) { svg.appendChild(el("svg:text", {x: W / 2, y: H / 2, class: "lbl", "text-anchor": "middle"}, "no data yet")); return; }
   let [x0, x1] = [Math.min(...pts.map(p => p[0])), Math.max(...pts.map(p => p[0]))];
   let [y0, y1] = [Math.min(...pts.map(p => p[1])), Math.max(...pts.map(p => p[1]))];
   if (x1 === x0) x1 = x0 + 1; if (y1 === y0) { y1 += 0.5; y0 -= 0.5; }
-  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const pad = (y1 - y0) * 0.05, low = y0; y0 -= pad; y1 += pad;
+  if (opts.floor0 && low >= 0) y0 = Math.max(y0, 0);
   const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
   svg.appendChild(el("svg:line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"}));
   svg.appendChild(el("svg:line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"}));
@@ -56,22 +65,31 @@ function chart(id, series, opts) {
   const yticks = opts.integer ? Array.from({length: Math.floor(y1) - Math.ceil(y0) + 1}, (_, i) => Math.ceil(y0) + i).filter(k => k % step === 0)
                              : [0, 1, 2, 3, 4].map(i => y0 + (y1 - y0) * i / 4);
   for (const y of yticks) svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 3, class: "lbl", "text-anchor": "end"}, opts.yfmt(y)));
-  for (let i = 0; i <= 4; i++) {
-    const x = x0 + (x1 - x0) * i / 4;
-    svg.appendChild(el("svg:text", {x: sx(x), y: H - B + 14, class: "lbl", "text-anchor": i === 4 ? "end" : "middle"}, opts.xfmt(x)));
+  for (let i = 0; i <= xt; i++) {
+    const x = x0 + (x1 - x0) * i / xt;
+    svg.appendChild(el("svg:text", {x: sx(x), y: H - B + 14, class: "lbl", "text-anchor": i === xt ? "end" : "middle"}, opts.xfmt(x)));
   }
   svg.appendChild(el("svg:text", {x: (L + W - R) / 2, y: H - 2, class: "lbl", "text-anchor": "middle"}, opts.xlabel));
+  const rows = [[], [], []];  // a mark's label goes right of its line (left near the edge), on the first free row
   for (const m of opts.marks || []) {
     if (m.x < x0 || m.x > x1) continue;
-    svg.appendChild(el("svg:line", {x1: sx(m.x), y1: T, x2: sx(m.x), y2: H - B, class: "mark"}));
-    svg.appendChild(el("svg:text", {x: sx(m.x) + 3, y: T + 10, class: "lbl", fill: "#d33"}, m.label));
+    const x = sx(m.x), w = 5.2 * m.label.length;
+    svg.appendChild(el("svg:line", {x1: x, y1: T, x2: x, y2: H - B, class: "mark"}));
+    const span = x + 3 + w <= W - R ? [x + 3, x + 3 + w] : x - 3 - w >= L ? [x - 3 - w, x - 3] : null;
+    const row = span ? rows.findIndex(r => r.every(([a, b]) => span[1] + 4 < a || span[0] > b + 4)) : -1;
+    if (row < 0) continue;  // no room: the line stays, the synchronizer changes table names it
+    rows[row].push(span);
+    svg.appendChild(el("svg:text", {x: span[0], y: T + 10 + 11 * row, class: "lbl", style: "fill:#d33"}, m.label));
   }
+  let lx = L + 6;
   series.forEach((s, i) => {
     if (!s.points.length) return;
+    const color = s.color || COLORS[i % COLORS.length];
     const d = s.points.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + " " + sy(p[1]).toFixed(1)).join(" ");
-    svg.appendChild(el("svg:path", {d, fill: "none", stroke: s.color || COLORS[i % COLORS.length], "stroke-width": 1.8}));
-    if (s.dots) for (const p of s.points) svg.appendChild(el("svg:circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.2, fill: s.color || COLORS[i % COLORS.length]}));
-    svg.appendChild(el("svg:text", {x: L + 6 + 80 * i, y: T + 22, class: "lbl", fill: s.color || COLORS[i % COLORS.length]}, s.name));
+    svg.appendChild(el("svg:path", {d, fill: "none", stroke: color, "stroke-width": 1.8}));
+    if (s.dots) for (const p of s.points) svg.appendChild(el("svg:circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.2, fill: color}));
+    svg.appendChild(el("svg:text", {x: lx, y: T + 44, class: "lbl legend", style: `fill:${color}`}, s.name));
+    lx += 5.6 * s.name.length + 14;
   });
 }
 function table(id, head, rows) {
@@ -100,23 +118,32 @@ function render(v) {
   const S = v.versions.samples, n = v.fragments.length;
   const vs = Array.from({length: n}, (_, i) => ({name: "fragment " + i, points: S.filter(s => s.versions.length > i).map(s => [s.t, s.versions[i]])}));
   chart("c-versions", vs, {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
+  chart("c-throughput", [{name: "tokens/s, all live peers", points: S.map(s => [s.t, s.tokens_per_s ?? 0]), color: "#ff7f0e"}], {xfmt: clock, yfmt: human, xlabel: "time (UTC)", marks, floor0: true});
+  chart("c-train-loss", [{name: "training loss, mean of live peers", points: S.filter(s => s.train_loss !== null && s.train_loss !== undefined).map(s => [s.t, s.train_loss]), color: "#1f77b4"}], {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});
   chart("c-terms", [{name: "synchronizer term", points: S.map(s => [s.t, s.term]), color: "#9467bd"}], {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
   table("t-peers", ["peer", "role", "tokens/s", "uptime", "link", "version lag", "device", "loss", "sent", "received"],
-    v.peers.map(p => [p.peer_id, p.listed === false ? p.role + " (claims)" : p.role, fmt(p.tokens_per_s), p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-", fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
+    v.peers.map(p => [pid(p.peer_id), p.listed === false ? p.role + " (claims)" : p.role, fmt(p.tokens_per_s), p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-", fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
   table("t-eval", ["time", "evaluator", "term", "merged tokens", "versions", "eval loss", "perplexity"],
     ev.slice(-8).reverse().map(p => [clock(p.t), short(p.evaluator), p.term, human(p.tokens), p.versions.join(","), p.loss.toFixed(4), p.perplexity.toFixed(2)]));
-  table("t-contrib", ["peer", "merged tokens", "updates"], v.contributions.map(c => [c.peer_id, human(c.tokens), c.updates]));
+  table("t-contrib", ["peer", "merged tokens", "updates"], v.contributions.map(c => [pid(c.peer_id), human(c.tokens), c.updates]));
   table("t-reasons", ["reason", "count"], v.rejections.by_reason.map(r => [r.reason, r.count]));
-  table("t-senders", ["sender", "reason", "count"], v.rejections.by_sender.map(r => [r.sender, r.reason, r.count]));
+  table("t-senders", ["sender", "reason", "count"], v.rejections.by_sender.map(r => [pid(r.sender), r.reason, r.count]));
   table("t-failovers", ["time", "kind", "from", "to", "term"], v.versions.marks.slice().reverse().map(m => [clock(m.t), m.kind, short(m.from), short(m.to), m.term]));
   document.getElementById("bytes").textContent = `sent ${human(v.bytes.sent)}B, received ${human(v.bytes.received)}B (peers' transport frames since their start)`;
 }
 async function poll() {
-  try { const r = await fetch("/api/summary", {cache: "no-store"}); if (r.ok) render(await r.json()); }
+  try { const r = await fetch("/api/summary", {cache: "no-store"}); if (r.ok) draw(await r.json()); }
   catch (e) { document.getElementById("health").textContent = "dashboard unreachable: " + e; }
   setTimeout(poll, POLL_MS);
 }
-render(JSON.parse(document.getElementById("initial").textContent));
+let shown = JSON.parse(document.getElementById("initial").textContent);
+const draw = v => { shown = v; render(v); };
+render(shown);
+// charts are drawn at their width: draw them again when an element's width differs from what it was drawn at
+const resized = new ResizeObserver(entries => {
+  if (entries.some(e => Math.abs(Math.max(260, Math.round(e.contentRect.width)) - Number(e.target.dataset.w)) > 1)) render(shown);
+});
+document.querySelectorAll("svg").forEach(svg => resized.observe(svg));
 setTimeout(poll, POLL_MS);
 """
 
@@ -130,7 +157,9 @@ _BODY = """
 <div class="grid">
 <div class="card"><h2>Global eval loss over time</h2><svg id="c-loss-time"></svg></div>
 <div class="card"><h2>Global eval loss over merged tokens</h2><svg id="c-loss-tokens"></svg></div>
-<div class="card"><h2>Fragment versions (failovers marked)</h2><svg id="c-versions"></svg></div>
+<div class="card"><h2>Fragment versions (synchronizer changes marked)</h2><svg id="c-versions"></svg></div>
+<div class="card"><h2>Throughput (the peers' tokens/s, summed)</h2><svg id="c-throughput"></svg></div>
+<div class="card"><h2>Training loss over time (mean of the live peers')</h2><svg id="c-train-loss"></svg></div>
 <div class="card"><h2>Synchronizer term</h2><svg id="c-terms"></svg></div>
 </div>
 <div class="card"><h2>Peers</h2><table id="t-peers"></table><div class="sub" id="bytes"></div></div>

@@ -232,8 +232,10 @@ def ledger_report(entries: Sequence[LedgerEntry], *, last: int = 0) -> dict[str,
             str(p): {"first": min(v), "last": max(v), "recorded": len(set(v))}
             for p, v in sorted(versions.items())
         },
+        # share: the peer's fraction of the updates (each update's merge weights split it, so the shares
+        # of all peers sum to 1); updates_owned: the same in updates (PeerContribution.share)
         "peers": [
-            {"peer_id": peer, **c.as_dict()}
+            {"peer_id": peer, **c.as_dict(), "share": c.share / len(entries), "updates_owned": c.share}
             for peer, c in sorted(totals.items(), key=lambda kv: (-kv[1].tokens, -kv[1].weight, kv[0]))
         ],
         "recent": [json.loads(e.to_json()) for e in entries[-last:]] if last > 0 else [],
@@ -245,11 +247,15 @@ def format_ledger(report: dict[str, Any]) -> str:
     for p, span in report["fragments"].items():
         lines.append(f"  fragment {p}: v{span['first']}..v{span['last']} ({span['recorded']} recorded)")
     if report["peers"]:
-        lines.append(f"{'peer':<48} {'tokens':>12} {'weight':>12} {'share':>8} {'updates':>8}")
+        lines.append(f"{'peer':<48} {'tokens':>12} {'weight':>12} {'share':>7} {'updates':>8}")
     for row in report["peers"]:
         lines.append(
-            f"{row['peer_id']:<48} {row['tokens']:>12} {row['weight']:>12.4g} {row['share']:>8.2f} "
+            f"{row['peer_id']:<48} {row['tokens']:>12} {row['weight']:>12.4g} {row['share']:>7.1%} "
             f"{row['updates']:>8}"
+        )
+    if report["peers"]:
+        lines.append(
+            "share: of the updates, split by merge weight; updates: those that merged the peer's delta"
         )
     for e in report["recent"]:
         who = ", ".join(f"{peer[:12]} {w:.3g} ({n} tok)" for peer, w, n in e["contributors"])

@@ -28,7 +28,14 @@ from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
 from p2p_diloco.protocol import election, lease_rules
 from p2p_diloco.wire.interfaces import KeyValueStore
-from p2p_diloco.wire.keys import heartbeat_key, lease_key
+from p2p_diloco.wire.keys import eval_key, heartbeat_key, lease_key
+from p2p_diloco.wire.observe import (
+    MAX_EVAL_SKEW,
+    EvalHistory,
+    admit_histories,
+    decode_eval_history,
+    merge_records,
+)
 from p2p_diloco.wire.records import RecordError, decode_heartbeat, decode_lease
 
 
@@ -83,6 +90,8 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
             leases.append(decode_lease(holder, stored.value))
         except RecordError:
             ignored["bad lease"] += 1
+    evaluation, eval_ignored = last_eval(kv, manifest, now)
+    ignored.update(eval_ignored)
     screened = screen_read(leases, peers, manifest, now)
     valid = [item.lease for item in screened.valid]
     current = election.current_holder(valid, now)
@@ -103,6 +112,8 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
             else None
         ),
         "highest_term": election.highest_term(valid),
+        # the newest global evaluation: t, tokens, versions, updates, loss, perplexity, evaluator, term
+        "eval": evaluation,
         "fragments": [{"index": i, "version": v} for i, v in enumerate(versions)],
         "peers": peers,
         "leases": [
@@ -120,6 +131,32 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
         ],
         "ignored": dict(ignored),
     }
+
+
+def eval_histories(
+    kv: KeyValueStore, manifest: RunManifest, now: float
+) -> tuple[dict[str, EvalHistory], Counter[str]]:
+    """The evaluators' published histories that may count (`wire.observe.admit_histories`: permitted
+    writers and evaluators, no point from the future), and the count of what was ignored, by reason."""
+    ignored: Counter[str] = Counter()
+    found = {}
+    for writer, stored in kv.get(eval_key(manifest.run_id, manifest.manifest_hash), now).items():
+        try:
+            found[writer] = decode_eval_history(stored.value, manifest.diloco.fragments)
+        except RecordError:
+            ignored["bad eval history"] += 1
+    admitted = admit_histories(found, may_evaluate=manifest.may_evaluate, now=now, max_skew=MAX_EVAL_SKEW)
+    ignored.update(reason for _, reason, _ in admitted.refused)
+    return admitted.records, ignored
+
+
+def last_eval(
+    kv: KeyValueStore, manifest: RunManifest, now: float
+) -> tuple[dict[str, Any] | None, Counter[str]]:
+    """The newest global evaluation the evaluators published (`EvalPoint.as_dict`), None before any."""
+    records, ignored = eval_histories(kv, manifest, now)
+    points = merge_records(records)
+    return (points[-1].as_dict() if points else None), ignored
 
 
 def screen_read(
@@ -155,6 +192,15 @@ def format_status(status: dict[str, Any]) -> str:
     else:
         lines.append(f"synchronizer: none (highest term seen {status['highest_term']})")
     lines.append("fragments: " + "  ".join(f"{f['index']}:v{f['version']}" for f in status["fragments"]))
+    ev = status.get("eval")
+    if ev is not None:
+        lines.append(
+            f"global eval: loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}) at versions "
+            f"{','.join(str(v) for v in ev['versions'])}, {ev['tokens']:,} merged tokens, "
+            f"{status['time'] - ev['t']:.0f} s ago, by {ev['evaluator']}"
+        )
+    else:
+        lines.append("global eval: none published yet")
     if status["peers"]:
         lines.append(
             f"{'peer':<48} {'role':<12} {'step':>7} {'loss':>6} {'tok/s':>8} {'applied':>7} "

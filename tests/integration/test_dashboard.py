@@ -134,6 +134,23 @@ def test_dashboard_page_in_headless_chromium_shows_peers_and_global_loss(run, tm
     }
     assert shown.group(1) in losses
     assert 'id="c-loss-time"' in html and "<path" in html[html.index('id="c-loss-time"') :]
+    for chart in ("c-throughput", "c-train-loss"):  # the peers' tokens/s and training loss over time
+        drawn = html[html.index(f'id="{chart}"') :]
+        assert "<path" in drawn[: drawn.index("</svg>")], chart
+    # the fragments' legend in their colours (an inline style: the label class's fill would win over an attribute)
+    assert re.search(r'<text[^>]*class="lbl legend"[^>]*style="fill:#1f77b4"[^>]*>fragment 0</text>', html)
+    assert re.search(r'<text[^>]*class="lbl legend"[^>]*style="fill:#ff7f0e"[^>]*>fragment 1</text>', html)
+    narrow = subprocess.run(
+        [
+            *("chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"),
+            *("--window-size=420,3000", "--dump-dom", url),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    widths = [int(w) for w in re.findall(r'viewBox="0 0 (\d+) 220"', narrow.stdout)]
+    assert len(widths) == 6 and max(widths) <= 420, widths  # six charts, each drawn within a phone's width
     if tensorboard:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

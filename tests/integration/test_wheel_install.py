@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO_ROOT, wait_until
+from tests.integration.conftest import REPO_ROOT
+from tests.support.waiting import wait_until
 from tests.support.wheel import build_wheel, clean_venv
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -213,3 +213,28 @@ def test_the_poller_starts_a_new_dht_node_through_the_peers_it_saw_when_reads_fa
     assert collector.view(now)["health"]["reconnects"] == 1
     poller.poll_once()
     assert collector.view(now)["health"]["errors"] == 3 and len(collector.view(now)["peers"]) == 2
+
+
+def test_samples_carry_the_peers_throughput_and_mean_training_loss():
+    now = 1000.0
+    kv = swarm(now)
+    collector = Collector(MANIFEST)
+    collector.poll(kv, now)  # A reports 100 tokens/s and no loss yet, B nothing
+    heartbeat(kv, A, (5, 5), now + 2, tokens_per_s=300.0, loss=2.0)
+    info = HeartbeatInfo(
+        role="learner", may_sync=False, reachable=True, versions=(5, 5), tokens_per_s=50.0, loss=3.0
+    )
+    kv.store(keys.heartbeat_key(*RUN), B, info.to_bytes(), now + 7)
+    collector.poll(kv, now + 2)
+    first, second = collector.view(now + 2)["versions"]["samples"]
+    assert (first["tokens_per_s"], first["train_loss"]) == (100.0, None)
+    assert second["tokens_per_s"] == 350.0 and second["train_loss"] == pytest.approx(2.5)
+
+
+def test_the_page_draws_legends_in_their_colours_and_fits_a_phone():
+    page = render_page(Collector(MANIFEST).view(1000.0))
+    # a fill attribute loses to the .lbl rule's fill; an inline style wins
+    assert "style: `fill:${color}`" in page and "fill: s.color" not in page
+    assert "minmax(min(520px,100%),1fr)" in page and "getBoundingClientRect().width" in page
+    for chart in ("c-throughput", "c-train-loss"):
+        assert f'<svg id="{chart}"></svg>' in page and f'chart("{chart}"' in page
