@@ -17,7 +17,9 @@ transformers model (built from its config, parameter names without the ``hf.`` w
 written with `save_pretrained`; the run's tokenizer (the ``tokenizer.json`` copy in the prepared shards
 folder) is written beside it with `PreTrainedTokenizerFast.save_pretrained`, so
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` both load it,
-offline. ``p2p_diloco_export.json`` records the run, manifest hash, fragment versions and replica
+offline. The model config's (and generation config's) ``bos/eos/pad_token_id`` are the tokenizer's
+end-of-text id (the tokenizer's bos, eos and pad), or None when the run has none (bytes of text), never a
+config default such as GPT-2's 50256 outside the vocabulary. ``p2p_diloco_export.json`` records the run, manifest hash, fragment versions and replica
 digest. The folder is written beside `out` and renamed.
 """
 
@@ -134,18 +136,33 @@ def export_model(
     return metadata
 
 
-def _save_tokenizer(manifest: RunManifest, out: Path) -> None:
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def run_tokenizer(manifest: RunManifest) -> tuple[Path | None, int | None]:
+    """The run's tokenizer file (None for bytes of text) and its end-of-text id (None if it has none)."""
     data = manifest.data
     if data.source != DataSource.SHARDS:
-        return  # bytes of text: no tokenizer file to ship (ids are UTF-8 bytes)
+        return None, None  # bytes of text: no tokenizer file to ship (ids are UTF-8 bytes)
     folder = data.path(data.shards)
-    index = read_index(folder)
-    if index["tokenizer"]["kind"] != "file":
-        return
+    entry = read_index(folder)["tokenizer"]
+    if entry["kind"] != "file":
+        return None, None
+    return folder / TOKENIZER_FILE, entry.get("eos_id")
+
+
+def set_special_tokens(model: Any, eos_id: int | None) -> None:
+    """The model's bos/eos/pad ids (config and generation config) as the exported tokenizer has them."""
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if config is not None:
+            for key in SPECIAL_TOKEN_IDS:
+                setattr(config, key, eos_id)
+
+
+def _save_tokenizer(manifest: RunManifest, out: Path, tokenizer_file: Path, eos_id: int | None) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    eos_id = index["tokenizer"].get("eos_id")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / TOKENIZER_FILE))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
     if eos_id is not None:
         eos = tokenizer.convert_ids_to_tokens(eos_id)
         tokenizer.eos_token = eos
@@ -189,10 +206,13 @@ def export_hf(
             f"the replica does not fit the manifest's transformers model (missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}): pass the manifest that peer joined with"
         )
+    tokenizer_file, eos_id = run_tokenizer(manifest)
+    set_special_tokens(model, eos_id)
     try:
         with atomic_path(out) as tmp:
             model.save_pretrained(str(tmp))
-            _save_tokenizer(manifest, tmp)
+            if tokenizer_file is not None:
+                _save_tokenizer(manifest, tmp, tokenizer_file, eos_id)
             info = {
                 "run_id": manifest.run_id,
                 "manifest_hash": manifest.manifest_hash,
