@@ -48,14 +48,6 @@ def compared_systems(args: argparse.Namespace) -> tuple[str, ...]:
     return COMPARE[compare]
 
 
-def baseline_available() -> bool:
-    from p2p_diloco.cli import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return "baseline-worker" in sub.choices
-
-
 def run_system(
     system: str, args: argparse.Namespace, schedule: Schedule, out: Path, period: float | None = None
 ) -> dict[str, Any]:
@@ -106,8 +98,6 @@ def cli_demo(args: argparse.Namespace) -> int:
     if args.duration <= 0:
         raise ConfigError("--duration must be > 0 seconds")
     baselines = compared_systems(args)
-    if baselines and not baseline_available():
-        raise ConfigError("--compare needs `p2p-diloco baseline-worker`, which this install lacks")
     schedule = build_schedule(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
