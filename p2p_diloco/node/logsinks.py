@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from enum import StrEnum
@@ -64,22 +65,54 @@ def missing_package(target: LogTarget) -> str | None:
     return None
 
 
+PEER_SCALARS = "peer/"  # the peer's own numbers, at its inner step, which starts at 0 in every process
+
+
+def last_peer_step(path: Path) -> int | None:
+    """The highest step of a ``peer/`` scalar in the event files under `path` (None: no such scalar)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    last = None
+    for events in sorted(path.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(events)).Load():
+            if any(v.tag.startswith(PEER_SCALARS) for v in event.summary.value):
+                last = event.step if last is None else max(last, event.step)
+    return last
+
+
 class TensorBoardSink:
-    """Scalars into TensorBoard event files under `directory/<peer ID prefix>` (torch's SummaryWriter)."""
+    """Scalars into TensorBoard event files under `directory/<peer ID prefix>` (torch's SummaryWriter).
+
+    A restarted peer counts its inner steps from 0 again: its ``peer/`` scalars continue after the last
+    step its earlier processes wrote there, so the curves follow each other instead of overlapping (the
+    ``global/`` ones are at merged tokens, which the run keeps)."""
 
     def __init__(self, directory: str, peer_id: str):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = Path(directory) / peer_id[:16]
+        last = last_peer_step(self.path) if self.path.is_dir() else None
+        self.step_offset = 0 if last is None else last + 1
         self.writer = SummaryWriter(log_dir=str(self.path))
 
     def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
         for name, value in values.items():
-            self.writer.add_scalar(name, value, global_step=step, walltime=wall_time)
+            at = step + self.step_offset if name.startswith(PEER_SCALARS) else step
+            self.writer.add_scalar(name, value, global_step=at, walltime=wall_time)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def wandb_mode_line(project: str, mode: str) -> str:
+    """What a W&B sink tells the user about where its numbers go."""
+    if mode == "offline":
+        return (
+            f"W&B: logging project {project} offline into ./wandb (WANDB_MODE=offline, the default here); "
+            "`wandb sync ./wandb/offline-run-*` uploads it, WANDB_MODE=online logs live"
+        )
+    return f"W&B: logging project {project} with WANDB_MODE={mode}"
 
 
 class WandbSink:
@@ -90,8 +123,9 @@ class WandbSink:
 
         import wandb
 
-        os.environ.setdefault("WANDB_MODE", "offline")
+        mode = os.environ.setdefault("WANDB_MODE", "offline")
         self.run = wandb.init(project=project, group=run_id, name=peer_id[:16], reinit=True)
+        print(wandb_mode_line(project, mode), file=sys.stderr, flush=True)
 
     def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
         self.run.log({**values, "wall_time": wall_time, "step": step})

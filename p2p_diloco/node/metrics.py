@@ -6,7 +6,8 @@
 * `MetricsServer`: the HTTP endpoint (``/metrics``) on a daemon thread, 127.0.0.1 by default. A scrape
   takes its snapshot on the peer's owner thread (`PeerNode.snapshot`), never reading the peer itself.
 
-Metric names (prefix ``p2p_diloco_``): steps_total, tokens_total, loss, tokens_per_second, training,
+Metric names (prefix ``p2p_diloco_``): steps_total, tokens_total, loss, tokens_per_second, step_seconds,
+eval_loss (the newest global evaluation this peer ran or read), process_resident_bytes (Linux), training,
 role{role}, term, synchronizer_info{holder,term}, fragment_version{fragment}, live_peers,
 bytes_sent_total, bytes_received_total (payload bytes over the transport's streams to other peers,
 counted by the transport as they move: request bodies and reply items, deltas, updates, fetches and
@@ -20,7 +21,9 @@ ledger_updates_total{peer}.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -48,12 +51,26 @@ def _labelled(kind: type, name: str, doc: str, labels: list[str], rows: list[tup
     return family
 
 
+def resident_bytes() -> int | None:
+    """This process's resident set size from /proc/self/statm (Linux), None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
     """The metric families of one snapshot (module docstring lists them)."""
     yield _counter("steps", "inner steps trained by this process", s.step)
     yield _counter("tokens", "tokens trained by this process", s.tokens)
     yield _gauge("loss", "training loss of the last inner step (NaN before the first)", s.loss)
     yield _gauge("tokens_per_second", "training throughput (0 when not training)", s.tokens_per_s)
+    yield _gauge("step_seconds", "seconds of the last inner step (0 before the first)", s.step_time)
+    yield _gauge("eval_loss", "newest global eval loss this peer ran or read (NaN: none yet)", s.eval_loss)
+    rss = resident_bytes()
+    if rss is not None:
+        yield _gauge("process_resident_bytes", "resident memory of this process (Linux)", rss)
     yield _gauge("training", "1 while this peer trains, 0 once it only serves", float(s.training))
     yield _labelled(
         GaugeMetricFamily,

@@ -112,6 +112,8 @@ class NodeSnapshot:
     deltas_accepted: int = 0  # remote deltas this process accepted as synchronizer
     first_accepts: tuple[tuple[int, float], ...] = ()  # (term, DHT time of its first accepted delta)
     waiting: str = ""  # why this peer claims no term (`swarm.underway`: a run under way, replica at 0)
+    step_time: float = 0.0  # seconds of the last inner step (0 before the first)
+    eval_loss: float = math.nan  # the newest global eval loss this peer ran or read (NaN: none yet)
 
     def event_fields(self) -> dict[str, Any]:
         """What a ``progress`` event adds to the runtime's own counters (``first_accepts``: the demo times
@@ -186,6 +188,7 @@ class Telemetry:
         accepts: DeltaAccepts | None = None,
         ledger: dict[str, Any] | None = None,
         tick_errors: Counter[str] | None = None,
+        eval_loss: float = math.nan,
     ) -> NodeSnapshot:
         """A `NodeSnapshot` (`view` None: a peer without a learner); `ledger` maps peer ID ->
         `ledger.PeerContribution`."""
@@ -219,6 +222,8 @@ class Telemetry:
             deltas_accepted=accepts.count if accepts is not None else 0,
             first_accepts=accepts.first_accepts() if accepts is not None else (),
             waiting=peer.underway.waiting or "",
+            step_time=view.step_time if view else 0.0,
+            eval_loss=eval_loss,
         )
 
 
@@ -243,6 +248,7 @@ def snapshot_rows(s: NodeSnapshot, run_id: str) -> list[tuple[str, str]]:
         ("peer", f"{s.peer_id}  run {run_id}"),
         ("role", f"{s.role}{'' if s.training else ' (training finished, serving)'}"),
         ("step", f"{s.step}   loss {loss}   tok/s {s.tokens_per_s:,.0f}   tokens {s.tokens:,}"),
+        *([("global eval", f"loss {s.eval_loss:.4f}")] if not math.isnan(s.eval_loss) else []),
         (
             "synchronizer",
             f"{s.holder or 'none'}   term {s.term}   live peers {s.live_peers}   failovers seen {s.failovers_seen}",
@@ -251,8 +257,9 @@ def snapshot_rows(s: NodeSnapshot, run_id: str) -> list[tuple[str, str]]:
         *([("waiting", s.waiting)] if s.waiting else []),
         (
             "updates",
-            f"applied {s.updates_applied}   my deltas sent {s.deltas_sent}, merged {s.deltas_merged}, "
-            f"refused {s.deltas_rejected}"
+            # sent and refused count this process; merged comes from the ledger, all runs of this peer
+            f"applied {s.updates_applied}   my deltas sent {s.deltas_sent} and refused {s.deltas_rejected} "
+            f"since start, merged {s.deltas_merged} in all runs"
             + (f"   rounds merged {s.rounds_merged}" if s.role == "synchronizer" else ""),
         ),
         ("traffic", f"sent {human_bytes(s.bytes_sent)}   received {human_bytes(s.bytes_received)}"),

@@ -12,6 +12,7 @@ replaced whole, when the owner thread is too busy to answer.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -106,5 +107,11 @@ class Upkeep:
             accepts=self.accepts,
             ledger=self.ledger.totals if self.ledger is not None else None,
             tick_errors=self.tick_errors,
+            eval_loss=self.eval_loss(),
         )
         return self.last_snapshot
+
+    def eval_loss(self) -> float:
+        """The newest point of the eval history this peer holds (it evaluated, or read it to log)."""
+        evaluator = self.observing.evaluator if self.observing is not None else None
+        return evaluator.history[-1].loss if evaluator is not None and evaluator.history else math.nan

@@ -69,6 +69,33 @@ def test_tensorboard_sink_writes_scalars_that_tensorboard_reads_back(tmp_path):
     assert [e.value for e in events.Scalars("global/eval_loss")] == [2.5]
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="tensorboard is not installed (pip install 'p2p_diloco[tensorboard]')",
+)
+def test_a_restarted_peer_continues_its_tensorboard_steps_instead_of_overlapping(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec, peer = parse_log_to(f"tensorboard:{tmp_path}"), "QmPeer1234567890abcdef"
+    first = open_sink(spec, "run", peer)
+    first.log({"peer/loss": 3.0}, step=0, wall_time=1000.0)
+    first.log({"peer/loss": 2.5, "global/eval_loss": 2.9}, step=40, wall_time=1001.0)
+    first.close()
+    restarted = open_sink(spec, "run", peer)  # a new process: its inner steps count from 0 again
+    restarted.log({"peer/loss": 2.4, "global/eval_loss": 2.7}, step=0, wall_time=1100.0)
+    restarted.log({"peer/loss": 2.2}, step=10, wall_time=1101.0)
+    restarted.close()
+    events = EventAccumulator(str(tmp_path / peer[:16])).Reload()
+    assert [e.step for e in events.Scalars("peer/loss")] == [0, 40, 41, 51]
+    assert [e.step for e in events.Scalars("global/eval_loss")] == [40, 0]  # merged tokens, as given
+
+
+def test_the_wandb_mode_is_stated():
+    line = logsinks.wandb_mode_line("proj", "offline")
+    assert "offline into ./wandb" in line and "wandb sync" in line and "WANDB_MODE=online" in line
+    assert logsinks.wandb_mode_line("proj", "online") == "W&B: logging project proj with WANDB_MODE=online"
+
+
 def test_a_failing_sink_is_dropped_and_the_others_keep_logging():
     class Good:
         def __init__(self) -> None:

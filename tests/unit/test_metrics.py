@@ -40,6 +40,8 @@ SNAPSHOT = NodeSnapshot(
     ledger={"QmSelf": {"tokens": 6144, "weight": 3.0e6, "share": 2.5, "updates": 12, "fragments": [0, 1]}},
     deltas_accepted=21,
     first_accepts=((3, 1000.5),),
+    step_time=0.125,
+    eval_loss=2.75,
 )
 
 
@@ -60,6 +62,8 @@ def test_exposition_holds_every_figure_of_the_snapshot():
         ("p2p_diloco_tokens_total", ()): 120 * 512,
         ("p2p_diloco_loss", ()): 2.5,
         ("p2p_diloco_tokens_per_second", ()): 4096,
+        ("p2p_diloco_step_seconds", ()): 0.125,
+        ("p2p_diloco_eval_loss", ()): 2.75,
         ("p2p_diloco_training", ()): 1,
         ("p2p_diloco_role", (("role", "synchronizer"),)): 1,
         ("p2p_diloco_role", (("role", "learner"),)): 0,
@@ -86,6 +90,7 @@ def test_exposition_holds_every_figure_of_the_snapshot():
     }
     for key, value in expect.items():
         assert got.get(key) == value, (key, got.get(key))
+    assert got[("p2p_diloco_process_resident_bytes", ())] > 50e6  # this test process (torch is loaded)
 
 
 def test_no_snapshot_yet_exposes_nothing_and_nan_loss_is_allowed():
@@ -141,6 +146,10 @@ def test_plain_display_prints_lines_and_live_display_draws_a_panel():
         "stale anchor 2",
         "123.5 kB",
         "failovers seen 2",
+        "global eval",
+        "loss 2.7500",
+        "my deltas sent 15 and refused 1 since start,",
+        "merged 12 in all runs",
         "QmSelf 100% (6,144 tok)",
     ):
         assert fragment in text, fragment
