@@ -10,4 +10,5 @@ class DecodeError(ValueError):
 
     def __init__(self, reason: str, detail: str = ""):
         self.reason = reason
+        self.detail = detail
         super().__init__(f"{reason}: {detail}" if detail else reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
@@ -28,7 +29,7 @@ from p2p_diloco.net.serving import (
 )
 from p2p_diloco.net.traffic import TrafficBook
 from p2p_diloco.wire import keys
-from p2p_diloco.wire.replies import PEER_DOWN, Reply, ReplyStatus, decode_reply
+from p2p_diloco.wire.replies import LinkTag, Reply, ReplyStatus, decode_reply
 
 # reasons of local delivery failures (to on_reply); inbound rejections are `net.serving`'s
 REPLY_TIMEOUT = "transport timeout"
@@ -100,14 +101,16 @@ async def delivery_reply(call: Any, to_peer: str, timeout: float) -> Reply:
     except TimeoutError:
         return Reply.transient(REPLY_TIMEOUT, f"no answer from {to_peer} within {timeout:.1f} s")
     except (ConnectionError, OSError, ValueError) as exc:
-        return Reply.transient(PEER_DOWN if refused(exc) else REPLY_UNREACHABLE, str(exc))
+        return Reply.transient(LinkTag.PEER_DOWN if refused(exc) else REPLY_UNREACHABLE, str(exc))
     if len(items) != 1:
         return Reply.refused(REJECT_BAD_REQUEST, f"malformed reply from {to_peer}")
     if status != streams.STATUS_OK:  # rejected by the transport before any handler saw it
-        reason = items[0].decode("utf-8", "replace")
-        tag = reason.split(":", 1)[0]
-        transient = tag in TRANSIENT_REJECTIONS
-        return Reply(ReplyStatus.TRANSIENT if transient else ReplyStatus.REFUSED, reason)
+        try:
+            rejected = decode_reply(items[0])
+        except DecodeError as exc:
+            return Reply.refused(REJECT_BAD_REQUEST, f"malformed rejection from {to_peer}: {exc}")
+        transient = rejected.tag in TRANSIENT_REJECTIONS
+        return replace(rejected, status=ReplyStatus.TRANSIENT if transient else ReplyStatus.REFUSED)
     try:
         return decode_reply(items[0])
     except DecodeError as exc:
@@ -123,10 +126,17 @@ async def fetch_items(call: Any, op: str, from_peer: str, timeout: float) -> Any
     except streams.FrameTooLarge as exc:
         raise ConnectionError(f"{op} from {from_peer}: {exc}") from exc
     if status != streams.STATUS_OK:
-        reason = items[0].decode("utf-8", "replace") if items else "no reason given"
-        raise RemoteRejected(from_peer, op, reason)
+        raise RemoteRejected(from_peer, op, _rejection_reason(items))
     if op == keys.OP_FETCH_UPDATES:
         return items
     if len(items) != 1:
         raise ConnectionError(f"{from_peer} answered a {op} request with {len(items)} items, expected 1")
     return items[0]
+
+
+def _rejection_reason(items: list[bytes]) -> str:
+    """What a rejection envelope says (the encoded `Reply` of `net.serving`), for people."""
+    try:
+        return decode_reply(items[0]).reason if items else "no reason given"
+    except DecodeError as exc:
+        return f"malformed rejection: {exc}"

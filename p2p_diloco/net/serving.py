@@ -38,16 +38,16 @@ from p2p_diloco.net.limits import (
     StreamSlots,
 )
 from p2p_diloco.net.traffic import TrafficBook
+from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers
-from p2p_diloco.wire.replies import Reply, encode_reply
+from p2p_diloco.wire.replies import Reply, decode_reply, encode_reply
 from p2p_diloco.wire.snapshot_chunks import decode_chunk_request
 
 log = logging.getLogger("p2p_diloco.net.transport")  # the transport's logger, as before the split
 
 # reasons of inbound rejections (sent back to the caller)
 REJECT_TOO_LARGE = "frame too large"
-REJECT_NOT_ALLOWED = "peer not allowed"
 REJECT_BAD_REQUEST = "bad request"
 REJECT_HANDLER_ERROR = "handler error"
 REJECT_UNKNOWN_SNAPSHOT = "unknown snapshot"  # a chunk of a state this peer does not (or no longer) serve
@@ -61,7 +61,6 @@ __all__ = [
     "REJECT_BUSY",
     "REJECT_HANDLER_ERROR",
     "REJECT_HEADER_TIMEOUT",
-    "REJECT_NOT_ALLOWED",
     "REJECT_PEER_BUSY",
     "REJECT_TOO_LARGE",
     "REJECT_TOO_SLOW",
@@ -73,9 +72,9 @@ __all__ = [
 class _Dropped(Exception):
     """A stream that broke a deadline: counted already; told why if it still listens, then closed."""
 
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
+    def __init__(self, answer: bytes):
+        self.answer = answer  # the encoded rejection `Reply`
+        super().__init__(decode_reply(answer).reason)
 
 
 class InboundServer:
@@ -122,7 +121,7 @@ class InboundServer:
                 try:
                     status, items = await asyncio.wait_for(self._answer(op, sender, reader), timeout)
                 except _Dropped as dropped:  # no lingering: the sender broke a deadline
-                    reply = streams.write_reply(writer, streams.STATUS_REJECTED, [dropped.reason.encode()])
+                    reply = streams.write_reply(writer, streams.STATUS_REJECTED, [dropped.answer])
                     await asyncio.wait_for(reply, DROP_WRITE_SECONDS)
                     return
                 await asyncio.wait_for(streams.write_reply(writer, status, items), timeout)
@@ -157,19 +156,21 @@ class InboundServer:
 
     def _reject(self, op: str, sender: str, tag: str, detail: str) -> tuple[int, list[bytes]]:
         self.traffic.rejected(tag)
-        reason = f"{tag}: {detail}"
-        log.info("rejected %s from %s: %s", op, sender, reason)
-        return streams.STATUS_REJECTED, [reason.encode()]
+        reply = Reply.refused(tag, detail)
+        log.info("rejected %s from %s: %s", op, sender, reply)
+        return streams.STATUS_REJECTED, [encode_reply(reply)]
 
     def _drop(self, op: str, sender: str, tag: str, detail: str) -> _Dropped:
-        return _Dropped(self._reject(op, sender, tag, detail)[1][0].decode())
+        return _Dropped(self._reject(op, sender, tag, detail)[1][0])
 
     async def _answer(self, op: str, sender: str, reader: asyncio.StreamReader) -> tuple[int, list[bytes]]:
         if self.allowed_peers is not None and sender not in self.allowed_peers:
-            return self._reject(op, sender, REJECT_NOT_ALLOWED, f"{sender} is not on this run's allowlist")
+            return self._reject(
+                op, sender, AdmissionTag.NOT_ALLOWED, f"{sender} is not on this run's allowlist"
+            )
         if self.admit is not None and not self.admit(op, sender):
             return self._reject(
-                op, sender, REJECT_NOT_ALLOWED, f"{sender} may not send {op} requests in this run"
+                op, sender, AdmissionTag.NOT_ALLOWED, f"{sender} may not send {op} requests in this run"
             )
         refused = self.slots.acquire(sender)
         if refused is not None:

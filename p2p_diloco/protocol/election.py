@@ -24,7 +24,7 @@ The rule, in short:
   for the next term (`candidates.named_successor`, eligible within `successor_lag` versions: heartbeats
   are up to a period old). A follower named so that sees the holder down (`down`: its addresses refused
   connections, see `swarm.succession`) and is itself up to date claims the next term at once
-  (`TAG_SUCCESSION`) instead of waiting for the lease to lapse; readers accept that claim
+  (`ElectionTag.SUCCESSION`) instead of waiting for the lease to lapse; readers accept that claim
   (`protocol.lease_rules`);
 - fencing: a holder stops merging once `now >= expires_at - lease_margin` (it steps down instead of renewing
   late), while claimants wait until `expires_at + lease_margin`. Clocks may disagree by up to
@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from p2p_diloco.protocol.candidates import (
     PeerHeartbeat,
@@ -64,27 +65,33 @@ FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = (
     Action.CLAIM,
     Action.WAIT,
 )
-# decide(): reason tags
-TAG_HELD_BY = "held by"  # follow: another peer holds a live lease
-TAG_HOLDING = "holding"  # hold: my lease is live and not due for renewal
-TAG_RENEW = "renew"  # renew: lease_renew_fraction of the TTL has elapsed
-TAG_HIGHER_TERM = "higher term"  # step_down: someone holds (or has held) a term above mine
-TAG_LOST_TIE = "lost tie"  # step_down: another live lease of my term wins the rendezvous tie-break
-TAG_LEASE_EXPIRED = "lease expired"  # step_down: too close to (or past) expiry to renew safely
-TAG_TERM_ENDED = "term ended"  # step_down: term_rounds rounds done; merge open rounds with a quorum, release
-TAG_CLAIM = "claim"  # claim: my window for term T+1 is open
-TAG_LEASE_GRACE = "lease grace"  # wait: the last lease has not yet passed expiry + lease_margin
-TAG_CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is open
-TAG_NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable, lagging, or just rotated out
-TAG_NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
-TAG_SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
-TAG_PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
-TAG_UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
-# should_accept_update(): actions and tags
+
+
+class ElectionTag(StrEnum):
+    """Why `decide` and `should_accept_update` decided what they did."""
+
+    HELD_BY = "held by"  # follow: another peer holds a live lease
+    HOLDING = "holding"  # hold: my lease is live and not due for renewal
+    RENEW = "renew"  # renew: lease_renew_fraction of the TTL has elapsed
+    HIGHER_TERM = "higher term"  # step_down: someone holds (or has held) a term above mine
+    LOST_TIE = "lost tie"  # step_down: another live lease of my term wins the rendezvous tie-break
+    LEASE_EXPIRED = "lease expired"  # step_down: too close to (or past) expiry to renew safely
+    TERM_ENDED = "term ended"  # step_down: term_rounds rounds done; merge open rounds with a quorum, release
+    CLAIM = "claim"  # claim: my window for term T+1 is open
+    LEASE_GRACE = "lease grace"  # wait: the last lease has not yet passed expiry + lease_margin
+    CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is open
+    NOT_ELIGIBLE = "not eligible"  # wait: I may not synchronize, am unreachable, lagging, or just rotated out
+    NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
+    SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
+    PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
+    UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
+    CURRENT_TERM = "current term"
+    NEWER_TERM = "newer term"
+    LOWER_TERM = "lower term"
+
+
+# should_accept_update(): actions
 ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE
-TAG_CURRENT_TERM = "current term"
-TAG_NEWER_TERM = "newer term"
-TAG_LOWER_TERM = "lower term"
 
 LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves
 
@@ -212,8 +219,8 @@ def decide(
         if holder.holder == self_id:  # my own lease from before a restart: let it lapse, do not resume
             return ElectionDecision(
                 WAIT,
-                f"{TAG_LEASE_GRACE}: my own term {holder.term} lease from before a restart, live until "
-                f"{holder.expires_at:.2f}",
+                ElectionTag.LEASE_GRACE,
+                f"my own term {holder.term} lease from before a restart, live until {holder.expires_at:.2f}",
                 term=holder.term,
                 holder=self_id,
                 expires_at=holder.expires_at,
@@ -222,7 +229,8 @@ def decide(
         if holder.holder in down and holder.successor == self_id and self_id in eligible:
             claim = ElectionDecision(
                 CLAIM,
-                f"{TAG_SUCCESSION}: {holder.holder} (term {holder.term}) is down and named me its successor",
+                ElectionTag.SUCCESSION,
+                f"{holder.holder} (term {holder.term}) is down and named me its successor",
                 term=holder.term + 1,
                 holder=self_id,
                 expires_at=now + timing.lease_ttl,
@@ -230,7 +238,8 @@ def decide(
             return _naming(claim, successor(holder.term + 2))
         return ElectionDecision(
             FOLLOW,
-            f"{TAG_HELD_BY}: {holder.holder} term {holder.term} until {holder.expires_at:.2f}",
+            ElectionTag.HELD_BY,
+            f"{holder.holder} term {holder.term} until {holder.expires_at:.2f}",
             term=holder.term,
             holder=holder.holder,
             expires_at=holder.expires_at,
@@ -244,7 +253,7 @@ def decide(
 def _naming(decision: ElectionDecision, successor: str) -> ElectionDecision:
     """A claim or renewal that names `successor` in the lease it writes (and says so in its reason)."""
     return replace(
-        decision, successor=successor, reason=f"{decision.reason}; successor {successor or 'none'}"
+        decision, successor=successor, detail=f"{decision.detail}; successor {successor or 'none'}"
     )
 
 
@@ -261,19 +270,21 @@ def _decide_as_holder(
     if holder is not None and holder.term > term:
         return ElectionDecision(
             STEP_DOWN,
-            f"{TAG_HIGHER_TERM}: {holder.holder} holds term {holder.term} > my term {term}",
+            ElectionTag.HIGHER_TERM,
+            f"{holder.holder} holds term {holder.term} > my term {term}",
             term=holder.term,
             holder=holder.holder,
             expires_at=holder.expires_at,
         )
     if term_seen > term:
         return ElectionDecision(
-            STEP_DOWN, f"{TAG_HIGHER_TERM}: term {term_seen} was seen > my term {term}", term=term_seen
+            STEP_DOWN, ElectionTag.HIGHER_TERM, f"term {term_seen} was seen > my term {term}", term=term_seen
         )
     if holder is not None and holder.term == term and holder.holder != mine.holder:
         return ElectionDecision(
             STEP_DOWN,
-            f"{TAG_LOST_TIE}: {holder.holder} also holds term {term} and wins the tie-break",
+            ElectionTag.LOST_TIE,
+            f"{holder.holder} also holds term {term} and wins the tie-break",
             term=term,
             holder=holder.holder,
             expires_at=holder.expires_at,
@@ -285,7 +296,8 @@ def _decide_as_holder(
     if now >= expires_at - timing.lease_margin:
         return ElectionDecision(
             STEP_DOWN,
-            f"{TAG_LEASE_EXPIRED}: term {term} lease expires at {expires_at:.2f}; stop merging by "
+            ElectionTag.LEASE_EXPIRED,
+            f"term {term} lease expires at {expires_at:.2f}; stop merging by "
             f"{expires_at - timing.lease_margin:.2f} (margin {timing.lease_margin}s)",
             term=term,
             holder=mine.holder,
@@ -294,7 +306,8 @@ def _decide_as_holder(
     if rounds_done >= timing.term_rounds:
         return ElectionDecision(
             STEP_DOWN,
-            f"{TAG_TERM_ENDED}: {rounds_done} of {timing.term_rounds} rounds done in term {term}; "
+            ElectionTag.TERM_ENDED,
+            f"{rounds_done} of {timing.term_rounds} rounds done in term {term}; "
             "merge the open rounds that have a quorum, then release",
             term=term,
             holder=mine.holder,
@@ -305,7 +318,8 @@ def _decide_as_holder(
     if now - written_at >= timing.lease_renew_fraction * timing.lease_ttl:
         return ElectionDecision(
             RENEW,
-            f"{TAG_RENEW}: term {term}, {now - written_at:.2f}s of {timing.lease_ttl}s elapsed",
+            ElectionTag.RENEW,
+            f"term {term}, {now - written_at:.2f}s of {timing.lease_ttl}s elapsed",
             term=term,
             holder=mine.holder,
             expires_at=now + timing.lease_ttl,
@@ -313,7 +327,8 @@ def _decide_as_holder(
         )
     return ElectionDecision(
         HOLD,
-        f"{TAG_HOLDING}: term {term} until {expires_at:.2f}, {rounds_done} rounds done",
+        ElectionTag.HOLDING,
+        f"term {term} until {expires_at:.2f}, {rounds_done} rounds done",
         term=term,
         holder=mine.holder,
         expires_at=expires_at,
@@ -339,8 +354,8 @@ def _decide_claim(
         old = max(last, key=lambda x: x.expires_at)
         return ElectionDecision(
             WAIT,
-            f"{TAG_LEASE_GRACE}: term {term_seen} of {old.holder} lapsed; claims for term {next_term} "
-            f"open at {base:.2f}",
+            ElectionTag.LEASE_GRACE,
+            f"term {term_seen} of {old.holder} lapsed; claims for term {next_term} open at {base:.2f}",
             term=term_seen,
             holder=old.holder,
             expires_at=old.expires_at,
@@ -350,7 +365,8 @@ def _decide_claim(
         live = sum(hb.live(now) for hb in heartbeats)
         return ElectionDecision(
             WAIT,
-            f"{TAG_NO_CANDIDATES}: none of {live} live peers is eligible for term {next_term}",
+            ElectionTag.NO_CANDIDATES,
+            f"none of {live} live peers is eligible for term {next_term}",
             term=next_term,
         )
     rotated_out = {lease.holder for lease in last if lease.released}
@@ -363,12 +379,17 @@ def _decide_claim(
         why = "previous holder, rotating out" if self_id in rotated_out else None
         why = why or why_not_eligible(self_id, heartbeats, now, max_lag, verified_newest)
         return ElectionDecision(
-            WAIT, f"{TAG_NOT_ELIGIBLE}: {why}; {turn} may claim term {next_term}", term=next_term, holder=turn
+            WAIT,
+            ElectionTag.NOT_ELIGIBLE,
+            f"{why}; {turn} may claim term {next_term}",
+            term=next_term,
+            holder=turn,
         )
     if turn == self_id:
         return ElectionDecision(
             CLAIM,
-            f"{TAG_CLAIM}: term {next_term}, rank {ranking.index(self_id) + 1} of {len(ranking)}",
+            ElectionTag.CLAIM,
+            f"term {next_term}, rank {ranking.index(self_id) + 1} of {len(ranking)}",
             term=next_term,
             holder=self_id,
             expires_at=now + timing.lease_ttl,
@@ -377,7 +398,8 @@ def _decide_claim(
     my_window = window + (rank - window) % len(ranking)
     return ElectionDecision(
         WAIT,
-        f"{TAG_CLAIM_GRACE}: {turn} may claim term {next_term} now; I am rank {rank + 1} of {len(ranking)}, "
+        ElectionTag.CLAIM_GRACE,
+        f"{turn} may claim term {next_term} now; I am rank {rank + 1} of {len(ranking)}, "
         f"my turn at {base + my_window * timing.claim_grace:.2f}",
         term=next_term,
         holder=turn,
@@ -391,10 +413,10 @@ def should_accept_update(update_term: int, highest_term_seen: int) -> Decision:
     """
     if update_term < highest_term_seen:
         return Decision(
-            IGNORE, f"{TAG_LOWER_TERM}: update term {update_term} < highest seen {highest_term_seen}"
+            IGNORE, ElectionTag.LOWER_TERM, f"update term {update_term} < highest seen {highest_term_seen}"
         )
     if update_term > highest_term_seen:
         return Decision(
-            ACCEPT, f"{TAG_NEWER_TERM}: update term {update_term} > highest seen {highest_term_seen}"
+            ACCEPT, ElectionTag.NEWER_TERM, f"update term {update_term} > highest seen {highest_term_seen}"
         )
-    return Decision(ACCEPT, f"{TAG_CURRENT_TERM}: term {update_term}")
+    return Decision(ACCEPT, ElectionTag.CURRENT_TERM, f"term {update_term}")

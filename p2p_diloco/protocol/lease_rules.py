@@ -37,14 +37,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.timing import SwarmTiming
 
-NOT_SYNCHRONIZER = "lease holder may not synchronize"
-TOO_LONG = "lease expiry too far ahead"
-TERM_JUMP = "lease term jump"
-EARLY_CLAIM = "lease claimed early"
+
+class LeaseTag(StrEnum):
+    """Why a lease record was refused."""
+
+    NOT_SYNCHRONIZER = "lease holder may not synchronize"
+    TOO_LONG = "lease expiry too far ahead"
+    TERM_JUMP = "lease term jump"
+    EARLY_CLAIM = "lease claimed early"
+
+
 # A term this peer missed (a short term under load, a healed partition) is vouched for by any live peer
 # other than its holder that reports it: in a swarm of three, the holder and one other peer is all there
 # is. A forger still needs a key that may synchronize (rule 1) and a second identity.
@@ -91,11 +98,13 @@ def screen_leases(
     for item in seen:
         lease = item.lease
         if not may_synchronize(lease.holder):
-            refused.append((lease, NOT_SYNCHRONIZER, f"{lease.holder} is not a synchronizer of this run"))
+            refused.append(
+                (lease, LeaseTag.NOT_SYNCHRONIZER, f"{lease.holder} is not a synchronizer of this run")
+            )
         elif lease.expires_at > item.first_seen + timing.lease_ttl + timing.lease_margin:
             ahead = lease.expires_at - item.first_seen
             refused.append(
-                (lease, TOO_LONG, f"term {lease.term} expires {ahead:.1f}s after it was first seen, "
+                (lease, LeaseTag.TOO_LONG, f"term {lease.term} expires {ahead:.1f}s after it was first seen, "
                  f"more than lease_ttl {timing.lease_ttl}s")
             )  # fmt: skip
         else:
@@ -113,7 +122,11 @@ def screen_leases(
             lease, terms_reported or {}, MIN_PEERS_FOR_JUMP
         ):
             refused.append(
-                (lease, TERM_JUMP, f"term {lease.term} skips terms above {floor} (at most one at a time)")
+                (
+                    lease,
+                    LeaseTag.TERM_JUMP,
+                    f"term {lease.term} skips terms above {floor} (at most one at a time)",
+                )
             )
             continue
         # Only records of the previous term seen before this one: a late renewal of the old term (a zombie
@@ -129,7 +142,7 @@ def screen_leases(
             early = False  # succession: the holder named this claimant to take over if it dies
         if early and not _reported_by_others(lease, terms_reported or {}, MIN_PEERS_FOR_EARLY_CLAIM):
             refused.append(
-                (lease, EARLY_CLAIM, f"term {lease.term} was written at {write_time(lease, timing):.2f}, "
+                (lease, LeaseTag.EARLY_CLAIM, f"term {lease.term} was written at {write_time(lease, timing):.2f}, "
                  f"before term {lease.term - 1} lapsed at {base:.2f}")
             )  # fmt: skip
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from enum import StrEnum
 
 import torch
 from torch import Tensor
@@ -22,14 +23,19 @@ from p2p_diloco.protocol.kernels import CHUNK, Scratch, all_finite, fresh, norm6
 ACCEPT = Action.ACCEPT
 REJECT = "reject"
 
-# Reason tags (a reason is "<tag>: <details>"). `replica` reuses the shape/dtype/finite tags.
-ACCEPTED = "accepted"
-MISSING_TENSOR = "missing tensor"
-UNEXPECTED_TENSOR = "unexpected tensor"
-WRONG_SHAPE = "wrong shape"
-WRONG_DTYPE = "wrong dtype"
-NON_FINITE = "non-finite"
-NORM_BOUND = "norm bound"
+
+# `replica` reuses the shape/dtype/finite tags.
+class MergeTag(StrEnum):
+    """Why a delta or a replica's tensors passed or failed `check_tensors`."""
+
+    ACCEPTED = "accepted"
+    MISSING_TENSOR = "missing tensor"
+    UNEXPECTED_TENSOR = "unexpected tensor"
+    WRONG_SHAPE = "wrong shape"
+    WRONG_DTYPE = "wrong dtype"
+    NON_FINITE = "non-finite"
+    NORM_BOUND = "norm bound"
+
 
 MERGE_RULES = ("rda", "mean")
 # RDA with at most this many deltas takes the direction's norm from their Gram matrix (one pass over the
@@ -71,31 +77,37 @@ def check_tensors(
     """
     missing = [name for name in expected_shapes if name not in tensors]
     if missing:
-        return Decision(REJECT, f"{MISSING_TENSOR}: {_preview(missing)}")
+        return Decision(REJECT, MergeTag.MISSING_TENSOR, f"{_preview(missing)}")
     unexpected = [name for name in tensors if name not in expected_shapes]
     if unexpected:
-        return Decision(REJECT, f"{UNEXPECTED_TENSOR}: {_preview(unexpected)}")
+        return Decision(REJECT, MergeTag.UNEXPECTED_TENSOR, f"{_preview(unexpected)}")
     for name, shape in expected_shapes.items():
         tensor = tensors[name]
         if not isinstance(tensor, Tensor):
-            return Decision(REJECT, f"{WRONG_DTYPE}: {name} is a {type(tensor).__name__}, not a tensor")
+            return Decision(
+                REJECT, MergeTag.WRONG_DTYPE, f"{name} is a {type(tensor).__name__}, not a tensor"
+            )
         if tuple(tensor.shape) != tuple(shape):
             return Decision(
-                REJECT, f"{WRONG_SHAPE}: {name} is {tuple(tensor.shape)}, expected {tuple(shape)}"
+                REJECT, MergeTag.WRONG_SHAPE, f"{name} is {tuple(tensor.shape)}, expected {tuple(shape)}"
             )
         if tensor.dtype != DELTA_DTYPE or tensor.layout != torch.strided:
             return Decision(
-                REJECT, f"{WRONG_DTYPE}: {name} is {tensor.dtype} ({tensor.layout}), expected dense float32"
+                REJECT,
+                MergeTag.WRONG_DTYPE,
+                f"{name} is {tensor.dtype} ({tensor.layout}), expected dense float32",
             )
         if finite and not all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
-            return Decision(REJECT, f"{NON_FINITE}: {name} has {bad} NaN/inf values")
+            return Decision(REJECT, MergeTag.NON_FINITE, f"{name} has {bad} NaN/inf values")
         if norm_bound is not None:
             # float64 accumulation: a float32 sum of squares can overflow for finite, in-bound entries.
             norm = norm64(tensor)
             if not norm <= norm_bound:
-                return Decision(REJECT, f"{NORM_BOUND}: {name} has L2 norm {norm:.6g} > {norm_bound:.6g}")
-    return Decision(ACCEPT, f"{ACCEPTED}: {len(expected_shapes)} tensors")
+                return Decision(
+                    REJECT, MergeTag.NORM_BOUND, f"{name} has L2 norm {norm:.6g} > {norm_bound:.6g}"
+                )
+    return Decision(ACCEPT, MergeTag.ACCEPTED, f"{len(expected_shapes)} tensors")
 
 
 def validate_delta(

@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class UpdateTag(StrEnum):
+    """Why an update record (pushed, replayed or the holder's own) or a snapshot was refused."""
+
+    NOT_SYNCHRONIZER = "not synchronizer"  # a delta sent to a peer that holds no lease
+    NOT_THE_LEADER = "not the leader"  # the pusher is not the leader the update names
+    BAD_SIGNATURE = "bad signature"  # an update not signed by the leader it names
+    NO_LEASE = "no lease"  # its leader never held a valid lease of its term
+    LEASE_NOT_LIVE = "lease not live"  # a pushed update whose leader's lease was not live when it arrived
+    WRONG_CODEC = "wrong codec"
+    NOT_FINITE = "not finite"
+    TOO_LARGE = "update too large"
+    UNKNOWN_CONTRIBUTOR = "unknown contributor"
+    IMPLAUSIBLE_WEIGHT = "implausible weight"
+    SKIPPED = "skipped"  # a replayed record that does not extend this replica: not applied, not an offence
+    UNVOUCHED_SNAPSHOT = (
+        "unvouched snapshot"  # no checked update, and no two peers that may sync, vouch for it
+    )
 
 
 @dataclass(frozen=True)

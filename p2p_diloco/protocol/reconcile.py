@@ -26,13 +26,14 @@ every tip. Per fragment, independently:
      line with both tips, and its learner reloads the fragment. The losing branch's updates are dropped,
      and with them the learners' local progress that went only into them.
 
-Pure: no clock, no I/O. Actions and reason tags are module constants.
+Pure: no clock, no I/O. Actions are module constants, tags a `ReconcileTag`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from p2p_diloco.protocol.decisions import Action, Decision
 
@@ -40,12 +41,18 @@ TIP_CHECKSUM_CHARS = 16  # hex characters of the fragment checksum carried in a 
 
 # classify(): actions
 IN_SYNC, KEEP, CATCH_UP, RECONCILE = Action.IN_SYNC, Action.KEEP, Action.CATCH_UP, Action.RECONCILE
-# classify() / fork_proven(): reason tags
-TAG_SAME_STATE = "same state"  # in_sync
-TAG_WINNING = "winning branch"  # keep
-TAG_BEHIND = "behind"  # catch_up: maybe an ancestor of the winner; replay verifies it
-TAG_DIVERGED = "diverged"  # reconcile: cannot be on the winner's history
-TAG_FORK_PROVEN = "fork proven"  # reconcile: a replayed update of the winner did not match my state
+
+
+class ReconcileTag(StrEnum):
+    """Why `classify` / `fork_proven` decided what they did."""
+
+    SAME_STATE = "same state"  # in_sync
+    WINNING = "winning branch"  # keep
+    BEHIND = "behind"  # catch_up: maybe an ancestor of the winner; replay verifies it
+    DIVERGED = "diverged"  # reconcile: cannot be on the winner's history
+    FORK_PROVEN = "fork proven"  # reconcile: a replayed update of the winner did not match my state
+
+
 # The event-log line a peer writes when it replaced a fragment by the winning branch's snapshot.
 LOG_RECONCILED = "reconciled"
 
@@ -83,20 +90,21 @@ def winning_tip(tips: Iterable[BranchTip]) -> BranchTip:
 def classify(mine: BranchTip, winner: BranchTip) -> Decision:
     """What a replica with tip `mine` does about a fragment whose winning tip is `winner` (rules above)."""
     if mine.same_state(winner):
-        return Decision(IN_SYNC, f"{TAG_SAME_STATE}: {mine} matches the winner {winner}")
+        return Decision(IN_SYNC, ReconcileTag.SAME_STATE, f"{mine} matches the winner {winner}")
     if mine >= winner:
-        return Decision(KEEP, f"{TAG_WINNING}: {mine} ranks at or above {winner}")
+        return Decision(KEEP, ReconcileTag.WINNING, f"{mine} ranks at or above {winner}")
     if mine.version < winner.version and mine.term <= winner.term:
         return Decision(
             CATCH_UP,
-            f"{TAG_BEHIND}: {mine} is {winner.version - mine.version} versions behind {winner}; "
+            ReconcileTag.BEHIND,
+            f"{mine} is {winner.version - mine.version} versions behind {winner}; "
             "replay and verify each checksum",
         )
     if mine.version == winner.version:
         why = "same version, different state"
     else:
         why = f"version {mine.version} >= {winner.version} with the lower term {mine.term} < {winner.term}"
-    return Decision(RECONCILE, f"{TAG_DIVERGED}: {mine} lost to {winner} ({why})")
+    return Decision(RECONCILE, ReconcileTag.DIVERGED, f"{mine} lost to {winner} ({why})")
 
 
 def fork_proven(mine: BranchTip, winner: BranchTip, *, update_term: int, from_version: int) -> Decision:
@@ -104,7 +112,8 @@ def fork_proven(mine: BranchTip, winner: BranchTip, *, update_term: int, from_ve
     did not reproduce its checksum on my state: my state is not on that history, so reconcile."""
     return Decision(
         RECONCILE,
-        f"{TAG_FORK_PROVEN}: {mine} lost to {winner} (the term {update_term} update from v{from_version} "
+        ReconcileTag.FORK_PROVEN,
+        f"{mine} lost to {winner} (the term {update_term} update from v{from_version} "
         "does not match my state)",
     )
 

@@ -16,6 +16,7 @@ import copy
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,14 +30,7 @@ from p2p_diloco.protocol.checksum import (
     fragment_checksum_v1,
 )
 from p2p_diloco.protocol.decisions import Action, Decision
-from p2p_diloco.protocol.merge import (
-    ACCEPT,
-    MISSING_TENSOR,
-    NON_FINITE,
-    UNEXPECTED_TENSOR,
-    WRONG_SHAPE,
-    check_tensors,
-)
+from p2p_diloco.protocol.merge import ACCEPT, MergeTag, check_tensors
 
 if TYPE_CHECKING:
     from p2p_diloco.protocol.fragments import FragmentPlan
@@ -44,15 +38,17 @@ if TYPE_CHECKING:
 # Actions.
 APPLY, LOAD, REFUSE = Action.APPLY, Action.LOAD, Action.REFUSE
 
-# Reason tags (a reason is "<tag>: <details>"). Gradient/snapshot checks also use the tags of
-# `merge.check_tensors`: "missing tensor", "unexpected tensor", "wrong shape", "wrong dtype", "non-finite"
-# (snapshots report missing/unexpected tensors as "wrong shape").
-APPLIED = "applied"
-DUPLICATE_UPDATE = "duplicate update"  # from_version < version: already applied, ignore
-OUT_OF_ORDER = "out of order"  # from_version > version: a gap, replay the missing updates or fetch
-CHECKSUM_MISMATCH = "checksum mismatch"  # the replica is unchanged; refetch the fragment from a peer
-LOADED = "loaded"
-OLDER_THAN_REPLICA = "older than replica"
+
+class ReplicaTag(StrEnum):
+    """Why the replica applied, loaded or refused. Gradient and snapshot checks also use the `MergeTag`s
+    of `merge.check_tensors` (snapshots report missing/unexpected tensors as WRONG_SHAPE)."""
+
+    APPLIED = "applied"
+    DUPLICATE_UPDATE = "duplicate update"  # from_version < version: already applied, ignore
+    OUT_OF_ORDER = "out of order"  # from_version > version: a gap, replay the missing updates or fetch
+    CHECKSUM_MISMATCH = "checksum mismatch"  # the replica is unchanged; refetch the fragment from a peer
+    LOADED = "loaded"
+    OLDER_THAN_REPLICA = "older than replica"
 
 
 def nesterov_step(
@@ -138,17 +134,19 @@ class GlobalReplica:
             names = plan.names(p)
             shapes = {name: tuple(params[name].shape) for name in names if name in params}
             if plan.numels and [params[n].numel() for n in names if n in params] != list(plan.numels[p]):
-                raise ValueError(f"{WRONG_SHAPE}: fragment {p} tensor sizes differ from the plan's")
+                raise ValueError(f"{MergeTag.WRONG_SHAPE}: fragment {p} tensor sizes differ from the plan's")
             for what, tensors in (("params", params), ("momentum", momentum)):
                 if set(tensors) != set(names):
-                    raise ValueError(f"{WRONG_SHAPE}: fragment {p} {what} do not hold the plan's tensors")
+                    raise ValueError(
+                        f"{MergeTag.WRONG_SHAPE}: fragment {p} {what} do not hold the plan's tensors"
+                    )
                 check = check_tensors(tensors, shapes, norm_bound=None)
                 if check.action != ACCEPT:
                     raise ValueError(f"fragment {p} {what}: {check.reason}")
             got = fragment_checksum(names, params, momentum, version)
             if got != checksum and fragment_checksum_v1(names, params, momentum, version) != checksum:
                 raise ValueError(
-                    f"{CHECKSUM_MISMATCH}: fragment {p} v{version} hashes to {got[:16]}, expected {checksum[:16]}"
+                    f"{ReplicaTag.CHECKSUM_MISMATCH}: fragment {p} v{version} hashes to {got[:16]}, expected {checksum[:16]}"
                 )
             replica._params.append({name: _cpu_fp32_copy(params[name]) for name in names})
             replica._momentum.append({name: _cpu_fp32_copy(momentum[name]) for name in names})
@@ -247,7 +245,7 @@ class GlobalReplica:
         # here and decoded inside the step.
         check = check_tensors(_placeholders(outer_grad), self.shapes(p), norm_bound=None, finite=False)
         if check.action != ACCEPT:
-            return Decision(REFUSE, check.reason)
+            return Decision(REFUSE, check.tag, check.detail)
         new_params: dict[str, Tensor] = {}
         new_momentum: dict[str, Tensor] = {}
         mu, rate = kernels.float32_scalar(momentum), kernels.float32_scalar(lr)
@@ -275,8 +273,10 @@ class GlobalReplica:
             if not finite:
                 check = self.check_outer_grad(p, outer_grad)
                 if check.action != ACCEPT:
-                    return Decision(REFUSE, check.reason)
-                return Decision(REFUSE, f"{NON_FINITE}: outer step on fragment {p} overflows in {name}")
+                    return Decision(REFUSE, check.tag, check.detail)
+                return Decision(
+                    REFUSE, MergeTag.NON_FINITE, f"outer step on fragment {p} overflows in {name}"
+                )
             hasher.update(_raw(new_momentum[name]))
         return PendingUpdate(
             fragment=p,
@@ -324,12 +324,15 @@ class GlobalReplica:
             return order
         if pending.base_checksum != self.checksum(p):
             return Decision(
-                REFUSE, f"{CHECKSUM_MISMATCH}: fragment {p} changed since the update was computed; recompute"
+                REFUSE,
+                ReplicaTag.CHECKSUM_MISMATCH,
+                f"fragment {p} changed since the update was computed; recompute",
             )
         if expected_checksum is not None and pending.checksum != expected_checksum:
             return Decision(
                 REFUSE,
-                f"{CHECKSUM_MISMATCH}: fragment {p} v{pending.to_version} computed {pending.checksum[:16]}, "
+                ReplicaTag.CHECKSUM_MISMATCH,
+                f"fragment {p} v{pending.to_version} computed {pending.checksum[:16]}, "
                 f"update says {expected_checksum[:16]}; replica unchanged, refetch the fragment",
             )
         # A caller's PendingUpdate is copied so later edits of its dicts cannot reach the replica.
@@ -337,19 +340,23 @@ class GlobalReplica:
         self._momentum[p] = {name: t.clone() if copy else t for name, t in pending.momentum.items()}
         self._versions[p] = pending.to_version
         self._checksums[p] = pending.checksum
-        return Decision(APPLY, f"{APPLIED}: fragment {p} v{pending.from_version} -> v{pending.to_version}")
+        return Decision(
+            APPLY, ReplicaTag.APPLIED, f"fragment {p} v{pending.from_version} -> v{pending.to_version}"
+        )
 
     def _check_order(self, p: int, from_version: int) -> Decision | None:
         current = self._versions[p]
         if from_version < current:
             return Decision(
                 REFUSE,
-                f"{DUPLICATE_UPDATE}: fragment {p} update from v{from_version}, replica is at v{current}",
+                ReplicaTag.DUPLICATE_UPDATE,
+                f"fragment {p} update from v{from_version}, replica is at v{current}",
             )
         if from_version > current:
             return Decision(
                 REFUSE,
-                f"{OUT_OF_ORDER}: fragment {p} update from v{from_version}, replica is at v{current}; "
+                ReplicaTag.OUT_OF_ORDER,
+                f"fragment {p} update from v{from_version}, replica is at v{current}; "
                 f"replay v{current}..v{from_version} or fetch the fragment",
             )
         return None
@@ -377,22 +384,27 @@ class GlobalReplica:
         if version < self._versions[p] and not force:
             return Decision(
                 REFUSE,
-                f"{OLDER_THAN_REPLICA}: fragment {p} snapshot is v{version}, replica is at v{self._versions[p]}",
+                ReplicaTag.OLDER_THAN_REPLICA,
+                f"fragment {p} snapshot is v{version}, replica is at v{self._versions[p]}",
             )
         shapes = self.shapes(p)
         for what, tensors in (("params", params), ("momentum", momentum)):
             check = check_tensors(tensors, shapes, norm_bound=None)
             if check.action != ACCEPT:
-                tag, _, detail = check.reason.partition(": ")
-                if tag in (MISSING_TENSOR, UNEXPECTED_TENSOR):  # a snapshot of another layout
-                    tag, detail = WRONG_SHAPE, check.reason
-                return Decision(REFUSE, f"{tag}: {what}: {detail}")
+                tag, detail = check.tag, check.detail
+                if tag in (
+                    MergeTag.MISSING_TENSOR,
+                    MergeTag.UNEXPECTED_TENSOR,
+                ):  # a snapshot of another layout
+                    tag, detail = MergeTag.WRONG_SHAPE, check.reason
+                return Decision(REFUSE, tag, f"{what}: {detail}")
         names = self.plan.names(p)
         got = fragment_checksum(names, params, momentum, version)
         if got != expected_checksum:
             return Decision(
                 REFUSE,
-                f"{CHECKSUM_MISMATCH}: fragment {p} snapshot v{version} hashes to {got[:16]}, "
+                ReplicaTag.CHECKSUM_MISMATCH,
+                f"fragment {p} snapshot v{version} hashes to {got[:16]}, "
                 f"expected {expected_checksum[:16]}; replica unchanged",
             )
         take = _take if adopt else _cpu_fp32_copy
@@ -400,7 +412,7 @@ class GlobalReplica:
         self._momentum[p] = {name: take(momentum[name]) for name in names}
         previous, self._versions[p] = self._versions[p], version
         self._checksums[p] = got
-        return Decision(LOAD, f"{LOADED}: fragment {p} v{previous} -> v{version}")
+        return Decision(LOAD, ReplicaTag.LOADED, f"fragment {p} v{previous} -> v{version}")
 
     def fragment_state(self, fragment: int) -> tuple[int, Mapping[str, Tensor], Mapping[str, Tensor]]:
         """(version, Theta_p, m_p) without copies (read only; the tensors are never changed in place)."""

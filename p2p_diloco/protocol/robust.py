@@ -1,8 +1,8 @@
 """Robust aggregation: screening validated deltas before a merge, and cooling down repeat offenders.
 
 `merge.validate_delta` proves a delta well formed (names, shapes, finite, under the absolute norm bound).
-`RobustGuard` decides whether it is *plausible*, one rule at a time, each a `Decision(action, reason)`
-with action ACCEPT, CLIP (usable after clipping) or REJECT and a reason starting with a tag below:
+`RobustGuard` decides whether it is *plausible*, one rule at a time, each a `Decision(action, tag, detail)`
+with action ACCEPT, CLIP (usable after clipping) or REJECT and a `RobustTag` named below:
 
 1. cool-down (`admit`): a sender with `offence_limit` offences within `offence_window` seconds is
    ignored for `cooldown` seconds (COOL_DOWN). Offences are all rejections except NON_OFFENCES, which
@@ -42,7 +42,7 @@ with action ACCEPT, CLIP (usable after clipping) or REJECT and a reason starting
    reference, the synchronizer holds its rounds open for up to `warmup_wait` seconds to gather
    `round_min` contributions, so the first updates are screened by the round.
 
-The knobs (`RobustConfig`) and the reason tags live in `protocol.robust_config`, re-exported here; the
+The knobs (`RobustConfig`) and the tags (`RobustTag`) live in `protocol.robust_config`, re-exported here; the
 direction references and the cosine in `protocol.direction`.
 Pure: time comes in as `now`; no clock, no randomness.
 """
@@ -61,20 +61,7 @@ from torch import Tensor
 from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.direction import DirectionReferences, cosine, fragment_norm
-from p2p_diloco.protocol.robust_config import (
-    COOL_DOWN,
-    COOL_DOWN_STARTED,
-    DIRECTION_OUTLIER,
-    NO_REFERENCE,
-    NON_OFFENCES,
-    NORM_CLIPPED,
-    NORM_OUTLIER,
-    PLAUSIBLE,
-    REPLAY,
-    STEP_CLAIM,
-    TOKEN_CLAIM,
-    RobustConfig,
-)
+from p2p_diloco.protocol.robust_config import NON_OFFENCES, RobustConfig, RobustTag
 from p2p_diloco.protocol.standing import Standing
 
 ACCEPT, CLIP, REJECT = Action.ACCEPT, Action.CLIP, Action.REJECT
@@ -82,21 +69,12 @@ ACCEPT, CLIP, REJECT = Action.ACCEPT, Action.CLIP, Action.REJECT
 __all__ = [
     "ACCEPT",
     "CLIP",
-    "COOL_DOWN",
-    "COOL_DOWN_STARTED",
-    "DIRECTION_OUTLIER",
-    "NO_REFERENCE",
     "NON_OFFENCES",
-    "NORM_CLIPPED",
-    "NORM_OUTLIER",
-    "PLAUSIBLE",
     "REJECT",
-    "REPLAY",
-    "STEP_CLAIM",
-    "TOKEN_CLAIM",
     "CounterCheck",
     "RobustConfig",
     "RobustGuard",
+    "RobustTag",
     "Screened",
     "cosine",
     "fragment_norm",
@@ -165,20 +143,25 @@ class RobustGuard:
     def admit(self, sender: str, now: float) -> Decision:
         until = self._cool_until.get(sender)
         if until is not None and now < until:
-            return Decision(REJECT, f"{COOL_DOWN}: {sender} is ignored for {until - now:.1f}s more")
-        return Decision(ACCEPT, f"{PLAUSIBLE}: {sender} is not cooling down")
+            return Decision(REJECT, RobustTag.COOL_DOWN, f"{sender} is ignored for {until - now:.1f}s more")
+        return Decision(ACCEPT, RobustTag.PLAUSIBLE, f"{sender} is not cooling down")
+
+    def cool_down_left(self, sender: str, now: float) -> float:
+        """Seconds `sender` stays cooled down (to 0.1 s, as its rejection says; 0 if it is not)."""
+        until = self._cool_until.get(sender)
+        return round(until - now, 1) if until is not None and now < until else 0.0
 
     def cooling(self, now: float) -> frozenset[str]:
         return frozenset(s for s, until in self._cool_until.items() if now < until)
 
     def note_rejection(self, sender: str, tag: str, now: float) -> Decision | None:
-        """Count a rejection of `sender`'s input; returns a COOL_DOWN_STARTED decision when one begins."""
+        """Count a rejection of `sender`'s input; returns a RobustTag.COOL_DOWN_STARTED decision when one begins."""
         self.rejected[(sender, tag)] += 1
         cfg = self.config
         if not cfg.enabled:
             return None
-        if tag == DIRECTION_OUTLIER and self._repeated(self._direction_outliers, sender, now):
-            tag = f"{cfg.direction_offence_limit} {DIRECTION_OUTLIER}s"
+        if tag == RobustTag.DIRECTION_OUTLIER and self._repeated(self._direction_outliers, sender, now):
+            tag = f"{cfg.direction_offence_limit} {RobustTag.DIRECTION_OUTLIER}s"
         elif tag in NON_OFFENCES:
             return None
         times = self._offences.setdefault(sender, deque())
@@ -192,7 +175,8 @@ class RobustGuard:
         self.cooldowns.append((now, sender, tag))
         return Decision(
             REJECT,
-            f"{COOL_DOWN_STARTED}: {sender} ignored for {cfg.cooldown:.0f}s after {cfg.offence_limit} "
+            RobustTag.COOL_DOWN_STARTED,
+            f"{sender} ignored for {cfg.cooldown:.0f}s after {cfg.offence_limit} "
             f"offences within {cfg.offence_window:.0f}s, the last {tag!r}",
         )
 
@@ -216,13 +200,14 @@ class RobustGuard:
         that trained a full H steps (an honest delta that trained on while in flight loses the excess
         weight, not its place in the merge)."""
         if not self.config.enabled or steps <= 0:
-            return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: counters not checked"), tokens, steps)
+            return CounterCheck(Decision(ACCEPT, RobustTag.PLAUSIBLE, "counters not checked"), tokens, steps)
         expected = self.tokens_per_step
         if abs(tokens / steps - expected) > self.config.token_tolerance * expected:
             return CounterCheck(
                 Decision(
                     REJECT,
-                    f"{TOKEN_CLAIM}: {tokens} tokens in {steps} steps is {tokens / steps:.1f} per step, "
+                    RobustTag.TOKEN_CLAIM,
+                    f"{tokens} tokens in {steps} steps is {tokens / steps:.1f} per step, "
                     f"the manifest's batch x block is {expected}",
                 ),
                 tokens,
@@ -232,23 +217,27 @@ class RobustGuard:
         if steps > cap:
             clipped = round(tokens * cap / steps)
             return CounterCheck(
-                Decision(CLIP, f"{STEP_CLAIM}: {steps} steps clipped to {cap} for the weight"), clipped, cap
+                Decision(CLIP, RobustTag.STEP_CLAIM, f"{steps} steps clipped to {cap} for the weight"),
+                clipped,
+                cap,
             )
-        return CounterCheck(Decision(ACCEPT, f"{PLAUSIBLE}: {tokens} tokens in {steps} steps"), tokens, steps)
+        return CounterCheck(
+            Decision(ACCEPT, RobustTag.PLAUSIBLE, f"{tokens} tokens in {steps} steps"), tokens, steps
+        )
 
     def check_replay(self, sender: str, payload: bytes) -> Decision:
         """Refuse a payload this sender sent before; remembers the last `replay_memory` payloads per sender."""
         if not self.config.enabled:
-            return Decision(ACCEPT, f"{PLAUSIBLE}: replays not checked")
+            return Decision(ACCEPT, RobustTag.PLAUSIBLE, "replays not checked")
         digest = hashlib.blake2b(payload, digest_size=16).digest()
         order, seen = self._seen.setdefault(sender, (deque(), set()))
         if digest in seen:
-            return Decision(REJECT, f"{REPLAY}: {sender} sent this delta before")
+            return Decision(REJECT, RobustTag.REPLAY, f"{sender} sent this delta before")
         order.append(digest)
         seen.add(digest)
         if len(order) > self.config.replay_memory:
             seen.discard(order.popleft())
-        return Decision(ACCEPT, f"{PLAUSIBLE}: new payload")
+        return Decision(ACCEPT, RobustTag.PLAUSIBLE, "new payload")
 
     # ---- norms and directions -----------------------------------------------------------------------
 
@@ -257,7 +246,7 @@ class RobustGuard:
         cfg = self.config
         tensors = dict(tensors)
         if not cfg.enabled:
-            return Screened(Decision(ACCEPT, f"{PLAUSIBLE}: robust checks disabled"), tensors)
+            return Screened(Decision(ACCEPT, RobustTag.PLAUSIBLE, "robust checks disabled"), tensors)
         counted = self._counted_steps(steps)
         prior_rms = cfg.prior_factor * self.inner_lr * counted
         clipped = []
@@ -268,8 +257,8 @@ class RobustGuard:
                 return Screened(
                     Decision(
                         REJECT,
-                        f"{NORM_OUTLIER}: {name} RMS {rms:.3g} > {prior_rms:.3g} "
-                        f"({cfg.prior_factor} x lr x {counted} steps)",
+                        RobustTag.NORM_OUTLIER,
+                        f"{name} RMS {rms:.3g} > {prior_rms:.3g} ({cfg.prior_factor} x lr x {counted} steps)",
                     ),
                     tensors,
                 )
@@ -282,7 +271,8 @@ class RobustGuard:
                 return Screened(
                     Decision(
                         REJECT,
-                        f"{NORM_OUTLIER}: {name} norm {norm:.3g} in {counted} steps is {per_step:.3g} per "
+                        RobustTag.NORM_OUTLIER,
+                        f"{name} norm {norm:.3g} in {counted} steps is {per_step:.3g} per "
                         f"step > {cfg.reject_factor} x median {median:.3g}",
                     ),
                     tensors,
@@ -295,7 +285,9 @@ class RobustGuard:
             return Screened(direction, tensors)
         if clipped:
             return Screened(
-                Decision(CLIP, f"{NORM_CLIPPED}: to {cfg.clip_factor} x median: {', '.join(clipped[:4])}"),
+                Decision(
+                    CLIP, RobustTag.NORM_CLIPPED, f"to {cfg.clip_factor} x median: {', '.join(clipped[:4])}"
+                ),
                 tensors,
             )
         return Screened(direction, tensors)
@@ -309,7 +301,9 @@ class RobustGuard:
         cfg = self.config
         reference = self._references.usable(fragment)
         if reference is None:
-            return Decision(ACCEPT, f"{NO_REFERENCE}: fragment {fragment} has no direction reference yet")
+            return Decision(
+                ACCEPT, RobustTag.NO_REFERENCE, f"fragment {fragment} has no direction reference yet"
+            )
         cos = cosine(tensors, reference)
         recent = self._cosines.setdefault(sender, deque(maxlen=cfg.direction_window))
         recent.append(-1.0 if cos is None else cos)  # a zero delta carries no direction: worst case
@@ -319,7 +313,9 @@ class RobustGuard:
         if mean >= threshold:
             self._direction_strikes.pop(fragment, None)
             return Decision(
-                ACCEPT, f"{PLAUSIBLE}: {shown}, mean of last {len(recent)} {mean:.3f} with recent updates"
+                ACCEPT,
+                RobustTag.PLAUSIBLE,
+                f"{shown}, mean of last {len(recent)} {mean:.3f} with recent updates",
             )
         strikes = self._direction_strikes.setdefault(fragment, set())
         strikes.add(sender)
@@ -328,8 +324,8 @@ class RobustGuard:
             self._direction_strikes.pop(fragment, None)
         return Decision(
             REJECT,
-            f"{DIRECTION_OUTLIER}: {shown}, mean of last {len(recent)} {mean:.3f} < {threshold:.3f} "
-            "with recent updates",
+            RobustTag.DIRECTION_OUTLIER,
+            f"{shown}, mean of last {len(recent)} {mean:.3f} < {threshold:.3f} with recent updates",
         )
 
     def warming_up(self, fragment: int) -> bool:
@@ -348,9 +344,9 @@ class RobustGuard:
     def screen_round(self, deltas: Sequence[Mapping[str, Tensor]]) -> list[Decision]:
         """Drop each delta whose cosine with more than half of the others is below the threshold."""
         if not self.config.enabled or len(deltas) < self.config.round_min:
-            return [Decision(ACCEPT, f"{NO_REFERENCE}: fewer than {self.config.round_min} deltas")] * len(
-                deltas
-            )
+            return [
+                Decision(ACCEPT, RobustTag.NO_REFERENCE, f"fewer than {self.config.round_min} deltas")
+            ] * len(deltas)
         cosines = [[cosine(a, b) for b in deltas] for a in deltas]
         decisions = []
         for i, delta in enumerate(deltas):
@@ -362,12 +358,15 @@ class RobustGuard:
                 decisions.append(
                     Decision(
                         REJECT,
-                        f"{DIRECTION_OUTLIER}: cosine below {threshold:.3f} with {below} of the "
+                        RobustTag.DIRECTION_OUTLIER,
+                        f"cosine below {threshold:.3f} with {below} of the "
                         f"{len(others)} other deltas of the round ({shown})",
                     )
                 )
             else:
-                decisions.append(Decision(ACCEPT, f"{PLAUSIBLE}: cosines with the round's others {shown}"))
+                decisions.append(
+                    Decision(ACCEPT, RobustTag.PLAUSIBLE, f"cosines with the round's others {shown}")
+                )
         return decisions
 
     def _counted_steps(self, steps: int) -> int:

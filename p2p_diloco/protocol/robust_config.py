@@ -1,25 +1,34 @@
 """The knobs and vocabulary of the robust checks: `RobustConfig` (a `[robust]` manifest section) and the
-reason tags every robust `Decision` starts with, with `NON_OFFENCES`, the rejection tags that never count
+tags of every robust `Decision` (`RobustTag`), with `NON_OFFENCES`, the rejection tags that never count
 towards a cool-down. The checks themselves, with their state, are `protocol.robust.RobustGuard`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol.decisions import AdmissionTag
+from p2p_diloco.protocol.sync_round import RoundTag
 
-PLAUSIBLE = "plausible"
-NO_REFERENCE = "no reference"
-COOL_DOWN = "cool-down"
-TOKEN_CLAIM = "token claim"
-STEP_CLAIM = "step claim"
-REPLAY = "replay"
-NORM_OUTLIER = "norm outlier"
-NORM_CLIPPED = "norm clipped"
-DIRECTION_OUTLIER = "direction outlier"
-COOL_DOWN_STARTED = "cool-down started"
-LOSS_CHECK = "loss check"
+
+class RobustTag(StrEnum):
+    """Why a robust check accepted, clipped or rejected a delta."""
+
+    PLAUSIBLE = "plausible"
+    NO_REFERENCE = "no reference"
+    COOL_DOWN = "cool-down"
+    TOKEN_CLAIM = "token claim"
+    STEP_CLAIM = "step claim"
+    REPLAY = "replay"
+    NORM_OUTLIER = "norm outlier"
+    NORM_CLIPPED = "norm clipped"
+    DIRECTION_OUTLIER = "direction outlier"
+    COOL_DOWN_STARTED = "cool-down started"
+    LOSS_CHECK = "loss check"
+    OWN_DELTA = "own delta"  # the holder's own work: not screened
+
 
 # Rejection tags (of any module) that never count as offences. A direction outlier is a statistical call
 # that honest learners also hit (after a failover or an overshooting outer step their deltas can be near
@@ -27,15 +36,15 @@ LOSS_CHECK = "loss check"
 # cooled down for it; in the demo three honest learners were, losing 120 s of merges each.
 NON_OFFENCES = frozenset(
     {
-        "stale anchor",
-        "future anchor",
-        "round closed",
-        "already merged",  # a delta released at a term change that the old holder merged after all
-        "wrong run",
-        "wrong manifest",
-        "not allowed",
-        COOL_DOWN,
-        DIRECTION_OUTLIER,
+        RoundTag.STALE_ANCHOR,
+        RoundTag.FUTURE_ANCHOR,
+        RoundTag.ROUND_CLOSED,
+        AdmissionTag.ALREADY_MERGED,  # a delta released at a term change that the old holder merged after all
+        AdmissionTag.WRONG_RUN,
+        AdmissionTag.WRONG_MANIFEST,
+        AdmissionTag.NOT_ALLOWED,
+        RobustTag.COOL_DOWN,
+        RobustTag.DIRECTION_OUTLIER,
     }
 )
 

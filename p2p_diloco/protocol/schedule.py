@@ -19,16 +19,21 @@ and whose merged update the learner has not adopted yet (the learner owns that b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol.decisions import Action, Decision
 
 SEND, TRAIN = Action.SEND, Action.TRAIN
 
-DUE = "due"
-NOT_DUE = "not due"
-TAU_REACHED = "tau reached"
-ALREADY_IN_FLIGHT = "already in flight"
+
+class ScheduleTag(StrEnum):
+    """Why the learner sends or keeps training."""
+
+    DUE = "due"
+    NOT_DUE = "not due"
+    TAU_REACHED = "tau reached"
+    ALREADY_IN_FLIGHT = "already in flight"
 
 
 @dataclass(frozen=True)
@@ -89,24 +94,28 @@ class LearnerSchedule:
 
         fragment, due_at = self.next_fragment, self.next_due_step
         if due_at > step:
-            return ScheduleDecision(TRAIN, f"{NOT_DUE}: next is fragment {fragment} at step {due_at}", None)
+            return ScheduleDecision(
+                TRAIN, ScheduleTag.NOT_DUE, f"next is fragment {fragment} at step {due_at}", None
+            )
         late = f"due since step {due_at}, {step - due_at} steps late"
         if fragment in in_flight:
             self.deferred_steps += 1
             return ScheduleDecision(
                 TRAIN,
-                f"{ALREADY_IN_FLIGHT}: fragment {fragment} ({late}) waits until its previous delta is adopted",
+                ScheduleTag.ALREADY_IN_FLIGHT,
+                f"fragment {fragment} ({late}) waits until its previous delta is adopted",
                 fragment,
             )
         if len(in_flight) >= self.max_in_flight:
             self.deferred_steps += 1
             return ScheduleDecision(
                 TRAIN,
-                f"{TAU_REACHED}: {len(in_flight)}/{self.max_in_flight} in flight {sorted(in_flight)}; "
+                ScheduleTag.TAU_REACHED,
+                f"{len(in_flight)}/{self.max_in_flight} in flight {sorted(in_flight)}; "
                 f"fragment {fragment} ({late}) stays pending",
                 fragment,
             )
         self._next_send += 1
         self.sends += 1
         detail = f"due at step {due_at}" if due_at == step else late
-        return ScheduleDecision(SEND, f"{DUE}: fragment {fragment} ({detail})", fragment)
+        return ScheduleDecision(SEND, ScheduleTag.DUE, f"fragment {fragment} ({detail})", fragment)

@@ -7,13 +7,12 @@ A round for fragment p at version v (the version the merge will be applied to):
 - once `min_quorum` distinct learners have reported (time `quorum_at`), runs a grace window and then
   closes: early if every live learner has reported, at ``quorum_at + min(grace, cap)`` otherwise.
 
-Decisions (action: reason tags, module constants below):
+Decisions (action, `RoundTag`):
 - offer: "accept" (ACCEPTED, REPLACED, OPENED_ROUND) or "reject" (STALE_ANCHOR, FUTURE_ANCHOR,
-  BAD_COUNTERS, ROUND_CLOSED, UNKNOWN_FRAGMENT);
+  BAD_COUNTERS, ROUND_CLOSED, or `AdmissionTag.UNKNOWN_FRAGMENT`);
 - poll/ready: "wait" (QUORUM_NOT_MET, GRACE_RUNNING, MERGING) or "close" (GRACE_ENDED_EARLY,
   GRACE_ENDED, GRACE_CAPPED).
-Reasons read ``"<tag>: <details>"``; note GRACE_ENDED is a prefix of GRACE_ENDED_EARLY, so compare
-``reason.split(":")[0]`` with the tag rather than using ``startswith``.
+Callers compare `decision.tag` with a member; the detail is for people.
 
 Payloads are opaque here; validation of their contents (shapes, finite values, norms) and the merge
 itself live elsewhere.
@@ -24,29 +23,32 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol.decisions import Action, Decision
+from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
 from p2p_diloco.protocol.timing import DEFAULT_EMA_ALPHA, Ema, RoundTimings
 
 ACCEPT, REJECT, WAIT, CLOSE = Action.ACCEPT, Action.REJECT, Action.WAIT, Action.CLOSE
 
-ACCEPTED = "accepted"
-REPLACED = "replaced"
-OPENED_ROUND = "opened round"
-STALE_ANCHOR = "stale anchor"
-FUTURE_ANCHOR = "future anchor"
-BAD_COUNTERS = "bad counters"
-ROUND_CLOSED = "round closed"
-UNKNOWN_FRAGMENT = "unknown fragment"
 
-QUORUM_NOT_MET = "quorum not met"
-GRACE_RUNNING = "grace running"
-MERGING = "merging"
-GRACE_ENDED_EARLY = "grace ended early"
-GRACE_ENDED = "grace ended"
-GRACE_CAPPED = "grace capped"
+class RoundTag(StrEnum):
+    """Why a round accepted, rejected, waited or closed."""
+
+    ACCEPTED = "accepted"
+    REPLACED = "replaced"
+    OPENED_ROUND = "opened round"
+    STALE_ANCHOR = "stale anchor"
+    FUTURE_ANCHOR = "future anchor"
+    BAD_COUNTERS = "bad counters"
+    ROUND_CLOSED = "round closed"
+    QUORUM_NOT_MET = "quorum not met"
+    GRACE_RUNNING = "grace running"
+    MERGING = "merging"
+    GRACE_ENDED_EARLY = "grace ended early"
+    GRACE_ENDED = "grace ended"
+    GRACE_CAPPED = "grace capped"
 
 
 @dataclass(frozen=True)
@@ -98,25 +100,28 @@ class FragmentRound:
         """The rejection for `c` at this round's version, or None if it is usable."""
         if self.closed_at is not None:
             return Decision(
-                REJECT, f"{ROUND_CLOSED}: fragment {self.fragment} v{self.version} already merging"
+                REJECT, RoundTag.ROUND_CLOSED, f"fragment {self.fragment} v{self.version} already merging"
             )
         if c.tokens <= 0 or c.steps <= 0 or c.anchor_version < 0:
             return Decision(
                 REJECT,
-                f"{BAD_COUNTERS}: from {c.sender}: tokens={c.tokens}, steps={c.steps}, "
+                RoundTag.BAD_COUNTERS,
+                f"from {c.sender}: tokens={c.tokens}, steps={c.steps}, "
                 f"anchor={c.anchor_version} (tokens and steps must be > 0, anchor >= 0)",
             )
         if c.anchor_version > self.version:
             return Decision(
                 REJECT,
-                f"{FUTURE_ANCHOR}: from {c.sender}: anchor v{c.anchor_version} is ahead of "
+                RoundTag.FUTURE_ANCHOR,
+                f"from {c.sender}: anchor v{c.anchor_version} is ahead of "
                 f"fragment {self.fragment} v{self.version}",
             )
         lag = self.version - c.anchor_version
         if lag > self.max_staleness:
             return Decision(
                 REJECT,
-                f"{STALE_ANCHOR}: from {c.sender}: anchor v{c.anchor_version} is {lag} versions behind "
+                RoundTag.STALE_ANCHOR,
+                f"from {c.sender}: anchor v{c.anchor_version} is {lag} versions behind "
                 f"fragment {self.fragment} v{self.version} (max_staleness {self.max_staleness}); catch up first",
             )
         return None
@@ -131,10 +136,11 @@ class FragmentRound:
         self._latest[contribution.sender] = contribution
         if self.quorum_at is None and len(self._latest) >= self.min_quorum:
             self.quorum_at = now
-        tag = REPLACED if replaced else ACCEPTED
+        tag = RoundTag.REPLACED if replaced else RoundTag.ACCEPTED
         return Decision(
             ACCEPT,
-            f"{tag}: {contribution.sender} for fragment {self.fragment} v{self.version} "
+            tag,
+            f"{contribution.sender} for fragment {self.fragment} v{self.version} "
             f"(anchor v{contribution.anchor_version}, {len(self._latest)}/{self.min_quorum} learners)",
         )
 
@@ -142,27 +148,31 @@ class FragmentRound:
         """Wait or close at time `now`; the window is ``min(grace, cap)`` from `quorum_at`."""
         n, k = len(self._latest), self.min_quorum
         if self.quorum_at is None:
-            return Decision(WAIT, f"{QUORUM_NOT_MET}: {n}/{k} learners reported for fragment {self.fragment}")
+            return Decision(
+                WAIT, RoundTag.QUORUM_NOT_MET, f"{n}/{k} learners reported for fragment {self.fragment}"
+            )
         grace, cap = max(0.0, grace), max(0.0, cap)
         window = min(grace, cap)
         deadline = self.quorum_at + window
         if now >= deadline:
             if grace > cap:
                 return Decision(
-                    CLOSE, f"{GRACE_CAPPED}: {n} learners, grace {grace:.3f}s cut to the cap of {cap:.3f}s"
+                    CLOSE,
+                    RoundTag.GRACE_CAPPED,
+                    f"{n} learners, grace {grace:.3f}s cut to the cap of {cap:.3f}s",
                 )
-            return Decision(CLOSE, f"{GRACE_ENDED}: {n} learners after a {window:.3f}s grace window")
+            return Decision(CLOSE, RoundTag.GRACE_ENDED, f"{n} learners after a {window:.3f}s grace window")
         missing = live_learners - self.reporters
         if live_learners and not missing:
             return Decision(
                 CLOSE,
-                f"{GRACE_ENDED_EARLY}: all {len(live_learners)} live learners reported, "
-                f"{deadline - now:.3f}s of grace left",
+                RoundTag.GRACE_ENDED_EARLY,
+                f"all {len(live_learners)} live learners reported, {deadline - now:.3f}s of grace left",
             )
         return Decision(
             WAIT,
-            f"{GRACE_RUNNING}: {deadline - now:.3f}s left, {n} reported, "
-            f"{len(missing)} live learners missing",
+            RoundTag.GRACE_RUNNING,
+            f"{deadline - now:.3f}s left, {n} reported, {len(missing)} live learners missing",
         )
 
     def contributions(self) -> list[Contribution]:
@@ -170,7 +180,7 @@ class FragmentRound:
         return [self._latest[s] for s in sorted(self._latest)]
 
     def close(self, now: float) -> list[Contribution]:
-        """Stop accepting (later offers get ROUND_CLOSED) and return `contributions()`."""
+        """Stop accepting (later offers get RoundTag.ROUND_CLOSED) and return `contributions()`."""
         self.closed_at = now
         return self.contributions()
 
@@ -279,8 +289,8 @@ class SynchronizerRounds:
         if not 0 <= fragment < self.num_fragments:
             return Decision(
                 REJECT,
-                f"{UNKNOWN_FRAGMENT}: {fragment} from {contribution.sender} "
-                f"(fragments are 0..{self.num_fragments - 1})",
+                AdmissionTag.UNKNOWN_FRAGMENT,
+                f"{fragment} from {contribution.sender} (fragments are 0..{self.num_fragments - 1})",
             )
         current = self._rounds.get(fragment)
         if current is not None:
@@ -296,7 +306,9 @@ class SynchronizerRounds:
         if decision.action != ACCEPT:
             return decision
         self._rounds[fragment] = fresh
-        return Decision(ACCEPT, f"{OPENED_ROUND}: fragment {fragment} v{fresh.version}; {decision.reason}")
+        return Decision(
+            ACCEPT, RoundTag.OPENED_ROUND, f"fragment {fragment} v{fresh.version}; {decision.reason}"
+        )
 
     def observe_step_time(self, seconds: float) -> None:
         """Fold one learner inner-step duration into the step-time average."""
@@ -321,7 +333,8 @@ class SynchronizerRounds:
                         fragment,
                         Decision(
                             WAIT,
-                            f"{MERGING}: fragment {fragment} v{self._versions[fragment]} is still being merged",
+                            RoundTag.MERGING,
+                            f"fragment {fragment} v{self._versions[fragment]} is still being merged",
                         ),
                     )
                 )

@@ -17,6 +17,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.sync_round import CLOSE, REJECT, Contribution, SynchronizerRounds
 from p2p_diloco.sim.failure_model import FailureModel
 from p2p_diloco.sim.jobs import ComputeInterval, JobRun, simulate_elastic_job
@@ -92,10 +93,6 @@ def _live_union_fraction(runs: list[JobRun], horizon: float) -> float:
 _STOP, _START, _FINISH, _SEND, _CHECK = 0, 1, 2, 3, 4
 
 
-def _tag(reason: str) -> str:
-    return reason.split(":")[0]
-
-
 def simulate_decoupled(
     learners: int, chips: int, horizon: float, model: FailureModel, seed: int | str
 ) -> DecoupledRun:
@@ -128,10 +125,10 @@ def simulate_decoupled(
     merging: dict[int, list[Contribution]] = {}
     events: list[tuple[float, int, int]] = []
 
-    def reject(decision_reason: str, work: float) -> None:
+    def reject(decision: Decision, work: float) -> None:
         out.deltas_rejected += 1
         out.lost_chip_seconds += work
-        tag = _tag(decision_reason)
+        tag = str(decision.tag)
         out.reject_reasons[tag] = out.reject_reasons.get(tag, 0) + 1
 
     def advance_stream(i: int) -> None:
@@ -177,7 +174,7 @@ def simulate_decoupled(
         )
         decision = rounds.offer(p, contribution, t)
         if decision.action == REJECT:
-            reject(decision.reason, delta_work)
+            reject(decision, delta_work)
             anchors[i][p] = rounds.version(p)  # told to catch up: adopts the current fragment
         else:
             poll(t)
@@ -193,7 +190,7 @@ def simulate_decoupled(
         reasons = iter(dropped)
         for sender, c in before.items():
             if sender not in kept:
-                reject(next(reasons).reason, c.payload)
+                reject(next(reasons), c.payload)
         out.rounds_merged += 1
         out.contributors_per_round += len(closed)
         out.merged_chip_seconds += sum(c.payload for c in closed)

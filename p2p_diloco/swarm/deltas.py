@@ -11,7 +11,6 @@ training thread reads before it takes a delta: whether a synchronizer is known a
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +26,6 @@ from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 IN_FLIGHT_TIMEOUT_LEASES = 4
 MAX_DELTA_HOLD = 300.0
-_COOL_DOWN_LEFT = re.compile(r"ignored for ([0-9.]+)s more")
 
 Target = tuple[str, int]  # (holder, term)
 
@@ -39,9 +37,8 @@ def delta_hold_seconds(reply: Reply, heartbeat_period: float) -> float:
     second a cooled-down or unreachable learner sent the same refused fragment ~10 times a second.
     Held work keeps accumulating and goes out in one delta when the hold ends or the holder changes.
     """
-    if reply.tag == robust.COOL_DOWN:
-        match = _COOL_DOWN_LEFT.search(reply.reason)
-        return min(float(match.group(1)), MAX_DELTA_HOLD) if match else heartbeat_period
+    if reply.tag == robust.RobustTag.COOL_DOWN:
+        return min(reply.retry_after, MAX_DELTA_HOLD) if reply.retry_after > 0 else heartbeat_period
     return heartbeat_period if reply.status == ReplyStatus.TRANSIENT else 0.0
 
 

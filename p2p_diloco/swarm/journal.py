@@ -26,9 +26,11 @@ class Journal:
         self.rejections: Counter[str] = Counter()
         self.rejections_by_sender: Counter[tuple[str, str]] = Counter()
         self.decisions: deque[str] = deque(maxlen=DECISIONS_KEPT)
+        self.notes = 0  # lines noted so far
 
     def note(self, line: str) -> None:
         self.decisions.append(line)
+        self.notes += 1
         self._emit(Note(line))
 
     def reject(self, sender: str, tag: str, detail: str) -> Reply:

@@ -61,7 +61,7 @@ class Membership:
         self.holder: str | None = None  # the synchronizer this peer follows (itself when it holds the lease)
         self.holder_term = 0
         self.term_seen = 0
-        self.last_election = ""
+        self.last_election_tag = ""  # the tag of the last election decision (a change is noted)
         self.failovers_seen = 0
         self.last_read = float("-inf")
         self._own_sums: deque[tuple[float, int]] = deque()  # (time, this replica's versions sum)
@@ -240,9 +240,9 @@ class Membership:
         held = decision.action in (election.CLAIM, election.RENEW, election.HOLD, election.FOLLOW)
         self.term_seen = max(self.term_seen, seen, decision.term if held else 0)
         quiet = decision.action in (election.HOLD, election.RENEW, election.FOLLOW)
-        if not quiet or decision.reason.split(":")[0] != self.last_election.split(":")[0]:
+        if not quiet or decision.tag != self.last_election_tag:
             self.journal.note(f"election: {decision}")
-        self.last_election = decision.reason
+        self.last_election_tag = decision.tag
         return decision
 
     def _with_recent_candidates(self, view: SwarmView, now: float) -> list[PeerHeartbeat]:
@@ -280,7 +280,8 @@ class Membership:
             return decision
         return ElectionDecision(
             election.WAIT,
-            f"{election.TAG_PARTIAL_READ}: would claim term {decision.term}; reading the swarm for "
+            election.ElectionTag.PARTIAL_READ,
+            f"would claim term {decision.term}; reading the swarm for "
             f"{waited:.1f}s of {self.manifest.timing.heartbeat_ttl:.1f}s first",
             term=decision.term,
         )

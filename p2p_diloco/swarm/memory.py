@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p_diloco.wire.interfaces import InboundHandlers, Liveness, StoredValue
-from p2p_diloco.wire.replies import PEER_DOWN, Reply
+from p2p_diloco.wire.replies import LinkTag, Reply
 
 
 class FakeClock:
@@ -227,7 +227,7 @@ class SimNetwork:
             if handlers is None:  # a crashed peer's address refuses the connection
                 self.dropped += 1
                 if on_reply is not None:
-                    down = Reply.transient(PEER_DOWN, f"{dst} refused the connection")
+                    down = Reply.transient(LinkTag.PEER_DOWN, f"{dst} refused the connection")
                     self.loop.call_later(self.base_delay, lambda: on_reply(down) if self.is_up(src) else None)
                 return
             self.bytes_received[dst] = self.bytes_received.get(dst, 0) + len(frame)

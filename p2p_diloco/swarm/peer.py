@@ -270,7 +270,7 @@ class Peer:
         )
         if (held := self.underway.hold_back(decision)) is not None:
             membership.term_seen, decision = term_seen, held
-            membership.last_election = decision.reason
+            membership.last_election_tag = decision.tag
         if decision.action in (election.CLAIM, election.RENEW):
             lease = decision.lease_to_write()
             assert lease is not None
@@ -283,7 +283,7 @@ class Peer:
             membership.my_lease = lease
             membership.follow(self.peer_id, lease.term)
         elif decision.action == election.STEP_DOWN:
-            if membership.my_lease is not None and decision.reason.startswith(election.TAG_TERM_ENDED):
+            if membership.my_lease is not None and decision.tag == election.ElectionTag.TERM_ENDED:
                 self.role.finish_open_rounds(now)
                 self._release_lease(now, rounds)
             self.role.sync, membership.my_lease = None, None

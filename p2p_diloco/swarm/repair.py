@@ -25,10 +25,11 @@ from typing import Any
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import reconcile
-from p2p_diloco.protocol.decisions import Action, Decision
+from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
+from p2p_diloco.protocol.replica import GlobalReplica, ReplicaTag
 from p2p_diloco.swarm.effects import (
     FetchUpdateLogs,
     FetchUpdates,
@@ -45,11 +46,9 @@ from p2p_diloco.swarm.snapshots import SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
 from p2p_diloco.wire.frames import decode_update
-from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex
 
-REJECT_NOT_ALLOWED = "not allowed"
-UNVOUCHED_SNAPSHOT = "unvouched snapshot"  # no checked update, and no two peers that may sync, vouch for it
 Task = Generator[Request, Any, Any]
 
 
@@ -100,7 +99,9 @@ class Repair:
 
     def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
         if not self.membership.allowed(requester):
-            self.journal.reject(requester, REJECT_NOT_ALLOWED, "update replay refused: not in the allowlist")
+            self.journal.reject(
+                requester, AdmissionTag.NOT_ALLOWED, "update replay refused: not in the allowlist"
+            )
             return []
         if not 0 <= fragment < self.plan.num_fragments:
             return []
@@ -110,10 +111,10 @@ class Repair:
         """The index of the fragment's current state, pinned for chunk requests (`swarm.snapshots`); b""
         (which no requester can decode) for a refused request."""
         if not self.membership.allowed(requester):
-            self.journal.reject(requester, REJECT_NOT_ALLOWED, "snapshot refused: not in the allowlist")
+            self.journal.reject(requester, AdmissionTag.NOT_ALLOWED, "snapshot refused: not in the allowlist")
             return b""
         if not 0 <= fragment < self.plan.num_fragments:
-            self.journal.reject(requester, "unknown fragment", f"snapshot of {fragment}")
+            self.journal.reject(requester, AdmissionTag.UNKNOWN_FRAGMENT, f"snapshot of {fragment}")
             return b""
         version, params, momentum = self.replica.fragment_state(fragment)
         return self.snapshots.index(fragment, version, self.replica.checksum(fragment), params, momentum)
@@ -192,9 +193,13 @@ class Repair:
         for frame in frames:
             before = self.book.tip(fragment)
             record, reply = yield from self._replay_one(source, frame, now)
-            if reply.tag == "no lease":
+            if reply.tag == UpdateTag.NO_LEASE:
                 return None
-            if record is not None and record.fragment == fragment and reply.tag == CHECKSUM_MISMATCH:
+            if (
+                record is not None
+                and record.fragment == fragment
+                and reply.tag == ReplicaTag.CHECKSUM_MISMATCH
+            ):
                 return before, record
         return None
 
@@ -203,17 +208,17 @@ class Repair:
         try:
             record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
         except DecodeError as exc:
-            return None, self.journal.reject(source, exc.reason, f"replayed update: {exc}")
+            return None, self.journal.reject(source, exc.reason, f"replayed update: {exc.detail}")
         if not self.book.signed_by_leader(record):
             reason = f"replayed update of term {record.term} naming {record.leader}"
-            return None, self.journal.reject(source, "bad signature", reason)
+            return None, self.journal.reject(source, UpdateTag.BAD_SIGNATURE, reason)
         if not (yield from self.verify_lease(record.leader, record.term, now, past_terms=True)):
             reason = f"replayed update of term {record.term} by {record.leader}"
-            return None, self.journal.reject(source, "no lease", reason)
+            return None, self.journal.reject(source, UpdateTag.NO_LEASE, reason)
         if self.book.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
             if record.from_version == self.replica.version(record.fragment):
                 return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED, now=now)
-        return record, Reply(ReplyStatus.REFUSED, "skipped")
+        return record, Reply.refused(UpdateTag.SKIPPED)
 
     # ---- snapshots ---------------------------------------------------------------------------------
 
@@ -224,7 +229,7 @@ class Repair:
         if term is None:
             self.journal.reject(
                 source,
-                UNVOUCHED_SNAPSHOT,
+                UpdateTag.UNVOUCHED_SNAPSHOT,
                 f"fragment {fragment} v{snap.version} {snap.checksum[:12]}: no signed, leased update and no "
                 "two peers vouch for that state",
             )

@@ -13,21 +13,19 @@ from collections.abc import Callable, Collection
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership
-from p2p_diloco.swarm.repair import REJECT_NOT_ALLOWED
 from p2p_diloco.swarm.synchronizer import Synchronizer, outer_feedback_for
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import decode_delta, encode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
-
-REJECT_NOT_SYNCHRONIZER = "not synchronizer"
 
 
 class SynchronizerRole:
@@ -177,13 +175,15 @@ class SynchronizerRole:
 
     def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
         if not self.membership.allowed(sender):
-            return self.journal.reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist")
+            return self.journal.reject(
+                sender, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist"
+            )
         if self.sync is None:
             try:
                 decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
             except DecodeError as exc:
-                return self.journal.reject(sender, exc.reason, str(exc))
+                return self.journal.reject(sender, exc.reason, exc.detail)
             return self.journal.reject(
-                sender, REJECT_NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease"
+                sender, UpdateTag.NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease"
             )
         return self.sync.handle_delta(sender, frame, now)

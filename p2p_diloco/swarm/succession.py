@@ -19,7 +19,7 @@ from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership, SwarmView
 from p2p_diloco.wire.interfaces import Liveness
-from p2p_diloco.wire.replies import PEER_DOWN, ReplyStatus
+from p2p_diloco.wire.replies import LinkTag, ReplyStatus
 
 Task = Generator[fx.Request, Any, Any]
 
@@ -57,7 +57,7 @@ class HolderWatch:
         """A delta to the synchronizer failed: refused (its process is gone) or otherwise (probe it now)."""
         if replied.holder != self.membership.holder or replied.holder == self.peer_id:
             return
-        if replied.reply.tag == PEER_DOWN:
+        if replied.reply.tag == LinkTag.PEER_DOWN:
             self.holder_down(replied.holder)
         elif replied.reply.status == ReplyStatus.TRANSIENT:
             self.probe_if_successor()

@@ -28,25 +28,19 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.protocol.decisions import Decision
+from p2p_diloco.protocol.decisions import AdmissionTag, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.merge import merge_deltas, validate_delta
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
-from p2p_diloco.protocol.robust_config import LOSS_CHECK, REPLAY
-from p2p_diloco.protocol.sync_round import FUTURE_ANCHOR, Contribution, SynchronizerRounds
+from p2p_diloco.protocol.robust_config import RobustTag
+from p2p_diloco.protocol.sync_round import Contribution, RoundTag, SynchronizerRounds
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import decode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
-
-REJECT_WRONG_RUN = "wrong run"
-REJECT_WRONG_MANIFEST = "wrong manifest"
-REJECT_UNKNOWN_FRAGMENT = "unknown fragment"
-REJECT_NOT_ALLOWED = "not allowed"
-REJECT_ALREADY_MERGED = "already merged"  # the delta repeats work an applied update merged before
 
 
 @dataclass(frozen=True)
@@ -104,44 +98,51 @@ class Synchronizer:
         # this object (failover, rotation) unless the peer passes one store to every term (docs/wire_codecs.md).
         self.outer_feedback = outer_feedback or outer_feedback_for(manifest)
 
-    def _reject(self, sender: str, tag: str, detail: str, now: float) -> Reply:
+    def _reject(self, sender: str, tag: str, detail: str, now: float, retry_after: float = 0.0) -> Reply:
+        reply = Reply.refused(tag, detail, retry_after)
         self.rejections[tag] += 1
         self.rejections_by_sender[(sender, tag)] += 1
-        reason = detail if detail.startswith(tag) else f"{tag}: {detail}" if detail else tag
-        self.decisions.append(f"reject delta from {sender}: {reason}")
+        self.decisions.append(f"reject delta from {sender}: {reply.reason}")
         started = self.guard.note_rejection(sender, tag, now)
         if started is not None:
             self.decisions.append(started.reason)
-        return Reply(ReplyStatus.REFUSED, reason)
+        return reply
+
+    def _refuse(self, sender: str, decision: Decision, now: float) -> Reply:
+        return self._reject(sender, decision.tag, decision.detail, now)
 
     def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
         """Validate and offer one delta frame; returns the reply for the sender. Never raises on bad input."""
         if self.manifest.allowlist and sender not in self.manifest.allowlist:
-            return self._reject(sender, REJECT_NOT_ALLOWED, "sender is not in the run's allowlist", now)
+            return self._reject(sender, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist", now)
         admitted = self.guard.admit(sender, now)
         if admitted.action != ACCEPT and sender != self.peer_id:
-            return self._reject(sender, _tag(admitted.reason), admitted.reason, now)
+            return self._reject(
+                sender, admitted.tag, admitted.detail, now, self.guard.cool_down_left(sender, now)
+            )
         wire = self.manifest.wire
         try:
             header, payload = decode_delta(frame, max_bytes=wire.max_message_bytes)
         except DecodeError as exc:
-            return self._reject(sender, exc.reason, str(exc), now)
+            return self._reject(sender, exc.reason, exc.detail, now)
         if header.run_id != self.manifest.run_id:
             return self._reject(
-                sender, REJECT_WRONG_RUN, f"{header.run_id!r} != {self.manifest.run_id!r}", now
+                sender, AdmissionTag.WRONG_RUN, f"{header.run_id!r} != {self.manifest.run_id!r}", now
             )
         if header.manifest_hash != self.manifest.manifest_hash:
             return self._reject(
-                sender, REJECT_WRONG_MANIFEST, "peer runs a different manifest; update it", now
+                sender, AdmissionTag.WRONG_MANIFEST, "peer runs a different manifest; update it", now
             )
         p = header.fragment
         if not 0 <= p < self.plan.num_fragments:
             return self._reject(
-                sender, REJECT_UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
+                sender, AdmissionTag.UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
             )
         merged = self.merged_already(sender, p, header.carries_since)
         if merged is not None and header.seq <= merged:  # this very delta was merged: resent as is
-            return self._reject(sender, REPLAY, f"delta {header.seq} of fragment {p} was merged already", now)
+            return self._reject(
+                sender, RobustTag.REPLAY, f"delta {header.seq} of fragment {p} was merged already", now
+            )
         if merged is not None:
             # a delta released at a term change that the old holder merged after all: its work is in the
             # model; the learner adopts that update and resends only what came after
@@ -149,32 +150,32 @@ class Synchronizer:
                 f"fragment {p}: delta {header.seq} carries work since delta {header.carries_since}, and "
                 f"delta {merged} was merged already; adopt that update and resend the rest"
             )
-            return self._reject(sender, REJECT_ALREADY_MERGED, detail, now)
+            return self._reject(sender, AdmissionTag.ALREADY_MERGED, detail, now)
         try:
             kept = decode_tensors(
                 payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes, lazy=True
             )
         except DecodeError as exc:
-            return self._reject(sender, exc.reason, str(exc), now)
+            return self._reject(sender, exc.reason, exc.detail, now)
         tensors = dense(kept)  # screened in float32, then dropped: the round keeps the int8 form
         check = validate_delta(tensors, self.expected[p], norm_bound=wire.norm_bound)
         if check.action != "accept":
-            return self._reject(sender, _tag(check.reason), check.reason, now)
+            return self._refuse(sender, check, now)
         counters = self.guard.check_counters(header.tokens, header.steps, for_weight=True)
         if counters.decision.action not in (ACCEPT, CLIP):
-            return self._reject(sender, _tag(counters.decision.reason), counters.decision.reason, now)
+            return self._refuse(sender, counters.decision, now)
         replay = self.guard.check_replay(sender, payload)
         if replay.action != ACCEPT:
-            return self._reject(sender, _tag(replay.reason), replay.reason, now)
+            return self._refuse(sender, replay, now)
         if (
             sender == self.peer_id
         ):  # its own work: the holder applies the merge anyway, screening gains nothing
-            screened = Screened(Decision(ACCEPT, "own delta"), dict(tensors))
+            screened = Screened(Decision(ACCEPT, RobustTag.OWN_DELTA), dict(tensors))
         else:
             # norms per step use the claimed steps (the guard caps them at max_steps); H is for weight only
             screened = self.guard.screen(p, tensors, header.steps, sender)
         if screened.decision.action not in (ACCEPT, CLIP):
-            return self._reject(sender, _tag(screened.decision.reason), screened.decision.reason, now)
+            return self._refuse(sender, screened.decision, now)
         contribution = Contribution(
             sender=sender,
             anchor_version=header.anchor_version,
@@ -189,16 +190,16 @@ class Synchronizer:
         self._follow_replica(now)
         decision = self.rounds.offer(p, contribution, now)
         if decision.action != "accept":
-            if _tag(decision.reason) == FUTURE_ANCHOR:
+            if decision.tag == RoundTag.FUTURE_ANCHOR:
                 self.ahead_hints[p] = sender  # this learner adopted a version I lack: catch up from it
-            return self._reject(sender, _tag(decision.reason), decision.reason, now)
+            return self._refuse(sender, decision, now)
         self.guard.note_accepted(p, screened.tensors, header.steps)
         self.guard.standing.heard((sender,), now)  # an unlisted learner is awaited from its first delta on
         clips = [d.reason for d in (counters.decision, screened.decision) if d.action == CLIP]
         self.decisions.append(
             f"fragment {p}: {decision.reason} from {sender}" + "".join(f"; {c}" for c in clips)
         )
-        return Reply(ReplyStatus.ACCEPTED, decision.reason)
+        return Reply.of(ReplyStatus.ACCEPTED, decision)
 
     def observe_step_time(self, seconds: float) -> None:
         self.rounds.observe_step_time(seconds)
@@ -255,7 +256,7 @@ class Synchronizer:
         verdicts = self.guard.screen_round([c.payload for c in kept])
         for c, verdict in zip(kept, verdicts):
             if verdict.action != ACCEPT:
-                self._reject(c.sender, _tag(verdict.reason), f"{verdict.reason} (fragment {p})", now)
+                self._reject(c.sender, verdict.tag, f"{verdict.detail} (fragment {p})", now)
         kept = [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
         return [c for c in kept if self._passes_loss_check(p, c, now)]
 
@@ -269,7 +270,7 @@ class Synchronizer:
         detail = (
             f"held-out loss {change:+.1%} with this delta alone (fragment {p}), tolerance {tolerance:.1%}"
         )
-        self._reject(c.sender, LOSS_CHECK, detail, now)
+        self._reject(c.sender, RobustTag.LOSS_CHECK, detail, now)
         return False
 
     def finish(self, fragment: int, sync_seconds: float) -> None:
@@ -334,11 +335,6 @@ def outer_feedback_for(manifest: RunManifest) -> ErrorFeedback | None:
     if not wire.codec.sparse:
         return None
     return ErrorFeedback(wire.codec, wire.block_size, density=wire.density, decay=wire.feedback_decay)
-
-
-def _tag(reason: str) -> str:
-    """The fixed tag a reason starts with ("stale anchor: ..." -> "stale anchor")."""
-    return reason.split(":")[0].split(" (")[0]
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

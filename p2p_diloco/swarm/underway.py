@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import election
+from p2p_diloco.protocol.decisions import reason_text
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.swarm.effects import StoreRecord
 from p2p_diloco.swarm.journal import Journal
@@ -47,6 +48,7 @@ class UnderwayGate:
         self.fresh = True  # the replica is at version 0 of every fragment (only then is the key read)
         self._published: float | None = None  # when this peer last wrote its proof
         self.waiting: str | None = None  # why this peer claims no term now (shown in its panel and status)
+        self._noted_at: int | None = None  # `journal.notes` just after this wait was last noted
 
     @property
     def reading(self) -> bool:
@@ -69,11 +71,11 @@ class UnderwayGate:
                     self.journal.note(f"proof the run is under way: {found.describe()}")
                 self.best = found
 
-    def reason(self) -> str:
+    def detail(self) -> str:
         assert self.best is not None
         return (
-            f"{election.TAG_UNDER_WAY}: {self.best.describe()}; my replica is at version 0, so I claim no "
-            "term and wait for a peer that holds the run's state (no fresh start)"
+            f"{self.best.describe()}; my replica is at version 0, so I claim no term and wait for a peer "
+            "that holds the run's state (no fresh start)"
         )
 
     def election_view(self, view: SwarmView, versions: Sequence[int]) -> SwarmView:
@@ -81,10 +83,13 @@ class UnderwayGate:
         the election waits (or follows a live holder) instead of ranking it first."""
         self.fresh = not any(versions)
         holding = self.fresh and self.best is not None
-        recent = list(self.journal.decisions)[-NOTE_WITHIN:]
-        if holding and not any(line.startswith(f"election: {election.TAG_UNDER_WAY}") for line in recent):
-            self.journal.note(f"election: {self.reason()}")  # kept among the lines `status` shows
-        self.waiting = self.reason() if holding else None
+        wait = reason_text(election.ElectionTag.UNDER_WAY, self.detail()) if holding else None
+        if wait is not None and (
+            self._noted_at is None or self.journal.notes - self._noted_at >= NOTE_WITHIN
+        ):
+            self.journal.note(f"election: {wait}")  # kept among the lines `status` shows
+            self._noted_at = self.journal.notes
+        self.waiting = wait
         if not holding:
             return view
         return replace(view, heartbeats=[hb for hb in view.heartbeats if hb.peer_id != self.peer_id])
@@ -94,7 +99,9 @@ class UnderwayGate:
         candidate it remembered from an earlier read may be this peer itself)."""
         if decision.action != election.CLAIM or self.waiting is None:
             return None
-        return ElectionDecision(election.WAIT, self.waiting, term=decision.term)
+        return ElectionDecision(
+            election.WAIT, election.ElectionTag.UNDER_WAY, self.detail(), term=decision.term
+        )
 
     def publish(self, log: UpdateLog, num_fragments: int, now: float) -> StoreRecord | None:
         """This peer's proof (the newest signed record in its log) when it is due to be written again."""

@@ -21,15 +21,9 @@ from torch import Tensor
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import kernels
-from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.wire.codec import frame_codec
-
-WRONG_CODEC = "wrong codec"
-NOT_FINITE = "not finite"
-TOO_LARGE = "update too large"
-UNKNOWN_CONTRIBUTOR = "unknown contributor"
-IMPLAUSIBLE_WEIGHT = "implausible weight"
 
 
 class UpdateChecks:
@@ -44,15 +38,18 @@ class UpdateChecks:
         """Before decoding: the payload's codec must be the manifest's."""
         codec = frame_codec(record.payload)
         if codec != self.manifest.wire.codec:
-            return WRONG_CODEC, f"payload is {codec}, the manifest says {self.manifest.wire.codec}"
+            return UpdateTag.WRONG_CODEC, f"payload is {codec}, the manifest says {self.manifest.wire.codec}"
         return self.check_contributors(record)
 
     def check_contributors(self, record: UpdateRecord) -> tuple[str, str] | None:
         for peer, weight in record.contributors:
             if not self.manifest.may_learn(peer):
-                return UNKNOWN_CONTRIBUTOR, f"{peer} may not learn in this run"
+                return UpdateTag.UNKNOWN_CONTRIBUTOR, f"{peer} may not learn in this run"
             if self.robust.config.enabled and weight > self.max_weight:
-                return IMPLAUSIBLE_WEIGHT, f"{peer}'s weight {weight:.3g} > {self.max_weight:.3g} allowed"
+                return (
+                    UpdateTag.IMPLAUSIBLE_WEIGHT,
+                    f"{peer}'s weight {weight:.3g} > {self.max_weight:.3g} allowed",
+                )
         return None
 
     def check_values(
@@ -70,7 +67,7 @@ class UpdateChecks:
         squares = 0.0
         for name, tensor in grad.items():
             if not isinstance(tensor, kernels.QuantizedTensor) and not kernels.all_finite(tensor):
-                return ValueCheck((NOT_FINITE, f"{name} holds NaN or inf"))
+                return ValueCheck((UpdateTag.NOT_FINITE, f"{name} holds NaN or inf"))
             if not self.robust.config.enabled or tensor.numel() == 0:
                 continue
             tensor_squares = kernels.sum_squares64(tensor)
@@ -78,7 +75,7 @@ class UpdateChecks:
             rms = math.sqrt(tensor_squares) / math.sqrt(tensor.numel())
             if rms > self.max_rms:
                 detail = f"{name} RMS {rms:.3g} > {self.max_rms:.3g} (prior_factor x inner_lr x max steps)"
-                return ValueCheck((TOO_LARGE, detail))
+                return ValueCheck((UpdateTag.TOO_LARGE, detail))
         return ValueCheck(None, math.sqrt(squares) if self.robust.config.enabled else None)
 
 

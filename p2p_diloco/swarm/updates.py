@@ -169,7 +169,7 @@ class UpdateBook:
                     lazy=True,
                 )
             except DecodeError as exc:
-                return self.journal.reject(source, exc.reason, f"update payload: {exc}")
+                return self.journal.reject(source, exc.reason, f"update payload: {exc.detail}")
             values = self.checks.value_check(p, grad)
             if values.problem:
                 tag, detail = values.problem
@@ -184,7 +184,7 @@ class UpdateBook:
                 expected_checksum=record.checksum,
             )
         if decision.action != Action.APPLY:
-            return Reply(ReplyStatus.REFUSED, decision.reason)
+            return Reply.of(ReplyStatus.REFUSED, decision)
         self.robust.observe_update(p, grad, norm=values.norm)
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
         self.vouchers.vouch(record)
@@ -202,7 +202,7 @@ class UpdateBook:
         if self.has_learner:
             self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
         self._emit(Applied(record, source, how))
-        return Reply(ReplyStatus.APPLIED, decision.reason)
+        return Reply.of(ReplyStatus.APPLIED, decision)
 
     def merged_already(self, sender: str, fragment: int, carries_since: int) -> int | None:
         """The seq of `sender`'s delta of `fragment` already merged that a delta carrying work since

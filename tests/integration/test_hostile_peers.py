@@ -87,7 +87,7 @@ REASONS = {
     "insider future lease": {"lease term jump", "lease expiry too far ahead"},
     "insider early claim": {"lease claimed early", "lease term jump"},
     # an update signed by its leader (the rogue's own key) whose leader holds no valid lease live now
-    "rogue update": {"peer not allowed", "no lease", "lease not live", "bad signature", "not the leader"},
+    "rogue update": {"not allowed", "no lease", "lease not live", "bad signature", "not the leader"},
     # a snapshot whose state no checked update record (or two peers) vouches for
     "poisoned snapshot": {"unvouched snapshot"},
     # a header claiming 200 MiB is over the exact frame cap: refused before its slot matters; streams

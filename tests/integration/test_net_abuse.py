@@ -26,7 +26,7 @@ from p2p_diloco.net.transport import (
     P2PTransport,
 )
 from p2p_diloco.wire.keys import OP_DELTA, OP_FETCH_SNAPSHOT, OP_UPDATE
-from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ class RogueStreams:
                 return "open"
             except (asyncio.IncompleteReadError, ConnectionError, OSError):
                 return "closed"
-            return "ok" if status == streams.STATUS_OK else items[0].decode()
+            return "ok" if status == streams.STATUS_OK else decode_reply(items[0]).reason
 
         return self._run(read(), timeout + 10)
 

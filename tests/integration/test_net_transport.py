@@ -10,11 +10,11 @@ import pytest
 
 from p2p_diloco.net.transport import (
     REJECT_HANDLER_ERROR,
-    REJECT_NOT_ALLOWED,
     REJECT_TOO_LARGE,
     P2PTransport,
     RemoteRejected,
 )
+from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.wire.keys import OP_DELTA, OP_UPDATE
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
@@ -168,8 +168,8 @@ def test_peers_off_the_allowlist_and_other_runs_are_refused(pair_peers):
     try:
         with pytest.raises(RemoteRejected) as refused:
             client.fetch_updates(server.peer_id, 0, 0)
-        assert refused.value.reason.startswith(REJECT_NOT_ALLOWED)
-        assert str(client.send_and_wait(OP_DELTA, server.peer_id, b"d")).startswith(REJECT_NOT_ALLOWED)
+        assert refused.value.reason.startswith(AdmissionTag.NOT_ALLOWED)
+        assert str(client.send_and_wait(OP_DELTA, server.peer_id, b"d")).startswith(AdmissionTag.NOT_ALLOWED)
         with pytest.raises(ConnectionError, match="cannot open"):  # nobody serves that run's protocol
             stranger.fetch_updates(server.peer_id, 0, 0)
     finally:

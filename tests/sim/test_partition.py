@@ -13,7 +13,7 @@ import pytest
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import load_corpus
-from p2p_diloco.protocol.reconcile import LOG_RECONCILED, TAG_DIVERGED, TAG_FORK_PROVEN
+from p2p_diloco.protocol.reconcile import LOG_RECONCILED, ReconcileTag
 from p2p_diloco.swarm.inprocess import InProcessSwarm, Partition, SwarmSpec
 
 pytestmark = pytest.mark.sim
@@ -22,8 +22,11 @@ SPLIT, HEAL, END = 15.0, 45.0, 80.0
 GROUPS = ((0, 1), (2, 3))
 RECOVERY_BOUND = 10.0  # fake seconds from heal to identical digests
 SCENARIOS = {
-    "equal speeds": ((1.0, 1.0, 1.0, 1.0), TAG_DIVERGED),
-    "slow losing side": ((1.0, 1.0, 2.0, 2.0), TAG_FORK_PROVEN),  # learner-2 (rendezvous rank 1) holds first
+    "equal speeds": ((1.0, 1.0, 1.0, 1.0), ReconcileTag.DIVERGED),
+    "slow losing side": (
+        (1.0, 1.0, 2.0, 2.0),
+        ReconcileTag.FORK_PROVEN,
+    ),  # learner-2 (rendezvous rank 1) holds first
 }
 
 

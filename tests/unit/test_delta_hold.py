@@ -6,18 +6,17 @@ import pytest
 
 from p2p_diloco.net.transport import REPLY_UNREACHABLE
 from p2p_diloco.node.guard import REJECT_BUSY, REJECT_NOT_READY
+from p2p_diloco.protocol.robust_config import RobustTag
+from p2p_diloco.protocol.sync_round import RoundTag
 from p2p_diloco.swarm.deltas import MAX_DELTA_HOLD, delta_hold_seconds
 from p2p_diloco.wire.replies import Reply
 
 
 def test_cool_down_is_held_for_the_seconds_the_synchronizer_names():
-    assert delta_hold_seconds(
-        Reply.refused("cool-down", "QmX is ignored for 88.1s more"), 1.0
-    ) == pytest.approx(88.1)
-    assert (
-        delta_hold_seconds(Reply.refused("cool-down", "QmX is ignored for 9999s more"), 1.0) == MAX_DELTA_HOLD
-    )
-    assert delta_hold_seconds(Reply.refused("cool-down", "unparseable"), 2.0) == 2.0
+    cool_down = RobustTag.COOL_DOWN
+    assert delta_hold_seconds(Reply.refused(cool_down, "QmX is ignored", retry_after=88.1), 1.0) == 88.1
+    assert delta_hold_seconds(Reply.refused(cool_down, "QmX", retry_after=9999.0), 1.0) == MAX_DELTA_HOLD
+    assert delta_hold_seconds(Reply.refused(cool_down, "no time named"), 2.0) == 2.0
 
 
 @pytest.mark.parametrize("tag", [REPLY_UNREACHABLE, REJECT_BUSY, REJECT_NOT_READY])
@@ -26,8 +25,12 @@ def test_transient_refusals_wait_one_heartbeat_period(tag):
 
 
 @pytest.mark.parametrize(
-    "reply", ["stale anchor: v3 < v5 - 4", "norm outlier: w norm 3 > 10 x median 0.1", "round closed"]
+    ("tag", "detail"),
+    [
+        (RoundTag.STALE_ANCHOR, "v3 < v5 - 4"),
+        (RobustTag.NORM_OUTLIER, "w norm 3 > 10 x median 0.1"),
+        (RoundTag.ROUND_CLOSED, ""),
+    ],
 )
-def test_refusals_about_the_delta_itself_are_not_held(reply):
-    tag, _, detail = reply.partition(": ")
+def test_refusals_about_the_delta_itself_are_not_held(tag, detail):
     assert delta_hold_seconds(Reply.refused(tag, detail), 1.0) == 0.0

@@ -39,10 +39,6 @@ def run_decide(peer, heartbeats, leases, now, *, my_lease=None, rounds_done=0, t
     )
 
 
-def tag(decision) -> str:
-    return decision.reason.split(":")[0]
-
-
 # --- ranking, holders, eligibility -------------------------------------------------------------------
 
 
@@ -78,7 +74,7 @@ def test_tie_between_two_live_leases_of_one_term_is_resolved_identically_by_ever
     views = {
         p: run_decide(p, everyone(), [a, b], 10.0, my_lease={a.holder: a, b.holder: b}.get(p)) for p in PEERS
     }
-    assert views[loser.holder].action == el.STEP_DOWN and tag(views[loser.holder]) == el.TAG_LOST_TIE
+    assert views[loser.holder].action == el.STEP_DOWN and views[loser.holder].tag == el.ElectionTag.LOST_TIE
     assert views[winner.holder].action == el.HOLD
     assert views["peer-c"].action == el.FOLLOW and views["peer-c"].holder == winner.holder
 
@@ -104,9 +100,9 @@ def test_eligible_candidates_filters_may_sync_reachability_lag_and_liveness():
 def test_follow_when_another_peer_holds_a_live_lease():
     lease = LeaseRecord("peer-b", 2, expires_at=20.0)
     d = run_decide("peer-a", everyone(), [lease], 15.0)
-    assert (d.action, tag(d), d.holder, d.term, d.expires_at) == (
+    assert (d.action, d.tag, d.holder, d.term, d.expires_at) == (
         el.FOLLOW,
-        el.TAG_HELD_BY,
+        el.ElectionTag.HELD_BY,
         "peer-b",
         2,
         20.0,
@@ -117,9 +113,14 @@ def test_follow_when_another_peer_holds_a_live_lease():
 def test_hold_then_renew_once_the_renew_fraction_has_elapsed():
     mine = LeaseRecord("peer-a", 2, expires_at=16.0)  # written at 10
     hold = run_decide("peer-a", everyone(), [mine], 12.9, my_lease=mine, rounds_done=3)
-    assert (hold.action, tag(hold), hold.term) == (el.HOLD, el.TAG_HOLDING, 2)
+    assert (hold.action, hold.tag, hold.term) == (el.HOLD, el.ElectionTag.HOLDING, 2)
     renew = run_decide("peer-a", everyone(), [mine], 13.0, my_lease=mine, rounds_done=3)
-    assert (renew.action, tag(renew), renew.term, renew.expires_at) == (el.RENEW, el.TAG_RENEW, 2, 19.0)
+    assert (renew.action, renew.tag, renew.term, renew.expires_at) == (
+        el.RENEW,
+        el.ElectionTag.RENEW,
+        2,
+        19.0,
+    )
     # every renewal names the successor: the eligible peer other than the holder ranked first for term 3
     successor = rendezvous_rank(RUN, 3, ["peer-b", "peer-c"])[0]
     assert renew.lease_to_write() == LeaseRecord("peer-a", 2, 19.0, rounds_done=3, successor=successor)
@@ -129,10 +130,10 @@ def test_step_down_when_a_higher_term_is_live_or_was_seen():
     mine = LeaseRecord("peer-a", 2, expires_at=16.0)
     other = LeaseRecord("peer-b", 3, expires_at=18.0)
     d = run_decide("peer-a", everyone(), [mine, other], 12.0, my_lease=mine)
-    assert (d.action, tag(d), d.term, d.holder) == (el.STEP_DOWN, el.TAG_HIGHER_TERM, 3, "peer-b")
+    assert (d.action, d.tag, d.term, d.holder) == (el.STEP_DOWN, el.ElectionTag.HIGHER_TERM, 3, "peer-b")
     # the term-3 record is gone from the DHT, but this peer remembers it (its term floor)
     d = run_decide("peer-a", everyone(), [mine], 12.0, my_lease=mine, term_floor=3)
-    assert (d.action, tag(d), d.term) == (el.STEP_DOWN, el.TAG_HIGHER_TERM, 3)
+    assert (d.action, d.tag, d.term) == (el.STEP_DOWN, el.ElectionTag.HIGHER_TERM, 3)
     # a heartbeat's term_seen is a self-report: it never raises the term
     d = run_decide("peer-a", everyone(hb("peer-c", term_seen=1001)), [mine], 12.0, my_lease=mine)
     assert (d.action, d.term) == (el.HOLD, 2)
@@ -143,21 +144,21 @@ def test_step_down_instead_of_renewing_too_close_to_expiry():
     assert run_decide("peer-a", everyone(), [mine], 15.49, my_lease=mine).action == el.RENEW
     for now in (15.5, 16.0, 30.0):  # fencing: stop merging lease_margin before anyone may claim
         d = run_decide("peer-a", everyone(), [mine], now, my_lease=mine)
-        assert (d.action, tag(d)) == (el.STEP_DOWN, el.TAG_LEASE_EXPIRED), now
+        assert (d.action, d.tag) == (el.STEP_DOWN, el.ElectionTag.LEASE_EXPIRED), now
 
 
 def test_holder_fences_on_the_older_expiry_others_still_see():
     written = LeaseRecord("peer-a", 2, expires_at=19.0)  # my renewal at 13 ...
     visible = LeaseRecord("peer-a", 2, expires_at=16.0)  # ... has not reached the replicas I read
     d = run_decide("peer-a", everyone(), [visible], 15.6, my_lease=written)
-    assert (d.action, tag(d), d.expires_at) == (el.STEP_DOWN, el.TAG_LEASE_EXPIRED, 16.0)
+    assert (d.action, d.tag, d.expires_at) == (el.STEP_DOWN, el.ElectionTag.LEASE_EXPIRED, 16.0)
     assert run_decide("peer-a", everyone(), [written], 15.6, my_lease=written).action == el.HOLD
 
 
 def test_term_ended_then_release_rotates_to_the_next_candidate_without_margin():
     mine = LeaseRecord("peer-a", 2, expires_at=16.0)
     d = run_decide("peer-a", everyone(), [mine], 12.0, my_lease=mine, rounds_done=T.term_rounds)
-    assert (d.action, tag(d), d.term) == (el.STEP_DOWN, el.TAG_TERM_ENDED, 2)
+    assert (d.action, d.tag, d.term) == (el.STEP_DOWN, el.ElectionTag.TERM_ENDED, 2)
     released = el.release_lease(mine, 12.5, T, rounds_done=T.term_rounds)
     assert (
         released.released
@@ -170,8 +171,8 @@ def test_term_ended_then_release_rotates_to_the_next_candidate_without_margin():
         for p in PEERS
     }
     assert (views[others[0]].action, views[others[0]].term) == (el.CLAIM, 3)  # immediately, no lease_margin
-    assert tag(views[others[1]]) == el.TAG_CLAIM_GRACE and views[others[1]].holder == others[0]
-    assert tag(views["peer-a"]) == el.TAG_NOT_ELIGIBLE and "previous holder" in views["peer-a"].reason
+    assert views[others[1]].tag == el.ElectionTag.CLAIM_GRACE and views[others[1]].holder == others[0]
+    assert views["peer-a"].tag == el.ElectionTag.NOT_ELIGIBLE and "previous holder" in views["peer-a"].reason
     # if nobody else is eligible, the previous holder takes the next term itself
     alone = [hb("peer-a"), hb("peer-b", may_sync=False), hb("peer-c", reachable=False)]
     assert run_decide("peer-a", alone, [released], 12.5).action == el.CLAIM
@@ -195,7 +196,7 @@ def decisions(now, leases=(OLD,), beats=None):
 def test_lease_grace_until_expiry_plus_margin():
     for now in (10.0, 10.49):
         for d in decisions(now).values():
-            assert (d.action, tag(d), d.term, d.holder) == (el.WAIT, el.TAG_LEASE_GRACE, 3, "peer-x")
+            assert (d.action, d.tag, d.term, d.holder) == (el.WAIT, el.ElectionTag.LEASE_GRACE, 3, "peer-x")
 
 
 def test_top_candidate_claims_first_and_the_others_wait_their_turn_in_order():
@@ -203,13 +204,13 @@ def test_top_candidate_claims_first_and_the_others_wait_their_turn_in_order():
     for slot, now in enumerate((10.5, 12.5, 14.5, 16.5)):  # the second claims only if the first never did
         ds = decisions(now)
         claimer = ranked[slot % 3]
-        assert (ds[claimer].action, tag(ds[claimer]), ds[claimer].term) == (el.CLAIM, el.TAG_CLAIM, 4)
+        assert (ds[claimer].action, ds[claimer].tag, ds[claimer].term) == (el.CLAIM, el.ElectionTag.CLAIM, 4)
         successor = rendezvous_rank(RUN, 5, set(PEERS) - {claimer})[0]
         assert ds[claimer].lease_to_write() == LeaseRecord(claimer, 4, now + T.lease_ttl, successor=successor)
         for p in set(PEERS) - {claimer}:
-            assert (ds[p].action, tag(ds[p]), ds[p].holder) == (el.WAIT, el.TAG_CLAIM_GRACE, claimer)
+            assert (ds[p].action, ds[p].tag, ds[p].holder) == (el.WAIT, el.ElectionTag.CLAIM_GRACE, claimer)
     second = decisions(12.49)[ranked[1]]
-    assert tag(second) == el.TAG_CLAIM_GRACE and "12.50" in second.reason
+    assert second.tag == el.ElectionTag.CLAIM_GRACE and "12.50" in second.reason
 
 
 def test_once_a_claim_is_visible_everyone_follows_it():
@@ -235,14 +236,14 @@ def test_once_a_claim_is_visible_everyone_follows_it():
 def test_not_eligible_peers_never_claim(beat, why):
     for now in (10.5, 12.5, 14.5, 16.5, 18.5):
         d = run_decide("peer-a", everyone(beat), [OLD], now)
-        assert (d.action, tag(d), d.term) == (el.WAIT, el.TAG_NOT_ELIGIBLE, 4)
+        assert (d.action, d.tag, d.term) == (el.WAIT, el.ElectionTag.NOT_ELIGIBLE, 4)
         assert why in d.reason and d.holder in ("peer-b", "peer-c")
 
 
 def test_no_candidates():
     beats = [hb(p, may_sync=False) for p in PEERS]
     for d in decisions(11.0, beats=beats).values():
-        assert (d.action, tag(d)) == (el.WAIT, el.TAG_NO_CANDIDATES)
+        assert (d.action, d.tag) == (el.WAIT, el.ElectionTag.NO_CANDIDATES)
 
 
 def test_fresh_run_without_any_lease_elects_exactly_one():
@@ -255,7 +256,7 @@ def test_fresh_run_without_any_lease_elects_exactly_one():
 def test_restarted_holder_does_not_resume_its_old_lease():
     lease = LeaseRecord("peer-a", 2, expires_at=20.0)
     d = run_decide("peer-a", everyone(), [lease], 15.0, my_lease=None)
-    assert (d.action, tag(d), d.holder) == (el.WAIT, el.TAG_LEASE_GRACE, "peer-a")
+    assert (d.action, d.tag, d.holder) == (el.WAIT, el.ElectionTag.LEASE_GRACE, "peer-a")
 
 
 def test_stale_lower_term_lease_is_not_followed():
@@ -283,11 +284,11 @@ def test_peers_reading_the_same_records_agree():
 
 def test_fencing_ignores_updates_from_a_lower_term():
     d = should_accept_update(2, 3)
-    assert (d.action, tag(d)) == (el.IGNORE, el.TAG_LOWER_TERM)
+    assert (d.action, d.tag) == (el.IGNORE, el.ElectionTag.LOWER_TERM)
     assert should_accept_update(3, 3).action == el.ACCEPT
-    assert (should_accept_update(4, 3).action, tag(should_accept_update(4, 3))) == (
+    assert (should_accept_update(4, 3).action, (should_accept_update(4, 3)).tag) == (
         el.ACCEPT,
-        el.TAG_NEWER_TERM,
+        el.ElectionTag.NEWER_TERM,
     )
 
 
@@ -356,5 +357,5 @@ def test_at_most_one_peer_claims_at_any_moment(beats, leases, now):
     claims = [p for p, d in ds.items() if d.action == el.CLAIM]
     assert len(claims) <= 1
     assert len({(d.term, d.holder) for d in ds.values()}) <= 1
-    if any(tag(d) == el.TAG_CLAIM_GRACE for d in ds.values()):  # someone's window is open: they claim
+    if any(d.tag == el.ElectionTag.CLAIM_GRACE for d in ds.values()):  # someone's window is open: they claim
         assert len(claims) == 1

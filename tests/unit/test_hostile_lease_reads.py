@@ -50,7 +50,7 @@ def test_an_early_claim_stays_refused_when_the_holder_renews_after_it_was_read()
     renewed_at = [98.4, 99.9]  # the honest holder renews term 1 every 1.5 s (lease live throughout)
     claim = LeaseRecord(INSIDER, 2, 99.5 + T.lease_ttl)  # written at 99.5, while term 1 is live
     me.ingest(read(99.5, LeaseRecord(HONEST, 1, renewed_at[0] + T.lease_ttl), claim))
-    assert me.journal.rejections[rules.EARLY_CLAIM] == 1
+    assert me.journal.rejections[rules.LeaseTag.EARLY_CLAIM] == 1
     view = me.ingest(read(100.0, LeaseRecord(HONEST, 1, renewed_at[1] + T.lease_ttl), claim))
     assert [lease.term for lease in view.leases] == [1], (
         "the early claim of term 2 counted in the second read"
@@ -84,13 +84,15 @@ def test_status_names_only_a_synchronizer_the_lease_rules_accept():
     status = swarm_status(kv, manifest, now)
     assert status["synchronizer"]["peer_id"] == HONEST and status["highest_term"] == 3
     assert {(x["peer_id"], x["reason"]) for x in status["refused_leases"]} == {
-        (stranger, rules.NOT_SYNCHRONIZER),
-        (INSIDER, rules.TOO_LONG),
+        (stranger, rules.LeaseTag.NOT_SYNCHRONIZER),
+        (INSIDER, rules.LeaseTag.TOO_LONG),
     }
     kv.store(key, INSIDER, encode_lease(LeaseRecord(INSIDER, 4, now + 3.0)), now + 4000)  # T + 1, early
     status = swarm_status(kv, manifest, now)
     assert status["synchronizer"]["peer_id"] == HONEST
-    assert (INSIDER, rules.EARLY_CLAIM) in {(x["peer_id"], x["reason"]) for x in status["refused_leases"]}
+    assert (INSIDER, rules.LeaseTag.EARLY_CLAIM) in {
+        (x["peer_id"], x["reason"]) for x in status["refused_leases"]
+    }
 
 
 def test_a_term_jump_is_not_vouched_for_by_a_strangers_heartbeat():
@@ -111,7 +113,7 @@ def test_a_term_jump_is_not_vouched_for_by_a_strangers_heartbeat():
     )
     view = me.ingest(records)
     assert [lease.term for lease in view.leases] == [3]
-    assert me.journal.rejections[rules.TERM_JUMP] == 1
+    assert me.journal.rejections[rules.LeaseTag.TERM_JUMP] == 1
 
 
 def test_forged_far_future_leases_do_not_grow_a_peers_memory():
@@ -119,7 +121,7 @@ def test_forged_far_future_leases_do_not_grow_a_peers_memory():
     for i in range(200):  # the insider rewrites its record every read, each with a new hour-long expiry
         now = 100.0 + i
         me.ingest(read(now, LeaseRecord(INSIDER, 1000 + i, now + 3600.0 + i)))
-    assert me.journal.rejections[rules.TOO_LONG] == 200
+    assert me.journal.rejections[rules.LeaseTag.TOO_LONG] == 200
     assert len(me.first_seen) <= 4 * T.lease_ttl + 2  # only records of the last few seconds are kept
 
 
@@ -200,7 +202,7 @@ def test_a_claim_on_a_read_that_may_miss_a_candidate_waits():
     first, second = rendezvous_rank(manifest.run_id, 1, [HONEST, INSIDER])
     me = Membership(second, manifest, 2, Journal(second, lambda intent: None), follower().standing)
     start = decide(me, beats(100.0, second))
-    assert start.action == election.WAIT and election.TAG_PARTIAL_READ in start.reason  # just started
+    assert start.action == election.WAIT and election.ElectionTag.PARTIAL_READ in start.reason  # just started
     t = 100.0 + T.heartbeat_ttl
     assert decide(me, beats(t, first, second)).action == election.WAIT  # `first` has the first window
     partial = decide(me, beats(t + T.heartbeat_period, second))  # a read that lost `first`'s heartbeat

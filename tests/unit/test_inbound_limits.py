@@ -25,9 +25,10 @@ from p2p_diloco.net.limits import (
     OutboundSlots,
     StreamSlots,
 )
-from p2p_diloco.net.serving import REJECT_NOT_ALLOWED, REJECT_TOO_LARGE, InboundServer
+from p2p_diloco.net.serving import REJECT_TOO_LARGE, InboundServer
+from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.wire.keys import OP_DELTA
-from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply
 from tests.support.virtual_time import run_virtual
 
 KiB = 1024
@@ -74,7 +75,7 @@ class Writer:
         """The reply: "ok" or the rejection's reason."""
         status, count = self.data[0], struct.unpack(">I", self.data[1:5])[0]
         assert count == 1
-        return "ok" if status == streams.STATUS_OK else bytes(self.data[13:]).decode()
+        return "ok" if status == streams.STATUS_OK else decode_reply(bytes(self.data[13:])).reason
 
 
 class Streams:
@@ -266,7 +267,7 @@ def test_requests_the_run_does_not_let_a_peer_make_are_refused_before_their_body
         _, stranger = net.open("stranger", request(b"delta"))
         _, learner = net.open("learner", request(b"delta"))
         await asyncio.gather(*net.tasks)
-        assert stranger.reason().startswith(REJECT_NOT_ALLOWED) and learner.reason() == "ok"
+        assert stranger.reason().startswith(AdmissionTag.NOT_ALLOWED) and learner.reason() == "ok"
         assert handlers.deltas == [("learner", 5)]
 
     run_virtual(scenario())

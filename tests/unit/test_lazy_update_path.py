@@ -16,7 +16,7 @@ from p2p_diloco.model.gpt import build_model
 from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.kernels import CHUNK, QuantizedTensor
-from p2p_diloco.protocol.messages import DeltaHeader
+from p2p_diloco.protocol.messages import DeltaHeader, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard, fragment_norm
 from p2p_diloco.protocol.sync_round import Contribution
@@ -61,14 +61,14 @@ def test_float_chunks_of_an_int8_tensor_are_its_decoded_values_in_order(n: int) 
 
 def test_update_checks_reach_the_same_verdict_on_int8_and_decoded_gradients() -> None:
     checks = uc.UpdateChecks(MANIFEST, 2, RobustGuard.from_manifest(MANIFEST))
-    for scale, verdict in ((0.9, None), (100.0, uc.TOO_LARGE)):
+    for scale, verdict in ((0.9, None), (100.0, UpdateTag.TOO_LARGE)):
         values = torch.full((3 * CHUNK + 5,), scale * checks.max_rms)
         values[::2] *= -1
         lazy, eager = int8_pair({"w": values})
         found = [checks.check_values(0, grad) for grad in (lazy, eager)]
         assert found[0] == found[1]
         assert (found[0] and found[0][0]) == verdict
-    assert checks.check_values(0, {"w": torch.tensor([1.0, math.inf])})[0] == uc.NOT_FINITE
+    assert checks.check_values(0, {"w": torch.tensor([1.0, math.inf])})[0] == UpdateTag.NOT_FINITE
 
 
 def test_observing_int8_updates_builds_the_reference_decoded_values_build_bit_for_bit() -> None:

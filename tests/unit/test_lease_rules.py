@@ -38,19 +38,19 @@ def test_honest_claim_renewal_and_failover_all_count():
 
 def test_a_holder_that_may_not_synchronize_is_refused():
     valid, refused = screen([written("mallory", 1, 10.0)])
-    assert valid == [] and refused == {("mallory", 1): rules.NOT_SYNCHRONIZER}
+    assert valid == [] and refused == {("mallory", 1): rules.LeaseTag.NOT_SYNCHRONIZER}
 
 
 def test_an_expiry_far_ahead_of_its_first_read_is_refused():
     hour = SeenLease(LeaseRecord("a", 2, expires_at=10.0 + 3600), 10.0)
     valid, refused = screen([written("b", 1, 9.0), hour], floor=1)
-    assert refused == {("a", 2): rules.TOO_LONG}
+    assert refused == {("a", 2): rules.LeaseTag.TOO_LONG}
     assert [x.term for x in valid] == [1]
 
 
 def test_terms_climb_one_at_a_time_from_the_trusted_floor():
     valid, refused = screen([written("b", 7, 30.0), written("a", 1007, 40.0)], floor=6)
-    assert [x.term for x in valid] == [7] and refused == {("a", 1007): rules.TERM_JUMP}
+    assert [x.term for x in valid] == [7] and refused == {("a", 1007): rules.LeaseTag.TERM_JUMP}
 
 
 def test_a_newcomer_trusts_the_highest_live_term_in_view_then_no_jump():
@@ -62,7 +62,7 @@ def test_a_claim_while_the_previous_term_is_held_is_refused():
     held = written("a", 3, 20.0)  # live until 26
     early = written("b", 4, 21.0)
     valid, refused = screen([held, early], floor=3)
-    assert [x.term for x in valid] == [3] and refused == {("b", 4): rules.EARLY_CLAIM}
+    assert [x.term for x in valid] == [3] and refused == {("b", 4): rules.LeaseTag.EARLY_CLAIM}
 
 
 def test_a_late_renewal_of_the_old_term_does_not_invalidate_its_successor():
@@ -76,11 +76,13 @@ def test_a_late_renewal_of_the_old_term_does_not_invalidate_its_successor():
 def test_a_healed_partition_counts_when_other_peers_report_the_term():
     held = written("a", 3, 20.0)
     other_side = written("b", 4, 21.0)
-    assert screen([held, other_side], floor=3, reported={"b": 4})[1] == {("b", 4): rules.EARLY_CLAIM}
+    assert screen([held, other_side], floor=3, reported={"b": 4})[1] == {("b", 4): rules.LeaseTag.EARLY_CLAIM}
     valid, refused = screen([held, other_side], floor=3, reported={"b": 4, "c": 4})  # c: b's side
     assert refused == {} and {x.term for x in valid} == {3, 4}
     far = written("b", 9, 40.0)  # terms this peer missed
-    assert screen([far], floor=3, reported={"b": 9})[1] == {("b", 9): rules.TERM_JUMP}  # only the holder
+    assert screen([far], floor=3, reported={"b": 9})[1] == {
+        ("b", 9): rules.LeaseTag.TERM_JUMP
+    }  # only the holder
     assert screen([far], floor=3, reported={"b": 9, "c": 9})[1] == {}
 
 
@@ -100,7 +102,7 @@ def test_an_early_claim_is_caught_after_the_holders_record_was_replaced_by_a_ren
     result = screen_leases(
         [renewal, early], term_floor=3, timing=T, may_synchronize=HONEST.__contains__, history=[held]
     )
-    assert [(lease.holder, tag) for lease, tag, _ in result.refused] == [("b", rules.EARLY_CLAIM)]
+    assert [(lease.holder, tag) for lease, tag, _ in result.refused] == [("b", rules.LeaseTag.EARLY_CLAIM)]
 
 
 def test_a_claim_right_after_a_release_is_not_early_whatever_the_renewals_before_it():

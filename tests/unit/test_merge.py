@@ -9,13 +9,8 @@ import torch
 
 from p2p_diloco.protocol.merge import (
     ACCEPT,
-    MISSING_TENSOR,
-    NON_FINITE,
-    NORM_BOUND,
     REJECT,
-    UNEXPECTED_TENSOR,
-    WRONG_DTYPE,
-    WRONG_SHAPE,
+    MergeTag,
     merge_deltas,
     merge_weight,
     validate_delta,
@@ -49,15 +44,15 @@ def test_validate_accepts_a_good_delta() -> None:
 @pytest.mark.parametrize(
     ("mutate", "tag"),
     [
-        (lambda d: d.pop("b"), MISSING_TENSOR),
-        (lambda d: d.update(extra=torch.zeros(1)), UNEXPECTED_TENSOR),
-        (lambda d: d.update(b=torch.zeros(3)), WRONG_SHAPE),
-        (lambda d: d.update(b=torch.zeros(2, dtype=torch.float64)), WRONG_DTYPE),
-        (lambda d: d.update(b=torch.zeros(2, dtype=torch.bfloat16)), WRONG_DTYPE),
-        (lambda d: d.update(b=[0.0, 0.0]), WRONG_DTYPE),
-        (lambda d: d.update(b=t(0.0, math.nan)), NON_FINITE),
-        (lambda d: d.update(b=t(math.inf, 0.0)), NON_FINITE),
-        (lambda d: d.update(b=t(6.0, 8.0)), NORM_BOUND),  # norm 10 > 9
+        (lambda d: d.pop("b"), MergeTag.MISSING_TENSOR),
+        (lambda d: d.update(extra=torch.zeros(1)), MergeTag.UNEXPECTED_TENSOR),
+        (lambda d: d.update(b=torch.zeros(3)), MergeTag.WRONG_SHAPE),
+        (lambda d: d.update(b=torch.zeros(2, dtype=torch.float64)), MergeTag.WRONG_DTYPE),
+        (lambda d: d.update(b=torch.zeros(2, dtype=torch.bfloat16)), MergeTag.WRONG_DTYPE),
+        (lambda d: d.update(b=[0.0, 0.0]), MergeTag.WRONG_DTYPE),
+        (lambda d: d.update(b=t(0.0, math.nan)), MergeTag.NON_FINITE),
+        (lambda d: d.update(b=t(math.inf, 0.0)), MergeTag.NON_FINITE),
+        (lambda d: d.update(b=t(6.0, 8.0)), MergeTag.NORM_BOUND),  # norm 10 > 9
     ],
 )
 def test_validate_rejects_with_tag(mutate, tag: str) -> None:
@@ -73,7 +68,7 @@ def test_norm_bound_is_inclusive_and_overflow_safe() -> None:
     # each entry is finite but a float32 sum of squares would overflow; the norm is ~4.2e38 < 1e39
     huge = {"b": t(3e38, 3e38)}
     assert validate_delta(huge, {"b": (2,)}, norm_bound=1e39).action == ACCEPT
-    assert validate_delta(huge, {"b": (2,)}, norm_bound=1e38).reason.startswith(NORM_BOUND)
+    assert validate_delta(huge, {"b": (2,)}, norm_bound=1e38).reason.startswith(MergeTag.NORM_BOUND)
 
 
 def test_rda_two_opposite_vectors_cancel_to_zero() -> None:

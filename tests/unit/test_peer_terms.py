@@ -120,7 +120,10 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
     assert me.peer.sync is None and me.peer.role.sync is None
     for intent in intents:
         me.perform(intent)
-    assert (decision.action, decision.reason.split(":")[0]) == (election.STEP_DOWN, election.TAG_TERM_ENDED)
+    assert (decision.action, decision.reason.split(":")[0]) == (
+        election.STEP_DOWN,
+        election.ElectionTag.TERM_ENDED,
+    )
     assert me.replica.versions()[second] == versions[second] + 1  # merged, not dropped
     assert [r.fragment for r in published] == [first, second]
     assert second not in me.peer.deltas.in_flight  # its own delta was merged: nothing to resend

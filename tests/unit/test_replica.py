@@ -9,18 +9,13 @@ import torch
 
 from p2p_diloco.node.replica_store import load_replica, save_replica
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.merge import MISSING_TENSOR, NON_FINITE, WRONG_DTYPE, WRONG_SHAPE
+from p2p_diloco.protocol.merge import MergeTag
 from p2p_diloco.protocol.replica import (
-    APPLIED,
     APPLY,
-    CHECKSUM_MISMATCH,
-    DUPLICATE_UPDATE,
     LOAD,
-    LOADED,
-    OLDER_THAN_REPLICA,
-    OUT_OF_ORDER,
     REFUSE,
     GlobalReplica,
+    ReplicaTag,
     nesterov_step,
 )
 
@@ -119,7 +114,7 @@ def test_two_replicas_fed_the_same_updates_are_bit_identical() -> None:
             pending = a.compute_update(p, grads(p, step), lr=LR, momentum=MU)  # the synchronizer's view
             assert a.commit(pending).action == APPLY
             decision = apply(b, p, step, expected=pending.checksum)
-            assert decision.action == APPLY and decision.reason.startswith(APPLIED)
+            assert decision.action == APPLY and decision.reason.startswith(ReplicaTag.APPLIED)
             assert a.checksum(p) == b.checksum(p) == pending.checksum
     assert_identical(a, b)
     apply(b, 1, 99)
@@ -140,13 +135,13 @@ def test_duplicate_and_out_of_order_updates_are_refused() -> None:
     assert replica.apply(0, 0, grads(0, 0), lr=LR, momentum=MU, expected_checksum=None).action == APPLY
     after_first = replica.digest()
     duplicate = replica.apply(0, 0, grads(0, 0), lr=LR, momentum=MU, expected_checksum=None)
-    assert duplicate.action == REFUSE and duplicate.reason.startswith(DUPLICATE_UPDATE)
+    assert duplicate.action == REFUSE and duplicate.reason.startswith(ReplicaTag.DUPLICATE_UPDATE)
     gap = replica.apply(0, 2, grads(0, 2), lr=LR, momentum=MU, expected_checksum=None)
-    assert gap.action == REFUSE and gap.reason.startswith(OUT_OF_ORDER)
+    assert gap.action == REFUSE and gap.reason.startswith(ReplicaTag.OUT_OF_ORDER)
     assert replica.versions() == (1, 0) and replica.digest() == after_first
     stale = replica.compute_update(1, grads(1, 0), lr=LR, momentum=MU)
     apply(replica, 1, 5)
-    assert replica.commit(stale).reason.startswith(DUPLICATE_UPDATE)
+    assert replica.commit(stale).reason.startswith(ReplicaTag.DUPLICATE_UPDATE)
 
 
 def test_checksum_mismatch_leaves_replica_unchanged() -> None:
@@ -155,7 +150,7 @@ def test_checksum_mismatch_leaves_replica_unchanged() -> None:
     before_digest, before = replica.digest(), replica.snapshot(0)
     wrong = replica.compute_update(0, grads(0, 7), lr=LR, momentum=MU).checksum  # another gradient's result
     decision = apply(replica, 0, 1, expected=wrong)
-    assert decision.action == REFUSE and decision.reason.startswith(CHECKSUM_MISMATCH)
+    assert decision.action == REFUSE and decision.reason.startswith(ReplicaTag.CHECKSUM_MISMATCH)
     assert replica.digest() == before_digest and replica.versions() == (1, 0)
     version, params, momentum = replica.snapshot(0)
     assert version == before[0] and all(torch.equal(params[n], before[1][n]) for n in params)
@@ -165,18 +160,21 @@ def test_checksum_mismatch_leaves_replica_unchanged() -> None:
 def test_commit_refuses_a_pending_update_computed_from_other_state() -> None:
     a, b = GlobalReplica(PLAN, initial(0)), GlobalReplica(PLAN, initial(1))
     pending = a.compute_update(0, grads(0, 0), lr=LR, momentum=MU)
-    assert b.commit(pending).reason.startswith(CHECKSUM_MISMATCH)
+    assert b.commit(pending).reason.startswith(ReplicaTag.CHECKSUM_MISMATCH)
     assert b.versions() == (0, 0)
 
 
 @pytest.mark.parametrize(
     ("grad", "tag"),
     [
-        ({"emb": torch.zeros(5, 3)}, MISSING_TENSOR),
-        ({"emb": torch.zeros(3, 5), "head.b": torch.zeros(3)}, WRONG_SHAPE),
-        ({"emb": torch.zeros(5, 3, dtype=torch.float64), "head.b": torch.zeros(3)}, WRONG_DTYPE),
-        ({"emb": torch.full((5, 3), float("nan")), "head.b": torch.zeros(3)}, NON_FINITE),
-        ({"emb": torch.full((5, 3), 3e38), "head.b": torch.zeros(3)}, NON_FINITE),  # the step overflows
+        ({"emb": torch.zeros(5, 3)}, MergeTag.MISSING_TENSOR),
+        ({"emb": torch.zeros(3, 5), "head.b": torch.zeros(3)}, MergeTag.WRONG_SHAPE),
+        ({"emb": torch.zeros(5, 3, dtype=torch.float64), "head.b": torch.zeros(3)}, MergeTag.WRONG_DTYPE),
+        ({"emb": torch.full((5, 3), float("nan")), "head.b": torch.zeros(3)}, MergeTag.NON_FINITE),
+        (
+            {"emb": torch.full((5, 3), 3e38), "head.b": torch.zeros(3)},
+            MergeTag.NON_FINITE,
+        ),  # the step overflows
     ],
 )
 def test_bad_outer_gradients_are_refused(grad, tag: str) -> None:
@@ -199,17 +197,21 @@ def test_load_fragment_checks() -> None:
     tampered = {n: t.clone() for n, t in params.items()}
     tampered["blocks.0.w"][0, 0] += 1e-3
     bad = fresh.load_fragment(1, version, tampered, momentum, checksum)
-    assert bad.action == REFUSE and bad.reason.startswith(CHECKSUM_MISMATCH) and fresh.versions() == (0, 0)
+    assert (
+        bad.action == REFUSE
+        and bad.reason.startswith(ReplicaTag.CHECKSUM_MISMATCH)
+        and fresh.versions() == (0, 0)
+    )
     assert fresh.load_fragment(1, version + 1, params, momentum, checksum).reason.startswith(
-        CHECKSUM_MISMATCH
+        ReplicaTag.CHECKSUM_MISMATCH
     )
     wrong_shape = fresh.load_fragment(1, version, {"blocks.0.w": torch.zeros(4, 5)}, momentum, checksum)
-    assert wrong_shape.reason.startswith(WRONG_SHAPE)
+    assert wrong_shape.reason.startswith(MergeTag.WRONG_SHAPE)
     missing = fresh.load_fragment(1, version, {}, momentum, checksum)
-    assert missing.action == REFUSE and missing.reason.startswith(WRONG_SHAPE)
+    assert missing.action == REFUSE and missing.reason.startswith(MergeTag.WRONG_SHAPE)
 
     loaded = fresh.load_fragment(1, version, params, momentum, checksum)
-    assert loaded.action == LOAD and loaded.reason.startswith(LOADED)
+    assert loaded.action == LOAD and loaded.reason.startswith(ReplicaTag.LOADED)
     assert fresh.versions() == (0, 3)
     assert_identical(source, fresh)
     # the same version again is fine (refetch); an older one only when forced (losing-branch reconciliation)
@@ -217,7 +219,7 @@ def test_load_fragment_checks() -> None:
     old_version, old_params, old_momentum = GlobalReplica(PLAN, initial()).snapshot(1)
     old_checksum = GlobalReplica(PLAN, initial()).checksum(1)
     older = fresh.load_fragment(1, old_version, old_params, old_momentum, old_checksum)
-    assert older.action == REFUSE and older.reason.startswith(OLDER_THAN_REPLICA)
+    assert older.action == REFUSE and older.reason.startswith(ReplicaTag.OLDER_THAN_REPLICA)
     assert (
         fresh.load_fragment(1, old_version, old_params, old_momentum, old_checksum, force=True).action == LOAD
     )
@@ -232,9 +234,13 @@ def test_load_fragment_checks() -> None:
 def test_checksum_covers_version_and_momentum() -> None:
     a, b = GlobalReplica(PLAN, initial()), GlobalReplica(PLAN, initial())
     _, params, momentum = a.snapshot(0)
-    assert b.load_fragment(0, 4, params, momentum, a.checksum(0)).reason.startswith(CHECKSUM_MISMATCH)
+    assert b.load_fragment(0, 4, params, momentum, a.checksum(0)).reason.startswith(
+        ReplicaTag.CHECKSUM_MISMATCH
+    )
     momentum["emb"][0, 0] = 1.0
-    assert b.load_fragment(0, 0, params, momentum, a.checksum(0)).reason.startswith(CHECKSUM_MISMATCH)
+    assert b.load_fragment(0, 0, params, momentum, a.checksum(0)).reason.startswith(
+        ReplicaTag.CHECKSUM_MISMATCH
+    )
 
 
 def test_copies_handed_out_cannot_change_the_replica() -> None:

@@ -20,7 +20,7 @@ from p2p_diloco.node.replica_store import (
     save_replica,
 )
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.replica import CHECKSUM_MISMATCH, GlobalReplica
+from p2p_diloco.protocol.replica import GlobalReplica, ReplicaTag
 
 LR, MU = 0.7, 0.9
 PLAN = FragmentPlan(fragments=(("emb", "head.b"), ("blocks.0.w",)))
@@ -145,7 +145,7 @@ def test_bad_files_are_refused_with_the_reason(tmp_path) -> None:
     rotten = bytearray(good)
     rotten[-5] ^= 0x01  # one flipped bit in the momentum of the last tensor
     file.write_bytes(bytes(rotten))
-    with pytest.raises(ReplicaFileError, match=CHECKSUM_MISMATCH):
+    with pytest.raises(ReplicaFileError, match=ReplicaTag.CHECKSUM_MISMATCH):
         load_replica(directory, PLAN)
     from safetensors.torch import save_file
 

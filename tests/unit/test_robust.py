@@ -33,10 +33,6 @@ def delta(d: torch.Tensor, rms: float = LR) -> dict[str, torch.Tensor]:
     return {"w": d * (rms * math.sqrt(N) / float(d.norm()))}
 
 
-def tag(decision) -> str:
-    return decision.reason.split(":")[0]
-
-
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -56,12 +52,12 @@ def test_token_claims_must_match_batch_times_block():
     assert g.check_counters(8 * TPS, 8).decision.action == robust.ACCEPT
     assert g.check_counters(8 * TPS + 5, 8).decision.action == robust.ACCEPT  # within 1 %
     inflated = g.check_counters(800 * TPS, 8)
-    assert inflated.decision.action == robust.REJECT and tag(inflated.decision) == robust.TOKEN_CLAIM
+    assert inflated.decision.action == robust.REJECT and inflated.decision.tag == robust.RobustTag.TOKEN_CLAIM
 
 
 def test_step_claims_beyond_the_cap_are_clipped_with_their_tokens():
     check = guard(max_steps_factor=4).check_counters(100 * TPS, 100)
-    assert check.decision.action == robust.CLIP and tag(check.decision) == robust.STEP_CLAIM
+    assert check.decision.action == robust.CLIP and check.decision.tag == robust.RobustTag.STEP_CLAIM
     assert (check.steps, check.tokens) == (4 * H, 4 * H * TPS)
 
 
@@ -77,7 +73,7 @@ def test_for_the_merge_weight_no_claim_counts_more_than_h_steps():
 def test_replayed_payload_is_refused_per_sender_and_forgotten_after_memory():
     g = guard(replay_memory=2)
     assert g.check_replay("a", b"one").action == robust.ACCEPT
-    assert tag(g.check_replay("a", b"one")) == robust.REPLAY
+    assert (g.check_replay("a", b"one")).tag == robust.RobustTag.REPLAY
     assert g.check_replay("b", b"one").action == robust.ACCEPT
     g.check_replay("a", b"two")
     g.check_replay("a", b"three")
@@ -88,7 +84,7 @@ def test_adamw_prior_rejects_scaled_delta_without_any_history():
     g = guard()
     assert g.screen(0, delta(direction(0), rms=LR * 8), steps=8).decision.action == robust.ACCEPT
     scaled = g.screen(0, delta(direction(0), rms=LR * 8 * 100), steps=8).decision
-    assert scaled.action == robust.REJECT and tag(scaled) == robust.NORM_OUTLIER
+    assert scaled.action == robust.REJECT and scaled.tag == robust.RobustTag.NORM_OUTLIER
 
 
 def test_norms_are_clipped_or_rejected_relative_to_the_median_of_the_history():
@@ -99,10 +95,10 @@ def test_norms_are_clipped_or_rejected_relative_to_the_median_of_the_history():
     ok = g.screen(0, delta(direction(5), rms=LR / 5), steps=8)
     assert ok.decision.action == robust.ACCEPT
     clipped = g.screen(0, delta(direction(6), rms=LR / 10 * 6), steps=8)
-    assert clipped.decision.action == robust.CLIP and tag(clipped.decision) == robust.NORM_CLIPPED
+    assert clipped.decision.action == robust.CLIP and clipped.decision.tag == robust.RobustTag.NORM_CLIPPED
     assert float(clipped.tensors["w"].norm()) == pytest.approx(4 * median, rel=1e-4)
     rejected = g.screen(0, delta(direction(7), rms=LR / 10 * 20), steps=8).decision
-    assert rejected.action == robust.REJECT and tag(rejected) == robust.NORM_OUTLIER
+    assert rejected.action == robust.REJECT and rejected.tag == robust.RobustTag.NORM_OUTLIER
     assert g.screen(1, delta(direction(7), rms=LR / 10 * 20), steps=8).decision.action == robust.ACCEPT
 
 
@@ -129,13 +125,13 @@ def warm(g: RobustGuard, d: torch.Tensor, updates: int = 3) -> None:
 def test_direction_needs_a_reference_then_drops_sign_flips_and_noise():
     g = guard()
     d = direction(1)
-    assert tag(g.screen(0, delta(-d), steps=8).decision) == robust.NO_REFERENCE
+    assert (g.screen(0, delta(-d), steps=8).decision).tag == robust.RobustTag.NO_REFERENCE
     warm(g, d)
     assert g.screen(0, delta(d + direction(2)), steps=8, sender="honest").decision.action == robust.ACCEPT
     flipped = g.screen(0, delta(-d), steps=8, sender="flip").decision
-    assert flipped.action == robust.REJECT and tag(flipped) == robust.DIRECTION_OUTLIER
+    assert flipped.action == robust.REJECT and flipped.tag == robust.RobustTag.DIRECTION_OUTLIER
     noise = g.screen(0, delta(direction(3)), steps=8, sender="noise").decision
-    assert tag(noise) == robust.DIRECTION_OUTLIER
+    assert noise.tag == robust.RobustTag.DIRECTION_OUTLIER
 
 
 def test_one_off_direction_of_an_honest_sender_is_tolerated_by_the_window():
@@ -153,7 +149,9 @@ def test_reference_is_reset_when_two_senders_in_a_row_disagree():
     warm(g, direction(1))
     assert g.screen(0, delta(direction(2)), steps=8, sender="a").decision.action == robust.REJECT
     assert g.screen(0, delta(direction(2)), steps=8, sender="b").decision.action == robust.REJECT
-    assert tag(g.screen(0, delta(direction(2)), steps=8, sender="c").decision) == robust.NO_REFERENCE
+    assert (
+        g.screen(0, delta(direction(2)), steps=8, sender="c").decision
+    ).tag == robust.RobustTag.NO_REFERENCE
 
 
 @pytest.mark.parametrize("bad", ["flip", "noise"])
@@ -165,20 +163,20 @@ def test_round_drops_the_delta_that_disagrees_with_most_others(bad):
     for deltas in (honest[:2] + [outlier], honest + [outlier]):
         verdicts = g.screen_round(deltas)
         assert [v.action for v in verdicts] == [robust.ACCEPT] * (len(deltas) - 1) + [robust.REJECT]
-        assert tag(verdicts[-1]) == robust.DIRECTION_OUTLIER
+        assert verdicts[-1].tag == robust.RobustTag.DIRECTION_OUTLIER
     assert [v.action for v in g.screen_round([honest[0], outlier])] == [robust.ACCEPT] * 2
 
 
 def test_offences_within_the_window_start_a_cool_down_that_ends():
     g = guard(offence_limit=3, offence_window=10.0, cooldown=60.0)
-    assert g.note_rejection("m", robust.NORM_OUTLIER, 0.0) is None
-    assert g.note_rejection("m", robust.NORM_OUTLIER, 20.0) is None  # the first one left the window
+    assert g.note_rejection("m", robust.RobustTag.NORM_OUTLIER, 0.0) is None
+    assert g.note_rejection("m", robust.RobustTag.NORM_OUTLIER, 20.0) is None  # the first one left the window
     assert g.note_rejection("m", "stale anchor", 21.0) is None  # honest peers lag: not an offence
-    assert g.note_rejection("m", robust.REPLAY, 22.0) is None
+    assert g.note_rejection("m", robust.RobustTag.REPLAY, 22.0) is None
     started = g.note_rejection("m", "non-finite", 23.0)
-    assert started is not None and tag(started) == robust.COOL_DOWN_STARTED
+    assert started is not None and started.tag == robust.RobustTag.COOL_DOWN_STARTED
     assert g.cooling(24.0) == {"m"} and g.cooldowns == [(23.0, "m", "non-finite")]
-    assert tag(g.admit("m", 82.9)) == robust.COOL_DOWN
+    assert (g.admit("m", 82.9)).tag == robust.RobustTag.COOL_DOWN
     assert g.admit("m", 83.0).action == robust.ACCEPT and g.cooling(83.0) == frozenset()
     assert g.admit("other", 30.0).action == robust.ACCEPT
     assert g.rejected[("m", "stale anchor")] == 1
@@ -189,7 +187,7 @@ def test_disabled_guard_accepts_everything_and_never_cools_down():
     warm(g, direction(1))
     assert g.screen(0, delta(direction(1), rms=1.0), steps=8).decision.action == robust.ACCEPT
     assert g.check_counters(10**6, 1).decision.action == robust.ACCEPT
-    assert all(g.note_rejection("m", robust.NORM_OUTLIER, float(t)) is None for t in range(10))
+    assert all(g.note_rejection("m", robust.RobustTag.NORM_OUTLIER, float(t)) is None for t in range(10))
 
 
 # ---- wired into the synchronizer ------------------------------------------------------------------
@@ -226,17 +224,19 @@ def frame(sync: Synchronizer, scale: float, seq: int, tokens_per_step: int | Non
 
 def test_synchronizer_rejects_with_robust_reasons_and_cools_the_sender_down():
     sync = make_sync()
-    assert str(sync.handle_delta("mallory", frame(sync, 1000, 1), 1.0)).startswith(robust.NORM_OUTLIER)
-    assert str(sync.handle_delta("mallory", frame(sync, 1, 2, tokens_per_step=10**4), 2.0)).startswith(
-        robust.TOKEN_CLAIM
+    assert str(sync.handle_delta("mallory", frame(sync, 1000, 1), 1.0)).startswith(
+        robust.RobustTag.NORM_OUTLIER
     )
-    assert str(sync.handle_delta("mallory", frame(sync, 1, 3), 3.0)).startswith(robust.COOL_DOWN)
-    assert sync.rejections_by_sender[("mallory", robust.NORM_OUTLIER)] == 1
-    assert sync.rejections_by_sender[("mallory", robust.COOL_DOWN)] == 1
-    assert any(line.startswith(robust.COOL_DOWN_STARTED) for line in sync.decisions)
+    assert str(sync.handle_delta("mallory", frame(sync, 1, 2, tokens_per_step=10**4), 2.0)).startswith(
+        robust.RobustTag.TOKEN_CLAIM
+    )
+    assert str(sync.handle_delta("mallory", frame(sync, 1, 3), 3.0)).startswith(robust.RobustTag.COOL_DOWN)
+    assert sync.rejections_by_sender[("mallory", robust.RobustTag.NORM_OUTLIER)] == 1
+    assert sync.rejections_by_sender[("mallory", robust.RobustTag.COOL_DOWN)] == 1
+    assert any(line.startswith(robust.RobustTag.COOL_DOWN_STARTED) for line in sync.decisions)
     honest = sync.handle_delta("alice", frame(sync, 1, 4), 4.0)
     assert str(honest).startswith("opened round")
-    assert str(sync.handle_delta("alice", frame(sync, 1, 4), 5.0)).startswith(robust.REPLAY)
+    assert str(sync.handle_delta("alice", frame(sync, 1, 4), 5.0)).startswith(robust.RobustTag.REPLAY)
     # The round does not wait for a sender cooling down (grace window of 10 s ends early) ...
     sync.rounds.observe_step_time(5.0)
     (outcome,) = sync.poll(6.0, frozenset({"alice", "mallory"}), cap=10.0)
@@ -274,20 +274,22 @@ def test_synchronizer_refuses_senders_outside_the_allowlist_before_decoding():
 def test_synchronizer_never_screens_or_cools_down_its_own_deltas():
     sync = make_sync()
     for t in range(3):  # an offence record against itself (e.g. from an earlier term) changes nothing
-        sync.guard.note_rejection("sync", robust.NORM_OUTLIER, float(t))
+        sync.guard.note_rejection("sync", robust.RobustTag.NORM_OUTLIER, float(t))
     assert "sync" in sync.guard.cooling(3.0)
     # 30 x the honest scale: a norm another sender could not get accepted
     assert str(sync.handle_delta("sync", frame(sync, 30, 1), 4.0)).startswith("opened round")
-    assert str(sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0)).startswith(robust.NORM_OUTLIER)
+    assert str(sync.handle_delta("mallory", frame(sync, 1000, 2), 4.0)).startswith(
+        robust.RobustTag.NORM_OUTLIER
+    )
 
 
 def test_a_direction_outlier_alone_is_no_offence_but_repeated_ones_are():
     g = guard(offence_limit=2, direction_offence_limit=3, offence_window=30.0)
     # spread out (an honest learner after a failover now and then): never an offence
-    assert all(g.note_rejection("h", robust.DIRECTION_OUTLIER, 40.0 * t) is None for t in range(10))
+    assert all(g.note_rejection("h", robust.RobustTag.DIRECTION_OUTLIER, 40.0 * t) is None for t in range(10))
     assert g.cooling(400.0) == frozenset()
     # three within the window count as one offence; two offences start a cool-down
-    started = [g.note_rejection("r", robust.DIRECTION_OUTLIER, 500.0 + t) for t in range(6)]
+    started = [g.note_rejection("r", robust.RobustTag.DIRECTION_OUTLIER, 500.0 + t) for t in range(6)]
     assert [d is not None for d in started] == [False] * 5 + [True]
     assert "direction outliers" in started[-1].reason and g.cooling(506.0) == frozenset({"r"})
 

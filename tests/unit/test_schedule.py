@@ -8,20 +8,13 @@ from hypothesis import strategies as st
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol.schedule import (
-    ALREADY_IN_FLIGHT,
-    DUE,
-    NOT_DUE,
     SEND,
-    TAU_REACHED,
     TRAIN,
     LearnerSchedule,
+    ScheduleTag,
 )
 
 NONE: frozenset[int] = frozenset()
-
-
-def tag(decision) -> str:
-    return decision.reason.split(":")[0]
 
 
 def test_round_robin_sends_fragment_k_mod_p_at_step_k_times_s():
@@ -30,10 +23,10 @@ def test_round_robin_sends_fragment_k_mod_p_at_step_k_times_s():
     for step in range(1, 13):
         decision = schedule.on_step(step, NONE)
         if decision.action == SEND:
-            assert tag(decision) == DUE
+            assert decision.tag == ScheduleTag.DUE
             sent[step] = decision.fragment
         else:
-            assert tag(decision) == NOT_DUE
+            assert decision.tag == ScheduleTag.NOT_DUE
             assert decision.fragment is None
     assert sent == {2: 1, 4: 2, 6: 0, 8: 1, 10: 2, 12: 0}
     assert schedule.sends == 6
@@ -50,7 +43,7 @@ def test_tau_reached_defers_the_due_fragment_without_blocking():
     schedule = LearnerSchedule(num_fragments=3, steps_per_fragment=2, max_in_flight=1)
     assert schedule.on_step(2, NONE).fragment == 1
     blocked = schedule.on_step(4, frozenset({1}))
-    assert blocked.action == TRAIN and tag(blocked) == TAU_REACHED
+    assert blocked.action == TRAIN and blocked.tag == ScheduleTag.TAU_REACHED
     assert blocked.fragment == 2
     assert "1/1 in flight" in blocked.reason
     assert schedule.on_step(5, frozenset({1})).action == TRAIN
@@ -81,10 +74,10 @@ def test_already_in_flight_waits_for_adoption_and_holds_the_queue():
     assert schedule.on_step(1, NONE).fragment == 1
     assert schedule.on_step(2, frozenset({1})).fragment == 0
     waiting = schedule.on_step(3, frozenset({0, 1}))
-    assert waiting.action == TRAIN and tag(waiting) == ALREADY_IN_FLIGHT
+    assert waiting.action == TRAIN and waiting.tag == ScheduleTag.ALREADY_IN_FLIGHT
     assert waiting.fragment == 1
     # a free slot is not enough while fragment 1's own delta is unadopted
-    assert tag(schedule.on_step(4, frozenset({1}))) == ALREADY_IN_FLIGHT
+    assert (schedule.on_step(4, frozenset({1}))).tag == ScheduleTag.ALREADY_IN_FLIGHT
     resumed = schedule.on_step(5, frozenset({0}))
     assert (resumed.action, resumed.fragment) == (SEND, 1)
 
@@ -92,9 +85,9 @@ def test_already_in_flight_waits_for_adoption_and_holds_the_queue():
 def test_already_in_flight_takes_precedence_over_tau():
     schedule = LearnerSchedule(num_fragments=2, steps_per_fragment=1, max_in_flight=1)
     assert schedule.on_step(1, NONE).fragment == 1
-    assert tag(schedule.on_step(2, frozenset({1}))) == TAU_REACHED  # fragment 0 due, 1 in flight
+    assert (schedule.on_step(2, frozenset({1}))).tag == ScheduleTag.TAU_REACHED  # fragment 0 due, 1 in flight
     assert schedule.on_step(3, NONE).fragment == 0
-    assert tag(schedule.on_step(4, frozenset({1}))) == ALREADY_IN_FLIGHT
+    assert (schedule.on_step(4, frozenset({1}))).tag == ScheduleTag.ALREADY_IN_FLIGHT
 
 
 def test_steps_must_increase_and_in_flight_must_be_known():

@@ -58,7 +58,7 @@ def test_the_successor_claims_at_once_when_the_holder_is_down():
     assert (waiting.action, waiting.holder) == (el.FOLLOW, "peer-a")  # alive (or frozen): follow
     claim = follower_decide("peer-c", lease, 15.0, down={"peer-a"})
     assert (claim.action, claim.term, claim.holder) == (el.CLAIM, 5, "peer-c")
-    assert claim.reason.startswith(el.TAG_SUCCESSION)
+    assert claim.reason.startswith(el.ElectionTag.SUCCESSION)
     assert claim.expires_at == 15.0 + T.lease_ttl
     # another follower, not named, keeps following the dead holder until the successor's claim shows up
     other = follower_decide("peer-b", lease, 15.0, down={"peer-a"})
@@ -88,7 +88,9 @@ def test_readers_accept_an_early_claim_only_from_the_named_successor():
     assert [x.lease for x in ok.valid] == [old, by_successor]
     refused = screen(seen(old, 14.2), seen(by_other, 15.1))
     assert [x.lease for x in refused.valid] == [old]
-    assert [(lease.holder, tag) for lease, tag, _ in refused.refused] == [("peer-b", lease_rules.EARLY_CLAIM)]
+    assert [(lease.holder, tag) for lease, tag, _ in refused.refused] == [
+        ("peer-b", lease_rules.LeaseTag.EARLY_CLAIM)
+    ]
 
 
 def test_the_holders_latest_renewal_decides_who_is_named():

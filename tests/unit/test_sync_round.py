@@ -9,36 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.protocol.sync_round import (
     ACCEPT,
-    ACCEPTED,
-    BAD_COUNTERS,
     CLOSE,
-    FUTURE_ANCHOR,
-    GRACE_CAPPED,
-    GRACE_ENDED,
-    GRACE_ENDED_EARLY,
-    GRACE_RUNNING,
-    MERGING,
-    OPENED_ROUND,
-    QUORUM_NOT_MET,
     REJECT,
-    REPLACED,
-    ROUND_CLOSED,
-    STALE_ANCHOR,
-    UNKNOWN_FRAGMENT,
     WAIT,
     Contribution,
     FragmentRound,
+    RoundTag,
     SynchronizerRounds,
 )
 from p2p_diloco.protocol.timing import Ema, RoundTimings, grace_window
 
 LIVE3 = frozenset({"a", "b", "c"})
-
-
-def tag(decision) -> str:
-    return decision.reason.split(":")[0]
 
 
 def contrib(sender="a", anchor=5, tokens=100, steps=10, at=0.0, payload=None) -> Contribution:
@@ -60,9 +44,9 @@ def test_weight_is_tokens_times_tokens_per_step():
 def test_accepted_then_replaced_keeps_the_latest_per_learner():
     r = new_round()
     first = r.offer(contrib("a", payload="old", at=1.0), now=1.0)
-    assert (first.action, tag(first)) == (ACCEPT, ACCEPTED)
+    assert (first.action, first.tag) == (ACCEPT, RoundTag.ACCEPTED)
     second = r.offer(contrib("a", payload="new", anchor=4, at=2.0), now=2.0)
-    assert (second.action, tag(second)) == (ACCEPT, REPLACED)
+    assert (second.action, second.tag) == (ACCEPT, RoundTag.REPLACED)
     assert len(r) == 1
     assert [c.payload for c in r.contributions()] == ["new"]
     assert r.quorum_at is None  # one learner, K = 2
@@ -72,7 +56,7 @@ def test_stale_anchor_is_rejected_with_the_numbers():
     r = new_round(version=5, staleness=2)
     assert r.offer(contrib(anchor=3), 0.0).action == ACCEPT  # 2 behind: still usable
     d = r.offer(contrib("b", anchor=2), 0.0)
-    assert (d.action, tag(d)) == (REJECT, STALE_ANCHOR)
+    assert (d.action, d.tag) == (REJECT, RoundTag.STALE_ANCHOR)
     assert "anchor v2 is 3 versions behind" in d.reason and "max_staleness 2" in d.reason
     assert r.reporters == {"a"}
     assert r.rejected == 1
@@ -80,14 +64,14 @@ def test_stale_anchor_is_rejected_with_the_numbers():
 
 def test_future_anchor_is_rejected():
     d = new_round(version=5).offer(contrib(anchor=6), 0.0)
-    assert (d.action, tag(d)) == (REJECT, FUTURE_ANCHOR)
+    assert (d.action, d.tag) == (REJECT, RoundTag.FUTURE_ANCHOR)
 
 
 @pytest.mark.parametrize(("tokens", "steps", "anchor"), [(0, 10, 5), (100, 0, 5), (-3, 1, 5), (10, 1, -1)])
 def test_bad_counters_are_rejected(tokens, steps, anchor):
     r = new_round()
     d = r.offer(contrib(tokens=tokens, steps=steps, anchor=anchor), 0.0)
-    assert (d.action, tag(d)) == (REJECT, BAD_COUNTERS)
+    assert (d.action, d.tag) == (REJECT, RoundTag.BAD_COUNTERS)
     assert len(r) == 0
 
 
@@ -102,7 +86,7 @@ def test_a_closed_round_refuses_offers():
     r = new_round(k=1)
     r.offer(contrib("a"), 0.0)
     assert [c.sender for c in r.close(1.0)] == ["a"]
-    assert tag(r.offer(contrib("b"), 1.5)) == ROUND_CLOSED
+    assert (r.offer(contrib("b"), 1.5)).tag == RoundTag.ROUND_CLOSED
 
 
 # --- poll: quorum and grace ---------------------------------------------------------------------
@@ -112,7 +96,7 @@ def test_quorum_not_met_waits_and_counts():
     r = new_round(k=2)
     r.offer(contrib("a"), 0.0)
     d = r.poll(100.0, LIVE3, grace=1.0, cap=5.0)
-    assert (d.action, tag(d)) == (WAIT, QUORUM_NOT_MET)
+    assert (d.action, d.tag) == (WAIT, RoundTag.QUORUM_NOT_MET)
     assert "1/2" in d.reason
 
 
@@ -122,7 +106,7 @@ def test_grace_clock_starts_at_quorum_and_runs():
     r.offer(contrib("b"), 3.0)
     assert r.quorum_at == 3.0
     d = r.poll(3.5, LIVE3, grace=2.0, cap=10.0)
-    assert (d.action, tag(d)) == (WAIT, GRACE_RUNNING)
+    assert (d.action, d.tag) == (WAIT, RoundTag.GRACE_RUNNING)
     assert "1.500s left" in d.reason and "1 live learners missing" in d.reason
     r.offer(contrib("a", anchor=4), 4.0)  # a replacement does not move the clock
     assert r.quorum_at == 3.0
@@ -133,7 +117,7 @@ def test_grace_ended():
     r.offer(contrib("a"), 0.0)
     r.offer(contrib("b"), 1.0)
     d = r.poll(3.0, LIVE3, grace=2.0, cap=10.0)
-    assert (d.action, tag(d)) == (CLOSE, GRACE_ENDED)
+    assert (d.action, d.tag) == (CLOSE, RoundTag.GRACE_ENDED)
     assert r.poll(2.999, LIVE3, grace=2.0, cap=10.0).action == WAIT
 
 
@@ -142,7 +126,7 @@ def test_grace_ended_early_when_every_live_learner_reported():
     for sender in ["a", "b", "c"]:
         r.offer(contrib(sender), 1.0)
     d = r.poll(1.1, LIVE3, grace=2.0, cap=10.0)
-    assert (d.action, tag(d)) == (CLOSE, GRACE_ENDED_EARLY)
+    assert (d.action, d.tag) == (CLOSE, RoundTag.GRACE_ENDED_EARLY)
     assert "all 3 live learners" in d.reason
 
 
@@ -150,29 +134,29 @@ def test_reports_from_dead_learners_do_not_end_grace_early():
     r = new_round(k=1)
     r.offer(contrib("a"), 0.0)
     r.offer(contrib("x"), 0.0)  # reported, then left the swarm
-    assert tag(r.poll(0.5, frozenset({"a", "b"}), grace=2.0, cap=10.0)) == GRACE_RUNNING
-    assert tag(r.poll(0.5, frozenset({"a"}), grace=2.0, cap=10.0)) == GRACE_ENDED_EARLY
+    assert (r.poll(0.5, frozenset({"a", "b"}), grace=2.0, cap=10.0)).tag == RoundTag.GRACE_RUNNING
+    assert (r.poll(0.5, frozenset({"a"}), grace=2.0, cap=10.0)).tag == RoundTag.GRACE_ENDED_EARLY
 
 
 def test_an_unknown_live_set_never_ends_grace_early():
     r = new_round(k=1)
     r.offer(contrib("a"), 0.0)
-    assert tag(r.poll(0.5, frozenset(), grace=2.0, cap=10.0)) == GRACE_RUNNING
+    assert (r.poll(0.5, frozenset(), grace=2.0, cap=10.0)).tag == RoundTag.GRACE_RUNNING
 
 
 def test_grace_capped():
     r = new_round(k=1)
     r.offer(contrib("a"), 0.0)
-    assert tag(r.poll(0.9, LIVE3, grace=5.0, cap=1.0)) == GRACE_RUNNING
+    assert (r.poll(0.9, LIVE3, grace=5.0, cap=1.0)).tag == RoundTag.GRACE_RUNNING
     d = r.poll(1.0, LIVE3, grace=5.0, cap=1.0)
-    assert (d.action, tag(d)) == (CLOSE, GRACE_CAPPED)
+    assert (d.action, d.tag) == (CLOSE, RoundTag.GRACE_CAPPED)
     assert "5.000s cut to the cap of 1.000s" in d.reason
 
 
 def test_zero_grace_closes_at_quorum():
     r = new_round(k=1)
     r.offer(contrib("a"), 2.0)
-    assert tag(r.poll(2.0, LIVE3, grace=0.0, cap=1.0)) == GRACE_ENDED
+    assert (r.poll(2.0, LIVE3, grace=0.0, cap=1.0)).tag == RoundTag.GRACE_ENDED
 
 
 def test_rebase_drops_contributions_that_became_stale():
@@ -181,7 +165,7 @@ def test_rebase_drops_contributions_that_became_stale():
     r.offer(contrib("b", anchor=5), 0.0)
     assert r.quorum_at == 0.0
     dropped = r.rebase(6, now=1.0)
-    assert [tag(d) for d in dropped] == [STALE_ANCHOR]
+    assert [d.tag for d in dropped] == [RoundTag.STALE_ANCHOR]
     assert r.reporters == {"b"}
     assert r.quorum_at is None and r.version == 6
 
@@ -243,18 +227,18 @@ def test_first_usable_delta_opens_the_round():
     sync = rounds()
     assert sync.open_fragments == ()
     rejected = sync.offer(0, contrib(anchor=1), 0.0)  # stale: opens nothing
-    assert tag(rejected) == STALE_ANCHOR and sync.open_fragments == ()
+    assert rejected.tag == RoundTag.STALE_ANCHOR and sync.open_fragments == ()
     opened = sync.offer(0, contrib("a"), 1.0)
-    assert (opened.action, tag(opened)) == (ACCEPT, OPENED_ROUND)
+    assert (opened.action, opened.tag) == (ACCEPT, RoundTag.OPENED_ROUND)
     assert "fragment 0 v5" in opened.reason and "accepted: a" in opened.reason
     assert sync.round(0).opened_at == 1.0
-    assert tag(sync.offer(0, contrib("b"), 1.5)) == ACCEPTED
-    assert tag(sync.offer(0, contrib("a"), 1.6)) == REPLACED
+    assert (sync.offer(0, contrib("b"), 1.5)).tag == RoundTag.ACCEPTED
+    assert (sync.offer(0, contrib("a"), 1.6)).tag == RoundTag.REPLACED
 
 
 def test_unknown_fragment_is_rejected():
     d = rounds().offer(3, contrib(), 0.0)
-    assert (d.action, tag(d)) == (REJECT, UNKNOWN_FRAGMENT)
+    assert (d.action, d.tag) == (REJECT, AdmissionTag.UNKNOWN_FRAGMENT)
 
 
 def test_ready_reports_every_open_round():
@@ -264,8 +248,8 @@ def test_ready_reports_every_open_round():
     sync.offer(0, contrib("b"), 0.0)
     decisions = sync.ready(0.0, LIVE3)
     assert [f for f, _ in decisions] == [0, 2]
-    assert tag(decisions[0][1]) == GRACE_ENDED  # no step time yet: grace 0, merge at quorum
-    assert tag(decisions[1][1]) == QUORUM_NOT_MET
+    assert decisions[0][1].tag == RoundTag.GRACE_ENDED  # no step time yet: grace 0, merge at quorum
+    assert decisions[1][1].tag == RoundTag.QUORUM_NOT_MET
 
 
 def test_default_cap_is_one_round_and_grace_follows_the_averages():
@@ -273,9 +257,9 @@ def test_default_cap_is_one_round_and_grace_follows_the_averages():
     sync.observe_step_time(1.0)
     assert sync.grace() == pytest.approx(1.0)  # 0.5 * 2 * 1.0
     sync.offer(0, contrib("a"), 10.0)
-    assert tag(sync.ready(10.9, LIVE3)[0][1]) == GRACE_RUNNING
-    assert tag(sync.ready(11.0, LIVE3)[0][1]) == GRACE_ENDED
-    assert tag(sync.ready(10.5, LIVE3, cap=0.5)[0][1]) == GRACE_CAPPED
+    assert (sync.ready(10.9, LIVE3)[0][1]).tag == RoundTag.GRACE_RUNNING
+    assert (sync.ready(11.0, LIVE3)[0][1]).tag == RoundTag.GRACE_ENDED
+    assert (sync.ready(10.5, LIVE3, cap=0.5)[0][1]).tag == RoundTag.GRACE_CAPPED
 
 
 def test_close_merging_finish_lifecycle_records_timings():
@@ -288,13 +272,13 @@ def test_close_merging_finish_lifecycle_records_timings():
     assert sync.timings.time_to_quorum.value == pytest.approx(0.4)
     assert sync.merging == {0}
     # a delta arriving during the merge opens the next round, which waits for the merge
-    assert tag(sync.offer(0, contrib("c", anchor=3), 2.5)) == OPENED_ROUND
+    assert (sync.offer(0, contrib("c", anchor=3), 2.5)).tag == RoundTag.OPENED_ROUND
     sync.offer(0, contrib("a"), 2.6)
-    assert tag(sync.ready(9.0, LIVE3)[0][1]) == MERGING
+    assert (sync.ready(9.0, LIVE3)[0][1]).tag == RoundTag.MERGING
     with pytest.raises(ValueError, match="still merging"):
         sync.close(0, 9.0)
     dropped = sync.finish(0, new_version=6, sync_seconds=0.2)
-    assert [tag(d) for d in dropped] == [STALE_ANCHOR]  # c's anchor 3 is now 3 behind v6
+    assert [d.tag for d in dropped] == [RoundTag.STALE_ANCHOR]  # c's anchor 3 is now 3 behind v6
     assert sync.version(0) == 6 and sync.round(0).version == 6
     assert sync.timings.sync_time.value == pytest.approx(0.2)
     assert sync.grace() == pytest.approx(0.5 * (2 * 1.0 - (0.4 + 0.2)))
@@ -318,10 +302,10 @@ def test_finish_requires_a_close_and_a_newer_version():
 def test_set_version_for_a_new_holder_rebases_the_open_round():
     sync = rounds(max_staleness=0)
     sync.offer(1, contrib("a", anchor=0), 0.0)
-    assert [tag(d) for d in sync.set_version(1, 3)] == [STALE_ANCHOR]
+    assert [d.tag for d in sync.set_version(1, 3)] == [RoundTag.STALE_ANCHOR]
     assert sync.version(1) == 3
     assert sync.round(1) is None  # emptied: discarded
-    assert tag(sync.offer(1, contrib("b", anchor=3), 1.0)) == OPENED_ROUND
+    assert (sync.offer(1, contrib("b", anchor=3), 1.0)).tag == RoundTag.OPENED_ROUND
     assert sync.round(1).opened_at == 1.0
 
 

@@ -9,7 +9,7 @@ import torch
 
 from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol.direction import fragment_norm
-from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import update_checks as uc
 from p2p_diloco.wire.codec import Codec, encode_tensors
@@ -35,16 +35,16 @@ def test_the_payload_must_be_in_the_manifests_codec():
     c = checks()
     assert c.check_payload(record(encode_tensors(grad(0.1), codec=Codec.INT8))) is None
     tag, _ = c.check_payload(record(encode_tensors(grad(0.1), codec=Codec.FP32)))
-    assert tag == uc.WRONG_CODEC
-    assert c.check_payload(record(b"not a tensor frame"))[0] == uc.WRONG_CODEC
+    assert tag == UpdateTag.WRONG_CODEC
+    assert c.check_payload(record(b"not a tensor frame"))[0] == UpdateTag.WRONG_CODEC
 
 
 def test_values_must_be_finite_and_no_larger_than_adamw_can_move():
     c = checks()
-    assert c.check_values(0, {"w": torch.tensor([1.0, float("nan")])})[0] == uc.NOT_FINITE
+    assert c.check_values(0, {"w": torch.tensor([1.0, float("nan")])})[0] == UpdateTag.NOT_FINITE
     assert c.check_values(0, grad(0.9 * c.max_rms)) is None
     tag, detail = c.check_values(0, grad(100 * c.max_rms))  # a destructive update
-    assert tag == uc.TOO_LARGE and "w RMS" in detail
+    assert tag == UpdateTag.TOO_LARGE and "w RMS" in detail
 
 
 def test_value_check_hands_the_fragment_norm_to_the_direction_reference():
@@ -65,6 +65,6 @@ def test_contributors_must_be_learners_with_weights_the_schedule_allows():
     listed = dataclasses.replace(MANIFEST, trust=TrustConfig(learners=(QM,)))
     c = checks(listed)
     assert c.check_contributors(record(b"", ((QM, 1.0),))) is None
-    assert c.check_contributors(record(b"", (("stranger", 1.0),)))[0] == uc.UNKNOWN_CONTRIBUTOR
+    assert c.check_contributors(record(b"", (("stranger", 1.0),)))[0] == UpdateTag.UNKNOWN_CONTRIBUTOR
     heavy = c.max_weight * 4
-    assert c.check_contributors(record(b"", ((QM, heavy),)))[0] == uc.IMPLAUSIBLE_WEIGHT
+    assert c.check_contributors(record(b"", ((QM, heavy),)))[0] == UpdateTag.IMPLAUSIBLE_WEIGHT
