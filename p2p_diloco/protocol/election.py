@@ -29,7 +29,7 @@ The rule, in short:
 - fencing: a holder stops merging once `now >= expires_at - lease_margin` (it steps down instead of renewing
   late), while claimants wait until `expires_at + lease_margin`. Clocks may disagree by up to
   `lease_margin` and the two sides still never overlap. Updates carry their term and replicas ignore
-  updates of a term below the highest they have seen (`should_accept_update`).
+  updates of a term below the highest they have seen (`lease_rules.should_accept_update`).
 
 Record conventions (the swarm layer writes these; `ElectionDecision.lease_to_write` and
 `release_lease` build them):
@@ -68,7 +68,7 @@ FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = (
 
 
 class ElectionTag(StrEnum):
-    """Why `decide` and `should_accept_update` decided what they did."""
+    """Why `decide` decided what it did."""
 
     HELD_BY = "held by"  # follow: another peer holds a live lease
     HOLDING = "holding"  # hold: my lease is live and not due for renewal
@@ -85,13 +85,7 @@ class ElectionTag(StrEnum):
     SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
     PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
     UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
-    CURRENT_TERM = "current term"
-    NEWER_TERM = "newer term"
-    LOWER_TERM = "lower term"
 
-
-# should_accept_update(): actions
-ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE
 
 LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves
 
@@ -404,19 +398,3 @@ def _decide_claim(
         term=next_term,
         holder=turn,
     )
-
-
-def should_accept_update(update_term: int, highest_term_seen: int) -> Decision:
-    """Fencing for replicas: ignore an update whose term is below the highest term this replica has seen.
-
-    "accept" with "newer term" tells the caller to raise its highest term seen to `update_term`.
-    """
-    if update_term < highest_term_seen:
-        return Decision(
-            IGNORE, ElectionTag.LOWER_TERM, f"update term {update_term} < highest seen {highest_term_seen}"
-        )
-    if update_term > highest_term_seen:
-        return Decision(
-            ACCEPT, ElectionTag.NEWER_TERM, f"update term {update_term} > highest seen {highest_term_seen}"
-        )
-    return Decision(ACCEPT, ElectionTag.CURRENT_TERM, f"term {update_term}")

@@ -179,12 +179,9 @@ def dequantize_nesterov(
     finite = True
     for start, stop, piece in _pieces(out_theta, n, on_theta):  # pieces start on a block boundary
         at, block = 4 * start, start // block_size
-        finite &= bool(
-            kernel(
-                code_ptr + start, block_size, tab, scales + 4 * block,
-                t_in + at, m_in + at, t_out + at, m_out + at, stop - start, mu32, rate32,
-            )
-        )  # fmt: skip
+        code, scale, count = code_ptr + start, scales + 4 * block, stop - start
+        ins, outs = (t_in + at, m_in + at), (t_out + at, m_out + at)
+        finite &= bool(kernel(code, block_size, tab, scale, *ins, *outs, count, mu32, rate32))
         if on_theta is not None:
             on_theta(piece)
     return finite

@@ -5,7 +5,8 @@ name, but a hostile peer can write any lease *for itself*: a huge term, an expir
 already-expired record for the current term to make its updates look leased. Every peer screens what it
 reads with `screen_leases`, a pure function of the records, the time each was first seen by this peer,
 and what this peer already trusts; a refused record is returned with its reason and never reaches the
-election (`protocol.election`) or the update checks. The rules:
+election (`protocol.election`) or the update checks (`should_accept_update` fences updates by term). The
+rules:
 
 1. the holder may synchronize (`RunManifest.may_synchronize`: the allowlist and `[trust] synchronizers`);
 2. its expiry is at most `lease_ttl` (+ `lease_margin` for clock skew) after it was first seen: every
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.timing import SwarmTiming
 
@@ -103,10 +105,8 @@ def screen_leases(
             )
         elif lease.expires_at > item.first_seen + timing.lease_ttl + timing.lease_margin:
             ahead = lease.expires_at - item.first_seen
-            refused.append(
-                (lease, LeaseTag.TOO_LONG, f"term {lease.term} expires {ahead:.1f}s after it was first seen, "
-                 f"more than lease_ttl {timing.lease_ttl}s")
-            )  # fmt: skip
+            detail = f"term {lease.term} expires {ahead:.1f}s after it was first seen, more than lease_ttl"
+            refused.append((lease, LeaseTag.TOO_LONG, f"{detail} {timing.lease_ttl}s"))
         else:
             candidates.append(item)
     floor = term_floor
@@ -141,10 +141,10 @@ def screen_leases(
         if early and named_next(previous, lease.holder):
             early = False  # succession: the holder named this claimant to take over if it dies
         if early and not _reported_by_others(lease, terms_reported or {}, MIN_PEERS_FOR_EARLY_CLAIM):
+            written = f"term {lease.term} was written at {write_time(lease, timing):.2f}"
             refused.append(
-                (lease, LeaseTag.EARLY_CLAIM, f"term {lease.term} was written at {write_time(lease, timing):.2f}, "
-                 f"before term {lease.term - 1} lapsed at {base:.2f}")
-            )  # fmt: skip
+                (lease, LeaseTag.EARLY_CLAIM, f"{written}, before term {lease.term - 1} lapsed at {base:.2f}")
+            )
             continue
         valid.append(item)
         floor = max(floor, lease.term)
@@ -178,3 +178,30 @@ def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | Non
 def counts_as_held(item: SeenLease) -> bool:
     """Whether the lease vouches for updates of its term: it was live when this peer first saw it."""
     return item.first_seen < item.lease.expires_at  # a released one too: its expiry is after its release
+
+
+class FencingTag(StrEnum):
+    """Why `should_accept_update` accepted or ignored an update's term."""
+
+    CURRENT_TERM = "current term"
+    NEWER_TERM = "newer term"
+    LOWER_TERM = "lower term"
+
+
+ACCEPT, IGNORE = Action.ACCEPT, Action.IGNORE  # should_accept_update(): actions
+
+
+def should_accept_update(update_term: int, highest_term_seen: int) -> Decision:
+    """Fencing for replicas: ignore an update whose term is below the highest term this replica has seen.
+
+    "accept" with "newer term" tells the caller to raise its highest term seen to `update_term`.
+    """
+    if update_term < highest_term_seen:
+        return Decision(
+            IGNORE, FencingTag.LOWER_TERM, f"update term {update_term} < highest seen {highest_term_seen}"
+        )
+    if update_term > highest_term_seen:
+        return Decision(
+            ACCEPT, FencingTag.NEWER_TERM, f"update term {update_term} > highest seen {highest_term_seen}"
+        )
+    return Decision(ACCEPT, FencingTag.CURRENT_TERM, f"term {update_term}")

@@ -14,12 +14,14 @@ whose lease must first be read from the DHT).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.replies import Reply
 
@@ -193,6 +195,8 @@ class FetchChunks:
 
 
 Request = ReadSwarm | Probe | FetchUpdates | FetchUpdateLogs | FetchSnapshots | FetchChunks
+# A task: yields requests, is resumed with their results, returns its own result (see the module docstring)
+Task = Generator[Request, Any, Any]
 
 
 # ---- intents ---------------------------------------------------------------------------------------
@@ -287,3 +291,24 @@ Intent = (
     | Claimed
     | LeaseReleased
 )
+
+
+# ---- repairs a refused update needs (the peer starts the `Repair` task) -------------------------------
+
+
+class RepairKind(StrEnum):
+    RECONCILE = "reconcile"  # a newer term's update that does not follow my state: maybe a partition's branch
+    CATCH_UP = "catch up"  # a gap: replay the missing updates from the pusher
+    REFETCH = "refetch"  # my fragment does not hash as the update's base: fetch it again
+
+
+@dataclass(frozen=True)
+class RepairNeeded:
+    """What a refused update asks the peer to start (`Peer` runs the `Repair` task for it)."""
+
+    kind: RepairKind
+    fragment: int
+    sources: tuple[str, ...]
+    target: int = 0  # CATCH_UP: the version to reach
+    theirs: BranchTip | None = None  # RECONCILE: the pusher's tip
+    proof: Decision | None = None  # RECONCILE: `reconcile.fork_proven`, when the checksum proves it

@@ -1,5 +1,5 @@
 """The handover check: a new holder asks the previous holder and the live peers for updates it lacks
-before it publishes anything of its term.
+before it publishes anything of its term; and the fragments a holder holds back while it catches up.
 
 A peer that claims a term knows the swarm's versions only from heartbeats, which are up to a heartbeat
 period old, and from the pushes it received. The previous holder's last updates can be missing from both:
@@ -17,17 +17,14 @@ or unreachable peer delays the term by at most that, and a late answer is still 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.wire.records import HeartbeatInfo
-
-Task = Generator[fx.Request, Any, Any]
 
 MAX_SOURCES = 8  # peers asked per handover: the previous holders first, then the most advanced live peers
 
@@ -51,27 +48,28 @@ def handover_sources(
 
 
 class Handover:
-    """Owned by a `Peer` (its owner thread): `begin` at every term this peer takes, `holding` asked by the
-    synchronizer role before it closes any round."""
+    """Owned by a `Peer` (its owner thread): `begin` at every term this peer takes, `held` asked by the
+    synchronizer role before it closes any round; `wait_for` holds a fragment that trusted tips show behind."""
 
     def __init__(
         self,
-        peer_id: str,
-        manifest: RunManifest,
+        ctx: PeerContext,
         membership: Membership,
         repair: Repair,
-        journal: Journal,
-        spawn: Callable[[Task, Callable[[Any], None]], None],
+        spawn: Callable[[fx.Task, Callable[[Any], None]], None],
     ):
-        self.peer_id = peer_id
-        self.manifest = manifest
+        self.peer_id, self.manifest, self.journal = ctx.peer_id, ctx.manifest, ctx.journal
         self.membership = membership
         self.repair = repair
-        self.journal = journal
         self._spawn = spawn
         self.term = 0
         self.waiting: set[str] = set()  # sources of the current term's check that have not answered
         self.deadline = float("-inf")
+        # fragment -> (a version trusted tips of live peers hold, when first seen): while the replica lacks
+        # it, the fragment's rounds wait for the catch-up (an update from behind would fork the fragment
+        # and win over the newer versions), but at most `timing.lease_ttl`: a run never halts on it
+        self.behind: dict[int, tuple[int, float]] = {}
+        self._gave_up: dict[int, int] = {}  # fragment -> the highest version a wait ran out for
 
     def begin(self, term: int, now: float) -> None:
         """Ask the sources for what this replica lacks; rounds wait (`holding`) until they answered."""
@@ -91,6 +89,8 @@ class Handover:
         }
         sources = handover_sources(self.peer_id, previous, askable, membership.seen_down(now))
         self.term = term
+        self.behind.clear()
+        self._gave_up.clear()
         self.waiting = set(sources)
         self.deadline = now + self.manifest.timing.heartbeat_period
         if not sources:
@@ -98,6 +98,33 @@ class Handover:
         self.journal.note(f"term {term}: handover check, asking {', '.join(sources)} for newer updates")
         for source in sources:
             self._spawn(self._ask(term, source, now), lambda _, s=source, t=term: self._answered(t, s))
+
+    def wait_for(self, fragment: int, version: int, now: float) -> bool:
+        """Hold `fragment`'s rounds until the replica reaches `version` (see `behind`); False if already
+        held for that version or beyond."""
+        held = self.behind.get(fragment)
+        if (held is not None and held[0] >= version) or version <= self._gave_up.get(fragment, -1):
+            return False
+        self.behind[fragment] = (version, held[1] if held is not None else now)
+        return True
+
+    def held(self, now: float) -> frozenset[int]:
+        """The fragments whose rounds wait for a catch-up now: all of them while the term's handover check
+        runs."""
+        if self.holding(now):
+            return frozenset(range(self.repair.plan.num_fragments))
+        limit = self.manifest.timing.lease_ttl
+        for p, (version, since) in sorted(self.behind.items()):
+            if self.repair.replica.version(p) >= version:
+                del self.behind[p]
+            elif now - since >= limit:
+                del self.behind[p]
+                self._gave_up[p] = version  # not again for this version: one wait per tip, not one per read
+                self.journal.note(
+                    f"fragment {p}: not caught up to v{version} within {limit:.1f}s; merging from "
+                    f"v{self.repair.replica.version(p)}"
+                )
+        return frozenset(self.behind)
 
     def holding(self, now: float) -> bool:
         """Whether the term's rounds still wait for the check (at most `timing.heartbeat_period`)."""
@@ -116,7 +143,7 @@ class Handover:
         if term == self.term:
             self.waiting.discard(source)
 
-    def _ask(self, term: int, source: str, now: float) -> Task:
+    def _ask(self, term: int, source: str, now: float) -> fx.Task:
         replica = self.repair.replica
         fragments = range(self.repair.plan.num_fragments)
         logs = yield fx.FetchUpdateLogs(tuple((source, p, replica.version(p)) for p in fragments))

@@ -1,14 +1,21 @@
-"""A peer's journal: the decision lines it logs and the rejections it counts, per reason and sender.
+"""A peer's journal and context.
 
-Every component of a peer writes here (`note`, `reject`); each line also goes out as a `Note` intent,
-so the driver can log it (events.jsonl, stderr) without the peer doing I/O.
+`Journal`: the decision lines a peer logs and the rejections it counts, per tag and sender. Every part of
+a peer writes here (`note`, `reject`); each line also goes out as a `Note` intent, so the driver can log
+it (events.jsonl, stderr) without the peer doing I/O. `PeerContext`: what every part of a peer is given
+(who it is, its run, its fragment plan and replica, its journal and where its intents go), instead of
+long argument lists.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.effects import Intent, Note
 from p2p_diloco.wire.replies import Reply
 
@@ -42,3 +49,15 @@ class Journal:
         self.rejections_by_sender[key] += 1
         self.note(f"rejected from {sender}: {tag}: {detail}")
         return Reply.refused(tag, detail)
+
+
+@dataclass(frozen=True)
+class PeerContext:
+    """Who a peer is and what its parts share; built once by `Peer`."""
+
+    peer_id: str
+    manifest: RunManifest
+    plan: FragmentPlan
+    replica: GlobalReplica
+    journal: Journal
+    emit: Callable[[Intent], None]

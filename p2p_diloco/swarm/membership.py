@@ -21,7 +21,7 @@ from p2p_diloco.protocol import election, lease_rules
 from p2p_diloco.protocol.election import ElectionDecision, LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
-from p2p_diloco.swarm.effects import StoreRecord, SwarmRecords
+from p2p_diloco.swarm.effects import ReadSwarm, StoreRecord, SwarmRecords, Task
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
@@ -177,6 +177,25 @@ class Membership:
             del self.lease_holders[term]
         for term in sorted(self.lease_history)[:-LEASE_HISTORY]:
             del self.lease_history[term]
+
+    def verify_lease(self, leader: str, term: int, now: float, *, past_terms: bool = False) -> Task:
+        """Whether `leader` held the lease of `term`; re-reads the swarm if unknown (at most once per
+        heartbeat period: every frame of a replayed log used to cost a DHT read).
+
+        `past_terms` (replays and snapshot vouching, never pushes): a term below the highest this peer
+        trusts, whose lease it never saw (it lagged through it), counts for a leader that may
+        synchronize; in a public run only listed synchronizers, which the organizer trusts, qualify."""
+        if self.held_lease(leader, term):
+            return True
+        if past_terms and term < self.term_seen and self.manifest.may_synchronize(leader):
+            return True
+        if now - self.last_read >= self.manifest.timing.heartbeat_period:
+            self.ingest((yield ReadSwarm()))
+        return self.held_lease(leader, term)
+
+    def saw_term(self, term: int) -> None:
+        """A term this peer verified (a checked update of it, or its own claim): the floor of its elections."""
+        self.term_seen = max(self.term_seen, term)
 
     def lease_live_at(self, leader: str, term: int, now: float) -> bool:
         """Whether `leader`'s valid lease of `term` is live at `now` (an update pushed now was published

@@ -6,22 +6,16 @@ its driver (`swarm.driver`) feeds it events one at a time, from timers (`Tick`),
 requests, the training thread (`DeltaReady`) and finished I/O (`TaskResult`, `DeltaReplied`).
 The same class and driver run the real node (hivemind DHT, libp2p) and the in-process swarm.
 
-What it is made of, each with explicit dependencies:
-- `Membership`: heartbeats, lease records and the election;
-- `UpdateBook`: checking and applying updates, the log other peers replay from;
-- `Repair`: catch-up, snapshots, reconciliation and anti-entropy, as tasks;
-- `DeltaRouting`: the learner's deltas to the synchronizer, and the gate the training thread reads;
-- `SynchronizerRole`: the `Synchronizer` of the term this peer holds (rounds, robust checks, merges)
-  and the updates it publishes;
-- `UpdateIntake`: pushed updates, checked, applied, or turned into a catch-up or reconciliation;
-- `HolderWatch`: the named successor's watch on its holder (fast succession);
-- `Handover`: a new holder's check for updates it lacks before it publishes anything of its term.
+Its parts: `Membership` (heartbeats, leases, the election), `UpdateBook` (checking and applying updates,
+the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `DeltaRouting` (the learner's
+deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast succession) and `Handover`
+(a new holder's check for updates it lacks). A refused update or a lagging fragment becomes a
+`RepairNeeded`, which the peer runs as one task per fragment.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Collection, Generator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -36,20 +30,17 @@ from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.handover import Handover
-from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.journal import Journal, PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import Repair
-from p2p_diloco.swarm.role import SynchronizerRole
 from p2p_diloco.swarm.succession import HolderWatch
-from p2p_diloco.swarm.synchronizer import Synchronizer
+from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
+from p2p_diloco.swarm.tasks import Tasks
 from p2p_diloco.swarm.underway import UnderwayGate
-from p2p_diloco.swarm.update_intake import UpdateIntake
-from p2p_diloco.swarm.updates import UpdateBook
+from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.records import HeartbeatInfo
-from p2p_diloco.wire.replies import Reply
+from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import PeerKeys
-
-Task = Generator[fx.Request, Any, Any]
 
 
 class Peer:
@@ -80,39 +71,31 @@ class Peer:
         self._out: list[fx.Intent] = []
         emit = self._out.append
         self.journal = Journal(peer_id, emit)
+        self.context = ctx = PeerContext(peer_id, manifest, plan, replica, self.journal, emit)
+        self.tasks = Tasks(emit, self.journal)
+        self.spawn = self.tasks.spawn  # run a task until it first needs I/O (`swarm.tasks`)
         self.robust = RobustGuard.from_manifest(manifest)  # shared by every synchronizer term of this peer
         self.robust.loss_probe = loss_probe
         self.membership = Membership(
             peer_id, manifest, plan.num_fragments, self.journal, self.robust.standing
         )
-        self.book = UpdateBook(
-            manifest, plan, replica, self.journal, self.robust, emit, keys, has_learner=has_learner
-        )
-        self.repair = Repair(
-            peer_id,
-            manifest,
-            plan,
-            replica,
-            self.book,
-            self.membership,
-            self.journal,
-            emit,
-            has_learner=has_learner,
-        )
+        self.book = UpdateBook(ctx, self.robust, keys, self.membership, has_learner=has_learner)
+        self.repair = Repair(ctx, self.book, self.membership, has_learner=has_learner)
         self.deltas = DeltaRouting(peer_id, manifest, self.journal, emit)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
-        self.handover = Handover(peer_id, manifest, self.membership, self.repair, self.journal, self.spawn)
+        self.handover = Handover(ctx, self.membership, self.repair, self.spawn)
         self.role = SynchronizerRole(
-            peer_id, manifest, plan, replica, shapes, self.embedding_names, self.robust, self.book, self.deltas,
-            self.membership, self.journal, emit, self.handover.holding,
-        )  # fmt: skip
-        self._tasks: dict[int, tuple[Task, Callable[[Any], None]]] = {}
-        self.watch = HolderWatch(peer_id, self.membership, self.journal, self.spawn, self.elect)
-        self.intake = UpdateIntake(
-            manifest, self.membership, self.book, self.repair, self.deltas, self.journal, self._start_repair
+            ctx,
+            shapes,
+            self.embedding_names,
+            self.robust,
+            self.book,
+            self.deltas,
+            self.membership,
+            self.handover.held,
         )
+        self.watch = HolderWatch(peer_id, self.membership, self.journal, self.spawn, self.elect)
         self._electing = False  # an election round's DHT read is in flight
-        self._task_ids = itertools.count(1)
 
     # ---- the entry point ---------------------------------------------------------------------------
 
@@ -126,7 +109,7 @@ class Peer:
                 self._emit(fx.Respond(event.answer, self._handle_delta(event.sender, event.frame, event.now)))
             case fx.UpdateArrived():
                 self.spawn(
-                    self.intake.receive(event.sender, event.frame, event.now), self._respond(event.answer)
+                    self._receive_update(event.sender, event.frame, event.now), self._respond(event.answer)
                 )
             case fx.UpdatesRequested():
                 frames = self.repair.serve_updates(event.requester, event.fragment, event.after_version)
@@ -141,7 +124,7 @@ class Peer:
                 self.deltas.on_reply(event)
                 self.watch.on_delta_reply(event)
             case fx.TaskResult():
-                self._resume(event.task, event.value, event.error)
+                self.tasks.resume(event.task, event.value, event.error)
             case fx.CatchUpRequested():
                 self.spawn(self.repair.catch_up(event.now, replay=event.replay), self._respond(event.answer))
             case fx.Stopping():
@@ -164,36 +147,6 @@ class Peer:
     def _respond(self, answer: fx.Answer | None) -> Callable[[Any], None]:
         """A task's completion callback that answers `answer` (if any) with the task's result."""
         return lambda value: None if answer is None else self._emit(fx.Respond(answer, value))
-
-    # ---- tasks -------------------------------------------------------------------------------------
-
-    def spawn(self, task: Task, on_done: Callable[[Any], None] | None = None) -> None:
-        """Run `task` until it first needs I/O; its requests go out as `Perform` intents."""
-        task_id = next(self._task_ids)
-        self._tasks[task_id] = (task, on_done or (lambda value: None))
-        self._step_task(task_id, lambda: next(task))
-
-    def _resume(self, task_id: int, value: Any, error: BaseException | None) -> None:
-        if task_id not in self._tasks:
-            return
-        task = self._tasks[task_id][0]
-        self._step_task(
-            task_id, (lambda: task.throw(error)) if error is not None else (lambda: task.send(value))
-        )
-
-    def _step_task(self, task_id: int, advance: Callable[[], fx.Request]) -> None:
-        try:
-            request = advance()
-        except StopIteration as done:
-            _, on_done = self._tasks.pop(task_id)
-            on_done(done.value)
-            return
-        except Exception as exc:  # a bug in a task: it ends (answering None), the peer goes on
-            _, on_done = self._tasks.pop(task_id)
-            self.journal.note(f"task failed: {type(exc).__name__}: {exc}")
-            on_done(None)
-            return
-        self._emit(fx.Perform(task_id, request))
 
     # ---- swarm tick: heartbeat, election, anti-entropy ----------------------------------------------
 
@@ -218,7 +171,7 @@ class Peer:
         if not self._electing:  # a slow DHT read (a frozen node) must not pile up reads behind it
             self.spawn(self._election_round(tick.now))
 
-    def _election_round(self, now: float) -> Task:
+    def _election_round(self, now: float) -> fx.Task:
         self._electing = True
         try:
             records = yield fx.ReadSwarm()
@@ -233,13 +186,25 @@ class Peer:
                 if info.step_time > 0:
                     self.sync.observe_step_time(info.step_time)
         for fragment, winner, sources, decision in self.repair.due_repairs(now):
-            self._start_repair(fragment, self.repair.reconcile_fragment(fragment, winner, sources, decision))
+            reconcile = fx.RepairKind.RECONCILE
+            self._repair(fx.RepairNeeded(reconcile, fragment, tuple(sources), theirs=winner, proof=decision))
 
-    def _start_repair(self, fragment: int, task: Task) -> None:
-        if fragment in self.repair.busy:
+    def _receive_update(self, sender: str, frame: bytes, now: float) -> fx.Task:
+        """A pushed update: `UpdateBook.accept`, then what its verdict asks for (the learner's in-flight
+        deltas it merged, or the repair of a fragment it does not follow)."""
+        verdict = yield from self.book.accept(frame, sender, UpdateSource.PUSHED, now)
+        if verdict.reply.status == ReplyStatus.APPLIED and verdict.record is not None:
+            self.deltas.on_merged(verdict.record)
+        elif verdict.repair is not None:
+            self._repair(verdict.repair)
+        return verdict.reply
+
+    def _repair(self, needed: fx.RepairNeeded) -> None:
+        """Start the repair task `needed` names, unless one for its fragment runs already."""
+        if needed.fragment in self.repair.busy:
             return
-        self.repair.busy.add(fragment)
-        self.spawn(task, lambda _: self.repair.busy.discard(fragment))
+        self.repair.busy.add(needed.fragment)
+        self.spawn(self.repair.task_for(needed), lambda _: self.repair.busy.discard(needed.fragment))
 
     def _catch_up(self, fragment: int, target: int, sources: Collection[str], why: str) -> None:
         """The holder lacks versions of `fragment` that others hold: replay them (each record checked)."""
@@ -249,10 +214,7 @@ class Peer:
             f"holder behind on fragment {fragment} (v{self.replica.version(fragment)} < v{target}, {why}): "
             f"catching up from {', '.join(sources)}"
         )
-        task = self.repair.catch_up_fragment(
-            fragment, list(sources), target=target, now=self.membership.last_read
-        )
-        self._start_repair(fragment, task)
+        self._repair(fx.RepairNeeded(fx.RepairKind.CATCH_UP, fragment, tuple(sources), target=target))
 
     def elect(self, view, now: float) -> ElectionDecision:
         """Run the election on `view`. Versions that trusted tips of live peers show count as verified, so
@@ -299,7 +261,7 @@ class Peer:
         self.deltas.follow((holder, membership.holder_term) if holder is not None else None)
         if self.sync is not None:  # never publish from behind: those rounds wait for the catch-up
             for fragment, found in ahead.items():
-                if self.role.wait_for(fragment, found.winner.version, now):
+                if self.handover.wait_for(fragment, found.winner.version, now):
                     self._catch_up(fragment, found.winner.version, found.sources, why="trusted tips")
         return decision
 

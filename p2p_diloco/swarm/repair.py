@@ -19,26 +19,23 @@ skipped, an older snapshot is refused by the replica).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Generator
-from typing import Any
 
-from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import reconcile
 from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
-from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.protocol.replica import GlobalReplica, ReplicaTag
+from p2p_diloco.protocol.replica import ReplicaTag
 from p2p_diloco.swarm.effects import (
     FetchUpdateLogs,
     FetchUpdates,
-    Intent,
     ReadSwarm,
-    Request,
+    RepairKind,
+    RepairNeeded,
+    Task,
     ToLearner,
 )
-from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.learner import Reload
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader
@@ -46,39 +43,24 @@ from p2p_diloco.swarm.snapshots import SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
 from p2p_diloco.wire.frames import decode_update
-from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex
-
-Task = Generator[Request, Any, Any]
 
 
 class Repair:
-    def __init__(
-        self,
-        peer_id: str,
-        manifest: RunManifest,
-        plan: FragmentPlan,
-        replica: GlobalReplica,
-        book: UpdateBook,
-        membership: Membership,
-        journal: Journal,
-        emit: Callable[[Intent], None],
-        *,
-        has_learner: bool,
-    ):
-        self.peer_id = peer_id
-        self.manifest = manifest
-        self.plan = plan
-        self.replica = replica
+    def __init__(self, ctx: PeerContext, book: UpdateBook, membership: Membership, *, has_learner: bool):
+        self.peer_id = ctx.peer_id
+        self.manifest = ctx.manifest
+        self.plan = ctx.plan
+        self.replica = ctx.replica
+        self.journal = ctx.journal
+        self._emit = ctx.emit
         self.book = book
         self.membership = membership
-        self.journal = journal
-        self._emit = emit
         self.has_learner = has_learner
         self.behind_since: dict[int, float] = {}
         self.reconciliations: list[str] = []  # every `reconciled` line, in order
         self.busy: set[int] = set()  # fragments a repair task is working on
-        limits = manifest.limits
+        manifest, limits = ctx.manifest, ctx.manifest.limits
         self.snapshots = SnapshotServer(
             manifest.run_id,
             manifest.manifest_hash,
@@ -86,7 +68,7 @@ class Repair:
             max_pins=limits.snapshot_pins,
             pin_seconds=limits.snapshot_pin_seconds,
         )
-        self.downloader = SnapshotDownloader(manifest, replica, book, journal)
+        self.downloader = SnapshotDownloader(manifest, ctx.replica, book, ctx.journal)
         self.offer_snapshots()
         self.downloaded: Counter[str] = Counter()  # snapshot bytes installed, per source, ever
 
@@ -124,23 +106,6 @@ class Repair:
         for p in range(self.plan.num_fragments) if fragments is None else fragments:
             version, params, momentum = self.replica.fragment_state(p)
             self.snapshots.offer(p, version, self.replica.checksum(p), params, momentum)
-
-    # ---- leases behind updates ---------------------------------------------------------------------
-
-    def verify_lease(self, leader: str, term: int, now: float, *, past_terms: bool = False) -> Task:
-        """Whether `leader` held the lease of `term`; re-reads the swarm if unknown (at most once per
-        heartbeat period: every frame of a replayed log used to cost a DHT read).
-
-        `past_terms` (replays and snapshot vouching, never pushes): a term below the highest this peer
-        trusts, whose lease it never saw (it lagged through it), counts for a leader that may
-        synchronize; in a public run only listed synchronizers, which the organizer trusts, qualify."""
-        if self.membership.held_lease(leader, term):
-            return True
-        if past_terms and term < self.membership.term_seen and self.manifest.may_synchronize(leader):
-            return True
-        if now - self.membership.last_read >= self.manifest.timing.heartbeat_period:
-            self.membership.ingest((yield ReadSwarm()))
-        return self.membership.held_lease(leader, term)
 
     # ---- replay ------------------------------------------------------------------------------------
 
@@ -185,6 +150,16 @@ class Repair:
             return True
         return (yield from self.fetch_fragment(fragment, sources))
 
+    def task_for(self, needed: RepairNeeded) -> Task:
+        """The task that performs `needed`: a catch-up, a reconciliation or a refetch of one fragment."""
+        p, sources = needed.fragment, list(needed.sources)
+        if needed.kind == RepairKind.RECONCILE:
+            assert needed.theirs is not None
+            return self.reconcile_fragment(p, needed.theirs, sources, needed.proof)
+        if needed.kind == RepairKind.CATCH_UP:
+            return self.catch_up_fragment(p, sources, target=needed.target, now=self.membership.last_read)
+        return self.fetch_fragment(p, sources)
+
     def replay_log(self, fragment: int, source: str, frames: list[bytes], now: float) -> Task:
         """Apply the frames of `source`'s log of `fragment` that extend this replica, each checked like a
         pushed update; stops at one whose lease cannot be verified (its record has expired from the DHT: the
@@ -192,33 +167,13 @@ class Repair:
         checksum does not follow my state), else None."""
         for frame in frames:
             before = self.book.tip(fragment)
-            record, reply = yield from self._replay_one(source, frame, now)
-            if reply.tag == UpdateTag.NO_LEASE:
+            verdict = yield from self.book.accept(frame, source, UpdateSource.REPLAYED, now)
+            record, tag = verdict.record, verdict.reply.tag
+            if tag == UpdateTag.NO_LEASE:
                 return None
-            if (
-                record is not None
-                and record.fragment == fragment
-                and reply.tag == ReplicaTag.CHECKSUM_MISMATCH
-            ):
+            if record is not None and record.fragment == fragment and tag == ReplicaTag.CHECKSUM_MISMATCH:
                 return before, record
         return None
-
-    def _replay_one(self, source: str, frame: bytes, now: float) -> Task:
-        """Apply one replayed frame if it is the next update of its fragment; (record, reply)."""
-        try:
-            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
-        except DecodeError as exc:
-            return None, self.journal.reject(source, exc.reason, f"replayed update: {exc.detail}")
-        if not self.book.signed_by_leader(record):
-            reason = f"replayed update of term {record.term} naming {record.leader}"
-            return None, self.journal.reject(source, UpdateTag.BAD_SIGNATURE, reason)
-        if not (yield from self.verify_lease(record.leader, record.term, now, past_terms=True)):
-            reason = f"replayed update of term {record.term} by {record.leader}"
-            return None, self.journal.reject(source, UpdateTag.NO_LEASE, reason)
-        if self.book.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
-            if record.from_version == self.replica.version(record.fragment):
-                return record, self.book.apply(record, source=source, how=UpdateSource.REPLAYED, now=now)
-        return record, Reply.refused(UpdateTag.SKIPPED)
 
     # ---- snapshots ---------------------------------------------------------------------------------
 
@@ -282,7 +237,11 @@ class Repair:
             )
             if produced and self.book.signed_by_leader(record):
                 last_read = self.membership.last_read
-                if (yield from self.verify_lease(record.leader, record.term, last_read, past_terms=True)):
+                if (
+                    yield from self.membership.verify_lease(
+                        record.leader, record.term, last_read, past_terms=True
+                    )
+                ):
                     self.book.vouchers.vouch(record)
                     return record.term
         return None

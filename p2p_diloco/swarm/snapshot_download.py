@@ -5,19 +5,15 @@ sources that announced the most common index, each chunk checked on arrival (`sw
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.swarm.effects import FetchChunks, FetchSnapshots, Request
+from p2p_diloco.swarm.effects import FetchChunks, FetchSnapshots, Task
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.snapshots import ChunkedDownload
 from p2p_diloco.swarm.updates import UpdateBook
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex, chunk_layout, decode_index
 
-Task = Generator[Request, Any, Any]
 Downloaded = tuple[SnapshotIndex, dict, dict]
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 

@@ -12,16 +12,13 @@ named successor (`protocol.lease_rules`), and term fencing keeps a woken zombie'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable
 
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import Membership, SwarmView
 from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.replies import LinkTag, ReplyStatus
-
-Task = Generator[fx.Request, Any, Any]
 
 
 class HolderWatch:
@@ -32,7 +29,7 @@ class HolderWatch:
         peer_id: str,
         membership: Membership,
         journal: Journal,
-        spawn: Callable[[Task], None],
+        spawn: Callable[[fx.Task], None],
         elect: Callable[[SwarmView, float], object],
     ):
         self.peer_id = peer_id
@@ -62,7 +59,7 @@ class HolderWatch:
         elif replied.reply.status == ReplyStatus.TRANSIENT:
             self.probe_if_successor()
 
-    def _probe(self, holder: str, addresses: tuple[str, ...]) -> Task:
+    def _probe(self, holder: str, addresses: tuple[str, ...]) -> fx.Task:
         try:
             liveness = yield fx.Probe(holder, addresses)
         finally:
@@ -80,7 +77,7 @@ class HolderWatch:
         self.journal.note(f"synchronizer {holder} refused a connection: its process is gone")
         self._spawn(self._elect_now(holder))
 
-    def _elect_now(self, holder: str) -> Task:
+    def _elect_now(self, holder: str) -> fx.Task:
         records = yield fx.ReadSwarm()
         self.membership.mark_down(holder, records.now)
         self._elect(self.membership.ingest(records), records.now)

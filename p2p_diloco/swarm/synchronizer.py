@@ -1,56 +1,171 @@
-"""The synchronizer role: validate incoming deltas, run the fragment rounds, merge, build updates.
+"""The synchronizer side of a peer: admitting deltas, the fragment rounds of the term it holds, merges,
+and the updates it publishes.
 
-Sans-IO: `handle_delta` takes a frame and returns a typed `Reply`, `poll` returns the updates to
-publish, each with its outer step computed once (`MergeOutcome.pending`). It never mutates the replica:
-the peer installs that step through the same `UpdateBook.apply` path every update takes, which keeps the
-holder's replica identical to all others.
+`SynchronizerRole` is what the peer talks to: it admits a delta once (`RunManifest.may_learn`) and hands
+it to the `Synchronizer` of the term this peer holds; its sync ticks close the ready rounds, install each
+merged update on the peer's own replica through `UpdateBook.apply` (the outer step computed once, by
+`swarm.merging`) and push it to every live peer. It changes only on the owner thread, so a term's end
+(merge the open rounds, release the lease) is one step no delta or merge can interleave with.
 
-Every delta goes through, in order: the allowlist, the sender's cool-down, frame decoding, run and
-manifest, fragment, tensor decoding, `merge.validate_delta`, then the robust checks of
-`protocol.robust` (token claim, replay, norm, direction) before it is offered to its round; rounds of
-three or more contributions are screened again when they close (pairwise cosines, majority rule),
-and until a fragment has a direction reference its rounds wait (briefly) for three contributions.
-Every rejection is counted in `rejections` and `rejections_by_sender`, logged in `decisions` and reported
-to the `RobustGuard`, which cools repeat offenders down. Senders cooling down are not contributors and
-are not waited for (a round closes early once every other live learner reported), but they still count
-as live learners in the outer scaling: a cool-down must not change the honest swarm's outer step size
-(scaling by three learners instead of four cost 12 % eval loss in scripts/bench_byzantine.py, seed 1).
+A term's `Synchronizer` is sans-IO and never mutates the replica. An admitted delta passes the sender's
+cool-down, frame, run and manifest, fragment, tensors (`merge.validate_delta`) and the robust checks
+(`protocol.robust`) before it joins its round; closing rounds of three or more are screened again
+(pairwise cosines), and a fragment without a direction reference waits briefly for three. Rejections are
+counted and reported to the `RobustGuard`, which cools repeat offenders down; those are not waited for
+but still count in the outer scaling (three instead of four cost 12 % eval loss, bench_byzantine seed 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-
-import torch
+from collections.abc import Callable, Collection
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import AdmissionTag, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.kernels import QuantizedTensor
-from p2p_diloco.protocol.merge import merge_deltas, validate_delta
-from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
+from p2p_diloco.protocol.merge import validate_delta
+from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
+from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.robust_config import RobustTag
 from p2p_diloco.protocol.sync_round import Contribution, RoundTag, SynchronizerRounds
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.deltas import DeltaRouting
+from p2p_diloco.swarm.journal import PeerContext
+from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.merging import MergeOutcome, Merger, dense, outer_feedback_for
+from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.feedback import ErrorFeedback
-from p2p_diloco.wire.frames import decode_delta
+from p2p_diloco.wire.frames import decode_delta, encode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 
-@dataclass(frozen=True)
-class MergeOutcome:
-    """A closed round: the update to publish, and its outer step already computed (applied as is)."""
+class SynchronizerRole:
+    def __init__(
+        self,
+        ctx: PeerContext,
+        shapes: dict[str, tuple[int, ...]],
+        embedding_names: Collection[str],
+        robust: RobustGuard,
+        book: UpdateBook,
+        deltas: DeltaRouting,
+        membership: Membership,
+        held: Callable[[float], frozenset[int]] = lambda now: frozenset(),
+    ):
+        self.peer_id, self.manifest, self.plan, self.replica = (
+            ctx.peer_id,
+            ctx.manifest,
+            ctx.plan,
+            ctx.replica,
+        )
+        self.journal, self._emit = ctx.journal, ctx.emit
+        self.shapes = shapes
+        self.embedding_names = embedding_names
+        self.robust = robust  # shared by every term of this peer
+        self.book = book
+        self.deltas = deltas
+        self.membership = membership
+        self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
+        self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
+        self.sync: Synchronizer | None = None
+        # Sparse codecs: what an update left out is carried into the fragment's next update. One store
+        # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
+        # peer loses at most that residual (measured harmless: docs/results/sparse, docs/wire_codecs.md).
+        self.outer_feedback = outer_feedback_for(ctx.manifest)
 
-    record: UpdateRecord
-    reason: str
-    pending: PendingUpdate
-    outer_grad: dict[str, torch.Tensor | QuantizedTensor]  # int8 gradients stay int8 (decode_tensors lazy)
+    def take(self, term: int) -> None:
+        self.sync = Synchronizer(
+            self.peer_id,
+            self.manifest,
+            self.plan,
+            self.replica,
+            term=term,
+            embedding_names=self.embedding_names,
+            shapes=self.shapes,
+            guard=self.robust,
+            outer_feedback=self.outer_feedback,
+            merged_already=self.book.merged_already,
+        )
+        self.membership.saw_term(term)
+        self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
+
+    def tick(self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None) -> list[UpdateRecord]:
+        """Close ready rounds; apply each update here (its outer step computed once), push it to every
+        live peer."""
+        if self.sync is None or self._fenced(now):
+            return []
+        published = []
+        for outcome in self.sync.poll(now, self.membership.live_learners(now), cap, hold=self._held(now)):
+            record = self.book.sign(outcome.record)
+            reply = self.book.apply(
+                record,
+                source=self.peer_id,
+                how=UpdateSource.OWN,
+                now=now,
+                computed=(outcome.pending, outcome.outer_grad),
+            )
+            if reply.status != ReplyStatus.APPLIED:
+                self.journal.note(f"own update refused: {reply}")
+                self.sync.rounds.abort(record.fragment)
+                continue
+            self.deltas.on_merged(record)
+            frame = encode_update(record)
+            for peer in sorted(self.membership.live_peers):
+                if peer != self.peer_id:
+                    self._emit(fx.PushUpdate(peer, frame))
+            self.sync.finish(record.fragment, sync_seconds)
+            published.append(record)
+            self._emit(fx.Published(record))
+        return published
+
+    def _fenced(self, now: float) -> bool:
+        """Past my lease's last written expiry (less the margin) I merge nothing, whether or not the
+        election could read the DHT since: a peer whose DHT calls fail renews nothing, and its followers
+        refuse its updates once that expiry passed (they may already follow a successor)."""
+        lease = self.membership.my_lease
+        if lease is None or now < lease.expires_at - self.manifest.timing.lease_margin:
+            return False
+        if self._fence_noted != lease.expires_at:
+            self._fence_noted = lease.expires_at
+            self.journal.note(
+                f"term {lease.term}: lease written to expire at {lease.expires_at:.2f} was not renewed; "
+                "merging nothing until the election decides"
+            )
+        return True
+
+    def finish_open_rounds(self, now: float) -> None:
+        """At the end of a term (the lease still valid), merge every open round that has its quorum now,
+        cutting the grace windows short; rounds below quorum are dropped, and their learners resend to
+        the next holder once they see the released lease."""
+        if self.sync is None:
+            return
+        open_before = self.sync.rounds.open_fragments
+        merged = [record.fragment for record in self.tick(now, cap=0.0)]
+        if open_before:
+            dropped = sorted(set(open_before) - set(merged))
+            self.journal.note(
+                f"term ended: merged the open rounds of fragments {merged}, dropped {dropped} (no quorum)"
+            )
+
+    def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
+        """A delta addressed to this peer: the one admission check (`RunManifest.may_learn`: the allowlist
+        and `[trust] learners`), then the term's `Synchronizer`, or a refusal if this peer holds none."""
+        if not self.manifest.may_learn(sender):
+            return self.journal.reject(
+                sender, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist"
+            )
+        if self.sync is None:
+            try:
+                decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
+            except DecodeError as exc:
+                return self.journal.reject(sender, exc.reason, exc.detail)
+            return self.journal.reject(
+                sender, UpdateTag.NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease"
+            )
+        return self.sync.offer_delta(sender, frame, now)
 
 
 class Synchronizer:
@@ -97,6 +212,8 @@ class Synchronizer:
         # Sparse codecs: what an update leaves out is carried into the fragment's next update. Lost with
         # this object (failover, rotation) unless the peer passes one store to every term (docs/wire_codecs.md).
         self.outer_feedback = outer_feedback or outer_feedback_for(manifest)
+        ramp, feedback = self.guard.standing.ramp, self.outer_feedback
+        self.merger = Merger(peer_id, manifest, plan, replica, shapes, self.embedding_names, ramp, feedback)
 
     def _reject(self, sender: str, tag: str, detail: str, now: float, retry_after: float = 0.0) -> Reply:
         reply = Reply.refused(tag, detail, retry_after)
@@ -111,10 +228,9 @@ class Synchronizer:
     def _refuse(self, sender: str, decision: Decision, now: float) -> Reply:
         return self._reject(sender, decision.tag, decision.detail, now)
 
-    def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
-        """Validate and offer one delta frame; returns the reply for the sender. Never raises on bad input."""
-        if self.manifest.allowlist and sender not in self.manifest.allowlist:
-            return self._reject(sender, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist", now)
+    def offer_delta(self, sender: str, frame: bytes, now: float) -> Reply:
+        """Validate and offer one delta frame of an admitted sender (`SynchronizerRole.handle_delta`);
+        returns the reply for the sender. Never raises on bad input."""
         admitted = self.guard.admit(sender, now)
         if admitted.action != ACCEPT and sender != self.peer_id:
             return self._reject(
@@ -222,9 +338,10 @@ class Synchronizer:
             if not contributions:
                 self.rounds.abort(p)
                 continue
-            record, pending, grad = self._merge(
-                p, contributions, live=len(live_learners | {c.sender for c in contributions})
-            )
+            live = len(live_learners | {c.sender for c in contributions})
+            record, pending, grad = self.merger.merge(p, contributions, live=live, term=self.term)
+            for c in contributions:
+                self.accepted_tokens[c.sender] += c.tokens
             self.rounds_done += 1
             self.decisions.append(
                 f"fragment {p} v{record.from_version}->{record.to_version}: {decision.reason}"
@@ -276,66 +393,3 @@ class Synchronizer:
     def finish(self, fragment: int, sync_seconds: float) -> None:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
         self.rounds.finish(fragment, self.replica.versions()[fragment], sync_seconds)
-
-    def _merge(
-        self, p: int, contributions: list[Contribution], *, live: int
-    ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor | QuantizedTensor]]:
-        """Merge, encode and compute the update of `p`. Sorts `contributions` by sender and drops their
-        payloads once merged, in place: the float32 deltas are freed before the outer step."""
-        contributions.sort(key=lambda c: c.sender)
-        weights = [c.weight * self.guard.standing.ramp(c.sender) for c in contributions]
-        merged = merge_deltas(
-            [c.payload for c in contributions],
-            weights,
-            rule=self.manifest.diloco.merge_rule,
-            embedding_names=self.embedding_names,
-        )
-        contributions[:] = [dataclasses.replace(c, payload=None) for c in contributions]
-        if self.manifest.diloco.outer_scaling == "contributors" and len(contributions) < live:
-            scale = torch.tensor(len(contributions) / live, dtype=torch.float32)
-            for t in merged.values():  # merge_deltas returns fresh tensors: scaled in place, no copy
-                t.mul_(scale)
-        wire = self.manifest.wire
-        if self.outer_feedback is not None:
-            payload, _ = self.outer_feedback.compress(p, merged)
-        else:
-            payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
-        del merged  # the update is its encoding from here on
-        # Everyone applies the decoded (quantized) gradient, the holder included, so replicas agree.
-        decoded = decode_tensors(
-            payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes, lazy=True
-        )
-        cfg = self.manifest.diloco
-        pending = self.replica.compute_update(p, decoded, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
-        for c in contributions:
-            self.accepted_tokens[c.sender] += c.tokens
-        record = UpdateRecord(
-            run_id=self.manifest.run_id,
-            manifest_hash=self.manifest.manifest_hash,
-            fragment=p,
-            from_version=self.replica.versions()[p],
-            term=self.term,
-            leader=self.peer_id,
-            contributors=tuple((c.sender, float(w)) for c, w in zip(contributions, weights)),
-            seqs=tuple(c.seq for c in contributions),
-            checksum=pending.checksum,
-            payload=payload,
-        )
-        return record, pending, decoded
-
-
-def dense(tensors: Mapping[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor]:
-    """`tensors` with every int8 one decoded to float32 (the others as they are)."""
-    return {n: t.decode() if isinstance(t, QuantizedTensor) else t for n, t in tensors.items()}
-
-
-def outer_feedback_for(manifest: RunManifest) -> ErrorFeedback | None:
-    """The synchronizer's residual store for outer gradients: one when the codec is sparse, else None."""
-    wire = manifest.wire
-    if not wire.codec.sparse:
-        return None
-    return ErrorFeedback(wire.codec, wire.block_size, density=wire.density, decay=wire.feedback_decay)
-
-
-def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}

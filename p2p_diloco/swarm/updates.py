@@ -1,39 +1,45 @@
-"""Outer updates on a peer: checking an update before it touches the replica, applying it, and the
-bounded log of applied updates (decoded records) that other peers replay from.
+"""Outer updates on a peer: the checks every update passes before it reaches the replica, applying it,
+and the bounded log of applied updates (`swarm.update_log.UpdateLog`) that other peers replay from.
 
-The log is a `swarm.update_log.UpdateLog`, bounded in bytes by `[limits]`.
+`UpdateBook.accept` takes an update frame pushed by the synchronizer or replayed from a peer's log and
+checks it (allowlist, frame, run and manifest, fencing, leader, signature, lease, and its content:
+`UpdateChecks`); a pushed one that does not follow this replica comes back with the repair it needs
+(`RepairNeeded`), which the peer starts. `UpdateBook.apply` is the one path by which an update reaches
+the replica, the synchronizer's own included: it tells the learner (`Adopt`), the driver (`Applied`) and
+remembers the update's term as the fragment's branch tip term (`protocol.reconcile`).
 
-`UpdateBook.apply` is the one path by which an update reaches the replica, for pushed, replayed and the
-synchronizer's own updates alike. It tells the learner (an `Adopt` message), the driver (an `Applied`
-intent, which the ledger and event log follow) and remembers the update's term as the fragment's
-branch tip term (`protocol.reconcile`).
+A leaseholder is trusted to merge, not to write anything it likes: `UpdateChecks` refuses a payload not
+in the manifest's codec, a non-finite value, a tensor whose RMS is above what AdamW can move in the most
+steps a delta may count, contributors that may not learn and weights no learner can earn. The checks
+depend on the update and the manifest only, so every replica reaches the same verdict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from torch import Tensor
 
 from p2p_diloco.config import LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.protocol.decisions import Action
-from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol import kernels, lease_rules, reconcile
+from p2p_diloco.protocol.decisions import Action, AdmissionTag
 from p2p_diloco.protocol.kernels import QuantizedTensor
-from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
+from p2p_diloco.protocol.replica import PendingUpdate, ReplicaTag
 from p2p_diloco.protocol.robust import RobustGuard
-from p2p_diloco.swarm.effects import Applied, Intent, ToLearner
-from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.effects import Applied, RepairKind, RepairNeeded, Task, ToLearner
+from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.learner import Adopt
-from p2p_diloco.swarm.update_checks import UpdateChecks
+from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.swarm.vouching import Ahead, Vouchers, reported_tips, trusted_ahead
-from p2p_diloco.wire.codec import decode_tensors
-from p2p_diloco.wire.frames import encode_update, update_signing_bytes
+from p2p_diloco.wire.codec import decode_tensors, frame_codec
+from p2p_diloco.wire.frames import decode_update, encode_update, update_signing_bytes
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import PeerKeys
@@ -50,28 +56,112 @@ class UpdateSource(StrEnum):
     OWN = "own"  # merged by this peer as synchronizer
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """`UpdateBook.accept`'s answer: the reply for the sender, the record if it decoded, and the repair a
+    refused pushed update needs (None: nothing to start)."""
+
+    reply: Reply
+    record: UpdateRecord | None = None
+    repair: RepairNeeded | None = None
+
+
+def repair_for(record: UpdateRecord, sender: str, before: BranchTip, tag: str) -> RepairNeeded | None:
+    """The repair a pushed update refused with `tag` needs, given my tip `before` it arrived."""
+    p, sources = record.fragment, (sender,)
+    stale = (ReplicaTag.DUPLICATE_UPDATE, ReplicaTag.OUT_OF_ORDER, ReplicaTag.CHECKSUM_MISMATCH)
+    if record.term > before.term and tag in stale:
+        theirs = BranchTip(record.term, record.to_version, record.checksum)
+        proof = None
+        if tag == ReplicaTag.CHECKSUM_MISMATCH:
+            proof = reconcile.fork_proven(
+                before, theirs, update_term=record.term, from_version=record.from_version
+            )
+        return RepairNeeded(RepairKind.RECONCILE, p, sources, theirs=theirs, proof=proof)
+    if tag == ReplicaTag.OUT_OF_ORDER:
+        return RepairNeeded(RepairKind.CATCH_UP, p, sources, target=record.to_version)
+    if tag == ReplicaTag.CHECKSUM_MISMATCH:
+        return RepairNeeded(RepairKind.REFETCH, p, sources)
+    return None
+
+
+class UpdateChecks:
+    def __init__(self, manifest: RunManifest, num_fragments: int, robust: RobustGuard):
+        self.manifest = manifest
+        self.robust = robust
+        tps = robust.tokens_per_step * (1 + robust.config.token_tolerance)
+        self.max_weight = robust.max_steps * tps * tps * (1 + 1e-6)
+        self.max_rms = robust.config.prior_factor * manifest.diloco.inner_lr * robust.max_steps
+
+    def check_payload(self, record: UpdateRecord) -> tuple[str, str] | None:
+        """Before decoding: the payload's codec must be the manifest's."""
+        codec = frame_codec(record.payload)
+        if codec != self.manifest.wire.codec:
+            return UpdateTag.WRONG_CODEC, f"payload is {codec}, the manifest says {self.manifest.wire.codec}"
+        return self.check_contributors(record)
+
+    def check_contributors(self, record: UpdateRecord) -> tuple[str, str] | None:
+        for peer, weight in record.contributors:
+            if not self.manifest.may_learn(peer):
+                return UpdateTag.UNKNOWN_CONTRIBUTOR, f"{peer} may not learn in this run"
+            if self.robust.config.enabled and weight > self.max_weight:
+                return (
+                    UpdateTag.IMPLAUSIBLE_WEIGHT,
+                    f"{peer}'s weight {weight:.3g} > {self.max_weight:.3g} allowed",
+                )
+        return None
+
+    def check_values(
+        self, fragment: int, grad: Mapping[str, Tensor | kernels.QuantizedTensor]
+    ) -> tuple[str, str] | None:
+        """After decoding: finite values, and no tensor whose RMS exceeds what AdamW can move in the most
+        steps a delta may count (`[robust] prior_factor` x inner_lr x max_steps): a merge of screened
+        deltas never does, a destructive update (random weights, a huge step) does by orders of magnitude.
+        A tensor still in int8 form is finite by construction (its decoding checked the block scales)."""
+        return self.value_check(fragment, grad).problem
+
+    def value_check(self, fragment: int, grad: Mapping[str, Tensor | kernels.QuantizedTensor]) -> ValueCheck:
+        """`check_values`, with the fragment's L2 norm it computed on the way (None where the robust
+        checks are off), which the direction reference reuses instead of a second pass."""
+        squares = 0.0
+        for name, tensor in grad.items():
+            if not isinstance(tensor, kernels.QuantizedTensor) and not kernels.all_finite(tensor):
+                return ValueCheck((UpdateTag.NOT_FINITE, f"{name} holds NaN or inf"))
+            if not self.robust.config.enabled or tensor.numel() == 0:
+                continue
+            tensor_squares = kernels.sum_squares64(tensor)
+            squares += tensor_squares
+            rms = math.sqrt(tensor_squares) / math.sqrt(tensor.numel())
+            if rms > self.max_rms:
+                detail = f"{name} RMS {rms:.3g} > {self.max_rms:.3g} (prior_factor x inner_lr x max steps)"
+                return ValueCheck((UpdateTag.TOO_LARGE, detail))
+        return ValueCheck(None, math.sqrt(squares) if self.robust.config.enabled else None)
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    problem: tuple[str, str] | None  # (tag, detail) of the first problem found, None when the values pass
+    norm: float | None = None  # the fragment's L2 norm (float64 sums), when computed
+
+
 class UpdateBook:
     def __init__(
         self,
-        manifest: RunManifest,
-        plan: FragmentPlan,
-        replica: GlobalReplica,
-        journal: Journal,
+        ctx: PeerContext,
         robust: RobustGuard,
-        emit: Callable[[Intent], None],
         keys: PeerKeys,
+        membership: Membership,
         *,
         has_learner: bool,
     ):
-        self.manifest = manifest
+        manifest, plan, replica = ctx.manifest, ctx.plan, ctx.replica
+        self.manifest, self.plan, self.replica = manifest, plan, replica
+        self.journal, self._emit = ctx.journal, ctx.emit
+        self.membership = membership
         self.keys = keys
         self.vouchers = Vouchers(plan.num_fragments)
         self.checks = UpdateChecks(manifest, plan.num_fragments, robust)
-        self.plan = plan
-        self.replica = replica
-        self.journal = journal
         self.robust = robust
-        self._emit = emit
         self.has_learner = has_learner
         # (learner, fragment) -> the highest delta seq of it an applied update merged: a delta carrying
         # work of an older one (resent after a term change) must not count it twice (`merged_already`)
@@ -128,12 +218,86 @@ class UpdateBook:
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         """(tag, detail) if a record is not for this run, manifest or fragment layout."""
         if run_id != self.manifest.run_id:
-            return ("wrong run", f"{run_id!r} is not this run ({self.manifest.run_id!r})")
+            return (AdmissionTag.WRONG_RUN, f"{run_id!r} is not this run ({self.manifest.run_id!r})")
         if manifest_hash != self.manifest.manifest_hash:
-            return ("wrong manifest", "the sender runs a different manifest")
+            return (AdmissionTag.WRONG_MANIFEST, "the sender runs a different manifest")
         if not 0 <= fragment < self.plan.num_fragments:
-            return ("unknown fragment", f"{fragment} not in [0, {self.plan.num_fragments})")
+            return (AdmissionTag.UNKNOWN_FRAGMENT, f"{fragment} not in [0, {self.plan.num_fragments})")
         return None
+
+    def accept(self, frame: bytes, source: str, how: UpdateSource, now: float) -> Task:
+        """Check an update frame pushed by `source` or replayed from its log, then `apply` it; a task that
+        returns a `Verdict`. Pushed: the allowlist, the frame, run and manifest, term fencing, that the
+        sender is the leader it names, the leader's signature, a valid lease of that term
+        (`Membership.verify_lease`) live when it arrived; a refused one that does not follow this replica
+        names the repair it needs. Replayed: the frame, the signature, a lease of that term (past terms
+        of synchronizers count), and it must extend the replica (else `SKIPPED`, no offence)."""
+        pushed = how == UpdateSource.PUSHED
+        if pushed and not self.membership.allowed(source):
+            return Verdict(
+                self.journal.reject(source, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist")
+            )
+        try:
+            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except DecodeError as exc:
+            return Verdict(
+                self.journal.reject(
+                    source, exc.reason, exc.detail if pushed else f"replayed update: {exc.detail}"
+                )
+            )
+        if not pushed:
+            return Verdict((yield from self._replayed(record, source, now)), record)
+        bad = self.check_record(record.run_id, record.manifest_hash, record.fragment)
+        if bad:
+            return Verdict(self.journal.reject(source, *bad), record)
+        fencing = lease_rules.should_accept_update(record.term, self.membership.term_seen)
+        if fencing.action != lease_rules.ACCEPT:
+            return Verdict(self.journal.reject(source, fencing.tag, fencing.detail), record)
+        term = record.term
+        if record.leader != source:
+            return Verdict(
+                self.journal.reject(
+                    source, UpdateTag.NOT_THE_LEADER, f"update of term {term} names {record.leader}"
+                ),
+                record,
+            )
+        if not self.signed_by_leader(record):
+            return Verdict(
+                self.journal.reject(source, UpdateTag.BAD_SIGNATURE, f"update of term {term}"), record
+            )
+        if not (yield from self.membership.verify_lease(record.leader, term, now)):
+            return Verdict(
+                self.journal.reject(
+                    source, UpdateTag.NO_LEASE, f"{source} never held a valid lease of term {term}"
+                ),
+                record,
+            )
+        if not self.membership.lease_live_at(record.leader, term, now):
+            detail = f"{source}'s lease of term {term} is not live at {now:.2f}"
+            return Verdict(self.journal.reject(source, UpdateTag.LEASE_NOT_LIVE, detail), record)
+        self.vouchers.vouch(record)
+        self.membership.saw_term(term)
+        before = self.tip(record.fragment)
+        reply = self.apply(record, source=source, how=how, now=now)
+        if reply.status == ReplyStatus.APPLIED:
+            return Verdict(reply, record)
+        if reply.tag not in (ReplicaTag.DUPLICATE_UPDATE, ReplicaTag.OUT_OF_ORDER) and not (
+            term > before.term and reply.tag == ReplicaTag.CHECKSUM_MISMATCH
+        ):
+            self.journal.note(f"update from {source} refused: {reply}")
+        return Verdict(reply, record, repair_for(record, source, before, reply.tag))
+
+    def _replayed(self, record: UpdateRecord, source: str, now: float) -> Task:
+        if not self.signed_by_leader(record):
+            detail = f"replayed update of term {record.term} naming {record.leader}"
+            return self.journal.reject(source, UpdateTag.BAD_SIGNATURE, detail)
+        if not (yield from self.membership.verify_lease(record.leader, record.term, now, past_terms=True)):
+            detail = f"replayed update of term {record.term} by {record.leader}"
+            return self.journal.reject(source, UpdateTag.NO_LEASE, detail)
+        if self.check_record(record.run_id, record.manifest_hash, record.fragment) is None:
+            if record.from_version == self.replica.version(record.fragment):
+                return self.apply(record, source=source, how=UpdateSource.REPLAYED, now=now)
+        return Reply.refused(UpdateTag.SKIPPED)
 
     def apply(
         self,

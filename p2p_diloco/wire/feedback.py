@@ -1,6 +1,6 @@
 """Error feedback: what a sender's quantized or sparse frame left out of a delta, carried into its next
 delta of the same fragment (learners' deltas in `swarm.deltas`, the synchronizer's sparse outer gradients
-in `swarm.synchronizer.outer_feedback_for`)."""
+in `swarm.merging.outer_feedback_for`)."""
 
 from __future__ import annotations
 

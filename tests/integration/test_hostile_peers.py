@@ -82,8 +82,9 @@ INNER_STEPS = 8
 
 # The rejection tags the honest peers count for each attack (any one of them shows the attempt).
 REASONS = {
-    # refused by the lease rules, or dropped at the DHT read by net.admission (which must count it too)
-    "stranger lease": {"lease holder may not synchronize", "peer not allowed"},
+    # refused by the lease rules, dropped at the DHT read by net.admission (which must count it too), or its
+    # requests refused by the transport's allowlist
+    "stranger lease": {"lease holder may not synchronize", "peer not allowed", "not allowed"},
     "insider future lease": {"lease term jump", "lease expiry too far ahead"},
     "insider early claim": {"lease claimed early", "lease term jump"},
     # an update signed by its leader (the rogue's own key) whose leader holds no valid lease live now

@@ -16,8 +16,8 @@ from p2p_diloco.protocol.election import (
     eligible_candidates,
     highest_term,
     rendezvous_rank,
-    should_accept_update,
 )
+from p2p_diloco.protocol.lease_rules import ACCEPT, IGNORE, FencingTag, should_accept_update
 
 RUN = "run-1"
 T = SwarmTiming()  # lease_ttl 6, renew at 50%, claim_grace 2, lease_margin 0.5, term_rounds 50
@@ -284,11 +284,11 @@ def test_peers_reading_the_same_records_agree():
 
 def test_fencing_ignores_updates_from_a_lower_term():
     d = should_accept_update(2, 3)
-    assert (d.action, d.tag) == (el.IGNORE, el.ElectionTag.LOWER_TERM)
-    assert should_accept_update(3, 3).action == el.ACCEPT
+    assert (d.action, d.tag) == (IGNORE, FencingTag.LOWER_TERM)
+    assert should_accept_update(3, 3).action == ACCEPT
     assert (should_accept_update(4, 3).action, (should_accept_update(4, 3)).tag) == (
-        el.ACCEPT,
-        el.ElectionTag.NEWER_TERM,
+        ACCEPT,
+        FencingTag.NEWER_TERM,
     )
 
 

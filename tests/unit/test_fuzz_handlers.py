@@ -3,7 +3,7 @@
 wire/frames.py, wire/codec.py and swarm/records.py decoders have their own fuzz tests; these drive what
 reaches the handlers behind them (`Peer.handle_delta`, `handle_update`, `serve_updates`,
 `serve_snapshot`, snapshot and replay responses, DHT records through `read_swarm`, and
-`Synchronizer.handle_delta` then `poll`), including valid frames with one header field replaced by
+`Synchronizer.offer_delta` then `poll`), including valid frames with one header field replaced by
 arbitrary JSON or a few bytes changed. Every answer must be a reason string starting with a tag, never an
 exception, and garbage must leave the replica's digest unchanged.
 """
@@ -179,7 +179,7 @@ def test_synchronizer_handles_mutated_deltas_and_still_merges_cleanly(frames, se
     sync = Synchronizer("me", MANIFEST, PLAN, peer.replica, term=1, shapes=SHAPES)
     before = peer.replica.digest()
     for i, frame in enumerate(frames):
-        assert clean(reply := sync.handle_delta(sender, frame, float(i))), reply
+        assert clean(reply := sync.offer_delta(sender, frame, float(i))), reply
     for outcome in sync.poll(10.0, frozenset({sender}), cap=0.0):  # whatever got in must merge cleanly
         decode_tensors(outcome.record.payload, expected_shapes=peer.replica.shapes(outcome.record.fragment))
     assert peer.replica.digest() == before  # the synchronizer never touches the replica itself

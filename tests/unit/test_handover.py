@@ -80,8 +80,8 @@ def test_the_terms_rounds_wait_for_the_answers_at_most_a_heartbeat_period_and_a_
     me = after_old_holder(frozen={"old"})  # a frozen previous holder: its kernel accepts, nobody answers
     claimed = me.clock.now() - 1.0  # `ticks` advanced the clock once after the claiming election
     every = frozenset(range(me.peer.plan.num_fragments))
-    assert me.peer.role.held(claimed + 0.5 * PERIOD) == every
-    assert me.peer.role.held(claimed + PERIOD) == frozenset()  # the run never halts on it
+    assert me.peer.handover.held(claimed + 0.5 * PERIOD) == every
+    assert me.peer.handover.held(claimed + PERIOD) == frozenset()  # the run never halts on it
     assert any("handover check, no answer from old within" in line for line in me.peer.decisions)
 
     frame = last_update_of(me, "old", 1)

@@ -176,7 +176,7 @@ def test_a_holder_that_cannot_catch_up_waits_a_lease_ttl_then_merges():
     merged = me.sync_now(me.clock.now())
     assert [(r.fragment, r.from_version) for r in merged] == [(fragment, 0)]  # the run goes on
     assert any(f"fragment {fragment}: not caught up to v1" in line for line in me.peer.decisions)
-    assert not me.peer.role.wait_for(fragment, 1, me.clock.now())  # one wait per tip, not one per read
+    assert not me.peer.handover.wait_for(fragment, 1, me.clock.now())  # one wait per tip, not one per read
 
 
 def delta(fragment: int, *, anchor: int, seq: int) -> bytes:
@@ -194,7 +194,7 @@ def test_a_delta_anchored_ahead_starts_a_catch_up_from_its_learner_but_holds_no_
     reply = me.handle_delta("learner", delta(fragment, anchor=1, seq=7))
     assert reply.startswith("future anchor")
     assert me.replica.version(fragment) == 1  # replayed from that learner, each record checked
-    assert me.peer.role.held(me.clock.now()) == frozenset()  # one learner's word holds no round
+    assert me.peer.handover.held(me.clock.now()) == frozenset()  # one learner's word holds no round
 
 
 def test_a_holder_that_cannot_read_the_dht_stops_merging_when_its_written_lease_runs_out():

@@ -20,8 +20,9 @@ from p2p_diloco.protocol.messages import DeltaHeader, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard, fragment_norm
 from p2p_diloco.protocol.sync_round import Contribution
-from p2p_diloco.swarm import update_checks as uc
-from p2p_diloco.swarm.synchronizer import Synchronizer, dense
+from p2p_diloco.swarm import updates as uc
+from p2p_diloco.swarm.merging import dense
+from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta
 from tests.support.manifests import tiny_manifest
@@ -113,7 +114,7 @@ def test_a_round_keeps_accepted_deltas_int8_and_merges_what_decoding_first_merge
     for keep_int8 in (True, False):
         sync = fresh_synchronizer()
         for sender, data in frames.items():
-            assert sync.handle_delta(sender, data, 0.0).status == "accepted"
+            assert sync.offer_delta(sender, data, 0.0).status == "accepted"
         held = [c.payload for c in sync.rounds.round(0).contributions()]
         assert all(isinstance(t, QuantizedTensor) for payload in held for t in payload.values() if t.numel())
         if not keep_int8:  # what the round held before: the decoded tensors
@@ -135,7 +136,7 @@ def test_merging_lets_the_float32_deltas_go_before_the_outer_step() -> None:
         for sender, payload in zip("ba", payloads)
     ]
     del payloads
-    record, pending, _ = sync._merge(0, contributions, live=2)
+    record, pending, _ = sync.merger.merge(0, contributions, live=2, term=sync.term)
     gc.collect()
     assert [c.sender for c in contributions] == ["a", "b"] and all(c.payload is None for c in contributions)
     assert all(ref() is None for ref in watched)

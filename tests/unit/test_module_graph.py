@@ -31,11 +31,7 @@ LONG_LEFT: dict[str, str] = {
 }
 
 # Modules with `# fmt: skip` lines packed by hand, not unpacked yet.
-PACKED_LEFT: dict[str, str] = {
-    "swarm/peer.py": "h1",
-    "protocol/lease_rules.py": "h1",
-    "protocol/fused.py": "h1",
-}
+PACKED_LEFT: dict[str, str] = {}
 
 FMT_SKIP = re.compile(r"#\s*fmt:\s*skip")
 

@@ -21,7 +21,8 @@ from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.sync_round import Contribution
-from p2p_diloco.swarm.synchronizer import Synchronizer, outer_feedback_for
+from p2p_diloco.swarm.merging import outer_feedback_for
+from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire import codec
 from p2p_diloco.wire.blockwise import Codec
 from p2p_diloco.wire.codec import CODE_TABLE, decode_tensors, encode_tensors, frame_size
@@ -278,7 +279,7 @@ def test_synchronizer_publishes_sparse_updates_and_carries_the_rest():
     sent = {n: torch.zeros(s) for n, s in replica.shapes(0).items()}
     for _ in range(3):
         c = Contribution("a", 0, tokens=32, steps=2, received_at=0.0, payload=delta)
-        record, _, _ = sync._merge(0, [c], live=1)
+        record, _, _ = sync.merger.merge(0, [c], live=1, term=1)
         decoded = decode_tensors(record.payload, expected_shapes=replica.shapes(0))
         assert sum(int((t != 0).sum()) for t in decoded.values()) <= math.ceil(0.1 * numel) + len(decoded)
         for n in sent:
@@ -302,7 +303,7 @@ REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>", as tests/u
 def test_synchronizer_accepts_sparse_deltas_like_dense_ones(codec_name):
     replica = GlobalReplica(PLAN, INITIAL)
     sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    assert sync.handle_delta("a", _sparse_delta(codec_name), 0.0).reason.startswith("opened round")
+    assert sync.offer_delta("a", _sparse_delta(codec_name), 0.0).reason.startswith("opened round")
     (outcome,) = sync.poll(10.0, frozenset({"a"}), cap=0.0)
     assert outcome.record.payload[5] == IDS[str(SPARSE_MANIFEST.wire.codec)]  # published sparse too
 
@@ -321,7 +322,7 @@ def test_synchronizer_answers_mutated_sparse_deltas_with_a_reason(codec_name, ed
     replica = GlobalReplica(PLAN, INITIAL)
     before = replica.digest()
     sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    reply = sync.handle_delta("a", bytes(frame[: len(frame) - tail_cut]), 0.0)
+    reply = sync.offer_delta("a", bytes(frame[: len(frame) - tail_cut]), 0.0)
     assert isinstance(reply, Reply) and REASON.match(reply.reason), reply
     for outcome in sync.poll(10.0, frozenset({"a"}), cap=0.0):  # whatever got in merges cleanly
         decode_tensors(outcome.record.payload, expected_shapes=replica.shapes(outcome.record.fragment))

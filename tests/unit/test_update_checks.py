@@ -1,4 +1,4 @@
-"""What a replica checks in an update's content (swarm/update_checks.py): codec, finite values, RMS
+"""What a replica checks in an update's content (swarm/updates.py): codec, finite values, RMS
 against recent updates, contributors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol.direction import fragment_norm
 from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
-from p2p_diloco.swarm import update_checks as uc
+from p2p_diloco.swarm import updates as uc
 from p2p_diloco.wire.codec import Codec, encode_tensors
 from tests.support.manifests import tiny_manifest
 
