@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.baseline.ledger import AVERAGED
-from p2p_diloco.protocol.replica import nesterov_step
+from p2p_diloco.protocol.outer_step import nesterov_step
 
 GROUP_BITS = 16  # epochs modulo 2**16 name the matchmaking key: rounds that far apart never overlap
 

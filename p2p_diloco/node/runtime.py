@@ -173,7 +173,7 @@ class PeerNode:
             # Terms climb one at a time from the highest this peer trusted (`protocol.lease_rules`). A
             # restart that forgot it would trust whatever it reads first, and a first read can come back
             # empty: it would start its own terms from 1 and refuse the swarm's as a jump.
-            self.peer.membership.term_seen = saved.term_seen
+            self.peer.membership.saw_term(saved.term_seen)
         self.driver = ThreadedDriver(
             self.peer,
             kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),
@@ -191,7 +191,7 @@ class PeerNode:
         self.training = TrainingLoop(
             opts,
             self.learner,
-            gate=lambda: self.peer.deltas.gate,
+            gate=lambda: self.peer.outbox.gate,
             post=driver.post,
             clock=self.clock,
             stop=self.stop,

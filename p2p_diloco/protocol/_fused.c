@@ -2,7 +2,7 @@
  * p2p_diloco/protocol/fused.py. Plain C, no Python API: ctypes releases the GIL around every call.
  *
  * Bit-identity rule: every float32 operation below is the same IEEE operation, in the same order, as the
- * torch fallback path runs as separate kernels (see replica.nesterov_step, wire/blockwise.py,
+ * torch fallback path runs as separate kernels (see outer_step.nesterov_step, wire/blockwise.py,
  * wire/codec.py). The build (setup.py) compiles with -O3 -ffp-contract=off and never -ffast-math: no
  * multiply-add is contracted into an FMA and nothing is reassociated, so the auto-vectorized loops
  * (SSE2 baseline) round every element exactly as the scalar code reads. Denormals are kept (no FTZ/DAZ:

@@ -10,7 +10,7 @@ element-wise kernel over a whole tensor streams it through DRAM. So:
   values are the same either way. The map lives as long as the tensor (torch keeps the buffer alive).
 - `nesterov_into` runs the outer step over CHUNK elements at a time, every kernel of a chunk while the
   chunk is in cache, writing straight into the output tensors. The operations and their order are those
-  documented in `replica.nesterov_step`, each a separate float32 kernel with its own rounding (no fused
+  documented in `outer_step.nesterov_step`, each a separate float32 kernel with its own rounding (no fused
   multiply-add), so the result is the same bit for bit as running each kernel over the whole tensor:
   every element goes through exactly the same float32 operations (tests/unit/test_scale_kernels.py).
 - `all_finite`: a finite float32 sum proves every element finite; only an overflowing sum needs the scan.
@@ -166,7 +166,7 @@ def nesterov_into(
     is computed, while it is in cache.
 
     Per element, in this order, each a float32 operation rounded on its own: m' = m*mu; m' = m' + g;
-    d = m'*mu; d = d + g; d = d*rate; Θ' = Θ - d (see `replica.nesterov_step` for why no FMA).
+    d = m'*mu; d = d + g; d = d*rate; Θ' = Θ - d (see `outer_step.nesterov_step` for why no FMA).
     With the compiled kernels (`protocol.fused`) the same operations run in one pass per element.
     """
     flat = [t.contiguous().view(-1) for t in (param, momentum_buf, grad)]

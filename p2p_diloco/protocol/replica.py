@@ -2,12 +2,13 @@
 
 Every peer applies each published outer update itself (outer Nesterov SGD on the dequantized merged
 gradient) and compares the result with the checksum in the update, so all replicas agree bit for bit.
-This module owns that step, the checksums and digest, version ordering (duplicates and gaps are
-refused, never silently applied), loading fragments fetched from other peers and persistence to disk.
+This module owns the state, the checksums and digest, version ordering (duplicates and gaps are
+refused, never silently applied), loading fragments fetched from other peers and persistence to disk;
+the step itself is `protocol.outer_step`.
 
 The fragment checksum is `protocol.checksum.fragment_checksum` (BLAKE3, format v2; v1 files still load).
 The digest of the replica is blake2b over the fragment checksums in fragment order, so equal digests
-mean identical replicas. The element-wise kernels of the outer step live in `protocol.kernels`.
+mean identical replicas.
 """
 
 from __future__ import annotations
@@ -15,22 +16,20 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.checksum import (
     CHECKSUM_DOMAIN,
-    FragmentHasher,
     fragment_checksum,
     fragment_checksum_v1,
 )
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.merge import ACCEPT, MergeTag, check_tensors
+from p2p_diloco.protocol.outer_step import PendingUpdate, check_outer_grad, outer_step
 
 if TYPE_CHECKING:
     from p2p_diloco.protocol.fragments import FragmentPlan
@@ -49,43 +48,6 @@ class ReplicaTag(StrEnum):
     CHECKSUM_MISMATCH = "checksum mismatch"  # the replica is unchanged; refetch the fragment from a peer
     LOADED = "loaded"
     OLDER_THAN_REPLICA = "older than replica"
-
-
-def nesterov_step(
-    param: Tensor, momentum_buf: Tensor, grad: Tensor, *, lr: float, momentum: float
-) -> tuple[Tensor, Tensor]:
-    """One outer Nesterov SGD step on float32 tensors, returning (new param, new momentum); no mutation.
-
-    m' = mu*m + g;  Θ' = Θ - lr*(g + mu*m').  g is the outer gradient (anchor - θ), so it points
-    against progress like a gradient. Every operation is a separate element-wise float32 kernel with
-    its own rounding, because replicas on different CPUs must agree bit for bit: a fused multiply-add
-    (torch's `add(alpha=)`, `addcmul`, `lerp`, or one expression compiled into an FMA) rounds once
-    instead of twice, and whether a kernel uses FMA depends on the CPU and build. Plain `+`/`-` are
-    safe: torch may run them as fma(b, ±1, a), but multiplying by ±1 is exact, so the single rounding is
-    that of the plain sum. lr and momentum are rounded to float32 once, the same on every peer.
-    The kernels run a cache-sized chunk at a time (`kernels.nesterov_into`), which changes no element's
-    operations.
-    """
-    new_param, new_momentum = torch.empty(param.shape), torch.empty(param.shape)
-    mu, rate = kernels.float32_scalar(momentum), kernels.float32_scalar(lr)
-    kernels.nesterov_into(param, momentum_buf, grad, new_param, new_momentum, mu=mu, rate=rate)
-    return new_param, new_momentum
-
-
-@dataclass(frozen=True)
-class PendingUpdate:
-    """The result of one outer step on one fragment, computed but not applied (see `GlobalReplica.commit`)."""
-
-    fragment: int
-    from_version: int
-    base_checksum: str  # checksum of the fragment this was computed from
-    params: dict[str, Tensor]
-    momentum: dict[str, Tensor]
-    checksum: str  # checksum of the fragment after applying, at version from_version + 1
-
-    @property
-    def to_version(self) -> int:
-        return self.from_version + 1
 
 
 class GlobalReplica:
@@ -220,7 +182,7 @@ class GlobalReplica:
     def check_outer_grad(self, fragment: int, outer_grad: Mapping[str, Tensor]) -> Decision:
         """Names, shapes, float32 and finite values of an outer gradient for `fragment` (action accept/reject).
         `kernels.QuantizedTensor` values are decoded for the check."""
-        return check_tensors(_decoded(outer_grad), self.shapes(fragment), norm_bound=None)
+        return check_outer_grad(outer_grad, self.shapes(fragment))
 
     def compute_update(
         self, fragment: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
@@ -231,60 +193,22 @@ class GlobalReplica:
         or the step overflows to non-finite values: every replica would reach the same, so a
         synchronizer must not publish it.
         """
-        result = self._compute(self._index(fragment), outer_grad, lr=lr, momentum=momentum)
+        result = self._step(self._index(fragment), outer_grad, lr=lr, momentum=momentum)
         if isinstance(result, Decision):
             raise ValueError(result.reason)
         return result
 
-    def _compute(
+    def _step(
         self, p: int, outer_grad: Mapping[str, Tensor], *, lr: float, momentum: float
     ) -> PendingUpdate | Decision:
-        # Finiteness of the gradient is left to the step: a NaN or inf in g makes Θ' non-finite, and only
-        # then is the gradient scanned, so the reason stays that of `check_outer_grad`. A gradient still in
-        # int8 form (`kernels.QuantizedTensor`, from `decode_tensors(lazy=True)`) is checked by its shape
-        # here and decoded inside the step.
-        check = check_tensors(_placeholders(outer_grad), self.shapes(p), norm_bound=None, finite=False)
-        if check.action != ACCEPT:
-            return Decision(REFUSE, check.tag, check.detail)
-        new_params: dict[str, Tensor] = {}
-        new_momentum: dict[str, Tensor] = {}
-        mu, rate = kernels.float32_scalar(momentum), kernels.float32_scalar(lr)
-        to_version = self._versions[p] + 1
-        hasher = FragmentHasher(to_version)
-        for name in self.plan.names(p):  # plan order: the checksum's order
-            param = self._params[p][name]
-            new_params[name], new_momentum[name] = kernels.fresh(param.shape), kernels.fresh(param.shape)
-            step = (
-                kernels.nesterov_quantized_into
-                if isinstance(outer_grad[name], kernels.QuantizedTensor)
-                else kernels.nesterov_into
-            )
-            hasher.begin(name, tuple(param.shape))
-            finite = step(
-                param,
-                self._momentum[p][name],
-                outer_grad[name],
-                new_params[name],
-                new_momentum[name],
-                mu=mu,
-                rate=rate,
-                on_theta=hasher.update,  # Θ' hashed a piece at a time while in cache
-            )
-            if not finite:
-                check = self.check_outer_grad(p, outer_grad)
-                if check.action != ACCEPT:
-                    return Decision(REFUSE, check.tag, check.detail)
-                return Decision(
-                    REFUSE, MergeTag.NON_FINITE, f"outer step on fragment {p} overflows in {name}"
-                )
-            hasher.update(_raw(new_momentum[name]))
-        return PendingUpdate(
-            fragment=p,
-            from_version=self._versions[p],
-            base_checksum=self.checksum(p),
-            params=new_params,
-            momentum=new_momentum,
-            checksum=hasher.hexdigest(),
+        return outer_step(
+            p,
+            self._versions[p],
+            self.checksum(p),
+            {name: (self._params[p][name], self._momentum[p][name]) for name in self.plan.names(p)},
+            outer_grad,
+            lr=lr,
+            momentum=momentum,
         )
 
     def apply(
@@ -305,7 +229,7 @@ class GlobalReplica:
         order = self._check_order(p, from_version)
         if order is not None:
             return order
-        result = self._compute(p, outer_grad, lr=lr, momentum=momentum)
+        result = self._step(p, outer_grad, lr=lr, momentum=momentum)
         if isinstance(result, Decision):
             return result
         return self._install(result, expected_checksum, copy=False)
@@ -425,29 +349,6 @@ class GlobalReplica:
         if not 0 <= fragment < len(self._params):
             raise IndexError(f"fragment {fragment} out of range 0..{len(self._params) - 1}")
         return fragment
-
-
-def _placeholders(grad: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-    """`grad` with each `kernels.QuantizedTensor` replaced by a float32 tensor of its shape on the meta
-    device (no data): for the checks of names, shapes and dtype."""
-    if not any(isinstance(g, kernels.QuantizedTensor) for g in grad.values()):
-        return grad
-    return {
-        name: torch.empty(g.shape, device="meta") if isinstance(g, kernels.QuantizedTensor) else g
-        for name, g in grad.items()
-    }
-
-
-def _decoded(grad: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-    """`grad` with each `kernels.QuantizedTensor` decoded."""
-    if not any(isinstance(g, kernels.QuantizedTensor) for g in grad.values()):
-        return grad
-    return {name: g.decode() if isinstance(g, kernels.QuantizedTensor) else g for name, g in grad.items()}
-
-
-def _raw(t: Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.detach().reshape(-1).numpy()).cast("B")
 
 
 def _cpu_fp32_copy(t: Tensor) -> Tensor:

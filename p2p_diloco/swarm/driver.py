@@ -230,6 +230,6 @@ class InlineDriver(PeerDriver):
     def train_step(self, compute_seconds: float | None = None) -> None:
         """One inner step of the learner, then its due delta (if any) to the peer."""
         self.learner.train_step(compute_seconds=compute_seconds)
-        ready = self.learner.take_due(self.clock.now(), self.peer.deltas.gate)
+        ready = self.learner.take_due(self.clock.now(), self.peer.outbox.gate)
         if ready is not None:
             self.post(ready)

@@ -19,11 +19,63 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+import torch
+
 from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.replies import Reply
+
+# ---- between the peer and the training thread's learner ------------------------------------------------
+
+Tensors = Mapping[str, torch.Tensor]
+Target = tuple[str, int]  # a synchronizer and its term: (holder, term)
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """The replica applied `record`: Theta_p went from `old_global` to `new_global` (version `version`)."""
+
+    record: UpdateRecord
+    old_global: Tensors
+    new_global: Tensors
+    version: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work.
+
+    `sent_out`: it left this peer (a holder that stepped down may still merge it: kept in `released` to
+    recognise that by its seq); `resend`: send the fragment at the next step, not at its turn (a new
+    synchronizer took over)."""
+
+    fragment: int
+    seq: int
+    sent_out: bool = True
+    resend: bool = False
+
+
+@dataclass(frozen=True)
+class Reload:
+    """Fragments were replaced (snapshot, reconciliation): theta_p := Theta_p, drop their in-flight state."""
+
+    fragments: Mapping[int, tuple[int, Tensors]]  # p -> (version, Theta_p)
+
+
+LearnerMessage = Adopt | Release | Reload
+
+
+class SendGate:
+    """Written by the owner thread, read by the training thread (one attribute, replaced whole)."""
+
+    def __init__(self) -> None:
+        self.state: tuple[Target | None, float] = (None, 0.0)  # (synchronizer, held until)
+
+    def open(self, now: float) -> bool:
+        target, held_until = self.state
+        return target is not None and now >= held_until
 
 
 class Answer(Protocol):
@@ -242,9 +294,9 @@ class Respond:
 
 @dataclass(frozen=True)
 class ToLearner:
-    """A message for the training thread's learner inbox (`swarm.learner`: Adopt, Release, Reload)."""
+    """A message for the training thread's learner inbox (`swarm.learner`)."""
 
-    message: Any
+    message: LearnerMessage
 
 
 @dataclass(frozen=True)

@@ -23,56 +23,16 @@ import queue
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.trainer import InnerTrainer, make_trainer
 from p2p_diloco.protocol.fragments import FragmentPlan
-from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
+from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.schedule import LearnerSchedule
-from p2p_diloco.swarm.effects import DeltaReady
-
-if TYPE_CHECKING:
-    from p2p_diloco.swarm.deltas import SendGate
-
-Tensors = Mapping[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Adopt:
-    """The replica applied `record`: Theta_p went from `old_global` to `new_global` (version `version`)."""
-
-    record: UpdateRecord
-    old_global: Tensors
-    new_global: Tensors
-    version: int
-
-
-@dataclass(frozen=True)
-class Release:
-    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work.
-
-    `sent_out`: it left this peer (a holder that stepped down may still merge it: kept in `released` to
-    recognise that by its seq); `resend`: send the fragment at the next step, not at its turn (a new
-    synchronizer took over)."""
-
-    fragment: int
-    seq: int
-    sent_out: bool = True
-    resend: bool = False
-
-
-@dataclass(frozen=True)
-class Reload:
-    """Fragments were replaced (snapshot, reconciliation): theta_p := Theta_p, drop their in-flight state."""
-
-    fragments: Mapping[int, tuple[int, Tensors]]  # p -> (version, Theta_p)
-
-
-LearnerMessage = Adopt | Release | Reload
+from p2p_diloco.swarm.effects import Adopt, DeltaReady, LearnerMessage, Release, SendGate, Tensors
 
 
 @dataclass

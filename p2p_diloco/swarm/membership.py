@@ -194,8 +194,15 @@ class Membership:
         return self.held_lease(leader, term)
 
     def saw_term(self, term: int) -> None:
-        """A term this peer verified (a checked update of it, or its own claim): the floor of its elections."""
+        """A term this peer verified (a checked update of it, its own claim, or its saved state at a
+        restart): the floor of its elections."""
         self.term_seen = max(self.term_seen, term)
+
+    def held_back(self, decision: ElectionDecision, term_seen: int) -> None:
+        """`decide` made a claim this peer holds back (`swarm.underway`): the wait replaces it, and the term
+        it would have claimed was not seen (`term_seen` is the value before `decide`)."""
+        self.term_seen = term_seen
+        self.last_election_tag = decision.tag
 
     def lease_live_at(self, leader: str, term: int, now: float) -> bool:
         """Whether `leader`'s valid lease of `term` is live at `now` (an update pushed now was published

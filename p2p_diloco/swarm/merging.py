@@ -16,7 +16,8 @@ from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.merge import merge_deltas
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.protocol.replica import GlobalReplica, PendingUpdate
+from p2p_diloco.protocol.outer_step import PendingUpdate
+from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.sync_round import Contribution
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.feedback import ErrorFeedback

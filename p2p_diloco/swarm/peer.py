@@ -7,7 +7,7 @@ requests, the training thread (`DeltaReady`) and finished I/O (`TaskResult`, `De
 The same class and driver run the real node (hivemind DHT, libp2p) and the in-process swarm.
 
 Its parts: `Membership` (heartbeats, leases, the election), `UpdateBook` (checking and applying updates,
-the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `DeltaRouting` (the learner's
+the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `Outbox` (the learner's
 deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast succession) and `Handover`
 (a new holder's check for updates it lacks). A refused update or a lagging fragment becomes a
 `RepairNeeded`, which the peer runs as one task per fragment.
@@ -28,10 +28,10 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.handover import Handover
 from p2p_diloco.swarm.journal import Journal, PeerContext
 from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
@@ -81,7 +81,7 @@ class Peer:
         )
         self.book = UpdateBook(ctx, self.robust, keys, self.membership, has_learner=has_learner)
         self.repair = Repair(ctx, self.book, self.membership, has_learner=has_learner)
-        self.deltas = DeltaRouting(peer_id, manifest, self.journal, emit)
+        self.outbox = Outbox(peer_id, manifest, self.journal, emit)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.handover = Handover(ctx, self.membership, self.repair, self.spawn)
         self.role = SynchronizerRole(
@@ -90,7 +90,7 @@ class Peer:
             self.embedding_names,
             self.robust,
             self.book,
-            self.deltas,
+            self.outbox,
             self.membership,
             self.handover.held,
         )
@@ -121,7 +121,7 @@ class Peer:
             case fx.DeltaReady():
                 self._route_delta(event)
             case fx.DeltaReplied():
-                self.deltas.on_reply(event)
+                self.outbox.on_reply(event)
                 self.watch.on_delta_reply(event)
             case fx.TaskResult():
                 self.tasks.resume(event.task, event.value, event.error)
@@ -164,7 +164,7 @@ class Peer:
 
     def _swarm_tick(self, tick: fx.Tick) -> None:
         self._emit(self.membership.heartbeat_record(self.heartbeat_info(**tick.heartbeat_fields), tick.now))
-        self.deltas.expire(tick.now)
+        self.outbox.expire(tick.now)
         proof = self.underway.publish(self.book.log, self.plan.num_fragments, tick.now)
         if proof is not None:
             self._emit(proof)
@@ -194,7 +194,7 @@ class Peer:
         deltas it merged, or the repair of a fragment it does not follow)."""
         verdict = yield from self.book.accept(frame, sender, UpdateSource.PUSHED, now)
         if verdict.reply.status == ReplyStatus.APPLIED and verdict.record is not None:
-            self.deltas.on_merged(verdict.record)
+            self.outbox.on_merged(verdict.record)
         elif verdict.repair is not None:
             self._repair(verdict.repair)
         return verdict.reply
@@ -231,8 +231,8 @@ class Peer:
             own_versions=self.replica.versions(),
         )
         if (held := self.underway.hold_back(decision)) is not None:
-            membership.term_seen, decision = term_seen, held
-            membership.last_election_tag = decision.tag
+            membership.held_back(held, term_seen)
+            decision = held
         if decision.action in (election.CLAIM, election.RENEW):
             lease = decision.lease_to_write()
             assert lease is not None
@@ -258,7 +258,7 @@ class Peer:
         else:
             membership.follow(None, 0)
         holder = membership.holder
-        self.deltas.follow((holder, membership.holder_term) if holder is not None else None)
+        self.outbox.follow((holder, membership.holder_term) if holder is not None else None)
         if self.sync is not None:  # never publish from behind: those rounds wait for the catch-up
             for fragment, found in ahead.items():
                 if self.handover.wait_for(fragment, found.winner.version, now):
@@ -284,7 +284,7 @@ class Peer:
         released = self.sync is not None and self._release_lease(now, self.sync.rounds_done)
         self.role.sync, self.membership.my_lease = None, None
         self.membership.follow(None, 0)
-        self.deltas.follow(None)
+        self.outbox.follow(None)
         return released
 
     def sync_tick(
@@ -306,13 +306,13 @@ class Peer:
     # ---- learner side ------------------------------------------------------------------------------
 
     def _route_delta(self, ready: fx.DeltaReady) -> None:
-        frame = self.deltas.route(ready)
+        frame = self.outbox.route(ready)
         if frame is None:
             return
-        send = self.deltas.send_intent(ready.fragment, frame)
+        send = self.outbox.send_intent(ready.fragment, frame)
         if send.to == self.peer_id:  # the synchronizer's own work: no network
             reply = self._handle_delta(self.peer_id, frame, ready.now)
-            self.deltas.on_reply(
+            self.outbox.on_reply(
                 fx.DeltaReplied(send.to, send.term, send.fragment, send.seq, reply, ready.now)
             )
         else:

@@ -30,13 +30,13 @@ from p2p_diloco.swarm.effects import (
     FetchUpdateLogs,
     FetchUpdates,
     ReadSwarm,
+    Reload,
     RepairKind,
     RepairNeeded,
     Task,
     ToLearner,
 )
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.learner import Reload
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader
 from p2p_diloco.swarm.snapshots import SnapshotServer

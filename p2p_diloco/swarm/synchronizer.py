@@ -32,10 +32,10 @@ from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
 from p2p_diloco.protocol.robust_config import RobustTag
 from p2p_diloco.protocol.sync_round import Contribution, RoundTag, SynchronizerRounds
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.deltas import DeltaRouting
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.merging import MergeOutcome, Merger, dense, outer_feedback_for
+from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.feedback import ErrorFeedback
@@ -51,7 +51,7 @@ class SynchronizerRole:
         embedding_names: Collection[str],
         robust: RobustGuard,
         book: UpdateBook,
-        deltas: DeltaRouting,
+        outbox: Outbox,
         membership: Membership,
         held: Callable[[float], frozenset[int]] = lambda now: frozenset(),
     ):
@@ -66,7 +66,7 @@ class SynchronizerRole:
         self.embedding_names = embedding_names
         self.robust = robust  # shared by every term of this peer
         self.book = book
-        self.deltas = deltas
+        self.outbox = outbox
         self.membership = membership
         self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
@@ -111,7 +111,7 @@ class SynchronizerRole:
                 self.journal.note(f"own update refused: {reply}")
                 self.sync.rounds.abort(record.fragment)
                 continue
-            self.deltas.on_merged(record)
+            self.outbox.on_merged(record)
             frame = encode_update(record)
             for peer in sorted(self.membership.live_peers):
                 if peer != self.peer_id:

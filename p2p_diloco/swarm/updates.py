@@ -29,12 +29,12 @@ from p2p_diloco.protocol import kernels, lease_rules, reconcile
 from p2p_diloco.protocol.decisions import Action, AdmissionTag
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
+from p2p_diloco.protocol.outer_step import PendingUpdate
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.protocol.replica import PendingUpdate, ReplicaTag
+from p2p_diloco.protocol.replica import ReplicaTag
 from p2p_diloco.protocol.robust import RobustGuard
-from p2p_diloco.swarm.effects import Applied, RepairKind, RepairNeeded, Task, ToLearner
+from p2p_diloco.swarm.effects import Adopt, Applied, RepairKind, RepairNeeded, Task, ToLearner
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.learner import Adopt
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.swarm.vouching import Ahead, Vouchers, reported_tips, trusted_ahead

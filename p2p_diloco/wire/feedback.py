@@ -1,5 +1,5 @@
 """Error feedback: what a sender's quantized or sparse frame left out of a delta, carried into its next
-delta of the same fragment (learners' deltas in `swarm.deltas`, the synchronizer's sparse outer gradients
+delta of the same fragment (learners' deltas in `swarm.outbox`, the synchronizer's sparse outer gradients
 in `swarm.merging.outer_feedback_for`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How long a learner holds its deltas after a refusal (`swarm.deltas.delta_hold_seconds`)."""
+"""How long a learner holds its deltas after a refusal (`swarm.outbox.delta_hold_seconds`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from p2p_diloco.net.transport import REPLY_UNREACHABLE
 from p2p_diloco.node.guard import REJECT_BUSY, REJECT_NOT_READY
 from p2p_diloco.protocol.robust_config import RobustTag
 from p2p_diloco.protocol.sync_round import RoundTag
-from p2p_diloco.swarm.deltas import MAX_DELTA_HOLD, delta_hold_seconds
+from p2p_diloco.swarm.outbox import MAX_DELTA_HOLD, delta_hold_seconds
 from p2p_diloco.wire.replies import Reply
 
 

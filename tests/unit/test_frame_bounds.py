@@ -7,7 +7,7 @@ import torch
 
 from p2p_diloco.config import WireConfig
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
-from p2p_diloco.swarm.deltas import DeltaRouting
+from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.wire import codec, frames, keys
 from p2p_diloco.wire.frames import FragmentSnapshot
 from tests.support.manifests import tiny_manifest, tiny_training
@@ -84,7 +84,7 @@ def test_run_caps_admit_the_deltas_a_learner_really_sends_and_nothing_larger(wir
     manifest = tiny_manifest("caps", wire=wire)
     training = tiny_training(manifest)
     caps = run_frame_caps(manifest, training.plan, training.shapes)
-    routing = DeltaRouting("me", manifest, journal=None, emit=lambda intent: None)  # type: ignore[arg-type]
+    routing = Outbox("me", manifest, journal=None, emit=lambda intent: None)  # type: ignore[arg-type]
     sizes = []
     for p in range(training.plan.num_fragments):
         delta = {n: torch.randn(training.shapes[n]) for n in training.plan.names(p)}

@@ -125,10 +125,10 @@ def holder_behind() -> tuple[PeerHarness, int, bytes, tuple]:
     kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), "old", encode_lease(old), 1e9)
     ticks(me, 10)
     assert me.peer.sync is not None and me.peer.sync.term == 2
-    before = set(me.peer.deltas.in_flight)
+    before = set(me.peer.outbox.in_flight)
     for _ in range(MANIFEST.diloco.steps_per_fragment):
         me.train_step()
-    (fragment,) = set(me.peer.deltas.in_flight) - before
+    (fragment,) = set(me.peer.outbox.in_flight) - before
 
     replica = copy.deepcopy(me.replica)
     payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(fragment).items()})

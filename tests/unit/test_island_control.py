@@ -31,7 +31,7 @@ from p2p_diloco.node.island import (
 from p2p_diloco.node.island_learner import IslandLearner, finish_island
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.swarm.learner import Adopt, Reload
+from p2p_diloco.swarm.effects import Adopt, Reload
 from tests.support.manifests import tiny_manifest, tiny_training
 
 CFG = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)

@@ -13,8 +13,8 @@ import torch
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import load_corpus
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.swarm.deltas import SendGate
-from p2p_diloco.swarm.learner import Adopt, Learner, Release
+from p2p_diloco.swarm.effects import Adopt, Release, SendGate
+from p2p_diloco.swarm.learner import Learner
 from tests.support.manifests import TINY_DILOCO, tiny_manifest, tiny_training
 
 

@@ -11,9 +11,9 @@ import torch
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import DeltaHeader
-from p2p_diloco.swarm.deltas import InFlight
 from p2p_diloco.swarm.effects import Stopping, StoreRecord
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
+from p2p_diloco.swarm.outbox import InFlight
 from p2p_diloco.wire.codec import encode_tensors
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.keys import lease_key
@@ -48,7 +48,7 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
     hold(kv, "leader", 2, expires_at=125.0)
     decision = peer.election_tick(clock.now())
     assert (decision.action, decision.holder, decision.term) == (election.FOLLOW, "leader", 2)
-    assert peer.peer.deltas.in_flight == {}  # released at once ...
+    assert peer.peer.outbox.in_flight == {}  # released at once ...
     peer.learner.settle()  # ... and at the learner's next step boundary their work is back to resend
     assert peer.learner.sent == {} and sum(w.steps for w in peer.learner.work) > work
     assert any("('leader', 2): resending" in line for line in peer.peer.decisions)
@@ -60,7 +60,7 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
 
 def test_deltas_go_back_only_when_another_synchronizer_or_term_is_followed():
     """Not while no synchronizer is known (lease grace): what is in flight may still be merged."""
-    routing = make_peer(MANIFEST).peer.deltas
+    routing = make_peer(MANIFEST).peer.outbox
     routing.in_flight = {0: InFlight(1, ("leader", 1), 100.0), 1: InFlight(2, ("leader", 2), 100.0)}
     routing.follow(None)
     assert set(routing.in_flight) == {0, 1}
@@ -93,10 +93,10 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
     )  # learners step every 5 s: a grace window of seconds waits for "other"
 
     def send_next_delta() -> int:
-        before = set(me.peer.deltas.in_flight)
+        before = set(me.peer.outbox.in_flight)
         for _ in range(manifest.diloco.steps_per_fragment):
             me.train_step()
-        (fragment,) = set(me.peer.deltas.in_flight) - before
+        (fragment,) = set(me.peer.outbox.in_flight) - before
         return fragment
 
     first = send_next_delta()  # its round waits out the grace window for "other"
@@ -126,7 +126,7 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
     )
     assert me.replica.versions()[second] == versions[second] + 1  # merged, not dropped
     assert [r.fragment for r in published] == [first, second]
-    assert second not in me.peer.deltas.in_flight  # its own delta was merged: nothing to resend
+    assert second not in me.peer.outbox.in_flight  # its own delta was merged: nothing to resend
     assert any("term ended: merged the open rounds of fragments" in line for line in me.peer.decisions)
     lease = decode_lease(
         "me", kv.get(lease_key(manifest.run_id, manifest.manifest_hash), clock.now())["me"].value
@@ -180,7 +180,7 @@ def test_a_holder_that_stops_merges_its_open_rounds_before_releasing():
     me.peer.membership.my_lease = LeaseRecord("me", 1, expires_at=clock.now() + manifest.timing.lease_ttl)
     me.peer.role.take(1)
     me.peer.membership.follow("me", 1)
-    me.peer.deltas.follow(("me", 1))
+    me.peer.outbox.follow(("me", 1))
     me.peer.sync.observe_step_time(5.0)  # learners step every 5 s: the round's grace window keeps it open
     for _ in range(manifest.diloco.steps_per_fragment):
         me.train_step()

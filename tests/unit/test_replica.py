@@ -10,13 +10,13 @@ import torch
 from p2p_diloco.node.replica_store import load_replica, save_replica
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.merge import MergeTag
+from p2p_diloco.protocol.outer_step import nesterov_step
 from p2p_diloco.protocol.replica import (
     APPLY,
     LOAD,
     REFUSE,
     GlobalReplica,
     ReplicaTag,
-    nesterov_step,
 )
 
 LR, MU = 0.7, 0.9

@@ -1,12 +1,13 @@
 """The learner's deltas between the training thread and the synchronizer: compression, sending, replies.
 
-`DeltaRouting` runs on the peer's owner thread. A delta the training thread took (`DeltaReady`) is
+`Outbox` runs on the peer's owner thread. A delta the training thread took (`DeltaReady`) is
 compressed with error feedback (the residuals live here, next to the decision to resend) and sent to
 the synchronizer this peer follows, recorded as in flight with that synchronizer's (holder, term). It
 goes back to the learner (`Release`, the work is resent with its next delta of that fragment) when
 the synchronizer refuses it, when a different synchronizer (or a new term of the same one) takes
-over, or, as a backstop, after several lease lifetimes without a merge. `SendGate` is what the
-training thread reads before it takes a delta: whether a synchronizer is known and not holding deltas.
+over, or, as a backstop, after several lease lifetimes without a merge. It keeps the `SendGate`
+(`swarm.effects`) the training thread reads before it takes a delta: whether a synchronizer is known and
+not holding deltas.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ from dataclasses import dataclass
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import robust
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.swarm.effects import DeltaReady, DeltaReplied, Intent, SendDelta, ToLearner
+from p2p_diloco.swarm.effects import (
+    DeltaReady,
+    DeltaReplied,
+    Intent,
+    Release,
+    SendDelta,
+    SendGate,
+    Target,
+    ToLearner,
+)
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.learner import Release
 from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 IN_FLIGHT_TIMEOUT_LEASES = 4
 MAX_DELTA_HOLD = 300.0
-
-Target = tuple[str, int]  # (holder, term)
 
 
 def delta_hold_seconds(reply: Reply, heartbeat_period: float) -> float:
@@ -42,17 +49,6 @@ def delta_hold_seconds(reply: Reply, heartbeat_period: float) -> float:
     return heartbeat_period if reply.status == ReplyStatus.TRANSIENT else 0.0
 
 
-class SendGate:
-    """Written by the owner thread, read by the training thread (one attribute, replaced whole)."""
-
-    def __init__(self) -> None:
-        self.state: tuple[Target | None, float] = (None, 0.0)  # (synchronizer, held until)
-
-    def open(self, now: float) -> bool:
-        target, held_until = self.state
-        return target is not None and now >= held_until
-
-
 @dataclass(frozen=True)
 class InFlight:
     seq: int
@@ -60,7 +56,7 @@ class InFlight:
     sent_at: float
 
 
-class DeltaRouting:
+class Outbox:
     def __init__(self, peer_id: str, manifest: RunManifest, journal: Journal, emit: Callable[[Intent], None]):
         self.peer_id = peer_id
         self.manifest = manifest
