@@ -178,7 +178,7 @@ class PeerDriver:
     def serve_snapshot(self, requester: str, fragment: int):  # noqa: ANN201
         """The index of the fragment's offered state, made off the owner thread (`swarm.snapshots`);
         a refused request goes to the owner, which counts it."""
-        snapshots = self.peer.repair.snapshots
+        snapshots = self.peer.serving.snapshots
         if self.peer.membership.allowed(requester) and snapshots.offered(fragment):
             return self.off_owner(lambda: snapshots.index_offered(fragment))
         return self._answer(self._ask(lambda a: fx.SnapshotRequested(requester, fragment, a)))
@@ -192,7 +192,7 @@ class PeerDriver:
         immutable tensors: `swarm.snapshots`), so a download never queues behind the owner."""
         if not self.peer.membership.allowed(requester):
             raise PermissionError(f"{requester} is not on this run's allowlist")
-        return self.peer.repair.snapshots.chunk(fragment, chunk, checksum, self.clock.now())
+        return self.peer.serving.snapshots.chunk(fragment, chunk, checksum, self.clock.now())
 
     def _answer(self, answer: concurrent.futures.Future):  # noqa: ANN202
         """What a handler returns: the future itself (a threaded driver; the transport awaits it)."""

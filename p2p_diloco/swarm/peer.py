@@ -33,6 +33,7 @@ from p2p_diloco.swarm.journal import Journal, PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.repair import Repair
+from p2p_diloco.swarm.serving import Serving
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
 from p2p_diloco.swarm.tasks import Tasks
@@ -80,7 +81,8 @@ class Peer:
             peer_id, manifest, plan.num_fragments, self.journal, self.robust.standing
         )
         self.book = UpdateBook(ctx, self.robust, keys, self.membership, has_learner=has_learner)
-        self.repair = Repair(ctx, self.book, self.membership, has_learner=has_learner)
+        self.serving = Serving(ctx, self.book, self.membership)
+        self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
         self.outbox = Outbox(peer_id, manifest, self.journal, emit)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.handover = Handover(ctx, self.membership, self.repair, self.spawn)
@@ -112,11 +114,11 @@ class Peer:
                     self._receive_update(event.sender, event.frame, event.now), self._respond(event.answer)
                 )
             case fx.UpdatesRequested():
-                frames = self.repair.serve_updates(event.requester, event.fragment, event.after_version)
+                frames = self.serving.serve_updates(event.requester, event.fragment, event.after_version)
                 self._emit(fx.Respond(event.answer, frames))
             case fx.SnapshotRequested():
                 self._emit(
-                    fx.Respond(event.answer, self.repair.serve_snapshot(event.requester, event.fragment))
+                    fx.Respond(event.answer, self.serving.serve_snapshot(event.requester, event.fragment))
                 )
             case fx.DeltaReady():
                 self._route_delta(event)
@@ -185,6 +187,7 @@ class Peer:
             for info in self.membership.live_peers.values():
                 if info.step_time > 0:
                     self.sync.observe_step_time(info.step_time)
+        self.serving.refresh(now)
         for fragment, winner, sources, decision in self.repair.due_repairs(now):
             reconcile = fx.RepairKind.RECONCILE
             self._repair(fx.RepairNeeded(reconcile, fragment, tuple(sources), theirs=winner, proof=decision))

@@ -1,4 +1,4 @@
-"""Catching up and repairing a peer's replica, and serving other peers' catch-up.
+"""Catching up and repairing a peer's replica (serving other peers' catch-up is `swarm.serving`).
 
 Catch-up and repair are tasks (see `swarm.effects`): generators that yield a `Request` (read the swarm,
 fetch an update log, fetch snapshots) and are resumed with its result, so the peer keeps handling
@@ -22,7 +22,7 @@ from collections import Counter
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import reconcile
-from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
+from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import ReplicaTag
@@ -38,8 +38,8 @@ from p2p_diloco.swarm.effects import (
 )
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.serving import Serving
 from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader
-from p2p_diloco.swarm.snapshots import SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
 from p2p_diloco.wire.frames import decode_update
@@ -47,7 +47,15 @@ from p2p_diloco.wire.snapshot_chunks import SnapshotIndex
 
 
 class Repair:
-    def __init__(self, ctx: PeerContext, book: UpdateBook, membership: Membership, *, has_learner: bool):
+    def __init__(
+        self,
+        ctx: PeerContext,
+        book: UpdateBook,
+        membership: Membership,
+        serving: Serving,
+        *,
+        has_learner: bool,
+    ):
         self.peer_id = ctx.peer_id
         self.manifest = ctx.manifest
         self.plan = ctx.plan
@@ -60,52 +68,14 @@ class Repair:
         self.behind_since: dict[int, float] = {}
         self.reconciliations: list[str] = []  # every `reconciled` line, in order
         self.busy: set[int] = set()  # fragments a repair task is working on
-        manifest, limits = ctx.manifest, ctx.manifest.limits
-        self.snapshots = SnapshotServer(
-            manifest.run_id,
-            manifest.manifest_hash,
-            chunk_bytes=limits.snapshot_chunk_bytes,
-            max_pins=limits.snapshot_pins,
-            pin_seconds=limits.snapshot_pin_seconds,
-        )
-        self.downloader = SnapshotDownloader(manifest, ctx.replica, book, ctx.journal)
-        self.offer_snapshots()
+        self.serving = serving
+        self.downloader = SnapshotDownloader(ctx.manifest, ctx.replica, book, ctx.journal)
         self.downloaded: Counter[str] = Counter()  # snapshot bytes installed, per source, ever
 
     @property
     def last_download(self) -> dict[str, int]:
         """Bytes per source of the last snapshot download."""
         return self.downloader.last_download
-
-    # ---- serving -----------------------------------------------------------------------------------
-
-    def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
-        if not self.membership.allowed(requester):
-            self.journal.reject(
-                requester, AdmissionTag.NOT_ALLOWED, "update replay refused: not in the allowlist"
-            )
-            return []
-        if not 0 <= fragment < self.plan.num_fragments:
-            return []
-        return self.book.frames_after(fragment, after_version)
-
-    def serve_snapshot(self, requester: str, fragment: int) -> bytes:
-        """The index of the fragment's current state, pinned for chunk requests (`swarm.snapshots`); b""
-        (which no requester can decode) for a refused request."""
-        if not self.membership.allowed(requester):
-            self.journal.reject(requester, AdmissionTag.NOT_ALLOWED, "snapshot refused: not in the allowlist")
-            return b""
-        if not 0 <= fragment < self.plan.num_fragments:
-            self.journal.reject(requester, AdmissionTag.UNKNOWN_FRAGMENT, f"snapshot of {fragment}")
-            return b""
-        version, params, momentum = self.replica.fragment_state(fragment)
-        return self.snapshots.index(fragment, version, self.replica.checksum(fragment), params, momentum)
-
-    def offer_snapshots(self, fragments: range | list[int] | None = None) -> None:
-        """Tell the snapshot server the current state of `fragments` (all by default); see `swarm.snapshots`."""
-        for p in range(self.plan.num_fragments) if fragments is None else fragments:
-            version, params, momentum = self.replica.fragment_state(p)
-            self.snapshots.offer(p, version, self.replica.checksum(p), params, momentum)
 
     # ---- replay ------------------------------------------------------------------------------------
 
@@ -197,7 +167,7 @@ class Repair:
             return False
         self.book.tip_terms[fragment] = term
         self.book.forget(fragment)
-        self.offer_snapshots([fragment])
+        self.serving.offer_snapshots([fragment])
         if self.has_learner:
             view = self.replica.params_view(fragment)
             self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
@@ -325,8 +295,6 @@ class Repair:
         """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):
         (fragment, winning tip, peers on it, classification), to `reconcile_fragment`. Only tips vouched for
         or reported by peers that may synchronize name a target (`swarm.vouching`)."""
-        self.snapshots.expire(now)  # served states nobody asked for lately are dropped, requests or not
-        self.offer_snapshots()
         due = []
         period = self.manifest.timing.heartbeat_period
         witness = self.manifest.may_synchronize
