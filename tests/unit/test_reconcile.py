@@ -46,14 +46,14 @@ def test_tip_keeps_a_checksum_prefix_and_refuses_negative_numbers():
 def test_same_state_is_in_sync_whatever_the_recorded_term():
     # A term of 0 is "unknown" (e.g. restored from disk): the same version and checksum is the same state.
     decision = classify(BranchTip(0, 7, A), BranchTip(3, 7, A))
-    assert decision.action == IN_SYNC and decision.reason.startswith(ReconcileTag.SAME_STATE)
+    assert decision.action == IN_SYNC and decision.tag == ReconcileTag.SAME_STATE
 
 
 def test_the_winner_itself_keeps_its_branch():
     tip = BranchTip(2, 9, A)
     assert classify(tip, tip).action == IN_SYNC
     decision = classify(BranchTip(3, 4, A), BranchTip(2, 9, B))  # a winner that ranks below me
-    assert decision.action == KEEP and decision.reason.startswith(ReconcileTag.WINNING)
+    assert decision.action == KEEP and decision.tag == ReconcileTag.WINNING
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_the_winner_itself_keeps_its_branch():
 )
 def test_behind_with_no_higher_term_catches_up_by_verified_replay(mine, winner):
     decision = classify(mine, winner)
-    assert decision.action == CATCH_UP and decision.reason.startswith(ReconcileTag.BEHIND)
+    assert decision.action == CATCH_UP and decision.tag == ReconcileTag.BEHIND
 
 
 @pytest.mark.parametrize(
@@ -79,13 +79,13 @@ def test_behind_with_no_higher_term_catches_up_by_verified_replay(mine, winner):
 )
 def test_not_an_ancestor_reconciles(mine, winner):
     decision = classify(mine, winner)
-    assert decision.action == RECONCILE and decision.reason.startswith(ReconcileTag.DIVERGED)
+    assert decision.action == RECONCILE and decision.tag == ReconcileTag.DIVERGED
     assert str(mine) in decision.reason and str(winner) in decision.reason
 
 
 def test_fork_proven_by_a_mismatching_replay_reconciles():
     decision = reconcile.fork_proven(BranchTip(1, 5, A), BranchTip(2, 9, B), update_term=2, from_version=5)
-    assert decision.action == RECONCILE and decision.reason.startswith(ReconcileTag.FORK_PROVEN)
+    assert decision.action == RECONCILE and decision.tag == ReconcileTag.FORK_PROVEN
 
 
 def test_reconciled_line_names_both_tips():

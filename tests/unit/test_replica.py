@@ -114,7 +114,7 @@ def test_two_replicas_fed_the_same_updates_are_bit_identical() -> None:
             pending = a.compute_update(p, grads(p, step), lr=LR, momentum=MU)  # the synchronizer's view
             assert a.commit(pending).action == APPLY
             decision = apply(b, p, step, expected=pending.checksum)
-            assert decision.action == APPLY and decision.reason.startswith(ReplicaTag.APPLIED)
+            assert decision.action == APPLY and decision.tag == ReplicaTag.APPLIED
             assert a.checksum(p) == b.checksum(p) == pending.checksum
     assert_identical(a, b)
     apply(b, 1, 99)
@@ -135,13 +135,13 @@ def test_duplicate_and_out_of_order_updates_are_refused() -> None:
     assert replica.apply(0, 0, grads(0, 0), lr=LR, momentum=MU, expected_checksum=None).action == APPLY
     after_first = replica.digest()
     duplicate = replica.apply(0, 0, grads(0, 0), lr=LR, momentum=MU, expected_checksum=None)
-    assert duplicate.action == REFUSE and duplicate.reason.startswith(ReplicaTag.DUPLICATE_UPDATE)
+    assert duplicate.action == REFUSE and duplicate.tag == ReplicaTag.DUPLICATE_UPDATE
     gap = replica.apply(0, 2, grads(0, 2), lr=LR, momentum=MU, expected_checksum=None)
-    assert gap.action == REFUSE and gap.reason.startswith(ReplicaTag.OUT_OF_ORDER)
+    assert gap.action == REFUSE and gap.tag == ReplicaTag.OUT_OF_ORDER
     assert replica.versions() == (1, 0) and replica.digest() == after_first
     stale = replica.compute_update(1, grads(1, 0), lr=LR, momentum=MU)
     apply(replica, 1, 5)
-    assert replica.commit(stale).reason.startswith(ReplicaTag.DUPLICATE_UPDATE)
+    assert replica.commit(stale).tag == ReplicaTag.DUPLICATE_UPDATE
 
 
 def test_checksum_mismatch_leaves_replica_unchanged() -> None:
@@ -150,7 +150,7 @@ def test_checksum_mismatch_leaves_replica_unchanged() -> None:
     before_digest, before = replica.digest(), replica.snapshot(0)
     wrong = replica.compute_update(0, grads(0, 7), lr=LR, momentum=MU).checksum  # another gradient's result
     decision = apply(replica, 0, 1, expected=wrong)
-    assert decision.action == REFUSE and decision.reason.startswith(ReplicaTag.CHECKSUM_MISMATCH)
+    assert decision.action == REFUSE and decision.tag == ReplicaTag.CHECKSUM_MISMATCH
     assert replica.digest() == before_digest and replica.versions() == (1, 0)
     version, params, momentum = replica.snapshot(0)
     assert version == before[0] and all(torch.equal(params[n], before[1][n]) for n in params)
@@ -160,7 +160,7 @@ def test_checksum_mismatch_leaves_replica_unchanged() -> None:
 def test_commit_refuses_a_pending_update_computed_from_other_state() -> None:
     a, b = GlobalReplica(PLAN, initial(0)), GlobalReplica(PLAN, initial(1))
     pending = a.compute_update(0, grads(0, 0), lr=LR, momentum=MU)
-    assert b.commit(pending).reason.startswith(ReplicaTag.CHECKSUM_MISMATCH)
+    assert b.commit(pending).tag == ReplicaTag.CHECKSUM_MISMATCH
     assert b.versions() == (0, 0)
 
 
@@ -197,21 +197,17 @@ def test_load_fragment_checks() -> None:
     tampered = {n: t.clone() for n, t in params.items()}
     tampered["blocks.0.w"][0, 0] += 1e-3
     bad = fresh.load_fragment(1, version, tampered, momentum, checksum)
-    assert (
-        bad.action == REFUSE
-        and bad.reason.startswith(ReplicaTag.CHECKSUM_MISMATCH)
-        and fresh.versions() == (0, 0)
-    )
+    assert bad.action == REFUSE and bad.tag == ReplicaTag.CHECKSUM_MISMATCH and fresh.versions() == (0, 0)
     assert fresh.load_fragment(1, version + 1, params, momentum, checksum).reason.startswith(
         ReplicaTag.CHECKSUM_MISMATCH
     )
     wrong_shape = fresh.load_fragment(1, version, {"blocks.0.w": torch.zeros(4, 5)}, momentum, checksum)
-    assert wrong_shape.reason.startswith(MergeTag.WRONG_SHAPE)
+    assert wrong_shape.tag == MergeTag.WRONG_SHAPE
     missing = fresh.load_fragment(1, version, {}, momentum, checksum)
-    assert missing.action == REFUSE and missing.reason.startswith(MergeTag.WRONG_SHAPE)
+    assert missing.action == REFUSE and missing.tag == MergeTag.WRONG_SHAPE
 
     loaded = fresh.load_fragment(1, version, params, momentum, checksum)
-    assert loaded.action == LOAD and loaded.reason.startswith(ReplicaTag.LOADED)
+    assert loaded.action == LOAD and loaded.tag == ReplicaTag.LOADED
     assert fresh.versions() == (0, 3)
     assert_identical(source, fresh)
     # the same version again is fine (refetch); an older one only when forced (losing-branch reconciliation)
@@ -219,7 +215,7 @@ def test_load_fragment_checks() -> None:
     old_version, old_params, old_momentum = GlobalReplica(PLAN, initial()).snapshot(1)
     old_checksum = GlobalReplica(PLAN, initial()).checksum(1)
     older = fresh.load_fragment(1, old_version, old_params, old_momentum, old_checksum)
-    assert older.action == REFUSE and older.reason.startswith(ReplicaTag.OLDER_THAN_REPLICA)
+    assert older.action == REFUSE and older.tag == ReplicaTag.OLDER_THAN_REPLICA
     assert (
         fresh.load_fragment(1, old_version, old_params, old_momentum, old_checksum, force=True).action == LOAD
     )
