@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.merge import merge_deltas
@@ -28,7 +29,7 @@ class MergeOutcome:
     """A closed round: the update to publish, and its outer step already computed (applied as is)."""
 
     record: UpdateRecord
-    reason: str
+    decision: Decision  # why the round closed (`SynchronizerRounds.ready`)
     pending: PendingUpdate
     outer_grad: dict[str, torch.Tensor | QuantizedTensor]  # int8 gradients stay int8 (decode_tensors lazy)
 

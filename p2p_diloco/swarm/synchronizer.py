@@ -346,7 +346,7 @@ class Synchronizer:
             self.decisions.append(
                 f"fragment {p} v{record.from_version}->{record.to_version}: {decision.reason}"
             )
-            outcomes.append(MergeOutcome(record, decision.reason, pending, grad))
+            outcomes.append(MergeOutcome(record, decision, pending, grad))
         return outcomes
 
     def _follow_replica(self, now: float) -> None:

@@ -20,7 +20,7 @@ from p2p_diloco.model.gpt import build_model
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.protocol.sync_round import Contribution
+from p2p_diloco.protocol.sync_round import Contribution, RoundTag
 from p2p_diloco.swarm.merging import outer_feedback_for
 from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire import codec
@@ -303,7 +303,7 @@ REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>", as tests/u
 def test_synchronizer_accepts_sparse_deltas_like_dense_ones(codec_name):
     replica = GlobalReplica(PLAN, INITIAL)
     sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    assert sync.offer_delta("a", _sparse_delta(codec_name), 0.0).reason.startswith("opened round")
+    assert sync.offer_delta("a", _sparse_delta(codec_name), 0.0).tag == RoundTag.OPENED_ROUND
     (outcome,) = sync.poll(10.0, frozenset({"a"}), cap=0.0)
     assert outcome.record.payload[5] == IDS[str(SPARSE_MANIFEST.wire.codec)]  # published sparse too
 
