@@ -120,7 +120,7 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
     assert me.peer.sync is None and me.peer.role.sync is None
     for intent in intents:
         me.perform(intent)
-    assert (decision.action, decision.reason.split(":")[0]) == (
+    assert (decision.action, decision.tag) == (
         election.STEP_DOWN,
         election.ElectionTag.TERM_ENDED,
     )
