@@ -33,6 +33,7 @@ from torch import Tensor
 
 from p2p_diloco.config import DataConfig, DataSource, ModelKind, RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.external import hf_config
 
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -237,6 +238,8 @@ def check_vocab(manifest: RunManifest, vocab_size: int) -> None:
     model = manifest.model
     if model.kind == ModelKind.GPT:
         model_vocab = 256
+    elif model.kind == ModelKind.HF and model.pretrained:  # the pretrained folder's config.json
+        model_vocab = int(getattr(hf_config(model), "vocab_size", 0) or vocab_size)
     elif model.kind == ModelKind.HF:
         model_vocab = int(model.resolved_config.get("vocab_size", 0)) or vocab_size
     else:

@@ -19,8 +19,8 @@ folder) is written beside it with `PreTrainedTokenizerFast.save_pretrained`, so
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` both load it,
 offline. The model config's (and generation config's) ``bos/eos/pad_token_id`` are the tokenizer's
 end-of-text id (the tokenizer's bos, eos and pad), or None when the run has none (bytes of text), never a
-config default such as GPT-2's 50256 outside the vocabulary. ``p2p_diloco_export.json`` records the run, manifest hash, fragment versions and replica
-digest. The folder is written beside `out` and renamed.
+config default such as GPT-2's 50256 outside the vocabulary. ``p2p_diloco_export.json`` records the run,
+manifest hash, fragment versions and replica digest. The folder is written beside `out` and renamed.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.model.external import HFCausalLM, weights_digest
 from p2p_diloco.model.gpt import build_model
+from p2p_diloco.model.shards import check_vocab
+from p2p_diloco.net.manifest_signature import sign_manifest
+from tests.support.authority import key_file, public_manifest_text
 from tests.support.hub_files import cache_model, cli_env, tiny_gpt2
 
 GPT2_DROPOUTS = ("attn_pdrop", "embd_pdrop", "resid_pdrop")
@@ -120,3 +123,25 @@ def test_a_hub_name_in_the_local_cache_builds_offline_with_the_folder_digest(tmp
     )
     assert result.returncode == 0, result.stderr
     assert f"weights_digest: {folder_digest}" in result.stdout
+
+
+def test_a_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(tmp_path):
+    tiny_gpt2(tmp_path / "tiny")  # vocab_size 256
+    manifest = RunManifest.load(write_manifest(tmp_path, 'pretrained = "tiny"\n'))
+    check_vocab(manifest, 256)
+    with pytest.raises(ConfigError, match="tokenizer has 300 tokens but the model embeds only 256"):
+        check_vocab(manifest, 300)
+
+
+def test_signing_a_pretrained_manifest_needs_its_weights_digest(tmp_path):
+    key = key_file(tmp_path)
+    tiny_gpt2(tmp_path / "tiny")
+    text = public_manifest_text(key.peer_id).replace(
+        "[model]\nn_layer = 1\nn_head = 1\nn_embd = 8\nblock_size = 8\n",
+        '[model]\nkind = "hf"\nblock_size = 16\npretrained = "tiny"\n',
+    )
+    assert 'pretrained = "tiny"' in text
+    path = tmp_path / "public.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"loads weights from 'tiny' \(\[model\]\) without weights_digest"):
+        sign_manifest(path, key.path)
