@@ -114,7 +114,11 @@ def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
         "deltas_merged", "applied updates that merged a delta of this peer (ledger)", s.deltas_merged
     )
     yield _counter("updates_applied", "outer updates applied to this peer's replica", s.updates_applied)
-    yield _counter("failovers_seen", "synchronizer changes this peer observed", s.failovers_seen)
+    yield _counter(
+        "failovers_seen",
+        "synchronizer changes this peer observed (planned rotations excluded)",
+        s.failovers_seen,
+    )
     yield _gauge(
         "rounds_merged", "rounds merged in the current term while this peer synchronizes", s.rounds_merged
     )

@@ -344,7 +344,13 @@ class Membership:
         return lease.holder
 
     def follow(self, holder: str | None, term: int) -> None:
-        """Follow `holder`'s term (None: no synchronizer known); another holder after one is a failover."""
+        """Follow `holder`'s term (None: no synchronizer known); another holder after one is a failover,
+        unless the old one released its term (a planned rotation)."""
         if None not in (self.holder, holder) and holder != self.holder:
-            self.failovers_seen += 1
+            if not self.released(self.holder, self.holder_term):
+                self.failovers_seen += 1
         self.holder, self.holder_term = holder, term
+
+    def released(self, holder: str | None, term: int) -> bool:
+        """Whether a valid record this peer read says `holder` released `term`."""
+        return any(x.lease.holder == holder and x.lease.released for x in self.lease_history.get(term, ()))
