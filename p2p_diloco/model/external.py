@@ -2,7 +2,7 @@
 
 Owns `build_external_model` (called by `model.gpt.build_model` for these kinds), the `HFCausalLM`
 wrapper, `weights_digest` (the checksum of initial weights a manifest may pin) and the checks that
-make a missing file a `ConfigError` naming it.
+make a missing file, or a `[model.config]` key a custom factory does not take, a `ConfigError` naming it.
 
 An `hf` model is built from its `[model.config]` (seeded random weights) or, with ``pretrained``, loaded
 with `from_pretrained` from a local folder or the local Hugging Face cache (model/hub.py: offline unless
@@ -24,12 +24,16 @@ one). It must return a `torch.nn.Module` with float32 parameters whose
 ``(logits, loss)``: logits (batch, block_size, vocab) and the mean next-token cross-entropy against
 `targets` (None when `targets` is None). Token and position embeddings should be `nn.Embedding`
 modules: the synchronizer merges their parameters by plain weighted mean (`embedding_parameter_names`).
+The factory's signature is checked against the table before it is called (`bind_factory`); its model's
+forward is probed once before a peer joins and by ``model-digest`` (`model.contract`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +168,45 @@ def _build_hf(cfg: ModelConfig) -> nn.Module:
     return HFCausalLM(model, source_config=(folder / "config.json").read_bytes())
 
 
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def bind_factory(factory: str, func: Callable[..., Any], config: Mapping[str, Any]) -> None:
+    """`ConfigError` unless `func(**config)` fits `func`'s signature, naming the `[model.config]` key to
+    rename, remove or add (a function without a readable signature is not checked)."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(**config)
+    except TypeError as exc:
+        params = signature.parameters
+        keywords = [name for name, param in params.items() if param.kind in _KEYWORD]
+        takes_any = any(param.kind == inspect.Parameter.VAR_KEYWORD for param in params.values())
+        unknown = [] if takes_any else [key for key in config if key not in keywords]
+        missing = [
+            name
+            for name in keywords
+            if params[name].default is inspect.Parameter.empty and name not in config
+        ]
+        if unknown:
+            raise ConfigError(
+                f"model.factory {factory!r} takes no keyword {unknown[0]!r} (it takes: "
+                f"{', '.join(keywords) or 'none'}): rename {unknown[0]!r} under [model.config] to the keyword "
+                "the factory means, or remove it"
+            ) from exc
+        if missing:
+            raise ConfigError(
+                f"model.factory {factory!r} needs the keyword {missing[0]!r}, which [model.config] does not "
+                f"set: add {missing[0]} = ... under [model.config]"
+            ) from exc
+        raise ConfigError(
+            f"model.factory {factory!r} cannot be called as {func.__name__}(**[model.config]) ({exc}): give "
+            "it keyword parameters matching the [model.config] keys"
+        ) from exc
+
+
 def _build_custom(cfg: ModelConfig) -> nn.Module:
     module_name, _, func_name = cfg.factory.partition(":")
     try:
@@ -173,6 +216,7 @@ def _build_custom(cfg: ModelConfig) -> nn.Module:
             f"model.factory {cfg.factory!r} cannot be imported ({exc}); install the package that holds it "
             "or put it on PYTHONPATH"
         ) from exc
+    bind_factory(cfg.factory, func, cfg.resolved_config)
     model = func(**cfg.resolved_config)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from p2p_diloco.config import ModelConfig, ModelKind, RunManifest
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.contract import check_model_contract, data_vocab_size
 from p2p_diloco.model.external import (
     build_external_model,
     check_weights_digest,
@@ -209,10 +211,18 @@ def gpt_config_for(params: int, block_size: int = 32) -> ModelConfig:
 def cli_model_digest(args: argparse.Namespace) -> int:
     """`p2p-diloco model-digest MANIFEST`: the `weights_digest` of the manifest's initial model. It is
     computed without the manifest's own `weights_digest`, so a stale one is reported, not refused: exit
-    status 1 when they differ (the new value is printed for the organizer to put in the manifest)."""
+    status 1 when they differ (the new value is printed for the organizer to put in the manifest). A custom
+    model's forward is probed first (`model.contract`), against the data's vocabulary where it is readable."""
     manifest = RunManifest.load(args.manifest)
     stated = manifest.model.weights_digest
     model = build_model(dataclasses.replace(manifest.model, weights_digest=""))
+    if manifest.model.kind == ModelKind.CUSTOM:
+        try:
+            vocab: int | None = data_vocab_size(manifest.data)
+        except ConfigError as exc:
+            vocab = None
+            print(f"the model's vocabulary is not compared with the data's ({exc})", file=sys.stderr)
+        check_model_contract(manifest, model, vocab)
     count = sum(p.numel() for p in model.parameters())
     found = weights_digest(model)
     print(f"{manifest.model.kind} model, {count} parameters")

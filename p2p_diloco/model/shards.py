@@ -233,10 +233,14 @@ def stream_seed(run_seed: int, peer_id: str, salt: int = 0) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
 
 
-def check_vocab(manifest: RunManifest, vocab_size: int) -> None:
-    """Refuse a tokenizer whose ids the model cannot embed."""
+def check_vocab(manifest: RunManifest, vocab_size: int, model_vocab: int | None = None) -> None:
+    """Refuse a tokenizer whose ids the model cannot embed. `model_vocab`: the width of the model's logits
+    where known (a custom model's, from `model.contract`); else it comes from the model's config."""
     model = manifest.model
-    if model.kind == ModelKind.GPT:
+    fix = "raise the model's vocab_size"
+    if model_vocab is not None:
+        fix = f"make model.factory {model.factory!r} build a vocabulary of at least {vocab_size} ([model.config])"
+    elif model.kind == ModelKind.GPT:
         model_vocab = 256
     elif model.kind == ModelKind.HF and model.pretrained:  # the pretrained folder's config.json
         model_vocab = int(getattr(hf_config(model), "vocab_size", 0) or vocab_size)
@@ -246,6 +250,6 @@ def check_vocab(manifest: RunManifest, vocab_size: int) -> None:
         return
     if vocab_size > model_vocab:
         raise ConfigError(
-            f"the data's tokenizer has {vocab_size} tokens but the model embeds only {model_vocab}: raise the "
-            "model's vocab_size or prepare the data with a smaller tokenizer"
+            f"the data's tokenizer has {vocab_size} tokens but the model embeds only {model_vocab}: {fix} "
+            "or prepare the data with a smaller tokenizer"
         )

@@ -18,6 +18,7 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.model.contract import check_model_contract
 from p2p_diloco.model.data import Corpus, load_corpus, make_sampler
 from p2p_diloco.model.gpt import build_model, embedding_parameter_names, make_inner_optimizer
 from p2p_diloco.model.probe import loss_probe_for
@@ -125,6 +126,7 @@ def prepare_training(manifest: RunManifest, device: str) -> PreparedModel:
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     plan = plan_fragments(list(shapes.items()), manifest.diloco.fragments, manifest.diloco.fragment_pattern)
     model.to(device)
+    check_model_contract(manifest, model, corpus.vocab_size)  # a custom model's forward, before joining
     optimizer = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
     return PreparedModel(corpus, model, shapes, plan, optimizer)
 
