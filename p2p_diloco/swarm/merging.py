@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol.decisions import Decision
-from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.merge import merge_deltas
 from p2p_diloco.protocol.messages import UpdateRecord
@@ -41,9 +40,8 @@ class Merger:
         self,
         peer_id: str,
         manifest: RunManifest,
-        plan: FragmentPlan,
         replica: GlobalReplica,
-        shapes: Mapping[str, tuple[int, ...]],
+        expected: Sequence[Mapping[str, tuple[int, ...]]],
         embedding_names: Collection[str],
         ramp: Callable[[str], float],
         outer_feedback: ErrorFeedback | None,
@@ -51,7 +49,7 @@ class Merger:
         self.peer_id = peer_id
         self.manifest = manifest
         self.replica = replica
-        self.expected = [{n: tuple(shapes[n]) for n in plan.names(p)} for p in range(plan.num_fragments)]
+        self.expected = expected  # per fragment: each tensor's shape (the synchronizer's, shared)
         self.embedding_names = frozenset(embedding_names)
         self.ramp = ramp  # `Standing.ramp`: a newcomer's weight grows over its first merges
         self.outer_feedback = outer_feedback

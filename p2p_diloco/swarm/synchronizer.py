@@ -213,7 +213,7 @@ class Synchronizer:
         # this object (failover, rotation) unless the peer passes one store to every term (docs/wire_codecs.md).
         self.outer_feedback = outer_feedback or outer_feedback_for(manifest)
         ramp, feedback = self.guard.standing.ramp, self.outer_feedback
-        self.merger = Merger(peer_id, manifest, plan, replica, shapes, self.embedding_names, ramp, feedback)
+        self.merger = Merger(peer_id, manifest, replica, self.expected, self.embedding_names, ramp, feedback)
 
     def _reject(self, sender: str, tag: str, detail: str, now: float, retry_after: float = 0.0) -> Reply:
         reply = Reply.refused(tag, detail, retry_after)
