@@ -36,6 +36,7 @@ from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.swarm.updates import UPDATE_LOG_LENGTH
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.codec import frame_size
+from p2p_diloco.wire.delta_bundle import bundle_bound
 from p2p_diloco.wire.frames import delta_frame_bound, snapshot_frame_bound, update_frame_bound
 from p2p_diloco.wire.snapshot_chunks import CHUNK_REQUEST_BYTES, MAX_CHUNK_BYTES
 
@@ -140,8 +141,9 @@ def run_frame_caps(
     )
     fp32 = max(2 * frame_size(shapes, codec="fp32") for shapes in fragment_shapes)
     limit = wire.max_message_bytes
-    delta = min(limit, delta_frame_bound(manifest.run_id, manifest.manifest_hash, payload))
-    update = min(limit, update_frame_bound(payload))
+    sparse = wire.codec.sparse  # signed deltas; an update bundles up to MAX_BUNDLED of them (union rounds)
+    delta = min(limit, delta_frame_bound(manifest.run_id, manifest.manifest_hash, payload, signed=sparse))
+    update = min(limit, update_frame_bound(bundle_bound(delta) if sparse else payload))
     snapshot = min(limit, snapshot_frame_bound(manifest.run_id, manifest.manifest_hash, fp32))
     uniform = FrameCaps.uniform(limit, max_reply_bytes)
     return FrameCaps(

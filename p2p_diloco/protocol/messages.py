@@ -45,10 +45,23 @@ class DeltaHeader:
     # the oldest of the sender's deltas of this fragment whose work this one carries: deltas that went back
     # to the learner (a term change) are folded into its next one; 0 means just `seq`
     since_seq: int = 0
+    # sparse codecs: the sender's signature over `wire.delta_signature.delta_signing_bytes` of this delta
+    # (empty for dense codecs, whose frames stay as they were)
+    signature: bytes = b""
 
     @property
     def carries_since(self) -> int:
         return self.since_seq or self.seq
+
+
+@dataclass(frozen=True)
+class ListedDelta:
+    """One learner-signed delta as the update record of a sparse round lists it (`wire.delta_listing`)."""
+
+    learner: str
+    seq: int
+    digest: bytes  # BLAKE2b-256 of the delta's `wire.codec` frame
+    weight: int  # the tokens the learner signed
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,10 @@ class UpdateRecord:
     payload: bytes
     signature: bytes = b""  # the leader's, over `wire.frames.update_signing_bytes` (`wire.signing`)
     seqs: tuple[int, ...] = ()  # the `DeltaHeader.seq` each contributor's merged delta had (or none)
+    # sparse rounds (union aggregation): the signed deltas merged, and the live learners the outer scaling
+    # counted; `payload` is then the bundle of those delta frames (`wire.delta_bundle`), not a merged gradient
+    deltas: tuple[ListedDelta, ...] = ()
+    live: int = 0
 
     def seq_of(self, peer: str) -> int | None:
         """The seq of `peer`'s delta this update merged (None: not a contributor, or seqs not recorded)."""

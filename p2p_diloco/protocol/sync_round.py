@@ -62,6 +62,7 @@ class Contribution:
     received_at: float
     payload: Any
     seq: int = 0  # the sender's `DeltaHeader.seq`
+    frame: bytes = b""  # sparse codecs: the signed delta frame as received, which a union round bundles
 
     @property
     def weight(self) -> float:

@@ -1,6 +1,7 @@
-"""Building an update from a closed round: merge the screened contributions, encode the outer gradient
-(with error feedback for sparse codecs), compute the outer step once on the replica, and the unsigned
-`UpdateRecord` the synchronizer publishes (`MergeOutcome`).
+"""Building an update from a closed round: merge the screened contributions, encode the outer gradient,
+compute the outer step once on the replica, and the unsigned `UpdateRecord` the synchronizer publishes
+(`MergeOutcome`). Sparse codecs merge by union (`merge_union`, `swarm.sparse_rounds`): the record lists the
+learner-signed deltas and bundles their frames, and every replica merges them itself.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.outer_step import PendingUpdate
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.sync_round import Contribution
+from p2p_diloco.swarm.sparse_rounds import entry_of, merge_signed
 from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.feedback import ErrorFeedback
+from p2p_diloco.wire.delta_bundle import encode_bundle
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,6 @@ class Merger:
         expected: Sequence[Mapping[str, tuple[int, ...]]],
         embedding_names: Collection[str],
         ramp: Callable[[str], float],
-        outer_feedback: ErrorFeedback | None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -52,13 +53,14 @@ class Merger:
         self.expected = expected  # per fragment: each tensor's shape (the synchronizer's, shared)
         self.embedding_names = frozenset(embedding_names)
         self.ramp = ramp  # `Standing.ramp`: a newcomer's weight grows over its first merges
-        self.outer_feedback = outer_feedback
 
     def merge(
         self, p: int, contributions: list[Contribution], *, live: int, term: int
     ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor | QuantizedTensor]]:
-        """Merge, encode and compute the update of `p`. Sorts `contributions` by sender and drops their
+        """Merge (by union for sparse codecs: `merge_union`), encode and compute the update of `p`. Sorts `contributions` by sender and drops their
         payloads once merged, in place: the float32 deltas are freed before the outer step."""
+        if self.manifest.wire.codec.sparse:
+            return self.merge_union(p, contributions, live=live, term=term)
         contributions.sort(key=lambda c: c.sender)
         weights = [c.weight * self.ramp(c.sender) for c in contributions]
         merged = merge_deltas(
@@ -73,10 +75,7 @@ class Merger:
             for t in merged.values():  # merge_deltas returns fresh tensors: scaled in place, no copy
                 t.mul_(scale)
         wire = self.manifest.wire
-        if self.outer_feedback is not None:
-            payload, _ = self.outer_feedback.compress(p, merged)
-        else:
-            payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
+        payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
         del merged  # the update is its encoding from here on
         # Everyone applies the decoded (quantized) gradient, the holder included, so replicas agree.
         decoded = decode_tensors(
@@ -84,29 +83,58 @@ class Merger:
         )
         cfg = self.manifest.diloco
         pending = self.replica.compute_update(p, decoded, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
-        record = UpdateRecord(
+        contributors = tuple((c.sender, float(w)) for c, w in zip(contributions, weights))
+        record = self._record(p, term, contributors, tuple(c.seq for c in contributions), pending, payload)
+        return record, pending, decoded
+
+    def _record(
+        self,
+        p: int,
+        term: int,
+        contributors: tuple[tuple[str, float], ...],
+        seqs: tuple[int, ...],
+        pending: PendingUpdate,
+        payload: bytes,
+        **union: object,
+    ) -> UpdateRecord:
+        """The unsigned record of `p`'s update from the replica's current version (`union`: the listing
+        and live count of a sparse round)."""
+        return UpdateRecord(
             run_id=self.manifest.run_id,
             manifest_hash=self.manifest.manifest_hash,
             fragment=p,
             from_version=self.replica.versions()[p],
             term=term,
             leader=self.peer_id,
-            contributors=tuple((c.sender, float(w)) for c, w in zip(contributions, weights)),
-            seqs=tuple(c.seq for c in contributions),
+            contributors=contributors,
+            seqs=seqs,
             checksum=pending.checksum,
             payload=payload,
+            **union,  # type: ignore[arg-type]
         )
-        return record, pending, decoded
+
+    def merge_union(
+        self, p: int, contributions: list[Contribution], *, live: int, term: int
+    ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor | QuantizedTensor]]:
+        """The update of a sparse round: exactly the union merge of its signed deltas (weights: their
+        signed tokens; no newcomer ramp, no outer residual), listing them and bundling their frames."""
+        max_bytes = self.manifest.wire.max_message_bytes
+        entries = sorted(
+            (entry_of(c.sender, c.frame, max_bytes) for c in contributions),
+            key=lambda e: (e.learner, e.header.seq),
+        )
+        contributions[:] = [dataclasses.replace(c, payload=None) for c in contributions]
+        grad = merge_signed(entries, self.expected[p], manifest=self.manifest, live=live)
+        cfg = self.manifest.diloco
+        pending = self.replica.compute_update(p, grad, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        listed = tuple(e.listed for e in entries)
+        contributors = tuple((d.learner, float(d.weight)) for d in listed)
+        bundle = encode_bundle([e.frame for e in entries])
+        seqs = tuple(d.seq for d in listed)
+        record = self._record(p, term, contributors, seqs, pending, bundle, deltas=listed, live=live)
+        return record, pending, dict(grad)
 
 
 def dense(tensors: Mapping[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor]:
     """`tensors` with every int8 one decoded to float32 (the others as they are)."""
     return {n: t.decode() if isinstance(t, QuantizedTensor) else t for n, t in tensors.items()}
-
-
-def outer_feedback_for(manifest: RunManifest) -> ErrorFeedback | None:
-    """The synchronizer's residual store for outer gradients: one when the codec is sparse, else None."""
-    wire = manifest.wire
-    if not wire.codec.sparse:
-        return None
-    return ErrorFeedback(wire.codec, wire.block_size, density=wire.density, decay=wire.feedback_decay)

@@ -7,11 +7,14 @@ goes back to the learner (`Release`, the work is resent with its next delta of t
 the synchronizer refuses it, when a different synchronizer (or a new term of the same one) takes
 over, or, as a backstop, after several lease lifetimes without a merge. It keeps the `SendGate`
 (`swarm.effects`) the training thread reads before it takes a delta: whether a synchronizer is known and
-not holding deltas.
+not holding deltas. Under a sparse codec every delta carries this peer's signature over (run, manifest,
+learner, fragment, anchor version, seq, tokens, payload digest): the update that merges it lists it, and
+every replica checks that signature before merging it itself (`swarm.sparse_rounds`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,9 +32,11 @@ from p2p_diloco.swarm.effects import (
     ToLearner,
 )
 from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.wire.delta_signature import SignedDelta, payload_digest, sign_delta
 from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.signing import RecordSigner
 
 IN_FLIGHT_TIMEOUT_LEASES = 4
 MAX_DELTA_HOLD = 300.0
@@ -57,8 +62,18 @@ class InFlight:
 
 
 class Outbox:
-    def __init__(self, peer_id: str, manifest: RunManifest, journal: Journal, emit: Callable[[Intent], None]):
+    def __init__(
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        journal: Journal,
+        emit: Callable[[Intent], None],
+        signer: RecordSigner | None = None,
+    ):
         self.peer_id = peer_id
+        # sparse codecs sign every delta (`wire.delta_signature`): replicas merge the listed deltas
+        # themselves and check each one; dense codecs' deltas go out unsigned, as they always did
+        self.signer = signer if manifest.wire.codec.sparse else None
         self.manifest = manifest
         self.journal = journal
         self._emit = emit
@@ -114,7 +129,20 @@ class Outbox:
             self._emit(ToLearner(Release(ready.fragment, ready.seq, sent_out=False)))
             return None
         self.in_flight[ready.fragment] = InFlight(ready.seq, target, ready.now)
-        return encode_delta(ready.header, payload)
+        header = ready.header
+        if self.signer is not None:
+            signed = SignedDelta(
+                header.run_id,
+                header.manifest_hash,
+                self.peer_id,
+                header.fragment,
+                header.anchor_version,
+                header.seq,
+                header.tokens,
+                payload_digest(payload),
+            )
+            header = dataclasses.replace(header, signature=sign_delta(self.signer, signed))
+        return encode_delta(header, payload)
 
     def send_intent(self, fragment: int, frame: bytes) -> SendDelta:
         holder, term = self.in_flight[fragment].target

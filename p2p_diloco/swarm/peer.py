@@ -83,7 +83,7 @@ class Peer:
         self.book = UpdateBook(ctx, self.robust, keys, self.membership, has_learner=has_learner)
         self.serving = Serving(ctx, self.book, self.membership)
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
-        self.outbox = Outbox(peer_id, manifest, self.journal, emit)
+        self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.handover = Handover(ctx, self.membership, self.repair, self.spawn)
         self.role = SynchronizerRole(

@@ -177,7 +177,7 @@ class Repair:
         """The term of the update that produced the snapshot's state, if that state is vouched for: by an
         update record this peer checked, by the tips of two live peers that may synchronize (terms capped
         at the highest leased term), or by the record that produced it in the source's log (its leader's
-        signature and lease checked here); None otherwise. What unlisted keys report never counts."""
+        signature, lease and, for a sparse round, its listed deltas checked here); None otherwise. What unlisted keys report never counts."""
         term = self.book.vouchers.term_of(fragment, snap.version, snap.checksum)
         if term is not None:
             return term
@@ -205,7 +205,7 @@ class Repair:
                 snap.version,
                 snap.checksum,
             )
-            if produced and self.book.signed_by_leader(record):
+            if produced and self.book.signed_by_leader(record) and self.book.content_checks(record):
                 last_read = self.membership.last_read
                 if (
                     yield from self.membership.verify_lease(

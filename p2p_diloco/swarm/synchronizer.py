@@ -34,13 +34,14 @@ from p2p_diloco.protocol.sync_round import Contribution, RoundTag, SynchronizerR
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
-from p2p_diloco.swarm.merging import MergeOutcome, Merger, dense, outer_feedback_for
+from p2p_diloco.swarm.merging import MergeOutcome, Merger, dense
 from p2p_diloco.swarm.outbox import Outbox
+from p2p_diloco.swarm.sparse_rounds import intake_problem
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.codec import decode_tensors
-from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import decode_delta, encode_update
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from p2p_diloco.wire.signing import SignatureCheck
 
 
 class SynchronizerRole:
@@ -71,10 +72,6 @@ class SynchronizerRole:
         self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
         self.sync: Synchronizer | None = None
-        # Sparse codecs: what an update left out is carried into the fragment's next update. One store
-        # for every term this peer holds, so a rotation back to it loses nothing; a failover to another
-        # peer loses at most that residual (measured harmless: docs/results/sparse, docs/wire_codecs.md).
-        self.outer_feedback = outer_feedback_for(ctx.manifest)
 
     def take(self, term: int) -> None:
         self.sync = Synchronizer(
@@ -86,7 +83,7 @@ class SynchronizerRole:
             embedding_names=self.embedding_names,
             shapes=self.shapes,
             guard=self.robust,
-            outer_feedback=self.outer_feedback,
+            check=self.book.keys.check,
             merged_already=self.book.merged_already,
         )
         self.membership.saw_term(term)
@@ -180,7 +177,7 @@ class Synchronizer:
         embedding_names: Collection[str] = (),
         shapes: dict[str, tuple[int, ...]],
         guard: RobustGuard | None = None,
-        outer_feedback: ErrorFeedback | None = None,
+        check: SignatureCheck | None = None,
         merged_already: Callable[[str, int, int], int | None] = lambda sender, fragment, since: None,
     ):
         self.peer_id = peer_id
@@ -209,11 +206,10 @@ class Synchronizer:
         # catch-up from it checks every record; a lying learner costs one failed fetch)
         self.ahead_hints: dict[int, str] = {}
         self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
-        # Sparse codecs: what an update leaves out is carried into the fragment's next update. Lost with
-        # this object (failover, rotation) unless the peer passes one store to every term (docs/wire_codecs.md).
-        self.outer_feedback = outer_feedback or outer_feedback_for(manifest)
-        ramp, feedback = self.guard.standing.ramp, self.outer_feedback
-        self.merger = Merger(peer_id, manifest, replica, self.expected, self.embedding_names, ramp, feedback)
+        # Sparse codecs: deltas must carry their sender's signature, checked with `check` (none: refused)
+        self.check = check
+        ramp = self.guard.standing.ramp
+        self.merger = Merger(peer_id, manifest, replica, self.expected, self.embedding_names, ramp)
 
     def _reject(self, sender: str, tag: str, detail: str, now: float, retry_after: float = 0.0) -> Reply:
         reply = Reply.refused(tag, detail, retry_after)
@@ -254,6 +250,10 @@ class Synchronizer:
             return self._reject(
                 sender, AdmissionTag.UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
             )
+        if wire.codec.sparse:  # union rounds list this delta: every replica will check its signature
+            unsigned = intake_problem(self.check, sender, header, payload)
+            if unsigned is not None:
+                return self._reject(sender, *unsigned, now)
         merged = self.merged_already(sender, p, header.carries_since)
         if merged is not None and header.seq <= merged:  # this very delta was merged: resent as is
             return self._reject(
@@ -302,6 +302,7 @@ class Synchronizer:
             # float32: with rounds open on several fragments, the synchronizer's largest holding)
             payload=kept if screened.decision.action == ACCEPT else screened.tensors,
             seq=header.seq,
+            frame=frame if wire.codec.sparse else b"",  # a union round bundles the signed frame
         )
         self._follow_replica(now)
         decision = self.rounds.offer(p, contribution, now)

@@ -8,7 +8,9 @@ checks it (allowlist, frame, run and manifest, fencing, leader, signature, lease
 the replica, the synchronizer's own included: it tells the learner (`Adopt`), the driver (`Applied`) and
 remembers the update's term as the fragment's branch tip term (`protocol.reconcile`).
 
-A leaseholder is trusted to merge, not to write anything it likes: `UpdateChecks` refuses a payload not
+A sparse round's update is merged here from the learner-signed deltas it lists (`swarm.sparse_rounds`):
+one listed delta that does not check refuses the whole record. A leaseholder is trusted to merge, not to
+write anything it likes: `UpdateChecks` refuses a payload not
 in the manifest's codec, a non-finite value, a tensor whose RMS is above what AdamW can move in the most
 steps a delta may count, contributors that may not learn and weights no learner can earn. The checks
 depend on the update and the manifest only, so every replica reaches the same verdict.
@@ -36,9 +38,10 @@ from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.effects import Adopt, Applied, RepairKind, RepairNeeded, Task, ToLearner
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.sparse_rounds import open_record, outer_grad_of
 from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.swarm.vouching import Ahead, Vouchers, reported_tips, trusted_ahead
-from p2p_diloco.wire.codec import decode_tensors, frame_codec
+from p2p_diloco.wire.codec import frame_codec
 from p2p_diloco.wire.frames import decode_update, encode_update, update_signing_bytes
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
@@ -48,6 +51,12 @@ from p2p_diloco.wire.signing import PeerKeys
 # answers at most this many frames.
 UPDATE_LOG_LENGTH = LimitsConfig().update_log_length
 MAX_VERIFIED_SOURCES = 32
+
+
+# Refusals of a pushed update that say where this replica stands, not what the update holds: the leader
+# still vouches for the version it names. An update whose content was refused (a listed delta that does not
+# check, a non-finite value) vouches for nothing, or its leader's snapshot would be fetched in its place.
+_STATE_TAGS = (ReplicaTag.DUPLICATE_UPDATE, ReplicaTag.OUT_OF_ORDER, ReplicaTag.CHECKSUM_MISMATCH)
 
 
 class UpdateSource(StrEnum):
@@ -69,8 +78,7 @@ class Verdict:
 def repair_for(record: UpdateRecord, sender: str, before: BranchTip, tag: str) -> RepairNeeded | None:
     """The repair a pushed update refused with `tag` needs, given my tip `before` it arrived."""
     p, sources = record.fragment, (sender,)
-    stale = (ReplicaTag.DUPLICATE_UPDATE, ReplicaTag.OUT_OF_ORDER, ReplicaTag.CHECKSUM_MISMATCH)
-    if record.term > before.term and tag in stale:
+    if record.term > before.term and tag in _STATE_TAGS:
         theirs = BranchTip(record.term, record.to_version, record.checksum)
         proof = None
         if tag == ReplicaTag.CHECKSUM_MISMATCH:
@@ -166,7 +174,7 @@ class UpdateBook:
         # (learner, fragment) -> the highest delta seq of it an applied update merged: a delta carrying
         # work of an older one (resent after a term change) must not count it twice (`merged_already`)
         self.merged_seqs: dict[tuple[str, int], int] = {}
-        sizes = [sum(_numel(s) for s in replica.shapes(p).values()) for p in range(plan.num_fragments)]
+        sizes = [sum(math.prod(s) for s in replica.shapes(p).values()) for p in range(plan.num_fragments)]
         limits = manifest.limits
         self.log = UpdateLog(
             sizes, budget_bytes=limits.update_log_budget(sum(sizes)), max_length=limits.update_log_length
@@ -190,6 +198,16 @@ class UpdateBook:
     def signed_by_leader(self, record: UpdateRecord) -> bool:
         """Whether the record carries its leader's signature (anyone may relay a record, none may forge one)."""
         return self.keys.check.verify(record.leader, update_signing_bytes(record), record.signature)
+
+    def content_checks(self, record: UpdateRecord) -> bool:
+        """Whether what `record` holds checks without this replica's state: a sparse round's listed deltas
+        (`swarm.sparse_rounds.open_record`); a dense update's payload is checked when applied."""
+        if not self.manifest.wire.codec.sparse:
+            return True
+        if self.check_record(record.run_id, record.manifest_hash, record.fragment) is not None:
+            return False
+        opened = open_record(record, self.keys.check, self.manifest, self.replica.shapes(record.fragment))
+        return not isinstance(opened, tuple)
 
     def sign(self, record: UpdateRecord) -> UpdateRecord:
         return replace(record, signature=self.keys.signer.sign(update_signing_bytes(record)))
@@ -275,12 +293,13 @@ class UpdateBook:
         if not self.membership.lease_live_at(record.leader, term, now):
             detail = f"{source}'s lease of term {term} is not live at {now:.2f}"
             return Verdict(self.journal.reject(source, UpdateTag.LEASE_NOT_LIVE, detail), record)
-        self.vouchers.vouch(record)
         self.membership.saw_term(term)
         before = self.tip(record.fragment)
         reply = self.apply(record, source=source, how=how, now=now)
         if reply.status == ReplyStatus.APPLIED:
             return Verdict(reply, record)
+        if reply.tag in _STATE_TAGS:  # not checkable against this replica: vouched for, to catch up to
+            self.vouchers.vouch(record)
         if reply.tag not in (ReplicaTag.DUPLICATE_UPDATE, ReplicaTag.OUT_OF_ORDER) and not (
             term > before.term and reply.tag == ReplicaTag.CHECKSUM_MISMATCH
         ):
@@ -314,6 +333,7 @@ class UpdateBook:
         gradient it came from), installed as is: the holder runs the outer step once."""
         p = record.fragment
         old = self.replica.params_view(p)
+        sparse = self.manifest.wire.codec.sparse  # union rounds: merged here from the listed signed deltas
         if computed is not None:
             pending, grad = computed
             values = self.checks.value_check(p, grad)
@@ -322,18 +342,10 @@ class UpdateBook:
                 return Reply.refused(*bad)
             decision = self.replica.commit(pending, expected_checksum=record.checksum)
         else:
-            bad = self.checks.check_payload(record)
-            if bad:
-                return self.journal.reject(source, bad[0], f"update of fragment {p}: {bad[1]}")
-            try:
-                grad = decode_tensors(  # int8 stays int8 until the outer step decodes it on the fly
-                    record.payload,
-                    expected_shapes=self.replica.shapes(p),
-                    max_bytes=self.manifest.wire.max_message_bytes,
-                    lazy=True,
-                )
-            except DecodeError as exc:
-                return self.journal.reject(source, exc.reason, f"update payload: {exc.detail}")
+            bad = self.checks.check_contributors(record) if sparse else self.checks.check_payload(record)
+            grad = bad or outer_grad_of(record, self.keys.check, self.manifest, self.replica.shapes(p))
+            if isinstance(grad, tuple):  # e.g. a listed delta that does not check: refused, nothing changes
+                return self.journal.reject(source, grad[0], f"update of fragment {p}: {grad[1]}")
             values = self.checks.value_check(p, grad)
             if values.problem:
                 tag, detail = values.problem
@@ -384,10 +396,3 @@ class UpdateBook:
     def forget(self, fragment: int) -> None:
         """The fragment was replaced by a snapshot: its logged updates no longer lead to its state."""
         self.log.clear(fragment)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n

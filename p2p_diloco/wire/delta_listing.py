@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from p2p_diloco.wire.bounds import MAX_CONTRIBUTORS, MAX_COUNTER
 from p2p_diloco.wire.delta_signature import DIGEST_BYTES, ListedDelta, identifier_problem
-from p2p_diloco.wire.frames import MAX_CONTRIBUTORS, MAX_COUNTER
 
 _HEX = frozenset("0123456789abcdef")
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.messages import ListedDelta
 from p2p_diloco.wire.blockwise import BAD_HEADER, TRAILING_BYTES, UNSUPPORTED_VERSION, ByteReader, byte_view
-from p2p_diloco.wire.frames import MAX_COUNTER, MAX_FRAGMENT, MAX_ID_CHARS, MAX_SIGNATURE_BYTES
+from p2p_diloco.wire.bounds import MAX_COUNTER, MAX_FRAGMENT, MAX_ID_CHARS, MAX_SIGNATURE_BYTES
 from p2p_diloco.wire.signing import RecordSigner, SignatureCheck
 
 MAGIC = b"PDds"
@@ -135,16 +136,6 @@ def sign_delta(signer: RecordSigner, delta: SignedDelta) -> bytes:
     if signer.peer_id != delta.learner:
         raise ValueError(f"{signer.peer_id} cannot sign a delta of {delta.learner}")
     return signer.sign(delta_signing_bytes(delta))
-
-
-@dataclass(frozen=True)
-class ListedDelta:
-    """One delta as an update record lists it."""
-
-    learner: str
-    seq: int
-    digest: bytes
-    weight: int
 
 
 def check_listed_delta(

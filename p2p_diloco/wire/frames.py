@@ -18,12 +18,25 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
+from p2p_diloco.wire.bounds import (
+    MAX_CONTRIBUTORS,
+    MAX_COUNTER,
+    MAX_FRAGMENT,
+    MAX_ID_CHARS,
+    MAX_SIGNATURE_BYTES,
+    Check,
+    contributor_list,
+    hex_string,
+    identifier,
+    integer,
+    one_of,
+    seq_list,
+)
 from p2p_diloco.wire.codec import (
     BAD_HEADER,
     OVERSIZED,
@@ -32,6 +45,7 @@ from p2p_diloco.wire.codec import (
     ByteReader,
     byte_view,
 )
+from p2p_diloco.wire.delta_listing import listing_fields, listing_problem, parse_listing
 
 DELTA_MAGIC = b"PDde"
 UPDATE_MAGIC = b"PDup"
@@ -41,11 +55,6 @@ SNAPSHOT_INDEX_MAGIC = b"PDsi"  # wire.snapshot_chunks
 FRAME_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_BYTES = 4096
-MAX_ID_CHARS = 128
-MAX_SIGNATURE_BYTES = 2048  # an RSA-2048 public key and signature take 552
-MAX_FRAGMENT = 65535
-MAX_COUNTER = 2**53 - 1  # exactly representable in every JSON reader
-MAX_CONTRIBUTORS = 10_000
 REQUEST_UPDATES = "updates"
 REQUEST_SNAPSHOT = "snapshot"
 
@@ -84,102 +93,44 @@ class FragmentRequest:
     after_version: int = 0
 
 
-# --- schema ------------------------------------------------------------------------------------------
-# A check returns None when the value is valid, otherwise what is wrong with it.
-Check = Callable[[Any], "str | None"]
-
-
-def _identifier(value: Any) -> str | None:
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
-        return f"must be a string of 1-{MAX_ID_CHARS} characters"
-    if not all(c.isalnum() or c in "-_.:" for c in value):
-        return "may hold only letters, digits, '-', '_', '.', ':'"
-    return None
-
-
-def _integer(low: int, high: int) -> Check:
-    def check(value: Any) -> str | None:
-        if type(value) is not int or not low <= value <= high:
-            return f"must be an integer in {low}..{high}"
-        return None
-
-    return check
-
-
-def _one_of(*choices: str) -> Check:
-    def check(value: Any) -> str | None:
-        return None if value in choices and isinstance(value, str) else f"must be one of {choices}"
-
-    return check
-
-
-def _contributors(value: Any) -> str | None:
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_CONTRIBUTORS:
-        return f"must be a list of 1-{MAX_CONTRIBUTORS} [peer, weight] pairs"
-    peers = set()
-    for pair in value:
-        if not isinstance(pair, list) or len(pair) != 2:
-            return "entries must be [peer, weight] pairs"
-        peer, weight = pair
-        if _identifier(peer) is not None:
-            return f"peer {str(peer)[:40]!r} {_identifier(peer)}"
-        if type(weight) is not float or not math.isfinite(weight) or weight < 0:
-            return f"weight of {peer!r} must be a finite float >= 0"
-        if peer in peers:
-            return f"peer {peer!r} listed twice"
-        peers.add(peer)
-    return None
-
-
-def _seqs(value: Any) -> str | None:
-    if not isinstance(value, list) or len(value) > MAX_CONTRIBUTORS:
-        return f"must be a list of at most {MAX_CONTRIBUTORS} delta sequence numbers"
-    if any(type(seq) is not int or not 0 <= seq <= MAX_COUNTER for seq in value):
-        return f"entries must be integers in [0, {MAX_COUNTER}]"
-    return None
-
-
-def _hex(max_bytes: int) -> Check:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, str) or len(value) > 2 * max_bytes or len(value) % 2:
-            return f"must be a hex string of at most {max_bytes} bytes"
-        if any(c not in "0123456789abcdef" for c in value):
-            return "must be lower-case hex"
-        return None
-
-    return check
-
-
-_COUNTER = _integer(0, MAX_COUNTER)
-_FRAGMENT = _integer(0, MAX_FRAGMENT)
-_IDS: dict[str, Check] = {"run_id": _identifier, "manifest_hash": _identifier, "fragment": _FRAGMENT}
+# --- schema (field checks: `wire.bounds`) ---------------------------------------------------------
+_COUNTER = integer(0, MAX_COUNTER)
+_FRAGMENT = integer(0, MAX_FRAGMENT)
+_IDS: dict[str, Check] = {"run_id": identifier, "manifest_hash": identifier, "fragment": _FRAGMENT}
 DELTA_SCHEMA: dict[str, Check] = {
     **_IDS,
     "anchor_version": _COUNTER,
     "tokens": _COUNTER,
-    "steps": _integer(1, MAX_COUNTER),
+    "steps": integer(1, MAX_COUNTER),
     "seq": _COUNTER,
     "since_seq": _COUNTER,
 }
 UPDATE_SCHEMA: dict[str, Check] = {
     **_IDS,
-    "from_version": _integer(0, MAX_COUNTER - 1),
+    "from_version": integer(0, MAX_COUNTER - 1),
     "term": _COUNTER,
-    "leader": _identifier,
-    "contributors": _contributors,
-    "seqs": _seqs,
-    "checksum": _identifier,
-    "signature": _hex(MAX_SIGNATURE_BYTES),
+    "leader": identifier,
+    "contributors": contributor_list,
+    "seqs": seq_list,
+    "checksum": identifier,
+    "signature": hex_string(MAX_SIGNATURE_BYTES),
+}
+# sparse codecs: a delta carries its learner's signature, and an update lists the deltas it merged
+SIGNED_DELTA_SCHEMA: dict[str, Check] = {**DELTA_SCHEMA, "signature": hex_string(MAX_SIGNATURE_BYTES)}
+UNION_UPDATE_SCHEMA: dict[str, Check] = {
+    **UPDATE_SCHEMA,
+    "deltas": listing_problem,
+    "live": integer(1, MAX_CONTRIBUTORS),
 }
 SNAPSHOT_SCHEMA: dict[str, Check] = {
     **_IDS,
     "version": _COUNTER,
-    "checksum": _identifier,
+    "checksum": identifier,
     "params_len": _COUNTER,
 }
 REQUEST_SCHEMA: dict[str, Check] = {
     **_IDS,
-    "kind": _one_of(REQUEST_UPDATES, REQUEST_SNAPSHOT),
+    "kind": one_of(REQUEST_UPDATES, REQUEST_SNAPSHOT),
     "after_version": _COUNTER,
 }
 
@@ -227,8 +178,13 @@ def _finite_float(text: str) -> float:
 
 
 def _decode(
-    frame: bytes, magic: bytes, schema: dict[str, Check], max_bytes: int
+    frame: bytes,
+    magic: bytes,
+    schema: dict[str, Check],
+    max_bytes: int,
+    extended: dict[str, Check] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
+    """`extended`: a second schema (more keys) the header may follow instead, chosen by its key set."""
     kind = _KIND_BY_MAGIC[magic]
     view = byte_view(frame)
     if len(view) > max_bytes:
@@ -255,6 +211,8 @@ def _decode(
         )
     except (ValueError, RecursionError) as exc:
         raise DecodeError(BAD_HEADER, f"{kind} header is not valid JSON: {str(exc)[:120]}") from exc
+    if extended is not None and isinstance(header, dict) and set(header) == set(extended):
+        schema = extended
     problem = _schema_problem(header, schema)
     if problem is not None:
         raise DecodeError(BAD_HEADER, f"{kind} header: {problem}")
@@ -263,31 +221,44 @@ def _decode(
 
 # --- records -----------------------------------------------------------------------------------------
 def encode_delta(header: DeltaHeader, payload: bytes) -> bytes:
-    """`payload` is the sender's int8 `wire.codec` frame; `header.sender` is not sent."""
-    fields = {key: getattr(header, key) for key in DELTA_SCHEMA}
-    return _encode(DELTA_MAGIC, fields, DELTA_SCHEMA, payload)
+    """`payload` is the sender's `wire.codec` frame; `header.sender` is not sent, `header.signature` only
+    when there is one (sparse codecs)."""
+    schema = SIGNED_DELTA_SCHEMA if header.signature else DELTA_SCHEMA
+    fields = {key: getattr(header, key) for key in schema}
+    if header.signature:
+        fields["signature"] = header.signature.hex()
+    return _encode(DELTA_MAGIC, fields, schema, payload)
 
 
 def decode_delta(frame: bytes, *, max_bytes: int) -> tuple[DeltaHeader, bytes]:
     """(header with sender "", codec payload). The caller sets the sender from the connection."""
-    header, payload = _decode(frame, DELTA_MAGIC, DELTA_SCHEMA, max_bytes)
-    return DeltaHeader(**header, sender=""), payload
+    header, payload = _decode(frame, DELTA_MAGIC, DELTA_SCHEMA, max_bytes, SIGNED_DELTA_SCHEMA)
+    signature = bytes.fromhex(header.pop("signature", ""))
+    return DeltaHeader(**header, sender="", signature=signature), payload
+
+
+def _update_schema(record: UpdateRecord) -> dict[str, Check]:
+    return UNION_UPDATE_SCHEMA if record.deltas else UPDATE_SCHEMA
 
 
 def _update_fields(record: UpdateRecord) -> dict[str, Any]:
-    fields = {key: getattr(record, key) for key in UPDATE_SCHEMA}
+    fields = {key: getattr(record, key) for key in _update_schema(record)}
     fields["contributors"] = [[peer, float(weight)] for peer, weight in record.contributors]
     fields["seqs"] = list(record.seqs)
     fields["signature"] = record.signature.hex()
+    if record.deltas:
+        fields["deltas"] = listing_fields(record.deltas)
     return fields
 
 
 def encode_update(record: UpdateRecord) -> bytes:
-    return _encode(UPDATE_MAGIC, _update_fields(record), UPDATE_SCHEMA, record.payload)
+    return _encode(UPDATE_MAGIC, _update_fields(record), _update_schema(record), record.payload)
 
 
 def decode_update(frame: bytes, *, max_bytes: int) -> UpdateRecord:
-    header, payload = _decode(frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes)
+    header, payload = _decode(frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes, UNION_UPDATE_SCHEMA)
+    if "deltas" in header:
+        header["deltas"] = parse_listing(header["deltas"])
     contributors = tuple((peer, weight) for peer, weight in header.pop("contributors"))
     seqs = tuple(header.pop("seqs"))
     if seqs and len(seqs) != len(contributors):
@@ -355,12 +326,16 @@ def _header_bytes(magic: bytes, header: dict[str, Any], schema: dict[str, Check]
     return len(_encode(magic, header, schema)) - _envelope_bytes(0, 0)
 
 
-def delta_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int) -> int:
+def delta_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int, *, signed: bool = False) -> int:
     """The largest `encode_delta` frame of this run with a payload of `payload_bytes`: every counter at
-    its maximum, so no valid delta header is longer (`wire.codec.frame_size` gives the payload's size)."""
-    fields: dict[str, Any] = {key: MAX_COUNTER for key in DELTA_SCHEMA}
+    its maximum, so no valid delta header is longer (`wire.codec.frame_size` gives the payload's size);
+    `signed`: with the longest signature (sparse codecs)."""
+    schema = SIGNED_DELTA_SCHEMA if signed else DELTA_SCHEMA
+    fields: dict[str, Any] = {key: MAX_COUNTER for key in schema}
     fields.update(run_id=run_id, manifest_hash=manifest_hash, fragment=MAX_FRAGMENT)
-    return _envelope_bytes(_header_bytes(DELTA_MAGIC, fields, DELTA_SCHEMA), payload_bytes)
+    if signed:
+        fields["signature"] = "ff" * MAX_SIGNATURE_BYTES
+    return _envelope_bytes(_header_bytes(DELTA_MAGIC, fields, schema), payload_bytes)
 
 
 def update_frame_bound(payload_bytes: int) -> int:

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.wire.bounds import identifier, integer
 from p2p_diloco.wire.codec import BAD_HEADER
 from p2p_diloco.wire.frames import (  # the frame format and schema checks are shared with wire.frames
     _COUNTER,
@@ -34,8 +35,6 @@ from p2p_diloco.wire.frames import (  # the frame format and schema checks are s
     Check,
     _decode,
     _encode,
-    _identifier,
-    _integer,
 )
 
 INDEX_MAGIC = SNAPSHOT_INDEX_MAGIC
@@ -52,9 +51,9 @@ THETA, MOMENTUM = 0, 1
 INDEX_SCHEMA: dict[str, Check] = {
     **_IDS,
     "version": _COUNTER,
-    "checksum": _identifier,
-    "chunk_bytes": _integer(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES),
-    "count": _integer(1, MAX_CHUNKS),
+    "checksum": identifier,
+    "chunk_bytes": integer(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES),
+    "count": integer(1, MAX_CHUNKS),
 }
 
 

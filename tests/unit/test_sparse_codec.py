@@ -1,10 +1,8 @@
-"""Sparse top-k frames ("topk-int8", "topk-int4"): round trips, error feedback, strict decoding, config,
-and the synchronizer's outer residual."""
+"""Sparse top-k frames ("topk-int8", "topk-int4"): round trips, error feedback, strict decoding, config.
+The synchronizer's and the replicas' side of sparse rounds: tests/unit/test_sparse_rounds.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 import struct
 
@@ -14,21 +12,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest, WireConfig
+from p2p_diloco.config import RunManifest, WireConfig
 from p2p_diloco.errors import ConfigError, DecodeError
-from p2p_diloco.model.gpt import build_model
-from p2p_diloco.protocol.fragments import plan_fragments
-from p2p_diloco.protocol.messages import DeltaHeader
-from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.protocol.sync_round import Contribution, RoundTag
-from p2p_diloco.swarm.merging import outer_feedback_for
-from p2p_diloco.swarm.synchronizer import Synchronizer
 from p2p_diloco.wire import codec
 from p2p_diloco.wire.blockwise import Codec
 from p2p_diloco.wire.codec import CODE_TABLE, decode_tensors, encode_tensors, frame_size
 from p2p_diloco.wire.feedback import ErrorFeedback
-from p2p_diloco.wire.frames import encode_delta
-from p2p_diloco.wire.replies import Reply
 from p2p_diloco.wire.sparse import CHUNK, INT4_TABLE, SparseReason, chunk_keep
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -247,83 +236,3 @@ def test_encoder_rejects_bad_density_and_block_size():
     with pytest.raises(ValueError):
         ErrorFeedback("topk-int4", 4096, density=0.0)
     encode_tensors({"w": torch.randn(4)}, codec="int8", density=0.0)  # dense codecs ignore it
-
-
-# ---- the synchronizer's outer residual ---------------------------------------------------------------
-
-MODEL = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
-SPARSE_MANIFEST = RunManifest(
-    run_id="sp",
-    model=MODEL,
-    diloco=DilocoConfig(inner_steps=4, fragments=2, batch_size=2),
-    wire=WireConfig(codec="topk-int8", density=0.1, block_size=64, feedback_decay=1.0),  # exact carry
-)
-_template = build_model(MODEL)
-SHAPES = {n: tuple(p.shape) for n, p in _template.named_parameters()}
-PLAN = plan_fragments(list(SHAPES.items()), 2)
-INITIAL = {n: p.detach().clone() for n, p in _template.named_parameters()}
-
-
-def test_outer_feedback_exists_only_for_sparse_codecs():
-    assert outer_feedback_for(dataclasses.replace(SPARSE_MANIFEST, wire=WireConfig())) is None
-    store = outer_feedback_for(SPARSE_MANIFEST)
-    assert isinstance(store, ErrorFeedback) and store.codec == Codec.TOPK_INT8 and store.density == 0.1
-
-
-def test_synchronizer_publishes_sparse_updates_and_carries_the_rest():
-    replica = GlobalReplica(PLAN, INITIAL)
-    sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    gen = torch.Generator().manual_seed(3)
-    delta = {n: torch.randn(s, generator=gen) * 1e-2 for n, s in replica.shapes(0).items()}
-    numel = sum(math.prod(s) for s in replica.shapes(0).values())
-    sent = {n: torch.zeros(s) for n, s in replica.shapes(0).items()}
-    for _ in range(3):
-        c = Contribution("a", 0, tokens=32, steps=2, received_at=0.0, payload=delta)
-        record, _, _ = sync.merger.merge(0, [c], live=1, term=1)
-        decoded = decode_tensors(record.payload, expected_shapes=replica.shapes(0))
-        assert sum(int((t != 0).sum()) for t in decoded.values()) <= math.ceil(0.1 * numel) + len(decoded)
-        for n in sent:
-            sent[n] += decoded[n]
-    residual = sync.outer_feedback._residuals[0]
-    for n, t in delta.items():  # what the updates carried plus the residual is exactly the merged sum
-        assert torch.allclose(sent[n] + residual[n], 3 * t, atol=1e-6)
-
-
-def _sparse_delta(codec_name: str = "topk-int8") -> bytes:
-    tensors = {n: torch.full(s, 1e-3) for n, s in GlobalReplica(PLAN, INITIAL).shapes(0).items()}
-    tps = SPARSE_MANIFEST.diloco.batch_size * MODEL.block_size
-    header = DeltaHeader("sp", SPARSE_MANIFEST.manifest_hash, 0, 0, tokens=4 * tps, steps=4, seq=1)
-    return encode_delta(header, encode_tensors(tensors, codec=codec_name, block_size=64, density=0.1))
-
-
-REASON = re.compile(r"^[a-z][a-z0-9 -]*(:|$)")  # "<tag>: <details>", as tests/unit/test_fuzz_handlers.py
-
-
-@pytest.mark.parametrize("codec_name", SPARSE)
-def test_synchronizer_accepts_sparse_deltas_like_dense_ones(codec_name):
-    replica = GlobalReplica(PLAN, INITIAL)
-    sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    assert sync.offer_delta("a", _sparse_delta(codec_name), 0.0).tag == RoundTag.OPENED_ROUND
-    (outcome,) = sync.poll(10.0, frozenset({"a"}), cap=0.0)
-    assert outcome.record.payload[5] == IDS[str(SPARSE_MANIFEST.wire.codec)]  # published sparse too
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    codec_name=st.sampled_from(SPARSE),
-    edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
-    tail_cut=st.integers(0, 3),
-)
-def test_synchronizer_answers_mutated_sparse_deltas_with_a_reason(codec_name, edits, tail_cut):
-    frame = bytearray(_sparse_delta(codec_name))
-    start = len(frame) - 200  # inside the tensor payload
-    for position, value in edits:
-        frame[start + position % 200] = value
-    replica = GlobalReplica(PLAN, INITIAL)
-    before = replica.digest()
-    sync = Synchronizer("me", SPARSE_MANIFEST, PLAN, replica, term=1, shapes=SHAPES)
-    reply = sync.offer_delta("a", bytes(frame[: len(frame) - tail_cut]), 0.0)
-    assert isinstance(reply, Reply) and REASON.match(reply.reason), reply
-    for outcome in sync.poll(10.0, frozenset({"a"}), cap=0.0):  # whatever got in merges cleanly
-        decode_tensors(outcome.record.payload, expected_shapes=replica.shapes(outcome.record.fragment))
-    assert replica.digest() == before

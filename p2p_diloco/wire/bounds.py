@@ -1,0 +1,84 @@
+"""The bounds every record's fields keep (identifiers, counters, fragments, signatures, contributor lists)
+and the checks of the JSON header fields (`wire.frames`' schemas), in one leaf module so that `wire.frames`
+and the signed-delta modules it reads (`wire.delta_signature`, `wire.delta_listing`) share them without
+importing each other in a cycle.
+
+A check returns None when the value is valid, otherwise what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+MAX_ID_CHARS = 128
+MAX_SIGNATURE_BYTES = 2048  # an RSA-2048 public key and signature take 552
+MAX_FRAGMENT = 65535
+MAX_COUNTER = 2**53 - 1  # exactly representable in every JSON reader
+MAX_CONTRIBUTORS = 10_000
+
+
+# A check returns None when the value is valid, otherwise what is wrong with it.
+Check = Callable[[Any], "str | None"]
+
+
+def identifier(value: Any) -> str | None:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
+        return f"must be a string of 1-{MAX_ID_CHARS} characters"
+    if not all(c.isalnum() or c in "-_.:" for c in value):
+        return "may hold only letters, digits, '-', '_', '.', ':'"
+    return None
+
+
+def integer(low: int, high: int) -> Check:
+    def check(value: Any) -> str | None:
+        if type(value) is not int or not low <= value <= high:
+            return f"must be an integer in {low}..{high}"
+        return None
+
+    return check
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: Any) -> str | None:
+        return None if value in choices and isinstance(value, str) else f"must be one of {choices}"
+
+    return check
+
+
+def contributor_list(value: Any) -> str | None:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_CONTRIBUTORS:
+        return f"must be a list of 1-{MAX_CONTRIBUTORS} [peer, weight] pairs"
+    peers = set()
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            return "entries must be [peer, weight] pairs"
+        peer, weight = pair
+        if identifier(peer) is not None:
+            return f"peer {str(peer)[:40]!r} {identifier(peer)}"
+        if type(weight) is not float or not math.isfinite(weight) or weight < 0:
+            return f"weight of {peer!r} must be a finite float >= 0"
+        if peer in peers:
+            return f"peer {peer!r} listed twice"
+        peers.add(peer)
+    return None
+
+
+def seq_list(value: Any) -> str | None:
+    if not isinstance(value, list) or len(value) > MAX_CONTRIBUTORS:
+        return f"must be a list of at most {MAX_CONTRIBUTORS} delta sequence numbers"
+    if any(type(seq) is not int or not 0 <= seq <= MAX_COUNTER for seq in value):
+        return f"entries must be integers in [0, {MAX_COUNTER}]"
+    return None
+
+
+def hex_string(max_bytes: int) -> Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, str) or len(value) > 2 * max_bytes or len(value) % 2:
+            return f"must be a hex string of at most {max_bytes} bytes"
+        if any(c not in "0123456789abcdef" for c in value):
+            return "must be lower-case hex"
+        return None
+
+    return check
