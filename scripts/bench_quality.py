@@ -28,8 +28,10 @@ Targets reported, not asserted: decoupled within 2 % of dp; int8 within 1 % of f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ import torch
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import BatchSampler, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
+from p2p_diloco.sim.union_bench import union_aggregation
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 from p2p_diloco.wire.frames import decode_delta, decode_update
 
@@ -69,7 +72,15 @@ def run_dp(manifest: RunManifest, corpus, learners: int, tokens: int, eval_point
     return {"final_eval_loss": curve[-1][1], "tokens": steps * per_step, "bytes_sent": 0, "curve": curve}
 
 
-def run_swarm(manifest: RunManifest, corpus, learners: int, tokens: int, speeds: tuple[float, ...]) -> dict:
+def run_swarm(
+    manifest: RunManifest,
+    corpus,
+    learners: int,
+    tokens: int,
+    speeds: tuple[float, ...],
+    seed: int = 0,
+    union: bool = False,
+) -> dict:
     per_step = manifest.diloco.batch_size * manifest.model.block_size
     mean_speed = sum(speeds) / len(speeds)
     fake_duration = tokens / per_step / learners * mean_speed
@@ -79,10 +90,12 @@ def run_swarm(manifest: RunManifest, corpus, learners: int, tokens: int, speeds:
         step_times=speeds,
         total_tokens=tokens,
         eval_every=max(1.0, fake_duration / 12),
+        seed=seed,
     )
-    swarm = InProcessSwarm(spec, corpus=corpus)
-    wire = count_wire(swarm)
-    report = swarm.run()
+    with union_aggregation() if union else contextlib.nullcontext():
+        swarm = InProcessSwarm(spec, corpus=corpus)
+        wire = count_wire(swarm, union=union)
+        report = swarm.run()
     steps = report.tokens / per_step
     params = sum(wire.fragment_params)
     return {
@@ -98,19 +111,33 @@ def run_swarm(manifest: RunManifest, corpus, learners: int, tokens: int, speeds:
 
 
 class WireCount:
-    """Bytes and parameters of every delta and pushed update frame (frame headers included)."""
+    """Bytes and parameters of every delta and pushed update frame (frame headers included). With `union`
+    an update's bytes are what a replica fetches to merge it itself (`sim.union_bench`): the record without
+    its stand-in payload, plus every delta frame it lists."""
 
-    def __init__(self, fragment_params: list[int]):
+    def __init__(self, fragment_params: list[int], union: bool = False):
         self.fragment_params = fragment_params
+        self.union = union
         self.totals = {kind: [0, 0, 0] for kind in ("delta", "update")}  # frames, bytes, params
+        self.delta_bytes: dict[tuple[str, int, int], int] = {}  # (sender, fragment, seq) -> frame bytes
+        self.last_delta: dict[int, int] = {}  # fragment -> bytes of its latest delta frame (any sender)
 
-    def note(self, kind: str, frame: bytes) -> None:
+    def note(self, src: str, kind: str, frame: bytes) -> None:
+        nbytes = len(frame)
         if kind == "delta":
-            p = decode_delta(frame, max_bytes=len(frame))[0].fragment
+            header = decode_delta(frame, max_bytes=len(frame))[0]
+            p = header.fragment
+            self.delta_bytes[(src, p, header.seq)] = self.last_delta[p] = nbytes
         else:
-            p = decode_update(frame, max_bytes=len(frame)).fragment
+            record = decode_update(frame, max_bytes=len(frame))
+            p = record.fragment
+            if self.union:
+                listed = zip((name for name, _ in record.contributors), record.seqs)
+                # a holder's own delta never crossed the network: a frame of that fragment is as large
+                fetched = sum(self.delta_bytes.get((n, p, seq), self.last_delta[p]) for n, seq in listed)
+                nbytes += fetched - len(record.payload)
         total = self.totals[kind]
-        total[0], total[1], total[2] = total[0] + 1, total[1] + len(frame), total[2] + self.fragment_params[p]
+        total[0], total[1], total[2] = total[0] + 1, total[1] + nbytes, total[2] + self.fragment_params[p]
 
     def summary(self) -> dict:
         out = {}
@@ -121,14 +148,15 @@ class WireCount:
         return out
 
 
-def count_wire(swarm: InProcessSwarm) -> WireCount:
+def count_wire(swarm: InProcessSwarm, union: bool = False) -> WireCount:
     shapes = {n: p.shape for n, p in build_model(swarm.manifest.model).named_parameters()}
     plan = swarm.plan
-    count = WireCount([sum(shapes[n].numel() for n in plan.names(p)) for p in range(plan.num_fragments)])
+    sizes = [sum(shapes[n].numel() for n in plan.names(p)) for p in range(plan.num_fragments)]
+    count = WireCount(sizes, union=union)
     deliver = swarm.network.deliver
 
     def counted(src, dst, frame, kind, on_reply):
-        count.note(kind, frame)
+        count.note(src, kind, frame)
         deliver(src, dst, frame, kind, on_reply)
 
     swarm.network.deliver = counted  # type: ignore[method-assign]
@@ -149,6 +177,61 @@ def sparse(
     return dataclasses.replace(base, wire=wire, timing=timing, diloco=diloco)
 
 
+UNION_CODECS = {"4k2": "topk4k-int2", "4k4": "topk4k-int4", "4k8": "topk4k-int8"}
+UNION_NAME = re.compile(r"union_(4k[248])_(\d+(?:p\d+)?)((?:_(?:h|lr|m|d)\d+)*)")
+
+
+def union_variant(base: RunManifest, name: str) -> RunManifest:
+    """`union_<codec>_<percent>[_h<H>][_lr<outer lr x 10>][_m<outer momentum x 100>][_d<decay x 100>]`:
+    a chunked sparse codec (4k2, 4k4, 4k8: `topk4k-int2/-int4/-int8`) at that density ("1p5" is 1.5 %),
+    merged by union (`sim.union_bench`); H, outer lr and momentum default to the manifest's, the
+    feedback decay to 0.95. E.g. union_4k2_2_h4_m90: int2 at 2 %, H = 4, outer momentum 0.9."""
+    match = UNION_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"{name!r} is not union_<4k2|4k4|4k8>_<percent>[_h<H>][_lr<x10>][_m<x100>][_d<x100>]"
+        )
+    codec, percent, rest = match.groups()
+    opts = {key: int(value) for key, value in re.findall(r"_(h|lr|m|d)(\d+)", rest)}
+    manifest = sparse(
+        base,
+        UNION_CODECS[codec],
+        float(percent.replace("p", ".")) / 100,
+        inner_steps=opts.get("h"),
+        feedback_decay=opts.get("d", 95) / 100,
+    )
+    diloco = dataclasses.replace(
+        manifest.diloco,
+        outer_lr=opts["lr"] / 10 if "lr" in opts else manifest.diloco.outer_lr,
+        outer_momentum=opts["m"] / 100 if "m" in opts else manifest.diloco.outer_momentum,
+    )
+    return dataclasses.replace(manifest, diloco=diloco)
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """One variant over several seeds: mean final loss, spread (max - min) and standard deviation, each
+    seed's run, and the mean curve (every seed evaluates at the same token counts: the clock is fake)."""
+    losses = [r["final_eval_loss"] for r in runs]
+    mean = sum(losses) / len(losses)
+    curves = [r["curve"] for r in runs]
+    points = min(len(c) for c in curves)
+    curve = [
+        (sum(c[i][0] for c in curves) / len(curves), sum(c[i][1] for c in curves) / len(curves))
+        for i in range(points)
+    ]
+    out = {
+        "final_eval_loss": mean,
+        "final_eval_losses": losses,
+        "spread": max(losses) - min(losses),
+        "std": (sum((x - mean) ** 2 for x in losses) / (len(losses) - 1)) ** 0.5,
+        "curve": curve,
+        "seeds": runs,
+    }
+    if "wire" in runs[0]:
+        out["wire"] = {k: sum(r["wire"][k] for r in runs) / len(runs) for k in runs[0]["wire"]}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -157,12 +240,13 @@ def main() -> int:
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=None, help="total tokens per variant")
     parser.add_argument("--manifest", default="peers/demo.toml")
+    parser.add_argument("--seeds", default="0", help="comma-separated swarm seeds; several: mean and spread")
     parser.add_argument(
         "--variants",
         default="dp,diloco_sync,decoupled,decoupled_fp32,decoupled_topk1,decoupled_topk3,decoupled_topk10",
         help="comma-separated; also decoupled_topk3_int4, decoupled_topk5_int4, decoupled_topk3_rotate10, "
         "decoupled_h4, decoupled_topk1_int4_h4, decoupled_topk3_int4_h4, decoupled_topk3_int4_h8, "
-        "decoupled_4k2_2_h4, decoupled_4k2_3_h4, decoupled_4k4_3_h4",
+        "decoupled_4k2_2_h4, decoupled_4k2_3_h4, decoupled_4k4_3_h4, and union_* (see union_variant)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -197,29 +281,47 @@ def main() -> int:
         "decoupled_4k2_3_h4": sparse(base, "topk4k-int2", 0.03, inner_steps=4, feedback_decay=0.95),
         "decoupled_4k4_3_h4": sparse(base, "topk4k-int4", 0.03, inner_steps=4, feedback_decay=0.95),
     }
+    seeds = [int(x) for x in args.seeds.split(",")]
     results: dict[str, dict] = {}
     for name in args.variants.split(","):
-        start = time.perf_counter()
-        if name == "dp":
-            results[name] = run_dp(base, corpus, m, tokens, eval_points=12)
-        elif name == "diloco_sync":
-            results[name] = run_swarm(manifests[name], corpus, m, tokens, (1.0,) * m)
-        elif name in manifests:
-            results[name] = run_swarm(manifests[name], corpus, m, tokens, speeds)
-        else:
-            parser.error(f"unknown variant {name!r}")
-        results[name]["seconds"] = time.perf_counter() - start
-        wire = results[name].get("wire", {})
-        shown = (
-            f" up {wire['up_bytes_per_param_round']:.4f} down {wire['down_bytes_per_param_round']:.4f} B/param/round,"
-            f" up {wire['up_bytes_per_param_step']:.4f} B/param/step"
-            if wire
-            else ""
-        )
-        print(
-            f"{name:24s} loss {results[name]['final_eval_loss']:.4f}{shown} ({results[name]['seconds']:.0f} s)",
-            flush=True,
-        )
+        union = name.startswith("union_")
+        if union:
+            try:
+                manifests[name] = union_variant(base, name)
+            except ValueError as exc:
+                parser.error(str(exc))
+        runs = []
+        for seed in seeds:
+            start = time.perf_counter()
+            if name == "dp":
+                run = run_dp(base, corpus, m, tokens, eval_points=12)
+            elif name == "diloco_sync":
+                run = run_swarm(manifests[name], corpus, m, tokens, (1.0,) * m, seed=seed)
+            elif name in manifests:
+                run = run_swarm(manifests[name], corpus, m, tokens, speeds, seed=seed, union=union)
+            else:
+                parser.error(f"unknown variant {name!r}")
+            run["seconds"] = time.perf_counter() - start
+            run["seed"] = seed
+            runs.append(run)
+            wire = run.get("wire", {})
+            shown = (
+                f" up {wire['up_bytes_per_param_round']:.4f} down {wire['down_bytes_per_param_round']:.4f} "
+                f"B/param/round, up {wire['up_bytes_per_param_step']:.4f} B/param/step"
+                if wire
+                else ""
+            )
+            print(
+                f"{name:24s} seed {seed} loss {run['final_eval_loss']:.4f}{shown} ({run['seconds']:.0f} s)",
+                flush=True,
+            )
+        results[name] = runs[0] if len(runs) == 1 else over_seeds(runs)
+        if len(runs) > 1:
+            r = results[name]
+            print(
+                f"{name:24s} mean {r['final_eval_loss']:.4f} spread {r['spread']:.4f} over seeds {seeds}",
+                flush=True,
+            )
     summary = {"learners": m, "tokens": tokens, "variants": results}
     if "dp" in results and "decoupled" in results:
         summary["decoupled_vs_dp"] = (
@@ -242,20 +344,39 @@ def main() -> int:
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
+    """Loss against tokens; with `decoupled` (int8) among the variants, a second panel shows each one's
+    loss relative to int8's at the same eval point, so a gap that grows is visible."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    reference = results.get("decoupled")
+    rows = 2 if reference is not None and len(results) > 1 else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(7, 4.5 * rows), squeeze=False)
+    ax = axes[0][0]
     for name, r in results.items():
         xs, ys = zip(*r["curve"])
         ax.plot(xs, ys, label=f"{name} ({r['final_eval_loss']:.3f})")
     ax.set_xlabel("training tokens (all learners)")
     ax.set_ylabel("eval loss (nats/byte)")
     ax.set_title("p2p_diloco quality at equal tokens")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+    if rows == 2:
+        ax = axes[1][0]
+        ref = reference["curve"]
+        for name, r in results.items():
+            if name == "decoupled":
+                continue
+            points = list(zip(r["curve"], ref))
+            ax.plot([a[0] for a, _ in points], [100 * (a[1] / b[1] - 1) for a, b in points], label=name)
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("training tokens (all learners)")
+        ax.set_ylabel("eval loss vs decoupled (int8), %")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
