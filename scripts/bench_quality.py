@@ -282,14 +282,18 @@ def main() -> int:
         "decoupled_4k4_3_h4": sparse(base, "topk4k-int4", 0.03, inner_steps=4, feedback_decay=0.95),
     }
     seeds = [int(x) for x in args.seeds.split(",")]
-    results: dict[str, dict] = {}
-    for name in args.variants.split(","):
-        union = name.startswith("union_")
-        if union:
+    names = args.variants.split(",")
+    for name in names:  # every name checked before the first run
+        if name.startswith("union_"):
             try:
                 manifests[name] = union_variant(base, name)
             except ValueError as exc:
-                parser.error(str(exc))
+                parser.error(f"{name}: {exc}")
+        elif name not in manifests and name != "dp":
+            parser.error(f"unknown variant {name!r}")
+    results: dict[str, dict] = {}
+    for name in names:
+        union = name.startswith("union_")
         runs = []
         for seed in seeds:
             start = time.perf_counter()
@@ -297,10 +301,8 @@ def main() -> int:
                 run = run_dp(base, corpus, m, tokens, eval_points=12)
             elif name == "diloco_sync":
                 run = run_swarm(manifests[name], corpus, m, tokens, (1.0,) * m, seed=seed)
-            elif name in manifests:
-                run = run_swarm(manifests[name], corpus, m, tokens, speeds, seed=seed, union=union)
             else:
-                parser.error(f"unknown variant {name!r}")
+                run = run_swarm(manifests[name], corpus, m, tokens, speeds, seed=seed, union=union)
             run["seconds"] = time.perf_counter() - start
             run["seed"] = seed
             runs.append(run)
