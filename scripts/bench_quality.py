@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Quality benchmark: eval loss at equal total tokens for data-parallel and three DiLoCo variants.
 
-    .venv/bin/python scripts/bench_quality.py --out bench-out [--learners 4] [--tokens N] [--seed 0]
+    .venv/bin/python scripts/bench_quality.py --out bench-out [--learners 4] [--tokens N] [--seeds 0,1,2]
+    .venv/bin/python scripts/bench_quality.py --out DIR --combine A/quality.json B/quality.json
 
 Variants (all on the embedded corpus, the same tiny GPT, the same total number of training tokens):
   dp              one learner, M x batch, plain AdamW (the data-parallel reference)
@@ -18,9 +19,14 @@ Variants (all on the embedded corpus, the same tiny GPT, the same total number o
   decoupled_4k2_{2,3}_h4, decoupled_4k4_3_h4
                                 SparseLoCo's chunked codecs "topk4k-int2" at 2 and 3 %, "topk4k-int4" at
                                 3 %, H = 4, feedback decay 0.95 (still re-sparsified by the synchronizer)
+  union_<codec>_<percent>[_h<H>][_lr<x10>][_m<x100>][_d<x100>]
+                                a chunked codec merged by union (`sim.union_bench`, issue #30), e.g.
+                                union_4k2_0p8_h4: topk4k-int2 at 0.8 %, H = 4 (`union_variant`)
 Writes DIR/quality.json (final_eval_loss, tokens, bytes_sent, and per swarm variant `wire`: bytes per
 parameter per fragment round up (one learner's delta) and down (one pushed update), measured on every
-frame the sim network carried, and up bytes per parameter per inner step of a learner) and DIR/quality.png.
+frame the sim network carried, and up bytes per parameter per inner step of a learner; with several seeds
+the mean, spread and std, and the mean curve) and DIR/quality.png (loss against tokens, and relative to
+`decoupled` when it ran).
 Targets reported, not asserted: decoupled within 2 % of dp; int8 within 1 % of fp32; a sparse variant at
 <= 0.1 bytes/param/round up and down within 1 % of int8.
 """
@@ -248,10 +254,16 @@ def main() -> int:
         "decoupled_h4, decoupled_topk1_int4_h4, decoupled_topk3_int4_h4, decoupled_topk3_int4_h8, "
         "decoupled_4k2_2_h4, decoupled_4k2_3_h4, decoupled_4k4_3_h4, and union_* (see union_variant)",
     )
+    parser.add_argument(
+        "--combine", nargs="+", metavar="JSON", help="merge these quality.json files into DIR"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        combine(args.combine, out)
+        return 0
     base = RunManifest.load(args.manifest)
     corpus = load_corpus(base.data)
     m = args.learners
@@ -324,7 +336,14 @@ def main() -> int:
                 f"{name:24s} mean {r['final_eval_loss']:.4f} spread {r['spread']:.4f} over seeds {seeds}",
                 flush=True,
             )
-    summary = {"learners": m, "tokens": tokens, "variants": results}
+    write_summary(results, m, tokens, out)
+    return 0
+
+
+def write_summary(results: dict[str, dict], learners: int, tokens: int, out: Path) -> None:
+    """DIR/quality.json (the variants, and each one's final loss relative to dp, fp32 and int8 where those
+    ran) and DIR/quality.png."""
+    summary = {"learners": learners, "tokens": tokens, "variants": results}
     if "dp" in results and "decoupled" in results:
         summary["decoupled_vs_dp"] = (
             results["decoupled"]["final_eval_loss"] / results["dp"]["final_eval_loss"] - 1
@@ -337,12 +356,26 @@ def main() -> int:
         summary["vs_int8"] = {
             name: r["final_eval_loss"] / results["decoupled"]["final_eval_loss"] - 1
             for name, r in results.items()
-            if name.startswith("decoupled_")
+            if name.startswith(("decoupled_", "union_"))
         }
     (out / "quality.json").write_text(json.dumps(summary, indent=2))
     plot(results, out / "quality.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "variants"}))
-    return 0
+
+
+def combine(paths: list[str], out: Path) -> None:
+    """One quality.json and plot from several runs' (e.g. variants run in parallel), which must have the
+    same learners and tokens."""
+    results: dict[str, dict] = {}
+    shapes = set()
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        shapes.add((part["learners"], part["tokens"]))
+        results.update(part["variants"])
+    if len(shapes) != 1:
+        raise SystemExit(f"--combine: the runs differ in (learners, tokens): {sorted(shapes)}")
+    (learners, tokens) = shapes.pop()
+    write_summary(results, learners, tokens, out)
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
