@@ -18,9 +18,10 @@ Variants (all on the embedded corpus, the same tiny GPT, the same total number o
                                 smaller rounds (the same bytes per round, more bytes per inner step)
   decoupled_4k2_{2,3}_h4, decoupled_4k4_3_h4
                                 SparseLoCo's chunked codecs "topk4k-int2" at 2 and 3 %, "topk4k-int4" at
-                                3 %, H = 4, feedback decay 0.95 (still re-sparsified by the synchronizer)
+                                3 %, H = 4, feedback decay 0.95 (docs/results.md measured them when the
+                                synchronizer still re-sparsified; sparse rounds now merge by union)
   union_<codec>_<percent>[_h<H>][_lr<x10>][_m<x100>][_d<x100>]
-                                a chunked codec merged by union (`sim.union_bench`, issue #30), e.g.
+                                a chunked codec (sparse rounds merge by union, issue #30), e.g.
                                 union_4k2_0p8_h4: topk4k-int2 at 0.8 %, H = 4 (`union_variant`)
 Writes DIR/quality.json (final_eval_loss, tokens, bytes_sent, and per swarm variant `wire`: bytes per
 parameter per fragment round up (one learner's delta) and down (one pushed update), measured on every
@@ -34,7 +35,6 @@ Targets reported, not asserted: decoupled within 2 % of dp; int8 within 1 % of f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import re
@@ -46,7 +46,6 @@ import torch
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.data import BatchSampler, evaluate, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
-from p2p_diloco.sim.union_bench import union_aggregation
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 from p2p_diloco.wire.frames import decode_delta, decode_update
 
@@ -85,7 +84,6 @@ def run_swarm(
     tokens: int,
     speeds: tuple[float, ...],
     seed: int = 0,
-    union: bool = False,
 ) -> dict:
     per_step = manifest.diloco.batch_size * manifest.model.block_size
     mean_speed = sum(speeds) / len(speeds)
@@ -98,10 +96,9 @@ def run_swarm(
         eval_every=max(1.0, fake_duration / 12),
         seed=seed,
     )
-    with union_aggregation() if union else contextlib.nullcontext():
-        swarm = InProcessSwarm(spec, corpus=corpus)
-        wire = count_wire(swarm, union=union)
-        report = swarm.run()
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    wire = count_wire(swarm)
+    report = swarm.run()
     steps = report.tokens / per_step
     params = sum(wire.fragment_params)
     return {
@@ -117,33 +114,20 @@ def run_swarm(
 
 
 class WireCount:
-    """Bytes and parameters of every delta and pushed update frame (frame headers included). With `union`
-    an update's bytes are what a replica fetches to merge it itself (`sim.union_bench`): the record without
-    its stand-in payload, plus every delta frame it lists."""
+    """Bytes and parameters of every delta and pushed update frame (frame headers included; a sparse
+    update carries the bundle of the learners' delta frames it lists, as every replica merges them)."""
 
-    def __init__(self, fragment_params: list[int], union: bool = False):
+    def __init__(self, fragment_params: list[int]):
         self.fragment_params = fragment_params
-        self.union = union
         self.totals = {kind: [0, 0, 0] for kind in ("delta", "update")}  # frames, bytes, params
-        self.delta_bytes: dict[tuple[str, int, int], int] = {}  # (sender, fragment, seq) -> frame bytes
-        self.last_delta: dict[int, int] = {}  # fragment -> bytes of its latest delta frame (any sender)
 
-    def note(self, src: str, kind: str, frame: bytes) -> None:
-        nbytes = len(frame)
+    def note(self, kind: str, frame: bytes) -> None:
         if kind == "delta":
-            header = decode_delta(frame, max_bytes=len(frame))[0]
-            p = header.fragment
-            self.delta_bytes[(src, p, header.seq)] = self.last_delta[p] = nbytes
+            p = decode_delta(frame, max_bytes=len(frame))[0].fragment
         else:
-            record = decode_update(frame, max_bytes=len(frame))
-            p = record.fragment
-            if self.union:
-                listed = zip((name for name, _ in record.contributors), record.seqs)
-                # a holder's own delta never crossed the network: a frame of that fragment is as large
-                fetched = sum(self.delta_bytes.get((n, p, seq), self.last_delta[p]) for n, seq in listed)
-                nbytes += fetched - len(record.payload)
+            p = decode_update(frame, max_bytes=len(frame)).fragment
         total = self.totals[kind]
-        total[0], total[1], total[2] = total[0] + 1, total[1] + nbytes, total[2] + self.fragment_params[p]
+        total[0], total[1], total[2] = total[0] + 1, total[1] + len(frame), total[2] + self.fragment_params[p]
 
     def summary(self) -> dict:
         out = {}
@@ -154,15 +138,15 @@ class WireCount:
         return out
 
 
-def count_wire(swarm: InProcessSwarm, union: bool = False) -> WireCount:
+def count_wire(swarm: InProcessSwarm) -> WireCount:
     shapes = {n: p.shape for n, p in build_model(swarm.manifest.model).named_parameters()}
     plan = swarm.plan
     sizes = [sum(shapes[n].numel() for n in plan.names(p)) for p in range(plan.num_fragments)]
-    count = WireCount(sizes, union=union)
+    count = WireCount(sizes)
     deliver = swarm.network.deliver
 
     def counted(src, dst, frame, kind, on_reply):
-        count.note(src, kind, frame)
+        count.note(kind, frame)
         deliver(src, dst, frame, kind, on_reply)
 
     swarm.network.deliver = counted  # type: ignore[method-assign]
@@ -190,7 +174,7 @@ UNION_NAME = re.compile(r"union_(4k[248])_(\d+(?:p\d+)?)((?:_(?:h|lr|m|d)\d+)*)"
 def union_variant(base: RunManifest, name: str) -> RunManifest:
     """`union_<codec>_<percent>[_h<H>][_lr<outer lr x 10>][_m<outer momentum x 100>][_d<decay x 100>]`:
     a chunked sparse codec (4k2, 4k4, 4k8: `topk4k-int2/-int4/-int8`) at that density ("1p5" is 1.5 %),
-    merged by union (`sim.union_bench`); H, outer lr and momentum default to the manifest's, the
+    merged by union (as every sparse codec now is); H, outer lr and momentum default to the manifest's, the
     feedback decay to 0.95. E.g. union_4k2_2_h4_m90: int2 at 2 %, H = 4, outer momentum 0.9."""
     match = UNION_NAME.fullmatch(name)
     if match is None:
@@ -305,7 +289,6 @@ def main() -> int:
             parser.error(f"unknown variant {name!r}")
     results: dict[str, dict] = {}
     for name in names:
-        union = name.startswith("union_")
         runs = []
         for seed in seeds:
             start = time.perf_counter()
@@ -314,7 +297,7 @@ def main() -> int:
             elif name == "diloco_sync":
                 run = run_swarm(manifests[name], corpus, m, tokens, (1.0,) * m, seed=seed)
             else:
-                run = run_swarm(manifests[name], corpus, m, tokens, speeds, seed=seed, union=union)
+                run = run_swarm(manifests[name], corpus, m, tokens, speeds, seed=seed)
             run["seconds"] = time.perf_counter() - start
             run["seed"] = seed
             runs.append(run)
@@ -390,9 +373,11 @@ def plot(results: dict[str, dict], path: Path) -> None:
     rows = 2 if reference is not None and len(results) > 1 else 1
     fig, axes = plt.subplots(rows, 1, figsize=(7, 4.5 * rows), squeeze=False)
     ax = axes[0][0]
+    colors = {}
     for name, r in results.items():
         xs, ys = zip(*r["curve"])
-        ax.plot(xs, ys, label=f"{name} ({r['final_eval_loss']:.3f})")
+        (line,) = ax.plot(xs, ys, label=f"{name} ({r['final_eval_loss']:.3f})")
+        colors[name] = line.get_color()
     ax.set_xlabel("training tokens (all learners)")
     ax.set_ylabel("eval loss (nats/byte)")
     ax.set_title("p2p_diloco quality at equal tokens")
@@ -405,7 +390,8 @@ def plot(results: dict[str, dict], path: Path) -> None:
             if name == "decoupled":
                 continue
             points = list(zip(r["curve"], ref))
-            ax.plot([a[0] for a, _ in points], [100 * (a[1] / b[1] - 1) for a, b in points], label=name)
+            gap = [100 * (a[1] / b[1] - 1) for a, b in points]
+            ax.plot([a[0] for a, _ in points], gap, label=name, color=colors[name])
         ax.axhline(0.0, color="black", lw=0.8)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("training tokens (all learners)")
