@@ -4,7 +4,7 @@
 hivemind's rule (per key/subkey the later expiration wins, first writer on a tie);
 `PartitionedKeyValueStore` is a store that can be split like a DHT cut in two (one replica per peer,
 merged by the same rule on heal); `SimNetwork` routes frames between `InMemoryTransport`s with per-link
-delays and fault rules, delivering them as events (fetches across a dropped link fail).
+delays (fixed, or each peer's bandwidth and latency from a `swarm.links.LinkModel`) and fault rules, delivering them as events (fetches across a dropped link fail).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2p_diloco.swarm.links import LinkModel
 from p2p_diloco.wire.interfaces import InboundHandlers, Liveness, StoredValue
 from p2p_diloco.wire.replies import LinkTag, Reply
 
@@ -181,6 +182,7 @@ class SimNetwork:
     base_delay: float = 0.05
     bytes_per_second: float = 12.5e6  # 100 Mbit/s per link
     rules: list[LinkRule] = field(default_factory=list)
+    links: LinkModel | None = None  # per-peer bandwidth and latency (swarm.links) instead of the two above
     handlers: dict[str, InboundHandlers] = field(default_factory=dict)
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
@@ -205,7 +207,10 @@ class SimNetwork:
 
     def _delay(self, src: str, dst: str, size: int) -> float | None:
         now = self.loop.clock.now()
-        delay = self.base_delay + size / self.bytes_per_second
+        if self.links is not None:
+            delay = self.links.arrival(src, dst, size, now) - now
+        else:
+            delay = self.base_delay + size / self.bytes_per_second
         for rule in self.rules:
             if rule.matches(src, dst, now):
                 if rule.drop:

@@ -1,0 +1,65 @@
+"""Update spread from peers' event logs (demo/spread.py): propagation, bytes per merged update, fan-out."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.demo import spread
+
+
+def progress(t: float, sent: float, received: float) -> dict:
+    return {"t": t, "event": "progress", "tokens": t, "bytes_sent": sent, "bytes_received": received}
+
+
+def update(kind: str, t: float, fragment: int, version: int) -> dict:
+    return {"t": t, "event": kind, "fragment": fragment, "version": version, "term": 1, "leader": "a"}
+
+
+def logs() -> dict[str, list[dict]]:
+    """a publishes v1 and v2 of fragment 0 to b and c; 100-byte updates, b sends one 100-byte delta."""
+    return {
+        "a": [
+            {"t": 0.0, "event": "start"},
+            update("published", 10.0, 0, 1),
+            update("published", 20.0, 0, 2),
+            progress(30.0, 400.0, 100.0),
+        ],
+        "b": [
+            {"t": 0.0, "event": "start"},
+            update("applied", 10.5, 0, 1),
+            update("applied", 21.0, 0, 2),
+            progress(30.0, 100.0, 200.0),
+        ],
+        "c": [
+            {"t": 0.0, "event": "start"},
+            update("applied", 11.0, 0, 1),
+            update("applied", 20.2, 0, 2),
+            update("applied", 25.0, 0, 2),  # a duplicate line: the first application counts
+            progress(30.0, 0.0, 200.0),
+        ],
+    }
+
+
+def test_propagation_is_publish_to_the_last_peer_applied():
+    prop = spread.propagation(logs(), 0.0, 30.0)
+    assert prop["updates"] == 2
+    assert prop["max"] == pytest.approx(1.0)  # v1: 10 -> 11 (c); v2: 20 -> 21 (b)
+    assert prop["p50"] == pytest.approx(1.0) and prop["peers_reached_median"] == 2
+    assert spread.propagation(logs(), 15.0, 30.0)["updates"] == 1  # only v2 was published in the window
+
+
+def test_traffic_per_merged_update_busiest_and_fanout():
+    moved = spread.traffic(logs(), 0.0, 30.0, update_bytes=100.0)
+    assert moved["merged_updates"] == 2
+    assert moved["busiest"] == "a"
+    assert moved["busiest_bytes_per_update"] == pytest.approx(250.0)  # (400 + 100) / 2
+    assert moved["per_peer"]["b"]["received_per_update"] == pytest.approx(100.0)
+    assert moved["per_peer"]["c"]["applied"] == 2 and moved["per_peer"]["a"]["published"] == 2
+    assert moved["publisher_fanout"] == {"a": pytest.approx(2.0)}  # 400 bytes for 2 updates of 100
+    assert moved["received_per_applied_median"] == pytest.approx(100.0)
+
+
+def test_percentile_interpolates_and_is_none_without_values():
+    assert spread.percentile([], 0.5) is None
+    assert spread.percentile([1.0, 3.0], 0.5) == pytest.approx(2.0)
+    assert spread.percentile([5.0, 1.0, 3.0], 0.99) == pytest.approx(4.96)
