@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from p2p_diloco.config import DilocoConfig, ModelConfig, RunManifest, WireConfig
 from p2p_diloco.model.gpt import build_model
+from p2p_diloco.net.identity import write_identity
+from p2p_diloco.net.record_signing import RsaRecordSigner, RsaSignatureCheck
 from p2p_diloco.protocol.decisions import Action
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord, UpdateTag
@@ -241,6 +243,39 @@ def test_every_forged_listing_is_refused_with_its_reason():
         got = open_record(forged, keys, MANIFEST, shapes)
         assert isinstance(got, tuple) and got[0] == tag, (name, got)
     assert isinstance(open_record(record, keys, MANIFEST, shapes), dict)
+
+
+def test_rsa_signed_deltas_of_real_identities_are_admitted_listed_and_checked(tmp_path):
+    """The real node's identities (`net.record_signing`): RSA signatures (public key inside, ~550 bytes)
+    fit the delta frame, and the synchronizer and a replica check them with nothing but the peer IDs."""
+    signers = []
+    for name in ("x", "y"):
+        write_identity(tmp_path / f"{name}.key")
+        signers.append(RsaRecordSigner(tmp_path / f"{name}.key"))
+    check = RsaSignatureCheck()
+    sync = Synchronizer(
+        "me", MANIFEST, PLAN, GlobalReplica(PLAN, INITIAL), term=1, shapes=SHAPES, check=check
+    )
+    wire = MANIFEST.wire
+    for signer, tensors in zip(signers, deltas().values()):
+        payload = encode_tensors(tensors, codec=wire.codec, block_size=wire.block_size, density=wire.density)
+        header = DeltaHeader(MANIFEST.run_id, MANIFEST.manifest_hash, 0, 0, tokens=TOKENS, steps=4, seq=1)
+        signature = sign_delta(signer, signed_fields(signer.peer_id, header, payload))
+        frame = encode_delta(dataclasses.replace(header, signature=signature), payload)
+        assert sync.offer_delta(signer.peer_id, frame, 0.0).ok
+    (outcome,) = sync.poll(10.0, frozenset(s.peer_id for s in signers), cap=0.0)
+    assert isinstance(open_record(outcome.record, check, MANIFEST, sync.replica.shapes(0)), dict)
+    x, y = (s.peer_id for s in signers)
+    swapped = dataclasses.replace(  # y's delta listed under x's name: x never signed it
+        outcome.record,
+        payload=_frames_with(outcome.record, 0, decode_bundle(outcome.record.payload, max_bytes=1 << 24)[1]),
+    )
+    refused = open_record(swapped, check, MANIFEST, sync.replica.shapes(0))
+    assert isinstance(refused, tuple) and refused[0] in (
+        DeltaRefusal.WRONG_DELTA,
+        DeltaRefusal.DIGEST_MISMATCH,
+    )
+    assert sorted((x, y)) == [d.learner for d in outcome.record.deltas]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
