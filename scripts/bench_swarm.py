@@ -160,6 +160,7 @@ def run_config(learners: int, shards: int, args: argparse.Namespace) -> dict[str
         "window_seconds": end - start,
         "goodput": books["goodput"],
         "propagation": spread.propagation(events, start, end),
+        "relay": spread.relay_counts(events, start, end),
         **moved,
     }
     prop = row["propagation"]
@@ -167,7 +168,8 @@ def run_config(learners: int, shards: int, args: argparse.Namespace) -> dict[str
         f"n={learners} s={shards}: {moved['merged_updates']} merged updates, busiest "
         f"{_kb(moved['busiest_bytes_per_update'])} per update, update {_kb(moved['update_bytes'])}, "
         f"fan-out {_num(moved['publisher_fanout_max'])}, propagation p50 {_num(prop['p50'])} s "
-        f"p99 {_num(prop['p99'])} s, goodput {books['goodput']:.2f}",
+        f"p99 {_num(prop['p99'])} s, goodput {books['goodput']:.2f}, relay hops "
+        f"{row['relay'].get('max_hop', '-')}",
         flush=True,
     )
     return row
@@ -216,6 +218,11 @@ def real_figures(rows: list[dict[str, Any]], fanout: int | None) -> dict[str, An
                 (fanout if fanout is not None else 3) + 1,
                 "publisher's bytes sent per update / update size (fanout + 1"
                 + (")" if fanout is not None else "; fanout taken as 3, the default planned)"),
+            ),
+            f"publisher_pushes_per_update_{big}": _figure(
+                max((hi.get("relay") or {}).get("publisher_pushes_per_update", {}).values(), default=None),
+                fanout if fanout is not None else 3,
+                "update frames the publisher pushed per update (its relay counters; none before relaying)",
             ),
             f"p99_{big}_over_p50_{small}": _figure(
                 _ratio(hi["propagation"]["p99"], lo["propagation"]["p50"]),
@@ -274,15 +281,15 @@ def plot_real(report: dict[str, Any], path: Path) -> None:
 
 def real_main(args: argparse.Namespace) -> int:
     path = args.out / "swarm.json"
-    if args.tabulate:
+    if args.tabulate:  # the figures again, by today's definitions, from the stored rows
         report = json.loads(path.read_text())
     else:
         rows = [run_config(n, s, args) for s in args.shards for n in args.learners]
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         report = {"config": config, "rows": rows}
-        fanout = args.overrides.get("diloco.fanout", args.overrides.get("swarm.fanout"))
-        report["figures"] = real_figures(rows, fanout if isinstance(fanout, int) else None)
-        path.write_text(json.dumps(report, indent=1, default=str))
+    fanout = report["config"]["overrides"].get("diloco.fanout")
+    report["figures"] = real_figures(report["rows"], fanout if isinstance(fanout, int) else None)
+    path.write_text(json.dumps(report, indent=1, default=str))
     print_figures(report["figures"])
     plot_real(report, args.out / "swarm.png")
     print(f"wrote {path} and {args.out / 'swarm.png'}")

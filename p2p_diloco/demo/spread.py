@@ -134,3 +134,41 @@ def traffic(
         "publisher_fanout": fanout,
         "publisher_fanout_max": max(fanout.values(), default=None),
     }
+
+
+def _relay_at(events: Sequence[Event], t: float) -> Mapping[str, Any]:
+    """The ``relay`` counters (`swarm.relay.RelayStats`) of the last progress event at or before `t`."""
+    found: Mapping[str, Any] = {}
+    for event in events:
+        stamp = event.get("t")
+        if isinstance(stamp, int | float) and stamp > t:
+            break
+        if event.get("event") == "progress" and isinstance(event.get("relay"), Mapping):
+            found = event["relay"]
+    return found
+
+
+def relay_counts(events_by_peer: Mapping[str, Sequence[Event]], start: float, end: float) -> dict[str, Any]:
+    """Per peer, what its relay counters (progress events' ``relay``, present once updates are relayed)
+    grew by in the window (a restarted process's counters from 0), and each publisher's pushes per update
+    it published; {} when no peer reports them."""
+    peers: dict[str, dict[str, float]] = {}
+    for peer, events in events_by_peer.items():
+        first, last = _relay_at(events, start), _relay_at(events, end)
+        if not last:
+            continue
+        grew = {}
+        for name in ("published", "publish_pushes", "relayed", "update_bytes_sent", "offers_sent"):
+            a, b = first.get(name, 0), last.get(name, 0)
+            if isinstance(a, int | float) and isinstance(b, int | float):
+                grew[name] = b - a if b >= a else b
+        grew["max_hop"] = last.get("max_hop", 0)
+        peers[peer] = grew
+    if not peers:
+        return {}
+    pushes = {p: c["publish_pushes"] / c["published"] for p, c in peers.items() if c.get("published", 0) > 0}
+    return {
+        "per_peer": peers,
+        "publisher_pushes_per_update": pushes,
+        "max_hop": max((c["max_hop"] for c in peers.values()), default=0),
+    }

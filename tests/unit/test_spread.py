@@ -63,3 +63,20 @@ def test_percentile_interpolates_and_is_none_without_values():
     assert spread.percentile([], 0.5) is None
     assert spread.percentile([1.0, 3.0], 0.5) == pytest.approx(2.0)
     assert spread.percentile([5.0, 1.0, 3.0], 0.99) == pytest.approx(4.96)
+
+
+def test_relay_counts_grow_in_the_window_and_give_pushes_per_update():
+    def relayed(t: float, published: int, pushes: int, hop: int) -> dict:
+        stats = {"published": published, "publish_pushes": pushes, "relayed": 0, "max_hop": hop}
+        return {"t": t, "event": "progress", "relay": stats}
+
+    events = {
+        "a": [relayed(5.0, 2, 6, 0), relayed(15.0, 6, 18, 0), relayed(40.0, 9, 27, 0)],
+        "b": [relayed(15.0, 0, 0, 3)],
+        "c": [progress(15.0, 0.0, 0.0)],  # no relay field: not counted
+    }
+    counts = spread.relay_counts(events, 10.0, 20.0)
+    assert counts["per_peer"]["a"]["published"] == 4 and counts["per_peer"]["a"]["publish_pushes"] == 12
+    assert counts["publisher_pushes_per_update"] == {"a": pytest.approx(3.0)}
+    assert counts["max_hop"] == 3 and set(counts["per_peer"]) == {"a", "b"}
+    assert spread.relay_counts(logs(), 0.0, 30.0) == {}
