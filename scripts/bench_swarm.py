@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/bench_swarm.py --learners 4,8,16 --shards 1,4 --out docs/results/swarm
     .venv/bin/python scripts/bench_swarm.py --inprocess 64,256,1024 --out docs/results/swarm-model
-    .venv/bin/python scripts/bench_swarm.py --tabulate --out DIR      # the figures again from DIR/swarm.json
+    .venv/bin/python scripts/bench_swarm.py --tabulate --out DIR      # measures and figures again from DIR
 
 Real processes (`--learners`): per configuration (learners N, synchronizer shards S) a bootstrap node and
 N `p2p-diloco join` learners on 127.0.0.1 (`demo.workers.Workers`, the demo's process management), each
@@ -44,6 +44,7 @@ from p2p_diloco.demo.accounting import summarize  # noqa: E402
 from p2p_diloco.demo.chaos import calm_schedule  # noqa: E402
 from p2p_diloco.demo.workers import DECOUPLED, Workers, stop_slots  # noqa: E402
 from p2p_diloco.errors import ConfigError  # noqa: E402
+from p2p_diloco.node.state import read_events  # noqa: E402
 from p2p_diloco.sim.dissemination import fragment_frame_bytes  # noqa: E402
 
 DEMO_MANIFEST = ROOT / "peers" / "demo.toml"
@@ -153,26 +154,38 @@ def run_config(learners: int, shards: int, args: argparse.Namespace) -> dict[str
     finally:
         workers.kill_all()
     events = {slot.name: slot.tail.events for slot in workers.slots}
-    books = summarize(events, start=start, end=end, paced_as_compute=True)
-    moved = spread.traffic(events, start, end, fragment_frame_bytes(workers.manifest))
-    row |= {
-        "startup_seconds": up - started,
-        "window_seconds": end - start,
-        "goodput": books["goodput"],
-        "propagation": spread.propagation(events, start, end),
-        "relay": spread.relay_counts(events, start, end),
-        **moved,
-    }
+    row |= {"startup_seconds": up - started, "window": [start, end], "window_seconds": end - start}
+    row |= analyze(events, start, end, fragment_frame_bytes(workers.manifest))
     prop = row["propagation"]
     print(
-        f"n={learners} s={shards}: {moved['merged_updates']} merged updates, busiest "
-        f"{_kb(moved['busiest_bytes_per_update'])} per update, update {_kb(moved['update_bytes'])}, "
-        f"fan-out {_num(moved['publisher_fanout_max'])}, propagation p50 {_num(prop['p50'])} s "
-        f"p99 {_num(prop['p99'])} s, goodput {books['goodput']:.2f}, relay hops "
+        f"n={learners} s={shards}: {row['merged_updates']} merged updates, busiest "
+        f"{_kb(row['busiest_bytes_per_update'])} per update, update {_kb(row['update_bytes'])}, "
+        f"fan-out {_num(row['publisher_fanout_max'])}, propagation p50 {_num(prop['p50'])} s "
+        f"p99 {_num(prop['p99'])} s, goodput {row['goodput']:.2f}, claims {row['claims']}, relay hops "
         f"{row['relay'].get('max_hop', '-')}",
         flush=True,
     )
     return row
+
+
+def analyze(events: dict[str, list], start: float, end: float, update_bytes: int) -> dict[str, Any]:
+    """The measures of one configuration from its peers' events in the window (`demo.spread`)."""
+    books = summarize(events, start=start, end=end, paced_as_compute=True)
+    return {
+        "goodput": books["goodput"],
+        "propagation": spread.propagation(events, start, end),
+        "relay": spread.relay_counts(events, start, end),
+        **spread.traffic(events, start, end, update_bytes),
+    }
+
+
+def reanalyze(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` measured again from its work directory's event logs (--tabulate), when both are still there."""
+    workdir = Path(row.get("workdir", ""))
+    if "window" not in row or not workdir.is_dir():
+        return row
+    events = {d.name.removeprefix("state-"): read_events(d) for d in sorted(workdir.glob("state-*"))}
+    return row | analyze(events, *row["window"], row["update_bytes"])
 
 
 def _kb(value: float | None) -> str:
@@ -281,8 +294,9 @@ def plot_real(report: dict[str, Any], path: Path) -> None:
 
 def real_main(args: argparse.Namespace) -> int:
     path = args.out / "swarm.json"
-    if args.tabulate:  # the figures again, by today's definitions, from the stored rows
+    if args.tabulate:  # the measures again, by today's definitions, from the stored event logs
         report = json.loads(path.read_text())
+        report["rows"] = [reanalyze(row) for row in report["rows"]]
     else:
         rows = [run_config(n, s, args) for s in args.shards for n in args.learners]
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -13,7 +13,8 @@ machine here, so the events' times are on one clock. Definitions, for a window [
 * update size = one fragment's int8 frame, given by the caller (`scripts/bench_swarm.py` encodes the
   model's fragments); beside it, the median over peers that published nothing of bytes received /
   updates applied (what an update costs such a peer, fetches and repairs included);
-* a publisher's fan-out = its bytes sent in the window / (updates it published there × update size):
+* a publisher's fan-out = its bytes sent in the window / (updates it published there × update size),
+  for each peer that published at least a tenth of the window's updates:
   copies of each update it sent, an upper bound (what it served to fetches and its own deltas count too);
 * propagation of an update = the last ``applied`` time over the other peers minus its ``published`` time
   (a peer that caught up by fetching instead emits no ``applied`` and is not counted).
@@ -97,9 +98,17 @@ def traffic(
     published = {k: v for k, v in publications(events_by_peer).items() if start <= v[0] <= end}
     merged = len(published)
     applied = applications(events_by_peer)
-    by_publisher: dict[str, int] = {}
-    for _, peer in published.values():
-        by_publisher[peer] = by_publisher.get(peer, 0) + 1
+    by_publisher: dict[str, int] = {}  # each peer's own published lines (two may publish one version)
+    for at in _first_times(events_by_peer, "published").values():
+        for peer, t in at.items():
+            if start <= t <= end:
+                by_publisher[peer] = by_publisher.get(peer, 0) + 1
+    claims = [
+        e.get("term")
+        for events in events_by_peer.values()
+        for e in events
+        if e.get("event") == "claim" and isinstance(e.get("t"), int | float) and start <= e["t"] <= end
+    ]
     peers: dict[str, dict[str, float]] = {}
     per_copy = []
     for peer, events in events_by_peer.items():
@@ -124,6 +133,8 @@ def traffic(
     row = peers.get(busiest, {}) if busiest else {}
     return {
         "merged_updates": merged,
+        "claims": len(claims),  # elections in the window: more than one per term is a split election
+        "terms_claimed": len(set(claims)),
         "update_bytes": update_bytes,
         "received_per_applied_median": statistics.median(per_copy) if per_copy else None,
         "per_peer": peers,

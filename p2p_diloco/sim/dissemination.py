@@ -14,9 +14,10 @@ fragment, every other peer sends its delta (`delta_bytes`) to the shard's holder
 update (`update_bytes`) once every delta has arrived. The update then spreads by one of two rules:
 
 * ``fanout = 0``: today's rule, the holder pushes it to every other peer (`swarm.role`'s tick);
-* ``fanout = f``: the relay tree of issue #29 (as `swarm.relay` on the relay branch describes it): the
-  peers ordered by a rendezvous hash of (update, peer) with the holder first; the peer at position i
-  offers (`offer_bytes`) to positions i*f+1 .. i*f+f, which answer with a small request and get the payload.
+* ``fanout = f``: the relay tree of issue #29 (as `swarm.relay` describes it): the peers ordered by a
+  rendezvous hash of (update, peer) with the holder first; the holder pushes the update to positions
+  1 .. f, and the peer at position i > 0 offers it (`offer_bytes`) to positions i*f+1 .. i*f+f, which
+  answer with a small request and get the payload.
 
 Every frame crosses `swarm.links.LinkModel` (each peer's serialized uplink, latency, downlink) on a
 `swarm.memory.SimNetwork` under a fake clock. Reported per size: bytes per peer per round (a round: one
@@ -181,14 +182,18 @@ class Spread:
         order = self.orders[(fragment, rnd)]
         hop = self.reached[(fragment, rnd)][peer][1] + 1
         offer = self.frame(OFFER, fragment, rnd, self.spec.offer_bytes)
+        payload = self.frame(PAYLOAD, fragment, rnd, self.spec.update_bytes)
         for child in children(order, position, self.spec.fanout):
+            if position == 0:  # the publisher pushes to its children; relayers offer first
+                self.hop_of[(child, fragment, rnd)] = hop
+                self._send(peer, child, payload, "update", self.update_bytes)
+                continue
 
             def answered(reply: Reply, child: str = child) -> None:
                 if reply.tag != Answer.SEND:
                     return
                 self.update_bytes[child] += self.spec.offer_bytes  # its request for the payload
                 self.hop_of[(child, fragment, rnd)] = hop
-                payload = self.frame(PAYLOAD, fragment, rnd, self.spec.update_bytes)
                 self._send(peer, child, payload, "update", self.update_bytes)
 
             self._send(peer, child, offer, "update", self.update_bytes, on_reply=answered)

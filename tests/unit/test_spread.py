@@ -57,6 +57,19 @@ def test_traffic_per_merged_update_busiest_and_fanout():
     assert moved["per_peer"]["c"]["applied"] == 2 and moved["per_peer"]["a"]["published"] == 2
     assert moved["publisher_fanout"] == {"a": pytest.approx(2.0)}  # 400 bytes for 2 updates of 100
     assert moved["received_per_applied_median"] == pytest.approx(100.0)
+    assert moved["claims"] == 0
+
+
+def test_two_publishers_of_one_version_each_count_it_for_their_fanout():
+    events = logs()
+    events["b"].insert(1, update("published", 20.5, 0, 2))  # a split election: b publishes v2 too
+    events["b"].insert(1, {"t": 19.0, "event": "claim", "term": 1})
+    events["a"].insert(1, {"t": 9.0, "event": "claim", "term": 1})
+    moved = spread.traffic(events, 0.0, 30.0, update_bytes=100.0)
+    assert moved["merged_updates"] == 2
+    assert moved["per_peer"]["b"]["published"] == 1
+    assert moved["publisher_fanout"]["b"] == pytest.approx(1.0)  # 100 bytes sent for its 1 update
+    assert moved["claims"] == 2 and moved["terms_claimed"] == 1
 
 
 def test_percentile_interpolates_and_is_none_without_values():
