@@ -111,9 +111,12 @@ class DilocoConfig:
     inner_lr: float = 3e-3
     inner_weight_decay: float = 0.1
     batch_size: int = 8
+    synchronizer_shards: int = 1  # S: shards of fragments, each with its own lease (`protocol.shards`)
 
     def __post_init__(self) -> None:
         _require(self.fragments >= 1, f"fragments (P) must be >= 1, got {self.fragments}")
+        s, p = self.synchronizer_shards, self.fragments
+        _require(1 <= s <= p, f"synchronizer_shards (S) must be from 1 to fragments (P={p}), got {s}")
         _require(
             self.inner_steps >= self.fragments,
             f"inner_steps (H={self.inner_steps}) must be >= fragments (P={self.fragments}): "
@@ -339,6 +342,8 @@ class RunManifest:
         d["model"].pop("base_dir")
         d["data"].pop("base_dir")
         d["data"].pop("shards")
+        if d["diloco"]["synchronizer_shards"] == 1:  # added later: unsharded manifests keep their hash
+            d["diloco"].pop("synchronizer_shards")
         if not d["trust"]["evaluators"]:
             d["trust"].pop("evaluators")  # added later: manifests without it keep their hash
         if isinstance(d["model"]["config"], str):

@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.fragments import FragmentPlan
@@ -60,6 +61,10 @@ class Peer:
         reachable: bool = True,
         loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None,
     ):
+        if manifest.diloco.synchronizer_shards != 1:
+            raise ConfigError(
+                "[diloco] synchronizer_shards > 1 is not supported by this peer yet; set it to 1"
+            )
         self.peer_id = peer_id
         self.manifest = manifest
         self.plan = plan

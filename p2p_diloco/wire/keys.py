@@ -65,9 +65,19 @@ def heartbeat_key(run_id: str, manifest_hash: str) -> str:
     return record_key(run_id, manifest_hash, HEARTBEAT)
 
 
-def lease_key(run_id: str, manifest_hash: str) -> str:
-    """Synchronizer lease: subkey = holder's peer ID (owner-signed), value = its term."""
-    return record_key(run_id, manifest_hash, LEASE)
+def lease_key(run_id: str, manifest_hash: str, shard: int = 0) -> str:
+    """Synchronizer lease of one shard (`protocol.shards`): subkey = holder's peer ID (owner-signed), value =
+    its term. Shard 0 keeps the unsharded key; shard k > 0 appends ``/k`` (the manifest hash already
+    differs between runs with different shard counts)."""
+    if shard < 0:
+        raise ValueError(f"shard must be >= 0, got {shard}")
+    key = record_key(run_id, manifest_hash, LEASE)
+    return key if shard == 0 else f"{key}/{shard}"
+
+
+def lease_keys(run_id: str, manifest_hash: str, shards: int) -> tuple[str, ...]:
+    """The lease key of every shard, shard 0 first."""
+    return tuple(lease_key(run_id, manifest_hash, shard) for shard in range(shards))
 
 
 def update_log_key(run_id: str, manifest_hash: str) -> str:
