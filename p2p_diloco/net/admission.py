@@ -74,10 +74,10 @@ def listed_peers(manifest: RunManifest) -> frozenset[str]:
 
 def admission_for(manifest: RunManifest, *, max_subkeys: int = DEFAULT_MAX_SUBKEYS) -> RecordAdmission:
     """The records a peer of `manifest`'s run reads (module docstring)."""
-    lease = keys.lease_key(manifest.run_id, manifest.manifest_hash)
+    leases = keys.lease_keys(manifest.run_id, manifest.manifest_hash, manifest.diloco.synchronizer_shards)
 
     def allows(key: str, peer: str) -> bool:
-        if key == lease:
+        if key in leases:
             return manifest.may_synchronize(peer)
         return manifest.may_learn(peer) or manifest.may_synchronize(peer)
 

@@ -115,7 +115,10 @@ class PeerDriver:
         membership = self.peer.membership
         heartbeats, leases = self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now)
         underway = self.kv.get(self.peer.underway.key, now) if self.peer.underway.reading else {}
-        return fx.SwarmRecords(heartbeats, leases, self.clock.now(), underway)  # as of the end of the read
+        shard_leases = tuple(self.kv.get(m.lease_key, now) for m in membership.shards[1:])
+        return fx.SwarmRecords(
+            heartbeats, leases, self.clock.now(), underway, shard_leases
+        )  # as of the read end
 
     def _store_latest(self, record: fx.StoreRecord) -> None:
         """Store `record`; while an earlier write to the same key and subkey still waits for the DHT, only

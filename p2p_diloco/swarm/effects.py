@@ -204,6 +204,13 @@ class SwarmRecords:
     leases: Mapping[str, StoredValue]
     now: float
     underway: Mapping[str, StoredValue] = field(default_factory=dict)  # proofs of a run under way
+    shard_leases: tuple[Mapping[str, StoredValue], ...] = ()  # the lease records of shards 1..S-1
+
+    def leases_of(self, shard: int) -> Mapping[str, StoredValue]:
+        """The lease records of synchronizer shard `shard` (`leases` is shard 0's)."""
+        if shard == 0:
+            return self.leases
+        return self.shard_leases[shard - 1] if shard <= len(self.shard_leases) else {}
 
 
 @dataclass(frozen=True)
@@ -322,6 +329,7 @@ class Note:
 class Claimed:
     term: int
     reason: str
+    shard: int = 0  # the synchronizer shard whose term this is (`protocol.shards`)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class InProcessSwarm:
         self.eval_curve: list[tuple[float, int, float]] = []
         self.version_curve: list[tuple[float, int]] = []
         self.terms: list[tuple[float, str, int]] = []
+        self.shard_terms: list[tuple[float, str, int, int]] = []  # (time, holder, shard, term) per claim
+        self.published: list[tuple[float, str, int, int]] = []  # (time, leader, fragment, version)
         self.tokens_done = 0
         self.retired_rejections: dict[str, int] = {}
         self.polling: set[tuple[int, int]] = set()
@@ -183,8 +185,11 @@ class InProcessSwarm:
         peer = self.peers.get(i)
         if isinstance(intent, fx.Claimed) and peer is not None:
             self.terms.append((self.clock.now(), peer.peer_id, intent.term))
+            self.shard_terms.append((self.clock.now(), peer.peer_id, intent.shard, intent.term))
         elif isinstance(intent, fx.Published) and peer is not None:
             self.version_curve.append((self.clock.now(), sum(peer.replica.versions())))
+            record = intent.record
+            self.published.append((self.clock.now(), peer.peer_id, record.fragment, record.to_version))
         elif isinstance(intent, fx.Note) and self.log is not None and peer is not None:
             self.log(f"[{peer.peer_id}] {intent.line}")
 

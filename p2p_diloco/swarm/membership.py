@@ -9,6 +9,10 @@ to store; the `Peer` turns its decisions into role changes and intents. Heartbea
 never raise a term, their `may_sync` counts only for the run's synchronizers, the election reads only the
 heartbeats of peers that may synchronize, and peers the manifest does not let take part are not read at
 all (a real peer's DHT reads keep at most 512 records per key, listed peers first: `net.admission`).
+
+With synchronizer shards (`protocol.shards`) a peer keeps one `Membership` per shard: each reads its own
+shard's lease key, with its own terms, holders and fencing; shard 0's, the one other parts hold, knows
+them all (`shards`, `for_fragment`) and shares with them the peers seen down.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.protocol import election, lease_rules
+from p2p_diloco.protocol import election, lease_rules, shards
 from p2p_diloco.protocol.election import ElectionDecision, LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
@@ -38,15 +42,25 @@ class SwarmView:
 
 class Membership:
     def __init__(
-        self, peer_id: str, manifest: RunManifest, num_fragments: int, journal: Journal, standing: Standing
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        num_fragments: int,
+        journal: Journal,
+        standing: Standing,
+        shard: int = 0,
+        first: Membership | None = None,
     ):
+        self.shard = shard
+        self.shards: list[Membership] = [] if first is None else first.shards  # by shard, shared
+        self.shards.append(self)
         self.standing = standing
         self.peer_id = peer_id
         self.manifest = manifest
         self.num_fragments = num_fragments
         self.journal = journal
         self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
-        self.lease_key = lease_key(manifest.run_id, manifest.manifest_hash)
+        self.lease_key = lease_key(manifest.run_id, manifest.manifest_hash, shard)
         self.live_peers: dict[str, HeartbeatInfo] = {}
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
@@ -65,7 +79,8 @@ class Membership:
         self.failovers_seen = 0
         self.last_read = float("-inf")
         self._own_sums: deque[tuple[float, int]] = deque()  # (time, this replica's versions sum)
-        self.down: dict[str, float] = {}  # peer -> when its address last refused a connection
+        # peer -> when its address last refused a connection (one dict for every shard)
+        self.down: dict[str, float] = {} if first is None else first.down
         self.followed: LeaseRecord | None = None  # the lease of the synchronizer this peer follows
         self._reading_since: float | None = None  # when this peer's elections first read the swarm
         # peer that may synchronize -> (its heartbeat, when a read last held it)
@@ -83,6 +98,14 @@ class Membership:
         expiration = election.dht_expiration(lease, self.manifest.timing)
         return StoreRecord(self.lease_key, self.peer_id, encode_lease(lease), expiration, what=what)
 
+    def for_fragment(self, fragment: int) -> Membership:
+        """The membership of `fragment`'s shard (whose leases its updates are checked against)."""
+        return self.shards[shards.shard_of(fragment, len(self.shards))]
+
+    def ingest_all(self, records: SwarmRecords) -> list[SwarmView]:
+        """`ingest` in every shard's membership, shard 0 first; their views."""
+        return [membership.ingest(records) for membership in self.shards]
+
     def ingest(self, records: SwarmRecords) -> SwarmView:
         """Decode what was read from the DHT; remembers live peers and every lease holder seen."""
         heartbeats, leases = [], []
@@ -93,18 +116,21 @@ class Membership:
             try:
                 info = decode_heartbeat(stored.value, self.num_fragments)
             except RecordError as exc:
-                self.journal.rejections["bad heartbeat"] += 1
-                self.journal.note(f"ignored heartbeat of {peer}: {exc}")
+                if self.shard == 0:  # every shard reads the heartbeats: one counts them
+                    self.journal.rejections["bad heartbeat"] += 1
+                    self.journal.note(f"ignored heartbeat of {peer}: {exc}")
                 continue
             live[peer] = info
             if peer != self.peer_id and not self.manifest.may_synchronize(peer):
                 continue  # the election reads only peers that may synchronize (and this peer itself)
-            record = info.as_election_record(peer, stored.expiration)
+            record = replace(
+                info.as_election_record(peer, stored.expiration), term_seen=info.term_of(self.shard)
+            )
             if record.may_sync and not self.manifest.may_synchronize(peer):
                 record = replace(record, may_sync=False)
             heartbeats.append(record)
         seen = []
-        for holder, stored in records.leases.items():
+        for holder, stored in records.leases_of(self.shard).items():
             if not self.allowed(holder):
                 continue
             try:
@@ -120,7 +146,9 @@ class Membership:
             timing=self.manifest.timing,
             may_synchronize=self.manifest.may_synchronize,
             terms_reported={
-                peer: info.term_seen for peer, info in live.items() if self.manifest.may_synchronize(peer)
+                peer: info.term_of(self.shard)
+                for peer, info in live.items()
+                if self.manifest.may_synchronize(peer)
             },
             history=[item for records in self.lease_history.values() for item in records],
         )
@@ -232,10 +260,14 @@ class Membership:
         rounds_done: int,
         verified_newest: int | None = None,
         own_versions: tuple[int, ...] | None = None,
+        busy: frozenset[str] = frozenset(),
     ) -> ElectionDecision:
         """The election on `view`; `own_versions` (this peer's replica now) stand in for the versions of
-        its own heartbeat, which are up to a heartbeat period old."""
+        its own heartbeat, which are up to a heartbeat period old. `busy`: candidates that hold their share
+        of the other shards (`protocol.shards.at_cap`); they step aside while another candidate is up."""
         heartbeats = self._with_recent_candidates(view, now)
+        if any(hb.may_sync and hb.live(now) and hb.peer_id not in busy for hb in heartbeats):
+            heartbeats = [replace(hb, may_sync=False) if hb.peer_id in busy else hb for hb in heartbeats]
         if own_versions is not None:
             heartbeats = [
                 replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats
@@ -243,7 +275,7 @@ class Membership:
         lag = self._published_lately(now, sum(own_versions) if own_versions is not None else 0)
         decision = election.decide(
             self.peer_id,
-            self.manifest.run_id,
+            shards.shard_salt(self.manifest.run_id, self.shard),
             heartbeats,
             view.leases,
             now,

@@ -9,13 +9,15 @@ over, or, as a backstop, after several lease lifetimes without a merge. It keeps
 (`swarm.effects`) the training thread reads before it takes a delta: whether a synchronizer is known and
 not holding deltas. Under a sparse codec every delta carries this peer's signature over (run, manifest,
 learner, fragment, anchor version, seq, tokens, payload digest): the update that merges it lists it, and
-every replica checks that signature before merging it itself (`swarm.sparse_rounds`).
+every replica checks that signature before merging it itself (`swarm.sparse_rounds`). With synchronizer
+shards each fragment's delta goes to the holder of its shard (`follow` per shard's fragments), and a
+shard without a holder stalls only its own fragments.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from p2p_diloco.config import RunManifest
@@ -87,7 +89,7 @@ class Outbox:
         )
         self.in_flight: dict[int, InFlight] = {}
         self.gate = SendGate()
-        self.target: Target | None = None
+        self.targets: dict[int, Target | None] = {}  # fragment -> the synchronizer of its shard
         self.held: tuple[Target, float] | None = None
 
     def _release(self, fragment: int, why: str, *, resend: bool = False) -> None:
@@ -99,16 +101,26 @@ class Outbox:
         if why:
             self.journal.note(why)
 
-    def _publish_gate(self) -> None:
-        held_until = self.held[1] if self.held is not None and self.held[0] == self.target else 0.0
-        self.gate.state = (self.target, held_until)
+    def _held_until(self, target: Target | None) -> float:
+        return self.held[1] if self.held is not None and self.held[0] == target else 0.0
 
-    def follow(self, target: Target | None) -> None:
-        """The synchronizer this peer follows now; deltas sent to any other (holder, term) will not be
-        merged (a new term's rounds hold none of them): their work goes back and is resent."""
-        self.target = target
+    def _publish_gate(self) -> None:
+        """The gate shows a known synchronizer not holding deltas if there is one (the training thread
+        takes a delta; `route` sends it back if its own shard has no holder now)."""
+        known = [t for t in dict.fromkeys(self.targets.values()) if t is not None]
+        free = [t for t in known if not self._held_until(t)]
+        target = (free or known or [None])[0]
+        self.gate.state = (target, self._held_until(target))
+
+    def follow(self, target: Target | None, fragments: Collection[int] | None = None) -> None:
+        """The synchronizer this peer follows now for `fragments` (all of them: None); deltas sent to any
+        other (holder, term) will not be merged (a new term's rounds hold none of them): their work goes
+        back and is resent."""
+        fragments = range(self.manifest.diloco.fragments) if fragments is None else fragments
+        for p in fragments:
+            self.targets[p] = target
         if target is not None:  # while none is known (lease grace), what is in flight may still merge
-            stale = sorted(p for p, s in self.in_flight.items() if s.target != target)
+            stale = sorted(p for p, s in self.in_flight.items() if p in fragments and s.target != target)
             if stale:
                 self.journal.note(f"synchronizer is now {target}: resending the work of fragments {stale}")
             for p in stale:
@@ -118,8 +130,8 @@ class Outbox:
     def route(self, ready: DeltaReady) -> bytes | None:
         """Compress a delta the learner took and mark it in flight to the current synchronizer; the frame
         (the caller sends it, or hands it to itself as synchronizer), or None if it went back."""
-        target = self.target
-        if target is None or not self.gate.open(ready.now):
+        target = self.targets.get(ready.fragment)
+        if target is None or ready.now < self._held_until(target):
             self._emit(ToLearner(Release(ready.fragment, ready.seq, sent_out=False)))
             return None
         try:

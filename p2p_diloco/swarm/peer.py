@@ -15,14 +15,14 @@ deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from torch import Tensor
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol import election
+from p2p_diloco.protocol import election, shards
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import UpdateRecord
@@ -34,6 +34,7 @@ from p2p_diloco.swarm.journal import Journal, PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.repair import Repair
+from p2p_diloco.swarm.seats import Seat, busy, seat_of_delta
 from p2p_diloco.swarm.serving import Serving
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
@@ -61,10 +62,6 @@ class Peer:
         reachable: bool = True,
         loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None,
     ):
-        if manifest.diloco.synchronizer_shards != 1:
-            raise ConfigError(
-                "[diloco] synchronizer_shards > 1 is not supported by this peer yet; set it to 1"
-            )
         self.peer_id = peer_id
         self.manifest = manifest
         self.plan = plan
@@ -82,26 +79,34 @@ class Peer:
         self.spawn = self.tasks.spawn  # run a task until it first needs I/O (`swarm.tasks`)
         self.robust = RobustGuard.from_manifest(manifest)  # shared by every synchronizer term of this peer
         self.robust.loss_probe = loss_probe
-        self.membership = Membership(
-            peer_id, manifest, plan.num_fragments, self.journal, self.robust.standing
-        )
+        first_args = (peer_id, manifest, plan.num_fragments, self.journal, self.robust.standing)
+        self.membership = Membership(*first_args)  # shard 0's, which knows every shard's (`for_fragment`)
         self.book = UpdateBook(ctx, self.robust, keys, self.membership, has_learner=has_learner)
         self.serving = Serving(ctx, self.book, self.membership)
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
         self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
-        self.handover = Handover(ctx, self.membership, self.repair, self.spawn)
-        self.role = SynchronizerRole(
-            ctx,
-            shapes,
-            self.embedding_names,
-            self.robust,
-            self.book,
-            self.outbox,
-            self.membership,
-            self.handover.held,
-        )
-        self.watch = HolderWatch(peer_id, self.membership, self.journal, self.spawn, self.elect)
+        count = manifest.diloco.synchronizer_shards
+        self.seats: list[Seat] = []  # one per synchronizer shard (`swarm.seats`)
+        for shard in range(count):
+            first = self.membership
+            membership = first if shard == 0 else Membership(*first_args, shard=shard, first=first)
+            handover = Handover(ctx, membership, self.repair, self.spawn)
+            role = SynchronizerRole(
+                ctx,
+                shapes,
+                self.embedding_names,
+                self.robust,
+                self.book,
+                self.outbox,
+                membership,
+                handover.held,
+            )
+            elect = functools.partial(self.elect, shard=shard)
+            watch = HolderWatch(peer_id, membership, self.journal, self.spawn, elect)
+            fragments = frozenset(shards.fragments_of(shard, count, plan.num_fragments))
+            self.seats.append(Seat(shard, fragments, membership, role, handover, watch))
+        self.handover, self.role, self.watch = self.seats[0].handover, self.seats[0].role, self.seats[0].watch
         self._electing = False  # an election round's DHT read is in flight
 
     # ---- the entry point ---------------------------------------------------------------------------
@@ -129,7 +134,8 @@ class Peer:
                 self._route_delta(event)
             case fx.DeltaReplied():
                 self.outbox.on_reply(event)
-                self.watch.on_delta_reply(event)
+                for seat in self.seats:
+                    seat.watch.on_delta_reply(event)
             case fx.TaskResult():
                 self.tasks.resume(event.task, event.value, event.error)
             case fx.CatchUpRequested():
@@ -166,6 +172,7 @@ class Peer:
             term_seen=self.membership.term_seen,
             digest=self.replica.digest()[:16],
             tips=tuple((tip.term, tip.checksum) for tip in self.book.tips()),
+            shard_terms=tuple(seat.membership.term_seen for seat in self.seats[1:]),
             **fields,
         )
 
@@ -184,14 +191,15 @@ class Peer:
             records = yield fx.ReadSwarm()
         finally:
             self._electing = False
-        view = self.membership.ingest(records)
+        views = self.membership.ingest_all(records)
         self.underway.ingest(records.underway)
-        self.elect(view, max(now, records.now))  # decide on the time the records were read by
-        self.watch.probe_if_successor()
-        if self.sync is not None:
-            for info in self.membership.live_peers.values():
-                if info.step_time > 0:
-                    self.sync.observe_step_time(info.step_time)
+        for seat, view in zip(self.seats, views, strict=True):
+            self.elect(view, max(now, records.now), shard=seat.shard)  # on the time the records were read by
+            seat.watch.probe_if_successor()
+            if seat.sync is not None:
+                for info in self.membership.live_peers.values():
+                    if info.step_time > 0:
+                        seat.sync.observe_step_time(info.step_time)
         self.serving.refresh(now)
         for fragment, winner, sources, decision in self.repair.due_repairs(now):
             reconcile = fx.RepairKind.RECONCILE
@@ -224,12 +232,16 @@ class Peer:
         )
         self._repair(fx.RepairNeeded(fx.RepairKind.CATCH_UP, fragment, tuple(sources), target=target))
 
-    def elect(self, view, now: float) -> ElectionDecision:
-        """Run the election on `view`. Versions that trusted tips of live peers show count as verified, so
-        a peer that missed updates knows it lags; a holder catches such fragments up before merging."""
-        rounds = self.sync.rounds_done if self.sync else 0
-        membership = self.membership
-        ahead = self.book.trusted_ahead(membership.live_peers, self.peer_id, membership.term_seen)
+    def elect(self, view, now: float, shard: int = 0) -> ElectionDecision:
+        """Run `shard`'s election on `view`. Versions that trusted tips of live peers show count as
+        verified, so a peer that missed updates knows it lags; a holder catches such fragments up before
+        merging."""
+        seat = self.seats[shard]
+        role, handover, membership = seat.role, seat.handover, seat.membership
+        sync = role.sync
+        rounds = sync.rounds_done if sync else 0
+        ceiling = tuple(membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments))
+        ahead = self.book.trusted_ahead(membership.live_peers, self.peer_id, ceiling)
         term_seen = membership.term_seen
         decision = membership.decide(
             self.underway.election_view(view, self.replica.versions()),  # no fresh start of a run under way
@@ -237,6 +249,7 @@ class Peer:
             rounds,
             verified_newest=self.book.verified_newest({p: a.winner.version for p, a in ahead.items()}),
             own_versions=self.replica.versions(),
+            busy=busy(self.seats, seat, view, now),
         )
         if (held := self.underway.hold_back(decision)) is not None:
             membership.held_back(held, term_seen)
@@ -244,41 +257,41 @@ class Peer:
         if decision.action in (election.CLAIM, election.RENEW):
             lease = decision.lease_to_write()
             assert lease is not None
-            if decision.action == election.CLAIM or self.sync is None:
-                self.role.take(lease.term)
-                self.handover.begin(lease.term, now)
+            if decision.action == election.CLAIM or sync is None:
+                role.take(lease.term)
+                handover.begin(lease.term, now)
             if decision.action == election.CLAIM:
-                self._emit(fx.Claimed(lease.term, decision.reason))
+                self._emit(fx.Claimed(lease.term, decision.reason, shard))
             self._emit(membership.lease_record(lease, "lease"))
             membership.my_lease = lease
             membership.follow(self.peer_id, lease.term)
         elif decision.action == election.STEP_DOWN:
             if membership.my_lease is not None and decision.tag == election.ElectionTag.TERM_ENDED:
-                self.role.finish_open_rounds(now)
-                self._release_lease(now, rounds)
-            self.role.sync, membership.my_lease = None, None
+                role.finish_open_rounds(now)
+                self._release_lease(now, rounds, seat)
+            role.sync, membership.my_lease = None, None
             membership.follow(None, 0)
         elif decision.action == election.FOLLOW:
             membership.follow(decision.holder, decision.term)
-            self.role.sync, membership.my_lease = None, None
-        elif decision.action == election.HOLD and self.sync is not None:
-            membership.follow(self.peer_id, self.sync.term)
+            role.sync, membership.my_lease = None, None
+        elif decision.action == election.HOLD and sync is not None:
+            membership.follow(self.peer_id, sync.term)
         else:
             membership.follow(None, 0)
         holder = membership.holder
-        self.outbox.follow((holder, membership.holder_term) if holder is not None else None)
-        if self.sync is not None:  # never publish from behind: those rounds wait for the catch-up
+        self.outbox.follow((holder, membership.holder_term) if holder is not None else None, seat.fragments)
+        if role.sync is not None:  # never publish from behind: those rounds wait for the catch-up
             for fragment, found in ahead.items():
-                if self.handover.wait_for(fragment, found.winner.version, now):
+                if fragment in seat.fragments and handover.wait_for(fragment, found.winner.version, now):
                     self._catch_up(fragment, found.winner.version, found.sources, why="trusted tips")
         return decision
 
-    def _release_lease(self, now: float, rounds: int) -> bool:
-        lease = self.membership.my_lease
+    def _release_lease(self, now: float, rounds: int, seat: Seat) -> bool:
+        lease = seat.membership.my_lease
         if lease is None:
             return False
         released = election.release_lease(lease, now, self.manifest.timing, rounds)
-        self._emit(self.membership.lease_record(released, "released lease"))
+        self._emit(seat.membership.lease_record(released, "released lease"))
         self._emit(fx.LeaseReleased(lease.term, rounds))
         return True
 
@@ -287,28 +300,35 @@ class Peer:
         flushes their pushes before the transport closes), then releases its lease. Deltas of rounds
         below quorum go back to their learners when the next holder is known."""
         self.may_sync = False
-        if self.sync is not None:
-            self.role.finish_open_rounds(now)
-        released = self.sync is not None and self._release_lease(now, self.sync.rounds_done)
-        self.role.sync, self.membership.my_lease = None, None
-        self.membership.follow(None, 0)
-        self.outbox.follow(None)
+        released = False
+        for seat in self.seats:
+            if seat.sync is not None:
+                seat.role.finish_open_rounds(now)
+                released = self._release_lease(now, seat.sync.rounds_done, seat) or released
+            seat.role.sync, seat.membership.my_lease = None, None
+            seat.membership.follow(None, 0)
+            self.outbox.follow(None, seat.fragments)
         return released
 
     def sync_tick(
         self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None
     ) -> list[UpdateRecord]:
-        return self.role.tick(now, sync_seconds=sync_seconds, cap=cap)
+        published = []
+        for seat in self.seats:
+            published += seat.role.tick(now, sync_seconds=sync_seconds, cap=cap)
+        return published
 
     def _handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
-        reply = self.role.handle_delta(sender, frame, now)
-        if self.sync is not None and self.sync.ahead_hints:
+        seat = seat_of_delta(self.seats, frame, self.manifest.wire.max_message_bytes)
+        reply = seat.role.handle_delta(sender, frame, now)
+        sync = seat.sync
+        if sync is not None and sync.ahead_hints:
             # one learner's word: caught up from it (every record checked), but no round waits for it
-            for fragment, learner in sorted(self.sync.ahead_hints.items()):
+            for fragment, learner in sorted(sync.ahead_hints.items()):
                 self._catch_up(
                     fragment, self.replica.version(fragment) + 1, [learner], why="a delta anchored ahead"
                 )
-            self.sync.ahead_hints.clear()
+            sync.ahead_hints.clear()
         return reply
 
     # ---- learner side ------------------------------------------------------------------------------
@@ -330,8 +350,9 @@ class Peer:
 
     @property
     def sync(self) -> Synchronizer | None:
-        """The `Synchronizer` of the term this peer holds; None while it does not hold the lease."""
-        return self.role.sync
+        """The `Synchronizer` of the term this peer holds (of the first shard it holds); None while it holds
+        no lease."""
+        return next((seat.sync for seat in self.seats if seat.sync is not None), None)
 
     @property
     def rejections(self):
@@ -363,4 +384,4 @@ class Peer:
 
     @property
     def failovers_seen(self) -> int:
-        return self.membership.failovers_seen
+        return sum(seat.membership.failovers_seen for seat in self.seats)

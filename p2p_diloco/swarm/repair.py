@@ -208,7 +208,7 @@ class Repair:
             if produced and self.book.signed_by_leader(record) and self.book.content_checks(record):
                 last_read = self.membership.last_read
                 if (
-                    yield from self.membership.verify_lease(
+                    yield from self.membership.for_fragment(fragment).verify_lease(
                         record.leader, record.term, last_read, past_terms=True
                     )
                 ):
@@ -289,7 +289,8 @@ class Repair:
     def _reported(self, fragment: int) -> dict[str, BranchTip]:
         """Other live peers' tips of `fragment`, terms capped at the highest leased term (`swarm.vouching`)."""
         membership = self.membership
-        return reported_tips(membership.live_peers, fragment, self.peer_id, membership.term_seen)
+        ceiling = membership.for_fragment(fragment).term_seen  # the terms of the fragment's shard
+        return reported_tips(membership.live_peers, fragment, self.peer_id, ceiling)
 
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
         """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):

@@ -19,7 +19,7 @@ depend on the update and the manifest only, so every replica reaches the same ve
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -222,15 +222,15 @@ class UpdateBook:
         )
 
     def trusted_ahead(
-        self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str, term_ceiling: int
+        self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str, term_ceiling: int | Sequence[int]
     ) -> dict[int, Ahead]:
         """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica
         (`swarm.vouching`: vouched for, or reported alike by two peers that may synchronize; tip terms
-        capped at `term_ceiling`). Two strangers reporting the same made-up tip would otherwise make every
+        capped at `term_ceiling`, or at `term_ceiling[p]`: the terms of each fragment's shard). Two strangers reporting the same made-up tip would otherwise make every
         honest peer think it lags, and no one would claim the lease."""
-        reported = [
-            reported_tips(live_peers, p, peer_id, term_ceiling) for p in range(self.plan.num_fragments)
-        ]
+        fragments = range(self.plan.num_fragments)
+        ceilings = [term_ceiling] * len(fragments) if isinstance(term_ceiling, int) else term_ceiling
+        reported = [reported_tips(live_peers, p, peer_id, ceilings[p]) for p in fragments]
         return trusted_ahead(self.vouchers, self.tips(), reported, self.manifest.may_synchronize)
 
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
@@ -268,7 +268,8 @@ class UpdateBook:
         bad = self.check_record(record.run_id, record.manifest_hash, record.fragment)
         if bad:
             return Verdict(self.journal.reject(source, *bad), record)
-        fencing = lease_rules.should_accept_update(record.term, self.membership.term_seen)
+        leases = self.membership.for_fragment(record.fragment)  # its shard's leases and terms
+        fencing = lease_rules.should_accept_update(record.term, leases.term_seen)
         if fencing.action != lease_rules.ACCEPT:
             return Verdict(self.journal.reject(source, fencing.tag, fencing.detail), record)
         term = record.term
@@ -283,17 +284,17 @@ class UpdateBook:
             return Verdict(
                 self.journal.reject(source, UpdateTag.BAD_SIGNATURE, f"update of term {term}"), record
             )
-        if not (yield from self.membership.verify_lease(record.leader, term, now)):
+        if not (yield from leases.verify_lease(record.leader, term, now)):
             return Verdict(
                 self.journal.reject(
                     source, UpdateTag.NO_LEASE, f"{source} never held a valid lease of term {term}"
                 ),
                 record,
             )
-        if not self.membership.lease_live_at(record.leader, term, now):
+        if not leases.lease_live_at(record.leader, term, now):
             detail = f"{source}'s lease of term {term} is not live at {now:.2f}"
             return Verdict(self.journal.reject(source, UpdateTag.LEASE_NOT_LIVE, detail), record)
-        self.membership.saw_term(term)
+        leases.saw_term(term)
         before = self.tip(record.fragment)
         reply = self.apply(record, source=source, how=how, now=now)
         if reply.status == ReplyStatus.APPLIED:
@@ -310,7 +311,8 @@ class UpdateBook:
         if not self.signed_by_leader(record):
             detail = f"replayed update of term {record.term} naming {record.leader}"
             return self.journal.reject(source, UpdateTag.BAD_SIGNATURE, detail)
-        if not (yield from self.membership.verify_lease(record.leader, record.term, now, past_terms=True)):
+        leases = self.membership.for_fragment(record.fragment)
+        if not (yield from leases.verify_lease(record.leader, record.term, now, past_terms=True)):
             detail = f"replayed update of term {record.term} by {record.leader}"
             return self.journal.reject(source, UpdateTag.NO_LEASE, detail)
         if self.check_record(record.run_id, record.manifest_hash, record.fragment) is None:

@@ -18,6 +18,7 @@ MAX_RECORD_BYTES = 12 * 1024  # what the DHT store takes (net/dht_store.py says 
 ROLES = ("learner", "synchronizer", "bootstrap", "observer")
 MAX_COUNTERS = 16
 MAX_DECISIONS = 8
+MAX_SHARDS = 256  # synchronizer shards a heartbeat reports terms of
 MAX_TEXT = 240  # characters of one tag, peer ID or decision line
 
 
@@ -51,6 +52,14 @@ class HeartbeatInfo:
     # per fragment (term, checksum prefix) of the replica's branch tip; with `versions` it gives the
     # `BranchTip` that partition reconciliation compares (`protocol.reconcile`). Empty, or one per fragment.
     tips: tuple[tuple[int, str], ...] = ()
+    # synchronizer shards 1..S-1: the highest term seen of each (`term_seen` is shard 0's); left out when S = 1
+    shard_terms: tuple[int, ...] = ()
+
+    def term_of(self, shard: int) -> int:
+        """The highest term this peer reported seeing for `shard` (0 if it reported none)."""
+        if shard == 0:
+            return self.term_seen
+        return self.shard_terms[shard - 1] if shard <= len(self.shard_terms) else 0
 
     def tip(self, fragment: int) -> BranchTip | None:
         """The branch tip this peer published for `fragment` (None if it published no tips)."""
@@ -62,7 +71,7 @@ class HeartbeatInfo:
     def to_bytes(self) -> bytes:
         """JSON within `MAX_RECORD_BYTES`: if the whole would not fit, what only `status` shows goes first
         (decision lines, then per-sender rejections), so a peer never stops announcing itself."""
-        d = {k: _plain(v) for k, v in self.__dict__.items()}
+        d = {k: _plain(v) for k, v in self.__dict__.items() if k != "shard_terms" or v}
         raw = json.dumps(d, separators=(",", ":")).encode()
         for optional in ("decisions", "rejections_by_sender", "rejections"):
             if len(raw) <= MAX_RECORD_BYTES:
@@ -150,6 +159,10 @@ def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
 def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
     d = _load(raw)
     expected = set(HeartbeatInfo.__dataclass_fields__)
+    shard_terms = d.setdefault("shard_terms", [])  # optional: only sharded runs write it
+    if not isinstance(shard_terms, list) or len(shard_terms) > MAX_SHARDS:
+        raise RecordError(f"shard_terms must be a list of at most {MAX_SHARDS} terms")
+    d["shard_terms"] = tuple(int(_num(t, "shard_terms[]", integer=True)) for t in shard_terms)
     if set(d) != expected:
         raise RecordError(f"heartbeat keys {sorted(d)} != {sorted(expected)}")
     if d["role"] not in ROLES:
