@@ -213,6 +213,7 @@ class Collector:
                 "time": now,
                 "synchronizer": status["synchronizer"],
                 "highest_term": status["highest_term"],
+                "shards": status.get("shards", []),  # each synchronizer shard's fragments, holder and term
                 "fragments": status["fragments"],
                 "peers": peers,
                 "eval": [p.as_dict() for p in self.history],

@@ -102,7 +102,9 @@ function render(v) {
   const ev = v.eval, last = ev.length ? ev[ev.length - 1] : null, sync = v.synchronizer;
   document.getElementById("run").textContent = `run ${v.run_id} (manifest ${v.manifest_hash})`;
   document.getElementById("kpi-peers").textContent = v.peers.length;
-  document.getElementById("kpi-sync").textContent = sync ? short(sync.peer_id) : "none";
+  const held = s => s.synchronizer ? `${short(s.synchronizer.peer_id)} t${s.synchronizer.term}` : "none";
+  const shards = (v.shards || []).length > 1 ? v.shards.map(s => `s${s.shard}: ${held(s)}`).join(", ") : "";
+  document.getElementById("kpi-sync").textContent = shards || (sync ? short(sync.peer_id) : "none");
   document.getElementById("kpi-term").textContent = sync ? sync.term : v.highest_term;
   document.getElementById("last-loss").textContent = last ? last.loss.toFixed(4) : "-";
   document.getElementById("kpi-ppl").textContent = last ? last.perplexity.toFixed(2) : "-";

@@ -26,7 +26,7 @@ from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
 from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
-from p2p_diloco.protocol import election, lease_rules
+from p2p_diloco.protocol import election, lease_rules, shards
 from p2p_diloco.wire.interfaces import KeyValueStore
 from p2p_diloco.wire.keys import eval_key, heartbeat_key, lease_key
 from p2p_diloco.wire.observe import (
@@ -47,7 +47,9 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
     no such lease is live;
     a fragment's version is the highest a live peer that may synchronize reports (``listed`` per peer: the
     fields of an unlisted peer are its own claims); ``ignored`` counts records that failed their schema
-    check.
+    check. ``shards`` lists each synchronizer shard (`protocol.shards`) with its fragments, holder and
+    term; the top-level ``synchronizer``, ``highest_term`` and ``leases`` are shard 0's (with S = 1, the
+    run's).
     """
     num_fragments = manifest.diloco.fragments
     ignored: Counter[str] = Counter()
@@ -77,6 +79,7 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
                 "step_time": info.step_time,
                 "updates_applied": info.updates_applied,
                 "term_seen": info.term_seen,
+                "shard_terms": list(info.shard_terms),  # the terms seen of shards 1..S-1 (none when S = 1)
                 "last_contribution_age": now - info.last_contribution if info.last_contribution > 0 else None,
                 "rejections": dict(info.rejections),
                 "rejections_by_sender": [list(row) for row in info.rejections_by_sender],
@@ -84,17 +87,11 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
                 "expires_in": stored.expiration - now,
             }
         )
-    leases = []
-    for holder, stored in kv.get(lease_key(manifest.run_id, manifest.manifest_hash), now).items():
-        try:
-            leases.append(decode_lease(holder, stored.value))
-        except RecordError:
-            ignored["bad lease"] += 1
+    count = manifest.diloco.synchronizer_shards
+    read = [read_shard(kv, manifest, peers, shard, now, ignored) for shard in range(count)]
+    leases, screened, valid, current = read[0]
     evaluation, eval_ignored = last_eval(kv, manifest, now)
     ignored.update(eval_ignored)
-    screened = screen_read(leases, peers, manifest, now)
-    valid = [item.lease for item in screened.valid]
-    current = election.current_holder(valid, now)
     # A fragment's version as the run's trust chain backs it: the highest a peer that may synchronize
     # reports (in a public run the listed synchronizers; in an open run every peer). What other keys
     # report stays in their rows, marked `listed: false`, as claims.
@@ -106,11 +103,7 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
         "run_id": manifest.run_id,
         "manifest_hash": manifest.manifest_hash,
         "time": now,
-        "synchronizer": (
-            {"peer_id": current.holder, "term": current.term, "expires_in": current.expires_at - now}
-            if current is not None
-            else None
-        ),
+        "synchronizer": holder_row(current, now),
         "highest_term": election.highest_term(valid),
         # the newest global evaluation: t, tokens, versions, updates, loss, perplexity, evaluator, term
         "eval": evaluation,
@@ -129,8 +122,43 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
         "refused_leases": [
             {"peer_id": lease.holder, "term": lease.term, "reason": tag} for lease, tag, _ in screened.refused
         ],
+        "shards": [
+            {
+                "shard": shard,
+                "fragments": list(shards.fragments_of(shard, count, num_fragments)),
+                "synchronizer": holder_row(holder, now),
+                "highest_term": election.highest_term(shard_valid),
+            }
+            for shard, (_, _, shard_valid, holder) in enumerate(read)
+        ],
         "ignored": dict(ignored),
     }
+
+
+def holder_row(current: election.LeaseRecord | None, now: float) -> dict[str, Any] | None:
+    if current is None:
+        return None
+    return {"peer_id": current.holder, "term": current.term, "expires_in": current.expires_at - now}
+
+
+def read_shard(
+    kv: KeyValueStore,
+    manifest: RunManifest,
+    peers: list[dict[str, Any]],
+    shard: int,
+    now: float,
+    ignored: Counter[str],
+) -> tuple[list[election.LeaseRecord], lease_rules.Screened, list[election.LeaseRecord], Any]:
+    """One shard's lease records, as read, as screened, the valid ones and the live holder (or None)."""
+    leases = []
+    for holder, stored in kv.get(lease_key(manifest.run_id, manifest.manifest_hash, shard), now).items():
+        try:
+            leases.append(decode_lease(holder, stored.value))
+        except RecordError:
+            ignored["bad lease"] += 1
+    screened = screen_read(leases, peers, manifest, now, shard)
+    valid = [item.lease for item in screened.valid]
+    return leases, screened, valid, election.current_holder(valid, now)
 
 
 def eval_histories(
@@ -159,13 +187,26 @@ def last_eval(
     return (points[-1].as_dict() if points else None), ignored
 
 
+def term_of(peer: dict[str, Any], shard: int) -> int:
+    """The term a peer's heartbeat row reports seeing for `shard`."""
+    if shard == 0:
+        return peer["term_seen"]
+    terms = peer.get("shard_terms", [])
+    return terms[shard - 1] if shard <= len(terms) else 0
+
+
 def screen_read(
-    leases: list[election.LeaseRecord], peers: list[dict[str, Any]], manifest: RunManifest, now: float
+    leases: list[election.LeaseRecord],
+    peers: list[dict[str, Any]],
+    manifest: RunManifest,
+    now: float,
+    shard: int = 0,
 ) -> lease_rules.Screened:
     """The lease rules every peer applies (`protocol.lease_rules`), on one read by a passive observer: every
     record first seen now, and the trusted term the one at least two live peers that may synchronize report
-    (a forged heartbeat, or a thousand of fresh keys, cannot raise it)."""
-    reported = sorted((p["term_seen"] for p in peers if manifest.may_synchronize(p["peer_id"])), reverse=True)
+    (a forged heartbeat, or a thousand of fresh keys, cannot raise it); terms of `shard`."""
+    syncs = [p for p in peers if manifest.may_synchronize(p["peer_id"])]
+    reported = sorted((term_of(p, shard) for p in syncs), reverse=True)
     floor = reported[1] if len(reported) >= 2 else 0
     return lease_rules.screen_leases(
         [lease_rules.SeenLease(lease, now) for lease in leases],
@@ -173,9 +214,7 @@ def screen_read(
         timing=manifest.timing,
         may_synchronize=manifest.may_synchronize,
         # only peers that may synchronize vouch for a term (a stranger's heartbeat is a self-report)
-        terms_reported={
-            p["peer_id"]: p["term_seen"] for p in peers if manifest.may_synchronize(p["peer_id"])
-        },
+        terms_reported={p["peer_id"]: term_of(p, shard) for p in syncs},
     )
 
 
@@ -191,6 +230,12 @@ def format_status(status: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"synchronizer: none (highest term seen {status['highest_term']})")
+    for row in status["shards"] if len(status["shards"]) > 1 else ():
+        holder, fragments = row["synchronizer"], ",".join(map(str, row["fragments"]))
+        held = (
+            f"{holder['peer_id']} term {holder['term']}" if holder else f"none (term {row['highest_term']})"
+        )
+        lines.append(f"shard {row['shard']} (fragments {fragments}): {held}")
     lines.append("fragments: " + "  ".join(f"{f['index']}:v{f['version']}" for f in status["fragments"]))
     ev = status.get("eval")
     if ev is not None:

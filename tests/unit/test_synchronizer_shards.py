@@ -10,6 +10,7 @@ import pytest
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.node.status import format_status, swarm_status
 from p2p_diloco.protocol import election, shards
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.swarm.memory import InMemoryKeyValueStore
@@ -160,3 +161,17 @@ def test_unsharded_heartbeats_are_byte_for_byte_as_before():
     assert decode_heartbeat(info.to_bytes(), 2) == info
     sharded = dataclasses.replace(info, shard_terms=(4, 5))
     assert decode_heartbeat(sharded.to_bytes(), 2).term_of(2) == 5
+
+
+def test_status_shows_each_shards_holder_and_term():
+    kv, now, ttl = InMemoryKeyValueStore(), 100.0, SHARDED.timing.lease_ttl
+    lease(kv, 0, LeaseRecord("A", 1, expires_at=now + ttl))
+    lease(kv, 1, LeaseRecord("B", 1, expires_at=now + ttl))
+    status = swarm_status(kv, SHARDED, now)
+    rows = [(row["shard"], row["fragments"], row["synchronizer"]["peer_id"]) for row in status["shards"]]
+    assert rows == [(0, [0], "A"), (1, [1], "B")]
+    assert status["synchronizer"]["peer_id"] == "A"  # the top-level fields stay shard 0's
+    text = format_status(status)
+    assert "shard 0 (fragments 0): A term 1" in text and "shard 1 (fragments 1): B term 1" in text
+    unsharded = tiny_manifest("shards")
+    assert [row["shard"] for row in swarm_status(InMemoryKeyValueStore(), unsharded, now)["shards"]] == [0]

@@ -1,0 +1,82 @@
+"""Synchronizer shards with real processes: 6 `join` peers, S = 4 (`[diloco] synchronizer_shards`), one
+shard's holder SIGKILLed.
+
+The fragments of the other shards keep advancing while that shard fails over (the versions timeline the
+peers report, read as `p2p-diloco status` reads it), the shard gets a new holder and term, and after the
+peers stop training every replica is identical."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from p2p_diloco.protocol import shards
+from tests.support.real_swarm import START_TIMEOUT, Swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NAMES = ("p0", "p1", "p2", "p3", "p4", "p5")
+SHARDS = 4
+FRAGMENTS = 4
+
+
+def held(status: dict) -> dict[int, tuple[str, int]]:
+    """shard -> (holder, term) of every shard with a live holder."""
+    return {
+        row["shard"]: (row["synchronizer"]["peer_id"], row["synchronizer"]["term"])
+        for row in status.get("shards", [])
+        if row["synchronizer"] is not None
+    }
+
+
+def versions(status: dict) -> list[int]:
+    return [f["version"] for f in status["fragments"]]
+
+
+def test_a_killed_shard_holder_stalls_only_its_shard(
+    spawn, cli, wait_for, start_bootstrap, dht_peers, tmp_path
+):
+    bootstrap = start_bootstrap()
+    observer = dht_peers(initial_peers=bootstrap.addresses, client_mode=True)
+    diloco = {"fragments": FRAGMENTS, "inner_steps": 8, "synchronizer_shards": SHARDS}
+    swarm = Swarm(spawn, cli, wait_for, tmp_path, bootstrap, observer, names=NAMES, diloco=diloco)
+    for name in NAMES:
+        swarm.join(name)
+    before = swarm.wait_status(
+        lambda s: len(held(s)) == SHARDS and len(s["peers"]) == len(NAMES) and min(versions(s) or [0]) >= 2,
+        START_TIMEOUT + 60,
+        "every shard held and every fragment merged twice",
+    )
+    holders = held(before)
+    # the shards spread: 6 candidates, at most ceil(4 / 6) = 1 shard each (a claim race may briefly give 2)
+    assert len({holder for holder, _ in holders.values()}) >= SHARDS - 1, holders
+    shard = next(s for s, (h, _) in holders.items() if sum(x == h for x, _ in holders.values()) == 1)
+    victim_id, term = holders[shard]
+    mine = set(shards.fragments_of(shard, SHARDS, FRAGMENTS))
+    victim = swarm.by_id(victim_id)
+    at_kill = versions(swarm.status())
+    killed_at = time.monotonic()
+    victim.handle.kill_group()
+    timeline: list[tuple[float, list[int]]] = []
+
+    def resumed(status: dict) -> bool:
+        timeline.append((time.monotonic() - killed_at, versions(status)))
+        new = held(status).get(shard)
+        return new is not None and new[1] > term and all(versions(status)[p] > at_kill[p] for p in mine)
+
+    after = swarm.wait_status(resumed, 60.0, f"shard {shard} failed over and merged again")
+    assert held(after)[shard][0] != victim_id
+    others = [p for p in range(FRAGMENTS) if p not in mine]
+    # during the failover (before the shard's fragments moved again) the other shards' fragments moved on
+    stalled = [(t, v) for t, v in timeline if all(v[p] <= at_kill[p] for p in mine)]
+    moved = [t for t, v in stalled if any(v[p] > at_kill[p] for p in others)]
+    print(
+        f"measured: shard {shard} stalled {stalled[-1][0] if stalled else 0:.2f} s; others moved at {moved[:3]}"
+    )
+    assert moved, (at_kill, timeline)
+    # the other shards kept their holders and terms: the crash stalled only its own shard
+    assert all(held(after).get(s) == holders[s] for s in holders if s != shard), (holders, held(after))
+    settled = swarm.quiesce(len(NAMES) - 1, timeout=90.0)
+    assert len({p["digest"] for p in settled["peers"]}) == 1
+    swarm.stop_all()
