@@ -330,8 +330,19 @@ class DhtKeyValueStore:
             log.warning("DHT store of %s timed out after %.1f s", key, self.timeout)
             return False
 
+    def get_many(self, keys: Sequence[str], now: float) -> list[dict[str, StoredValue]]:
+        """`get` of every key, all lookups in flight at once (`wire.interfaces.ReadsMany`)."""
+        futures = [self.peer.dht.get(key, latest=True, return_future=True) for key in keys]
+        try:
+            return [self._collect(key, future, now) for key, future in zip(keys, futures, strict=True)]
+        finally:
+            for future in futures:
+                future.cancel()  # a no-op on those done; a timeout leaves none of the others waiting
+
     def get(self, key: str, now: float) -> dict[str, StoredValue]:
-        future = self.peer.dht.get(key, latest=True, return_future=True)
+        return self._collect(key, self.peer.dht.get(key, latest=True, return_future=True), now)
+
+    def _collect(self, key: str, future, now: float) -> dict[str, StoredValue]:  # noqa: ANN001
         try:
             found = future.result(timeout=self.timeout)
         except TimeoutError as exc:

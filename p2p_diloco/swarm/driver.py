@@ -19,7 +19,7 @@ from typing import Any
 
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.wire.interfaces import Clock, KeyValueStore, Transport
+from p2p_diloco.wire.interfaces import Clock, KeyValueStore, Transport, get_many
 from p2p_diloco.wire.replies import Reply
 
 Observer = Callable[[fx.Intent], None]
@@ -115,7 +115,7 @@ class PeerDriver:
         membership = self.peer.membership
         heartbeats, leases = self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now)
         underway = self.kv.get(self.peer.underway.key, now) if self.peer.underway.reading else {}
-        shard_leases = tuple(self.kv.get(m.lease_key, now) for m in membership.shards[1:])
+        shard_leases = tuple(get_many(self.kv, [m.lease_key for m in membership.shards[1:]], now))
         return fx.SwarmRecords(
             heartbeats, leases, self.clock.now(), underway, shard_leases
         )  # as of the read end

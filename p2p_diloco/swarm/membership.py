@@ -288,6 +288,9 @@ class Membership:
             successor_lag=lag,
         )
         decision = self._warming_up(decision, view, now)
+        if decision.tag == election.ElectionTag.NOT_ELIGIBLE and self.peer_id in busy:
+            detail = f"I hold my share of the other shards; {decision.holder} may claim term {decision.term}"
+            decision = replace(decision, detail=detail)
         self.followed = None
         if decision.action == election.FOLLOW:
             self.followed = next(

@@ -9,8 +9,9 @@ The same class and driver run the real node (hivemind DHT, libp2p) and the in-pr
 Its parts: `Membership` (heartbeats, leases, the election), `UpdateBook` (checking and applying updates,
 the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `Outbox` (the learner's
 deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast succession) and `Handover`
-(a new holder's check for updates it lacks). A refused update or a lagging fragment becomes a
-`RepairNeeded`, which the peer runs as one task per fragment.
+(a new holder's check for updates it lacks); the membership and the last three once per synchronizer
+shard (`swarm.seats`; with S = 1 one seat, the unsharded peer). A refused update or a lagging fragment
+becomes a `RepairNeeded`, which the peer runs as one task per fragment.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from p2p_diloco.wire.replies import Reply
 
@@ -31,6 +31,21 @@ class KeyValueStore(Protocol):
     def get(self, key: str, now: float) -> dict[str, StoredValue]:
         """All live subkeys of `key` (expired ones dropped)."""
         ...
+
+
+@runtime_checkable
+class ReadsMany(Protocol):
+    """A store that reads several keys in one round (the DHT: every lookup in flight at once)."""
+
+    def get_many(self, keys: Sequence[str], now: float) -> list[dict[str, StoredValue]]: ...
+
+
+def get_many(kv: KeyValueStore, keys: Sequence[str], now: float) -> list[dict[str, StoredValue]]:
+    """`kv.get` of every key, in one round where the store can (`ReadsMany`): the lease keys of the
+    synchronizer shards cost one round trip per swarm tick, not one per shard."""
+    if isinstance(kv, ReadsMany):
+        return kv.get_many(keys, now)
+    return [kv.get(key, now) for key in keys]
 
 
 class Clock(Protocol):

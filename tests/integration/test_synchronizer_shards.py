@@ -19,6 +19,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NAMES = ("p0", "p1", "p2", "p3", "p4", "p5")
 SHARDS = 4
 FRAGMENTS = 4
+STEP = "0.3"  # seconds per inner step at least (the last --min-step-time wins)
+# slower than the other real-swarm tests: 6 peers (18 processes with their DHT and p2pd) share the cores
+TIMING = {
+    "heartbeat_period": 1.0,
+    "heartbeat_ttl": 4.0,
+    "lease_ttl": 6.0,
+    "claim_grace": 2.0,
+    "lease_margin": 1.0,
+}
 
 
 def held(status: dict) -> dict[int, tuple[str, int]]:
@@ -40,9 +49,13 @@ def test_a_killed_shard_holder_stalls_only_its_shard(
     bootstrap = start_bootstrap()
     observer = dht_peers(initial_peers=bootstrap.addresses, client_mode=True)
     diloco = {"fragments": FRAGMENTS, "inner_steps": 8, "synchronizer_shards": SHARDS}
-    swarm = Swarm(spawn, cli, wait_for, tmp_path, bootstrap, observer, names=NAMES, diloco=diloco)
+    swarm = Swarm(
+        spawn, cli, wait_for, tmp_path, bootstrap, observer, names=NAMES, diloco=diloco, timing=TIMING
+    )
     for name in NAMES:
-        swarm.join(name)
+        swarm.join(
+            name, "--min-step-time", STEP
+        )  # paced: 6 peers on 2 cores must not starve their heartbeats
     before = swarm.wait_status(
         lambda s: len(held(s)) == SHARDS and len(s["peers"]) == len(NAMES) and min(versions(s) or [0]) >= 2,
         START_TIMEOUT + 60,

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from p2p_diloco.protocol import shards
-from p2p_diloco.swarm.inprocess import Crash, InProcessSwarm, SwarmSpec
+from p2p_diloco.swarm.inprocess import Crash, InProcessSwarm, Partition, SwarmSpec
 
 pytestmark = pytest.mark.sim
 
@@ -56,3 +56,48 @@ def test_shards_spread_over_peers_and_a_holder_crash_stalls_only_its_shard(shard
     assert report.digests_equal, "replicas diverged"
     assert all(peer.replica.versions() == report.versions for peer in swarm.peers.values())
     assert all(v >= 5 for v in report.versions), report.versions
+
+
+def test_a_partition_longer_than_the_lease_heals_to_one_holder_per_shard(sharded, corpus):
+    """2 | 2 split of 4 peers (each holding one shard): each side takes over the shards it lost, both train;
+    after the heal every fragment converges on its shard's winning branch and each shard has one holder."""
+    split, heal, end = 15.0, 45.0, 80.0
+    spec = SwarmSpec(
+        manifest=sharded,
+        learners=4,
+        duration=end,
+        eval_every=end,
+        partitions=(Partition(((0, 1), (2, 3)), split, heal),),
+    )
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    samples: list[tuple[float, set[str], dict[int, int]]] = []
+
+    def sample() -> None:
+        peers = swarm.peers
+        samples.append(
+            (
+                swarm.clock.now(),
+                {p.replica.digest() for p in peers.values()},
+                {i: sum(p.replica.versions()) for i, p in peers.items()},
+            )
+        )
+        swarm.loop.call_later(0.25, sample)
+
+    swarm.loop.call_at(0.0, sample)
+    report = swarm.run()
+    assert heal - split > 2 * sharded.timing.lease_ttl
+    at_split = max((s for s in samples if s[0] <= split), key=lambda s: s[0])[2]
+    before_heal = max((s for s in samples if s[0] < heal), key=lambda s: s[0])[2]
+    assert all(before_heal[i] > at_split[i] + 5 for i in range(4)), (
+        at_split,
+        before_heal,
+    )  # both sides train
+    # every shard lost on one side was claimed again there (a higher term) during the split
+    during = {shard for t, _, shard, term in swarm.shard_terms if split < t < heal and term > 1}
+    assert during == set(range(SHARDS)), swarm.shard_terms
+    converged = next((t for t, digests, _ in samples if t >= heal and len(digests) == 1), None)
+    assert converged is not None and converged - heal <= 10.0, converged
+    for seat in range(SHARDS):
+        holders = [p.peer_id for p in swarm.peers.values() if p.seats[seat].sync is not None]
+        assert len(holders) == 1, (seat, holders)
+    assert report.digests_equal

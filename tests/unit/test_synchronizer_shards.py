@@ -152,6 +152,7 @@ def test_a_peer_holding_its_share_steps_aside_for_another_candidate():
         clock.advance_to(clock.now() + timing.heartbeat_ttl)
     # 2 candidates, 2 shards: one each. "me" ranks first for shard 1's term 1, but it holds shard 0: B claims
     assert second.action == election.WAIT and second.holder == "B", second
+    assert second.tag == election.ElectionTag.NOT_ELIGIBLE and "my share of the other shards" in second.detail
     assert harness.peer.seats[1].sync is None
 
 
