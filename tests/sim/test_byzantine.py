@@ -45,8 +45,14 @@ def test_every_attack_has_an_expected_reason():
     assert set(EXPECTED) | set(CLAIMS) == set(ATTACKS)
 
 
-@pytest.mark.parametrize("kind", sorted(EXPECTED))
-def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manifest, corpus, kind):
+@pytest.mark.parametrize(
+    "kind, shards",
+    [(kind, 1) for kind in sorted(EXPECTED)] + [("scaled", 4), ("nan", 4)],  # S = 4: each holder screens
+)
+def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manifest, corpus, kind, shards):
+    manifest = dataclasses.replace(
+        manifest, diloco=dataclasses.replace(manifest.diloco, synchronizer_shards=shards)
+    )
     spec = SwarmSpec(manifest=manifest, learners=4, duration=60.0, eval_every=30.0, hostile={3: kind})
     swarm = InProcessSwarm(spec, corpus=corpus)
     report = swarm.run()
@@ -64,9 +70,10 @@ def test_hostile_learner_is_refused_and_cooled_down_while_the_swarm_trains(manif
         key: n for key, n in rejected.items() if key[0] != HOSTILE and key[1] not in NON_OFFENCES
     }
     assert honest_offences == {}
-    holder = next(p for p in swarm.peers.values() if p.sync is not None)
+    holders = [p for p in swarm.peers.values() if p.sync is not None]
+    assert len({seat.shard for p in holders for seat in p.seats if seat.sync is not None}) == shards
     if EXPECTED[kind] not in NON_OFFENCES:
-        assert HOSTILE in holder.robust.cooling(swarm.clock.now())
+        holder = next(p for p in holders if HOSTILE in p.robust.cooling(swarm.clock.now()))
         assert HOSTILE not in holder.membership.live_learners(swarm.clock.now()) - holder.robust.cooling(
             swarm.clock.now()
         )
