@@ -25,6 +25,8 @@ from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.sim.dissemination import SpreadSpec, fragment_frame_bytes, run_spread
 from p2p_diloco.swarm.links import MBIT, LinkModel, LinkSpec
 
+REFERENCE = 64  # issue #29: the 1024-peer run against the 64-peer one
+
 
 def real_swarm(peers: int, seconds: float, link: LinkSpec) -> dict[str, Any]:
     """The in-process swarm of real `Peer` objects on the link model: bytes per round, wall cost."""
@@ -66,14 +68,15 @@ def real_swarm(peers: int, seconds: float, link: LinkSpec) -> dict[str, Any]:
 
 
 def figures(rows: list[dict[str, Any]], fanout: int) -> dict[str, Any]:
-    """Busiest peer's bytes per round at the largest size over the smallest (target <= 2x), per rule."""
+    """Busiest peer's bytes per round at the largest size over `REFERENCE` peers (else the smallest size):
+    target <= 2x, per rule; and the depth at each size."""
     out: dict[str, Any] = {}
     rules = sorted({(r["fanout"], r["shards"]) for r in rows})
     for f, s in rules:
         mine = sorted((r for r in rows if (r["fanout"], r["shards"]) == (f, s)), key=lambda r: r["peers"])
         if len(mine) < 2:
             continue
-        lo, hi = mine[0], mine[-1]
+        lo, hi = next((r for r in mine if r["peers"] == REFERENCE), mine[0]), mine[-1]
         name = f"fanout={f or 'all'} S={s}"
         for what in ("busiest_bytes_per_round", "max_update_bytes_per_round"):
             value = hi[what] / lo[what] if lo[what] else None
@@ -192,8 +195,8 @@ def inprocess_main(args: argparse.Namespace) -> int:
             "real_seconds": args.real_seconds,
         }
         report = {"config": config, "update_bytes": size, "model": rows, "real": real}
-        report["figures"] = figures(rows, args.fanout)
-        path.write_text(json.dumps(report, indent=1, default=str))
+    report["figures"] = figures(report["model"], report["config"]["fanout"])
+    path.write_text(json.dumps(report, indent=1, default=str))
     print_figures(report["figures"])
     plot(report, args.out / "inprocess.png")
     print(f"wrote {path} and {args.out / 'inprocess.png'}")
