@@ -2,8 +2,15 @@
 """Swarm-size benchmark (issue #29 item 4): what each peer carries per merged update as the swarm grows.
 
     .venv/bin/python scripts/bench_swarm.py --learners 4,8,16 --shards 1,4 --out docs/results/swarm
-    .venv/bin/python scripts/bench_swarm.py --inprocess 64,256,1024 --out docs/results/swarm-model
+    .venv/bin/python scripts/bench_swarm.py --inprocess 16,64,256,1024 --shards 1,4 --real-upto 64 \
+        --out docs/results/swarm-model
     .venv/bin/python scripts/bench_swarm.py --tabulate --out DIR      # measures and figures again from DIR
+    .venv/bin/python scripts/bench_swarm.py --inprocess 1 --tabulate --out DIR   # the same, in-process
+
+Once relaying has landed, add `--set diloco.fanout=3` to the real-process command (the figures then take
+that fan-out as the target and read the peers' relay counters). The real grid takes about 12 minutes on a
+quiet machine (startup of 16 processes included); `--real-upto 64` adds several minutes (the real in-process
+swarm at 64 peers costs 9-21 s of wall time per fake second on a loaded 2-core machine).
 
 Real processes (`--learners`): per configuration (learners N, synchronizer shards S) a bootstrap node and
 N `p2p-diloco join` learners on 127.0.0.1 (`demo.workers.Workers`, the demo's process management), each
