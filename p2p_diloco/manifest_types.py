@@ -3,8 +3,9 @@
 `sections_from_dict` turns the TOML tables of a manifest into the keyword arguments of each section's
 frozen dataclass (`config.RunManifest.from_dict` calls it). Before a dataclass runs its own range checks,
 every value is checked against the field's annotation by pydantic in strict mode, so
-``block_size = "128"`` is refused as ``model.block_size must be an integer, got '128' (a string): write
-block_size = 128, without quotes`` instead of failing deep inside a comparison. Strict means no silent
+``block_size = "128"`` is refused as ``[model] block_size = '128' (a string): must be an integer; write
+block_size = 128 under [model], without quotes`` instead of failing deep inside a comparison (one line per
+key of the wrong type; the range checks that follow are the sections' own, `schema.section`). Strict means no silent
 conversion: a string is never taken for a number (the manifest hash would then depend on the spelling).
 """
 
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import pydantic
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.schema import Number, describe, key_path, toml_type
 
 HIDDEN_FIELDS = ("base_dir", "resolved_config")  # set by the loader, never written in a manifest
 
@@ -48,39 +50,6 @@ def _shape(klass: type) -> tuple[type[pydantic.BaseModel], dict[str, Any]]:
     return model, fields
 
 
-def describe(annotation: Any) -> str:
-    """What a value of `annotation` looks like in TOML, for messages."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe(a) for a in typing.get_args(annotation) if a is not type(None))
-    if origin is tuple:
-        args = typing.get_args(annotation)
-        return f"a list of {describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
-    if origin is dict or annotation is dict:
-        return "a table"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        annotation, getattr(annotation, "__name__", str(annotation))
-    )
-
-
-def toml_type(value: Any) -> str:
-    """The TOML kind of a parsed value: 'a string', 'an integer', ..."""
-    for kind, name in (
-        (bool, "a boolean"),
-        (int, "an integer"),
-        (float, "a number"),
-        (str, "a string"),
-        (tuple, "a list"),
-        (list, "a list"),
-        (dict, "a table"),
-    ):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
-
-
 def _unquoted(value: Any, annotation: Any) -> str | None:
     """`value` written without quotes, when it is a string that spells a valid value of `annotation`."""
     if not isinstance(value, str):
@@ -88,37 +57,42 @@ def _unquoted(value: Any, annotation: Any) -> str | None:
     text = value.strip()
     if annotation is bool and text.lower() in ("true", "false"):
         return text.lower()
-    for kind in (int, float):
-        if annotation is kind or (kind is float and annotation is float):
-            try:
-                kind(text)
-            except ValueError:
-                return None
-            return text
-    return None
+    kind = float if annotation == Number else annotation
+    if kind not in (int, float):
+        return None
+    try:
+        kind(text)
+    except ValueError:
+        return None
+    return text
 
 
-def _message(where: str, section: str, fields: dict[str, Any], values: dict[str, Any], error: Any) -> str:
+def _message(section: str, fields: dict[str, Any], values: dict[str, Any], error: Any) -> str:
     key = str(error["loc"][0])
     annotation = fields.get(key)
     value = values.get(key)
     shown = list(value) if isinstance(value, tuple) else value
-    text = f"{where}: {section}.{key} must be {describe(annotation)}, got {shown!r} ({toml_type(value)})"
+    place = f"under [{section}]" if section else "at the top"
+    text = f"{key_path(section, key)} = {shown!r} ({toml_type(value)}): must be {describe(annotation)}"
     unquoted = _unquoted(value, annotation)
     if unquoted is not None:
-        return f"{text}: write {key} = {unquoted} under [{section}], without quotes"
+        return f"{text}; write {key} = {unquoted} {place}, without quotes"
     if isinstance(value, str) and typing.get_origin(annotation) is tuple:
-        return f"{text}: write {key} = [{value!r}] under [{section}]"
-    return f"{text}: fix {key} under [{section}]"
+        return f"{text}; write {key} = [{value!r}] {place}"
+    if annotation is str and isinstance(value, int | float):
+        return f'{text}; write {key} = "{value}" {place}'
+
+    return f"{text}; fix {key} {place}"
 
 
 def check_types(section: str, klass: type, values: dict[str, Any], *, where: str = "manifest") -> None:
-    """`ConfigError` naming the first key of `values` (a `[section]` of `klass`) whose type is wrong."""
+    """`ConfigError` with one line per key of `values` (a `[section]` of `klass`) whose type is wrong."""
     model, fields = _shape(klass)
     try:
         model.model_validate(values, strict=True)
     except pydantic.ValidationError as exc:
-        raise ConfigError(_message(where, section, fields, values, exc.errors()[0])) from None
+        lines = dict.fromkeys(_message(section, fields, values, e) for e in exc.errors())
+        raise ConfigError("\n".join(f"{where}: {line}" for line in lines)) from None
 
 
 def section_values(
@@ -139,10 +113,11 @@ def section_values(
 
 
 def build_section(name: str, klass: type, values: dict[str, Any], *, where: str) -> Any:
-    """`klass(**values)`; its own checks raise `ConfigError` with the key's name, prefixed by `where`."""
+    """`klass(**values)`; its own checks raise `ConfigError` with the key path, each line prefixed by
+    `where`."""
     try:
         return klass(**values)
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError("\n".join(f"{where}: {line}" for line in str(exc).splitlines())) from None
     except TypeError as exc:
         raise ConfigError(f"{where}: [{name}]: {exc}") from exc

@@ -58,7 +58,7 @@ def test_manifest_swallowed_by_initial_peers_names_the_fix(tmp_path, key, capsys
 def test_string_where_a_number_belongs_names_the_key_path(tmp_path, capsys):
     code, err = run(["model-digest", manifest(tmp_path, '[model]\nblock_size = "128"\n')], capsys)
     assert code == 2
-    assert "model.block_size must be an integer, got '128' (a string)" in err
+    assert "[model] block_size = '128' (a string): must be an integer" in err
     assert "write block_size = 128 under [model], without quotes" in err
 
 

@@ -22,12 +22,12 @@ def test_demo_manifest_loads_with_every_section():
         ({"run_id": "x", "diloco": {"H": 3}}, "unknown keys in [diloco]"),
         (
             {"run_id": "x", "diloco": {"inner_steps": 2, "fragments": 4}},
-            "inner_steps (H=2) must be >= fragments",
+            "[diloco] inner_steps = 2: must be >= fragments (P = 4)",
         ),
-        ({"run_id": "x", "wire": {"codec": "int4"}}, "wire.codec"),
+        ({"run_id": "x", "wire": {"codec": "int4"}}, "[wire] codec = 'int4' (a string): must be one of"),
         ({"run_id": "x", "robust": {"cooldown": 0}}, "robust.cooldown"),
-        ({"run_id": "bad id!"}, "run_id must be"),
-        ({"run_id": "x", "allowlist": "Qm"}, "allowlist must be a list"),
+        ({"run_id": "bad id!"}, "run_id = 'bad id!': must be 1-64 characters"),
+        ({"run_id": "x", "allowlist": "Qm"}, "allowlist = 'Qm' (a string): must be a list of strings"),
     ],
 )
 def test_bad_manifests_say_what_to_fix(raw, words):

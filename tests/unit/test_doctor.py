@@ -62,7 +62,7 @@ def test_doctor_reports_a_broken_manifest_as_a_failure(tmp_path, capsys):
     run.write_text('run_id = "t"\n[model]\nblock_size = "128"\n')
     code, checks = doctor_json([str(run)], capsys)
     assert code == 1 and checks["manifest"]["status"] == "fail"
-    assert "model.block_size must be an integer" in checks["manifest"]["detail"]
+    assert "[model] block_size = '128' (a string): must be an integer" in checks["manifest"]["detail"]
 
 
 def test_memory_check_compares_the_measured_per_parameter_costs():

@@ -13,10 +13,10 @@ from tests.support.modules import PACKAGE, PACKAGE_DIR, imported_modules, packag
 # The layers of `p2p_diloco`, low to high, by top-level module or package. A module may import from its
 # own layer and the ones below it, never from one above. "" is the package root (`p2p_diloco/__init__.py`,
 # only `__version__`). `files` (the atomic-write helper) sits at the bottom so `protocol` can use it.
-# `specs` (the [model], [data] and [train] sections, re-exported by `config`) is a leaf; `dashboard` (the
-# run's web page) is a command.
+# `specs` (the [model], [data] and [train] sections, re-exported by `config`) is a leaf, as is `schema`
+# (pydantic sections and their error lines); `dashboard` (the run's web page) is a command.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "errors", "files", "owner", "specs", "manifest_types", "trust_config", "packaged"),  # 0: leaves
+    ("", "errors", "files", "owner", "schema", "specs", "manifest_types", "trust_config", "packaged"),  # 0
     ("protocol",),  # 1: pure protocol rules and the replica
     ("config",),  # 2: the run manifest
     ("model", "wire"),  # 3: the model; DHT keys, record codecs, store/transport interfaces

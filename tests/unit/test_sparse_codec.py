@@ -210,20 +210,23 @@ def test_garbage_after_a_sparse_header_only_raises_decode_error(data, codec_id):
 def test_wire_config_validation_names_the_fix():
     assert WireConfig().codec == Codec.INT8 and WireConfig(codec="topk-int4").codec.sparse
     for kwargs, words in [
-        ({"codec": "topk"}, "wire.codec must be one of"),
+        ({"codec": "topk"}, "[wire] codec = 'topk': must be one of"),
         ({"codec": "int4"}, "topk-int4"),
-        ({"density": 0.0}, "wire.density must be in (0, 1]"),
-        ({"density": 1.5}, "wire.density"),
-        ({"density": "0.1"}, "wire.density"),
-        ({"density": True}, "wire.density"),
-        ({"codec": "topk-int8", "error_feedback": False}, "wire.error_feedback = true"),
-        ({"feedback_decay": 0.0}, "wire.feedback_decay must be in (0, 1]"),
-        ({"feedback_decay": 1.5}, "wire.feedback_decay"),
-        ({"feedback_decay": True}, "wire.feedback_decay"),
+        ({"density": 0.0}, "[wire] density = 0.0: must be in (0, 1]"),
+        ({"density": 1.5}, "[wire] density = 1.5: must be in (0, 1]"),
+        ({"density": "0.1"}, "[wire] density = '0.1' (a string): must be a number"),
+        ({"density": True}, "[wire] density = true (a boolean): must be a number"),
+        (
+            {"codec": "topk-int8", "error_feedback": False},
+            "[wire] error_feedback = false: codec = 'topk-int8' needs error_feedback = true",
+        ),
+        ({"feedback_decay": 0.0}, "[wire] feedback_decay = 0.0: must be in (0, 1]"),
+        ({"feedback_decay": 1.5}, "[wire] feedback_decay = 1.5: must be in (0, 1]"),
+        ({"feedback_decay": True}, "[wire] feedback_decay = true (a boolean): must be a number"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             WireConfig(**kwargs)
-    with pytest.raises(ConfigError, match="wire.density"):
+    with pytest.raises(ConfigError, match=re.escape("[wire] density = -1: must be in (0, 1]")):
         RunManifest.from_dict({"run_id": "x", "wire": {"codec": "topk-int8", "density": -1}})
     m = RunManifest.from_dict({"run_id": "x", "wire": {"codec": "topk-int8", "density": 0.05}})
     assert m.wire.codec == Codec.TOPK_INT8 and m.manifest_hash != RunManifest(run_id="x").manifest_hash

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -125,7 +126,9 @@ def test_bad_train_settings_are_refused():
     assert InnerTrainer(TrainConfig(precision="fp16"), model, optimizer, FixedSampler()).precision == "bf16"
     with pytest.raises(ConfigError, match="train.precision must be one of"):
         TrainConfig(precision="int4")
-    with pytest.raises(ConfigError, match="activation_checkpointing is for kind = 'hf'"):
+    with pytest.raises(
+        ConfigError, match=re.escape("[train] activation_checkpointing = true: is for kind = 'hf'")
+    ):
         RunManifest(run_id="x", train=TrainConfig(activation_checkpointing=True))
     manifest = RunManifest(run_id="x", diloco=DilocoConfig(batch_size=8))
     with pytest.raises(ConfigError, match="must divide the manifest's batch_size 8"):

@@ -3,6 +3,8 @@ latest update always kept, a requester whose updates dropped out gets nothing (a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from p2p_diloco.config import LimitsConfig, RunManifest
@@ -60,11 +62,11 @@ def test_limits_default_ties_the_budget_to_the_model_int8_size_and_refuses_bad_v
     assert limits.update_log_budget(125_000_000) == 250_000_000  # 2 x int8
     assert limits.update_log_budget(1000) == LimitsConfig.MIN_AUTO_UPDATE_LOG_BYTES
     assert LimitsConfig(update_log_bytes=123).update_log_budget(10**9) == 123
-    with pytest.raises(ConfigError, match="update_log_bytes must be an integer >= 0"):
+    with pytest.raises(ConfigError, match=re.escape("[limits] update_log_bytes = -1: must be >= 0")):
         LimitsConfig(update_log_bytes=-1)
-    with pytest.raises(ConfigError, match="snapshot_chunk_bytes must be a multiple of 4"):
+    with pytest.raises(ConfigError, match="snapshot_chunk_bytes = 1001: must be in .* and a multiple of 4"):
         LimitsConfig(snapshot_chunk_bytes=1001)
-    with pytest.raises(ConfigError, match="snapshot_sources must be in 1..64"):
+    with pytest.raises(ConfigError, match=re.escape("[limits] snapshot_sources = 0: must be in [1, 64]")):
         LimitsConfig(snapshot_sources=0)
     manifest = RunManifest.from_dict({"run_id": "x", "limits": {"update_log_bytes": 1 << 20}})
     assert manifest.limits.update_log_bytes == 1 << 20
