@@ -66,8 +66,27 @@ def section(name: str) -> Callable[[type[T]], type[T]]:
 
 
 def explain(klass: type, name: str, exc: pydantic.ValidationError) -> str:
-    """One line per problem in `exc`, raised validating `klass` (the table ``[name]``)."""
-    return "\n".join(dict.fromkeys(_line(klass, error) for error in exc.errors()))
+    """One line per problem in `exc`, raised validating `klass` (the table ``[name]``): the errors of one
+    key (the members of a union it failed) are one line saying what the key takes."""
+    by_key: dict[tuple[str, str], list[Any]] = {}
+    for error in exc.errors():
+        table, key, _, _ = _field(klass, tuple(error["loc"]))
+        by_key.setdefault((table, key) if key else (table, str(len(by_key))), []).append(error)
+    return "\n".join(
+        dict.fromkeys(_line(klass, e[0]) if len(e) == 1 else _union_line(klass, e) for e in by_key.values())
+    )
+
+
+def _union_line(klass: type, errors: list[Any]) -> str:
+    table, key, info, annotation = _field(klass, tuple(errors[0]["loc"]))
+    value = errors[0].get("input")
+    described = info.description if info is not None and info.description else ""
+    if all(e["type"].endswith(TYPE_ERRORS) for e in errors) or not described:
+        what = describe(annotation) + (f" ({described})" if described else "")
+    else:
+        what = described
+    place = f"under [{table}]" if table else "at the top"
+    return f"{key_path(table, key)} = {toml(value)} ({toml_type(value)}): must be {what}; fix {key} {place}"
 
 
 def key_path(name: str, key: str) -> str:
@@ -182,6 +201,8 @@ def _line(klass: type, error: Any) -> str:
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, Rule):
         return f"{key_path(table, cause.key)} = {toml(cause.value)}: {cause.text}"
+    if isinstance(cause, ConfigError):  # a check that reads files (a model's config.json) says it all
+        return str(cause)
     value = error.get("input")
     if not key:
         return f"[{table}] = {toml(value)}: {error['msg']}; write it as a table [{table}]"

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from p2p_diloco.errors import ConfigError
+from pydantic import Field, model_validator
 
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
+from p2p_diloco.schema import LAX, Rule, section
 
 LEARNERS_ANY = "any"
+# A base58 libp2p peer ID (RSA IDs start with Qm); the DHT and transport check the key behind it.
+PEER_ID = "[1-9A-HJ-NP-Za-km-z]{40,64}"
+PEER_TEXT = "a peer ID (Qm..., from `p2p-diloco keygen`)"
+PEERS_TEXT = "a list of peer IDs (Qm..., from `p2p-diloco keygen`)"
+PeerId = Annotated[str, Field(pattern=f"^{PEER_ID}$")]
 
 
-@dataclass(frozen=True)
+@section("trust")
 class TrustConfig:
     """Who may do what in a run (`[trust]`, see docs/security.md).
 
@@ -27,46 +28,23 @@ class TrustConfig:
     (with a warning).
     """
 
-    authority: str = ""
-    synchronizers: tuple[str, ...] = ()
-    learners: str | tuple[str, ...] = LEARNERS_ANY
-    evaluators: tuple[str, ...] = ()
+    authority: Annotated[str, Field(pattern=rf"^({PEER_ID})?$", description=PEER_TEXT)] = ""
+    synchronizers: Annotated[tuple[PeerId, ...], LAX, Field(description=PEERS_TEXT)] = ()
+    learners: Annotated[
+        Literal["any"] | Annotated[tuple[PeerId, ...], LAX], Field(description=f'"any" or {PEERS_TEXT}')
+    ] = LEARNERS_ANY
+    evaluators: Annotated[tuple[PeerId, ...], LAX, Field(description=PEERS_TEXT)] = ()
 
-    def __post_init__(self) -> None:
-        _require(isinstance(self.authority, str), "trust.authority must be a peer ID string (Qm...)")
-        _require(
-            not self.authority or _looks_like_peer_id(self.authority),
-            f"trust.authority must be a peer ID (Qm..., from `p2p-diloco keygen`), got {self.authority!r}",
-        )
-        _require(
-            isinstance(self.synchronizers, tuple)
-            and all(isinstance(p, str) and _looks_like_peer_id(p) for p in self.synchronizers),
-            f"trust.synchronizers must be a list of peer IDs (Qm...), got {self.synchronizers!r}",
-        )
-        if isinstance(self.evaluators, list):
-            object.__setattr__(self, "evaluators", tuple(self.evaluators))
-        _require(
-            isinstance(self.evaluators, tuple)
-            and all(isinstance(p, str) and _looks_like_peer_id(p) for p in self.evaluators),
-            f"trust.evaluators must be a list of peer IDs (Qm...), got {self.evaluators!r}",
-        )
-        _require(
-            not self.authority or bool(self.synchronizers),
-            "a run with trust.authority must list trust.synchronizers (the only peers that may hold the "
-            "lease); add at least one peer ID, e.g. the authority's own",
-        )
-        learners = self.learners
-        if isinstance(learners, list):
-            learners = tuple(learners)
-            object.__setattr__(self, "learners", learners)
-        _require(
-            learners == LEARNERS_ANY
-            or (
-                isinstance(learners, tuple)
-                and all(isinstance(p, str) and _looks_like_peer_id(p) for p in learners)
-            ),
-            f'trust.learners must be "any" or a list of peer IDs (Qm...), got {learners!r}',
-        )
+    @model_validator(mode="after")
+    def _authority_names_synchronizers(self) -> TrustConfig:
+        if self.authority and not self.synchronizers:
+            raise Rule(
+                "synchronizers",
+                [],
+                "a run with trust.authority must list trust.synchronizers (the only peers that may hold "
+                "the lease); add at least one peer ID, e.g. the authority's own",
+            )
+        return self
 
     @property
     def public(self) -> bool:
@@ -85,9 +63,3 @@ class TrustConfig:
         return (
             not self.synchronizers and not self.evaluators
         ) or peer in self.synchronizers + self.evaluators
-
-
-def _looks_like_peer_id(text: str) -> bool:
-    """A base58 libp2p peer ID (RSA IDs start with Qm); the DHT and transport check the key behind it."""
-    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-    return 40 <= len(text) <= 64 and all(c in alphabet for c in text)

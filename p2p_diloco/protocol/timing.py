@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field, model_validator
 
 from p2p_diloco.errors import ConfigError
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
+from p2p_diloco.schema import Number, Rule, section
 
 DEFAULT_EMA_ALPHA = 0.2
 
@@ -88,26 +86,29 @@ class RoundTimings:
         )
 
 
-@dataclass(frozen=True)
+Seconds = Annotated[Number, Field(gt=0)]
+
+
+@section("timing")
 class SwarmTiming:
     """Seconds for heartbeats, leases and grace windows (real time on the network, fake time in the sim)."""
 
-    heartbeat_period: float = 1.0
-    heartbeat_ttl: float = 4.0
-    lease_ttl: float = 6.0
-    lease_renew_fraction: float = 0.5  # renew when this fraction of the TTL is left... of elapsed
-    claim_grace: float = 2.0
-    lease_margin: float = 0.5
-    term_rounds: int = 50
-    rejoin_grace: float = 60.0
+    heartbeat_period: Seconds = 1.0
+    heartbeat_ttl: Seconds = 4.0
+    lease_ttl: Seconds = 6.0
+    # renew when this fraction of the TTL is left... of elapsed
+    lease_renew_fraction: Annotated[Number, Field(gt=0, lt=1)] = 0.5
+    claim_grace: Seconds = 2.0
+    lease_margin: Annotated[Number, Field(ge=0)] = 0.5
+    term_rounds: Annotated[int, Field(ge=1)] = 50
+    rejoin_grace: Seconds = 60.0
 
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_period", "heartbeat_ttl", "lease_ttl", "claim_grace", "rejoin_grace"):
-            _require(getattr(self, name) > 0, f"timing.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.lease_margin >= 0, f"timing.lease_margin must be >= 0, got {self.lease_margin}")
-        _require(
-            self.heartbeat_ttl > self.heartbeat_period,
-            "timing.heartbeat_ttl must exceed timing.heartbeat_period (a few periods is typical)",
-        )
-        _require(0 < self.lease_renew_fraction < 1, "timing.lease_renew_fraction must be in (0, 1)")
-        _require(self.term_rounds >= 1, f"timing.term_rounds must be >= 1, got {self.term_rounds}")
+    @model_validator(mode="after")
+    def _ttl_spans_periods(self) -> SwarmTiming:
+        if self.heartbeat_ttl <= self.heartbeat_period:
+            raise Rule(
+                "heartbeat_ttl",
+                self.heartbeat_ttl,
+                f"must exceed heartbeat_period ({self.heartbeat_period}); a few periods is typical",
+            )
+        return self

@@ -62,6 +62,15 @@ def test_string_where_a_number_belongs_names_the_key_path(tmp_path, capsys):
     assert "write block_size = 128 under [model], without quotes" in err
 
 
+def test_values_out_of_range_are_one_line_each_without_a_traceback(tmp_path, capsys):
+    text = '[diloco]\nfragments = 0\nouter_lr = -1\n[wire]\ncodec = "topk-int8"\nerror_feedback = false\n'
+    path = manifest(tmp_path, text)
+    code, err = run(["model-digest", path], capsys)
+    assert code == 2 and "Traceback" not in err and "pydantic" not in err and "validation error" not in err
+    assert f"{path}: [diloco] fragments = 0: must be >= 1" in err and "set fragments under [diloco]" in err
+    assert f"{path}: [diloco] outer_lr = -1: must be > 0; set outer_lr under [diloco] to a value > 0" in err
+
+
 def test_unknown_hf_config_key_names_the_close_valid_one(tmp_path, capsys):
     text = '[model]\nkind = "hf"\n[model.config]\nmodel_type = "gpt2"\nvocab_size = 256\nn_layers = 2\n'
     code, err = run(["model-digest", manifest(tmp_path, text)], capsys)

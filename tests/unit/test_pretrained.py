@@ -82,7 +82,7 @@ def test_a_relative_folder_starts_at_the_manifest_and_the_pinned_name_leaves_the
     [
         ({"kind": "hf", "pretrained": "a/b", "config": {"model_type": "gpt2"}}, "not both"),
         ({"kind": "hf", "pretrained": "a/b", "init": "w.safetensors"}, "keep one"),
-        ({"kind": "gpt", "pretrained": "a/b"}, "model.config is for kind|model.pretrained is for kind"),
+        ({"kind": "gpt", "pretrained": "a/b"}, r"\[model\] pretrained = 'a/b': is for kind"),
         ({"kind": "hf"}, "needs a transformers config .* or pretrained"),
     ],
 )
