@@ -56,7 +56,6 @@ from p2p_diloco.protocol.candidates import (
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.timing import SwarmTiming
 
-# decide(): actions
 FOLLOW, HOLD, RENEW, STEP_DOWN, CLAIM, WAIT = (
     Action.FOLLOW,
     Action.HOLD,
@@ -84,6 +83,7 @@ class ElectionTag(StrEnum):
     NO_CANDIDATES = "no candidates"  # wait: no live peer is eligible
     SUCCESSION = "succession"  # claim: the holder is down (its connections refused) and named me next
     PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
+    INCOMPLETE_READ = "incomplete read"  # wait: my read lacks a record still stored (`claim_guard`)
     UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
 
 

@@ -4,7 +4,8 @@ Every peer is a `Peer` (the class the real network drives) under an `InlineDrive
 the real node runs too) on an `InMemoryKeyValueStore` and a `SimNetwork`. Inner steps take a configurable amount of fake time per learner (heterogeneous speeds),
 so the run is deterministic for a seed whatever the machine, and faults happen at exact fake times:
 crashes with restarts (`Crash`), dropped or delayed links (`LinkRule`), network partitions that also
-split the key-value store (`Partition`, see docs/partitions.md). The scenario and report dataclasses
+split the key-value store (`Partition`, see docs/partitions.md), reads that return only a peer's own
+records (`Starvation`). The scenario and report dataclasses
 live in `swarm.scenario` and are re-exported here.
 """
 
@@ -35,12 +36,22 @@ from p2p_diloco.swarm.memory import (
     LinkRule,
     PartitionedKeyValueStore,
     SimNetwork,
+    StarvedReads,
 )
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.scenario import Crash, LearnerStats, Partition, SwarmReport, SwarmSpec
+from p2p_diloco.swarm.scenario import Crash, LearnerStats, Partition, Starvation, SwarmReport, SwarmSpec
 from p2p_diloco.wire.signing import InMemoryKeys
 
-__all__ = ["Crash", "InProcessSwarm", "LearnerStats", "Partition", "SwarmReport", "SwarmSpec", "cli_swarm"]
+__all__ = [
+    "Crash",
+    "InProcessSwarm",
+    "LearnerStats",
+    "Partition",
+    "Starvation",
+    "SwarmReport",
+    "SwarmSpec",
+    "cli_swarm",
+]
 
 
 class InProcessSwarm:
@@ -125,9 +136,13 @@ class InProcessSwarm:
             may_sync=attack is None,
             loss_probe=loss_probe_for(cfg, replica, self.corpus.eval),
         )
+        kv = self.kv.view(peer_id) if isinstance(self.kv, PartitionedKeyValueStore) else self.kv
+        windows = [(s.start, s.end) for s in self.spec.starved if i in s.learners]
+        if windows:
+            kv = StarvedReads(kv, peer_id, lambda now: any(a <= now < b for a, b in windows))
         self.drivers[i] = InlineDriver(
             peer,
-            kv=self.kv.view(peer_id) if isinstance(self.kv, PartitionedKeyValueStore) else self.kv,
+            kv=kv,
             transport=transport,
             clock=self.clock,
             learner=learner,

@@ -12,16 +12,17 @@ all (a real peer's DHT reads keep at most 512 records per key, listed peers firs
 
 With synchronizer shards (`protocol.shards`) a peer keeps one `Membership` per shard: each reads its own
 shard's lease key, with its own terms, holders and fencing; shard 0's, the one other parts hold, knows
-them all (`shards`, `for_fragment`) and shares with them the peers seen down.
+them all (`shards`, `for_fragment`) and shares with them the peers seen down. A claim waits while the read
+lacks a record still stored, or while this peer lags (`protocol.claim_guard`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, replace
+from functools import partial
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.protocol import election, lease_rules, shards
+from p2p_diloco.protocol import claim_guard, election, lease_rules, shards
 from p2p_diloco.protocol.election import ElectionDecision, LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
@@ -38,6 +39,7 @@ RECORDS_PER_TERM = 8
 class SwarmView:
     heartbeats: list[PeerHeartbeat]
     leases: list[LeaseRecord]
+    gaps: claim_guard.ReadGaps = claim_guard.NO_GAPS  # what the read lacks (`claim_guard.covered`)
 
 
 class Membership:
@@ -78,7 +80,8 @@ class Membership:
         self.last_election_tag = ""  # the tag of the last election decision (a change is noted)
         self.failovers_seen = 0
         self.last_read = float("-inf")
-        self._own_sums: deque[tuple[float, int]] = deque()  # (time, this replica's versions sum)
+        self._own_sums: tuple[tuple[float, int], ...] = ()  # (time, this replica's versions sum)
+        self._cover = claim_guard.ReadCover()  # records read, until when they stay stored
         # peer -> when its address last refused a connection (one dict for every shard)
         self.down: dict[str, float] = {} if first is None else first.down
         self.followed: LeaseRecord | None = None  # the lease of the synchronizer this peer follows
@@ -176,7 +179,11 @@ class Membership:
         # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
         self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
         self.last_read = records.now
-        return SwarmView(heartbeats, leases)
+        sync = [x.lease.holder for x in seen if self.manifest.may_synchronize(x.lease.holder)]
+        read = claim_guard.read_of(heartbeats, {h: records.leases_of(self.shard)[h].expiration for h in sync})
+        timing = self.manifest.timing
+        self._cover, gaps = claim_guard.covered(self._cover, read, self.peer_id, records.now, timing)
+        return SwarmView(heartbeats, leases, gaps)
 
     def _remembered(self, now: float, read: set[str]) -> list[LeaseRecord]:
         """Valid leases this peer saw, still live, whose holder's record this read did not return: a
@@ -272,8 +279,12 @@ class Membership:
             heartbeats = [
                 replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats
             ]
-        lag = self._published_lately(now, sum(own_versions) if own_versions is not None else 0)
-        decision = election.decide(
+        sample = (now, sum(own_versions) if own_versions is not None else 0)
+        self._own_sums, (lag, window_lag) = claim_guard.lags(
+            self._own_sums, sample, self.manifest.timing, self.num_fragments
+        )
+        elect = partial(
+            election.decide,
             self.peer_id,
             shards.shard_salt(self.manifest.run_id, self.shard),
             heartbeats,
@@ -287,7 +298,12 @@ class Membership:
             down=self.seen_down(now),
             successor_lag=lag,
         )
-        decision = self._warming_up(decision, view, now)
+        decision = elect(max_lag=0)
+        if decision.tag in claim_guard.WINDOW_TAGS:  # claim windows: ranked with slack, used only in sync
+            decision = claim_guard.hold_lagging_claim(
+                elect(max_lag=window_lag), self.peer_id, heartbeats, now, verified_newest
+            )
+        decision = claim_guard.hold_claim(self._warming_up(decision, view, now), view.gaps)
         if decision.tag == election.ElectionTag.NOT_ELIGIBLE and self.peer_id in busy:
             detail = f"I hold my share of the other shards; {decision.holder} may claim term {decision.term}"
             decision = replace(decision, detail=detail)
@@ -346,15 +362,6 @@ class Membership:
             f"{waited:.1f}s of {self.manifest.timing.heartbeat_ttl:.1f}s first",
             term=decision.term,
         )
-
-    def _published_lately(self, now: float, versions_sum: int) -> int:
-        """How many versions this replica gained in the last two heartbeat periods, plus one per fragment:
-        how far a peer in sync may seem behind in a heartbeat that is up to a period old."""
-        window = 2 * self.manifest.timing.heartbeat_period
-        self._own_sums.append((now, versions_sum))
-        while len(self._own_sums) > 1 and self._own_sums[1][0] <= now - window:
-            self._own_sums.popleft()
-        return max(0, versions_sum - self._own_sums[0][1]) + self.num_fragments
 
     def mark_down(self, peer: str, now: float) -> None:
         """`peer`'s address refused a connection at `now` (its process is gone)."""

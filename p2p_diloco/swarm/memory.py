@@ -3,7 +3,8 @@
 `FakeClock` and `EventLoop` give a deterministic discrete-event world; `InMemoryKeyValueStore` keeps
 hivemind's rule (per key/subkey the later expiration wins, first writer on a tie);
 `PartitionedKeyValueStore` is a store that can be split like a DHT cut in two (one replica per peer,
-merged by the same rule on heal); `SimNetwork` routes frames between `InMemoryTransport`s with per-link
+merged by the same rule on heal); `StarvedReads` lets a peer read only its own records for a while;
+`SimNetwork` routes frames between `InMemoryTransport`s with per-link
 delays (fixed, or each peer's bandwidth and latency from a `swarm.links.LinkModel`) and fault rules, delivering them as events (fetches across a dropped link fail).
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p_diloco.swarm.links import LinkModel
-from p2p_diloco.wire.interfaces import InboundHandlers, Liveness, StoredValue
+from p2p_diloco.wire.interfaces import InboundHandlers, KeyValueStore, Liveness, StoredValue
 from p2p_diloco.wire.replies import LinkTag, Reply
 
 
@@ -151,6 +152,20 @@ class PeerKeyValueView:
 
     def get(self, key: str, now: float) -> dict[str, StoredValue]:
         return self._store.get_for(self.peer_id, key, now)
+
+
+class StarvedReads:
+    """A `KeyValueStore` whose reads return only `peer_id`'s own records (subkey) while `starved(now)`."""
+
+    def __init__(self, store: KeyValueStore, peer_id: str, starved: Callable[[float], bool]):
+        self._store, self.peer_id, self._starved = store, peer_id, starved
+
+    def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+        return self._store.store(key, subkey, value, expiration)
+
+    def get(self, key: str, now: float) -> dict[str, StoredValue]:
+        found = self._store.get(key, now)
+        return {sk: v for sk, v in found.items() if sk == self.peer_id} if self._starved(now) else found
 
 
 def _merge_into(target: InMemoryKeyValueStore, sources: list[InMemoryKeyValueStore]) -> None:

@@ -47,6 +47,16 @@ class Partition:
     end: float
 
 
+@dataclass(frozen=True)
+class Starvation:
+    """From fake time `start` to `end` the key-value reads of `learners` return only their own records (a
+    starved process whose DHT requests to other nodes time out); their writes still reach everyone."""
+
+    learners: tuple[int, ...]
+    start: float
+    end: float
+
+
 @dataclass
 class SwarmSpec:
     manifest: RunManifest
@@ -63,6 +73,7 @@ class SwarmSpec:
     partitions: tuple[Partition, ...] = ()
     hostile: dict[int, str] = field(default_factory=dict)  # learner -> swarm.hostile attack; never syncs
     peer_ids: tuple[str, ...] = ()  # the learners' peer IDs (default learner-0, learner-1, ...)
+    starved: tuple[Starvation, ...] = ()
 
     def __post_init__(self) -> None:
         if self.learners < 1:
@@ -85,6 +96,9 @@ class SwarmSpec:
                 )
             if not 0 <= part.start < part.end:
                 raise ConfigError(f"partition from {part.start} to {part.end}: need 0 <= start < end")
+        for s in self.starved:
+            if not all(0 <= i < self.learners for i in s.learners) or not 0 <= s.start < s.end:
+                raise ConfigError(f"starved reads {s}: learners in 0..{self.learners - 1}, 0 <= start < end")
         for c in self.crashes:
             if not -1 <= c.learner < self.learners:
                 raise ConfigError(f"crash of learner {c.learner}: there are {self.learners} learners")

@@ -188,6 +188,7 @@ def test_a_claim_on_a_read_that_may_miss_a_candidate_waits():
     (a remembered one only takes its claim window; once it has been gone long enough it is forgotten)."""
     from p2p_diloco.protocol import election
     from p2p_diloco.protocol.candidates import rendezvous_rank
+    from p2p_diloco.protocol.claim_guard import alone_after
     from p2p_diloco.wire.records import HeartbeatInfo
 
     def beats(now: float, *peers: str) -> SwarmRecords:
@@ -208,4 +209,6 @@ def test_a_claim_on_a_read_that_may_miss_a_candidate_waits():
     partial = decide(me, beats(t + T.heartbeat_period, second))  # a read that lost `first`'s heartbeat
     assert partial.action == election.WAIT and partial.holder == first, partial  # not "rank 1 of 1"
     gone = t + T.heartbeat_ttl + T.lease_ttl + T.heartbeat_period  # `first` unseen that long: forgotten
-    assert decide(me, beats(gone, second)).action == election.CLAIM
+    alone = decide(me, beats(gone, second))  # but a read of only my own records waits a while longer
+    assert alone.tag == election.ElectionTag.INCOMPLETE_READ and "only my own records" in alone.detail, alone
+    assert decide(me, beats(t + alone_after(T), second)).action == election.CLAIM  # `protocol.claim_guard`
