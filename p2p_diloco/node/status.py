@@ -230,7 +230,8 @@ def format_status(status: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"synchronizer: none (highest term seen {status['highest_term']})")
-    for row in status["shards"] if len(status["shards"]) > 1 else ():
+    shards = status.get("shards", [])  # absent in a status written before shards existed
+    for row in shards if len(shards) > 1 else ():
         holder, fragments = row["synchronizer"], ",".join(map(str, row["fragments"]))
         held = (
             f"{holder['peer_id']} term {holder['term']}" if holder else f"none (term {row['highest_term']})"
