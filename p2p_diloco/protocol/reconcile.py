@@ -7,9 +7,15 @@ the fragment (0 for the initial state), that version, and the first `TIP_CHECKSU
 of the fragment checksum (which covers Θ, m and the version, see `protocol.replica`). Heartbeats publish
 every tip. Per fragment, independently:
 
-1. **Winner**: among the live tips (the replica's own included), the highest `(term, version, checksum)`
-   in that order (`winning_tip`): the highest term wins, ties go to the higher version, then to the
-   larger checksum string. Every peer reading the same tips picks the same winner.
+1. **Winner**: among the live tips (the replica's own included), the one that carries the most history
+   (`winning_tip`, `outranks`): the higher version wins, ties go to the higher term, then to the larger
+   checksum string. Every update adds exactly one version to its fragment, so two branches that share an
+   ancestor at version a carry v1 - a and v2 - a updates since it: the higher version is the branch with
+   more updates since the common ancestor, whatever that ancestor is. The term only breaks ties: a side
+   that merely elected more often (a partition's minority, an island whose holders kept failing) does not
+   win by that. Which tips take part is the caller's business (`swarm.vouching`): only states vouched for
+   by checked update records or by two peers that may synchronize, so an island's unchecked versions
+   never count.
 2. **What a replica does** (`classify(mine, winner)`):
    - `in_sync` ("same state"): same version and checksum (only the recorded term differs, e.g. after a
      snapshot whose term was a lower bound; the caller raises its term to the winner's);
@@ -18,15 +24,17 @@ every tip. Per fragment, independently:
      winner's history: replay the winner's updates from my version, each checked against the checksum it
      carries. A replayed update whose result does not match proves a fork (`fork_proven`), which turns
      into `reconcile`;
-   - `reconcile` ("diverged"): anything else: the same version with another checksum, or a version at or
-     above the winner's with a lower term. Terms never decrease along one history (replicas ignore
+   - `reconcile` ("diverged"): anything else: the same version with another checksum and a lower rank,
+     or a lower version with a higher term. Terms never decrease along one history (replicas ignore
      updates of a term below the highest they have seen), so such a state cannot be on the winner's
      history. The replica fetches the fragment's snapshot from a peer on the winning branch, loads it
      even if it is older than its own (`GlobalReplica.load_fragment(force=True)`), logs a `reconciled`
-     line with both tips, and its learner reloads the fragment. The losing branch's updates are dropped,
-     and with them the learners' local progress that went only into them.
+     line with both tips and why the winner won (`Outranked`), and its learner reloads the fragment. The
+     losing branch's updates are dropped, and with them the learners' local progress that went only into
+     them.
 
-Pure: no clock, no I/O. Actions are module constants, tags a `ReconcileTag`.
+Pure: no clock, no I/O. Actions are module constants, tags a `ReconcileTag`, why a tip beats another an
+`Outranked`.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import total_ordering
 
 from p2p_diloco.protocol.decisions import Action, Decision
 
@@ -53,15 +62,25 @@ class ReconcileTag(StrEnum):
     FORK_PROVEN = "fork proven"  # reconcile: a replayed update of the winner did not match my state
 
 
+class Outranked(StrEnum):
+    """Why one tip beats another (`outranks`): the first of version, term, checksum that differs."""
+
+    MORE_UPDATES = "more updates since the common ancestor"  # the higher version
+    HIGHER_TERM = "as many updates, a higher term"  # same version, other state: the later election
+    LARGER_CHECKSUM = "as many updates in the same term, the larger checksum"  # two holders of one term
+    SAME_STATE = "the same state"  # not outranked: equal version and checksum
+
+
 # The event-log line a peer writes when it replaced a fragment by the winning branch's snapshot.
 LOG_RECONCILED = "reconciled"
 
 
-@dataclass(frozen=True, order=True)
+@total_ordering
+@dataclass(frozen=True)
 class BranchTip:
     """One replica's state of one fragment: the term of the update that produced it, version, checksum.
 
-    Ordering (dataclass field order) is the winner order: term, then version, then checksum."""
+    Ordering is the winner order (`rank`): version, then term, then checksum."""
 
     term: int
     version: int
@@ -72,6 +91,16 @@ class BranchTip:
             raise ValueError(f"tip term and version must be >= 0, got term {self.term} v{self.version}")
         object.__setattr__(self, "checksum", self.checksum[:TIP_CHECKSUM_CHARS])
 
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        """The winner order: the most updates first, the term and checksum only break ties."""
+        return (self.version, self.term, self.checksum)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, BranchTip):
+            return NotImplemented
+        return self.rank < other.rank
+
     def same_state(self, other: BranchTip) -> bool:
         return self.version == other.version and self.checksum == other.checksum
 
@@ -80,11 +109,23 @@ class BranchTip:
 
 
 def winning_tip(tips: Iterable[BranchTip]) -> BranchTip:
-    """The highest tip by (term, version, checksum). Raises ValueError on no tips."""
+    """The tip carrying the most history: the highest by (version, term, checksum). Raises ValueError on
+    no tips."""
     tips = list(tips)
     if not tips:
         raise ValueError("winning_tip needs at least one tip")
     return max(tips)
+
+
+def outranks(winner: BranchTip, loser: BranchTip) -> Outranked:
+    """Why `winner` ranks above `loser` (or `SAME_STATE`). Raises ValueError if `loser` ranks higher."""
+    if winner.same_state(loser):
+        return Outranked.SAME_STATE
+    if winner < loser:
+        raise ValueError(f"{winner} does not outrank {loser}")
+    if winner.version != loser.version:
+        return Outranked.MORE_UPDATES
+    return Outranked.HIGHER_TERM if winner.term != loser.term else Outranked.LARGER_CHECKSUM
 
 
 def classify(mine: BranchTip, winner: BranchTip) -> Decision:
@@ -103,13 +144,16 @@ def classify(mine: BranchTip, winner: BranchTip) -> Decision:
     if mine.version == winner.version:
         why = "same version, different state"
     else:
-        why = f"version {mine.version} >= {winner.version} with the lower term {mine.term} < {winner.term}"
-    return Decision(RECONCILE, ReconcileTag.DIVERGED, f"{mine} lost to {winner} ({why})")
+        why = f"my term {mine.term} > {winner.term}: my state is not on the winner's history"
+    return Decision(
+        RECONCILE, ReconcileTag.DIVERGED, f"{mine} lost to {winner} ({outranks(winner, mine)}; {why})"
+    )
 
 
 def fork_proven(mine: BranchTip, winner: BranchTip, *, update_term: int, from_version: int) -> Decision:
     """A replayed update of the winner's history (term `update_term`, from `from_version` = my version)
-    did not reproduce its checksum on my state: my state is not on that history, so reconcile."""
+    did not reproduce its checksum on my state: my state is not on that history, so reconcile (the caller
+    made sure `winner` outranks `mine`)."""
     return Decision(
         RECONCILE,
         ReconcileTag.FORK_PROVEN,

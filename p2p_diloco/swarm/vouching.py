@@ -116,9 +116,10 @@ def trusted_ahead(
     on a history my state may lie on (`reconcile.classify` says catch up).
 
     A synchronizer must publish from the newest global state: an update built on an older version starts
-    a branch of a higher term, which wins reconciliation and drops the newer versions every other replica
-    holds. So a peer counts these versions when it judges whether it is up to date enough to claim, and a
-    holder catches such a fragment up before it merges a round of it.
+    a branch of a higher term that every replica further ahead refuses (it carries fewer updates,
+    `protocol.reconcile`), so the round's deltas are lost, and that could still win later over versions
+    only dead peers held. So a peer counts these versions when it judges whether it is up to date enough
+    to claim, and a holder catches such a fragment up before it merges a round of it.
     """
     ahead = {}
     for p, (tip, tips) in enumerate(zip(mine, reported, strict=True)):

@@ -1,6 +1,6 @@
 """Sim tier: a 2 | 2 partition longer than the lease TTL; both sides train, then every replica converges.
 
-Rule under test: protocol/reconcile.py (docs/partitions.md). The runs are deterministic (fake clock, seed).
+Rule under test: protocol/reconcile.py (docs/partitions.md): the branch with more updates wins. The runs are deterministic (fake clock, seed).
 Two scenarios: equal speeds (the losing side ends at versions at or above the winner's: "diverged"), and a
 slower losing side (its versions end below the winner's, so replay finds the fork: "fork proven").
 """
@@ -112,8 +112,14 @@ def test_after_heal_every_replica_converges_to_the_winning_branch(partitioned):
     converged = probe.first_converged_after(HEAL)
     assert converged is not None and converged - HEAL <= RECOVERY_BOUND, converged
     print(f"{scenario}: identical digests {converged - HEAL:.2f} fake s after the heal")
-    # The higher term won: the first holder's side lost and each of its peers logged a reconciliation.
+    # The branch with more updates won (protocol/reconcile.py), not the one with more terms: here the first
+    # holder's side, which did fewer updates during the split, lost and each of its peers logged a
+    # reconciliation.
     loser = side_of(swarm, report.terms[0][1])
+    _, _, at_split_end = probe.at(HEAL - 0.01)
+    for p in range(len(at_split_end[0])):
+        losing = max(at_split_end[i][p] for i in GROUPS[loser])
+        assert losing <= min(at_split_end[i][p] for i in GROUPS[1 - loser]), (p, at_split_end)
     for peer in swarm.peers.values():
         logged = [line for line in lines if line.startswith(f"[{peer.peer_id}] {LOG_RECONCILED}:")]
         if side_of(swarm, peer.peer_id) == loser:

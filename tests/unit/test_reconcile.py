@@ -11,8 +11,10 @@ from p2p_diloco.protocol.reconcile import (
     KEEP,
     RECONCILE,
     BranchTip,
+    Outranked,
     ReconcileTag,
     classify,
+    outranks,
     winning_tip,
 )
 from p2p_diloco.swarm.memory import InMemoryKeyValueStore, PartitionedKeyValueStore
@@ -20,16 +22,42 @@ from p2p_diloco.swarm.memory import InMemoryKeyValueStore, PartitionedKeyValueSt
 A, B, C = "a" * 16, "b" * 16, "c" * 16
 
 
-def test_highest_term_wins_even_with_fewer_versions():
-    old_branch, new_branch = BranchTip(1, 30, A), BranchTip(2, 20, B)
-    assert winning_tip([old_branch, new_branch]) == new_branch
-    assert winning_tip([new_branch, old_branch]) == new_branch
+def test_more_updates_win_over_a_higher_term():
+    # The real run kept its holder (term 1) and went on; an island elected three times and did less.
+    real, island = BranchTip(1, 30, A), BranchTip(4, 20, B)
+    assert winning_tip([real, island]) == real
+    assert winning_tip([island, real]) == real
+    assert outranks(real, island) == Outranked.MORE_UPDATES
+    decision = classify(island, real)
+    assert decision.action == RECONCILE and decision.tag == ReconcileTag.DIVERGED
+    assert Outranked.MORE_UPDATES in decision.reason
+    assert classify(real, island).action == KEEP
 
 
-def test_ties_go_to_higher_version_then_checksum_whatever_the_order():
-    tips = [BranchTip(2, 20, C), BranchTip(2, 21, A), BranchTip(2, 21, B)]
-    for rotation in range(3):
-        assert winning_tip(tips[rotation:] + tips[:rotation]) == BranchTip(2, 21, B)
+def test_ties_go_to_higher_term_then_checksum_whatever_the_order():
+    tips = [BranchTip(3, 20, C), BranchTip(2, 21, C), BranchTip(3, 21, A), BranchTip(3, 21, B)]
+    for rotation in range(len(tips)):
+        assert winning_tip(tips[rotation:] + tips[:rotation]) == BranchTip(3, 21, B)
+    assert outranks(BranchTip(3, 21, A), BranchTip(2, 21, C)) == Outranked.HIGHER_TERM
+    assert outranks(BranchTip(3, 21, B), BranchTip(3, 21, A)) == Outranked.LARGER_CHECKSUM
+    assert outranks(BranchTip(0, 21, A), BranchTip(3, 21, A)) == Outranked.SAME_STATE
+    with pytest.raises(ValueError):
+        outranks(BranchTip(9, 20, C), BranchTip(1, 21, A))
+
+
+def test_an_island_with_more_versions_but_fewer_checked_updates_loses():
+    """Only tips vouched for by checked records, or reported alike by two peers that may synchronize, take
+    part (swarm/vouching.py): an island's higher version that nobody checked does not count, so the real
+    run's tip wins even against an island tip with more versions and a higher term."""
+    from p2p_diloco.swarm.vouching import Vouchers
+
+    real, island = BranchTip(1, 30, A), BranchTip(5, 45, B)
+    reported = {"real-1": real, "real-2": real, "island-1": island}
+    trusted = Vouchers(1).trusted_tips(0, reported, may_witness=lambda peer: True)
+    assert set(trusted) == {"real-1", "real-2"}
+    assert winning_tip(trusted.values()) == real
+    # ... whereas the same tips all counted would pick the island: the filter is what keeps the run.
+    assert winning_tip(reported.values()) == island
 
 
 def test_no_tips_is_an_error():
@@ -52,7 +80,7 @@ def test_same_state_is_in_sync_whatever_the_recorded_term():
 def test_the_winner_itself_keeps_its_branch():
     tip = BranchTip(2, 9, A)
     assert classify(tip, tip).action == IN_SYNC
-    decision = classify(BranchTip(3, 4, A), BranchTip(2, 9, B))  # a winner that ranks below me
+    decision = classify(BranchTip(1, 12, A), BranchTip(2, 9, B))  # a winner that ranks below me
     assert decision.action == KEEP and decision.tag == ReconcileTag.WINNING
 
 
@@ -72,7 +100,7 @@ def test_behind_with_no_higher_term_catches_up_by_verified_replay(mine, winner):
 @pytest.mark.parametrize(
     "mine, winner",
     [
-        (BranchTip(1, 30, A), BranchTip(2, 20, B)),  # the losing side went further: still lost
+        (BranchTip(3, 20, A), BranchTip(1, 30, B)),  # an island of a higher term, fewer updates
         (BranchTip(1, 20, A), BranchTip(2, 20, B)),  # same version, other state
         (BranchTip(2, 20, A), BranchTip(2, 20, B)),  # two holders of one term (both sides lost the holder)
     ],
