@@ -14,6 +14,8 @@ event logs, status rows and version lists; the orchestrator's end of run (`demo.
 * `resume_check`: after all peers were stopped together and restarted from their state dirs, each one
   resumed from the versions it had at the stop (none from 0), and the swarm from its last versions.
 * `faults_by_kind`: executed faults per kind, and the skipped ones.
+* `newcomer_check`: a fresh peer through a just-restarted bootstrap node reached the swarm's versions
+  within 2 heartbeat periods of its start and never published from 0 (`demo.newcomers` starts it).
 """
 
 from __future__ import annotations
@@ -220,3 +222,51 @@ def faults_by_kind(kills: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "skipped": dict(sorted(skipped.items())),
         "total": sum(executed.values()),
     }
+
+
+def newcomer_check(
+    newcomer: Sequence[Event], swarm: Mapping[str, Sequence[Event]], heartbeat_period: float
+) -> dict[str, Any]:
+    """A fresh peer started through the bootstrap node right after its restart (#31): its ``start`` event,
+    the swarm's versions then (element-wise max of the learners' ``progress`` events up to that time),
+    when its own versions (``catch_up`` ``after`` or ``progress``) first reached them, and whether it ever
+    published a version of a branch of its own from 0 (a ``published`` version 1). ``ok``: it reached them
+    within 2 heartbeat periods of its start and never did that."""
+    start = next((e for e in newcomer if e.get("event") == "start" and "t" in e), None)
+    from_zero = [e for e in newcomer if e.get("event") == "published" and e.get("version") == 1]
+    row: dict[str, Any] = {"started": None, "swarm_at_start": None, "reached_after": None}
+    row["published_from_zero"] = len(from_zero)
+    if start is None:
+        return {**row, "ok": False, "why": "it never started"}
+    t0 = float(start["t"])
+    row["started"] = t0
+    target = _elementwise_max(
+        [
+            v
+            for events in swarm.values()
+            for e in events
+            if e.get("event") == "progress"
+            and float(e.get("t", 0)) <= t0
+            and (v := _versions(e.get("versions")))
+        ]
+    )
+    row["swarm_at_start"] = target
+    for e in newcomer:
+        mine = _versions(e.get("after") if e.get("event") == "catch_up" else e.get("versions"))
+        if e.get("event") not in ("start", "catch_up", "progress") or mine is None or target is None:
+            continue
+        if len(mine) == len(target) and all(m >= n for m, n in zip(mine, target, strict=True)):
+            row["reached_after"] = round(float(e.get("t", t0)) - t0, 2)
+            row["reached_versions"] = list(mine)
+            break
+    bound = 2 * heartbeat_period
+    row["bound"] = bound
+    in_time = row["reached_after"] is not None and row["reached_after"] <= bound
+    row["ok"] = in_time and not from_zero
+    if not row["ok"]:
+        row["why"] = (
+            f"published {len(from_zero)} version(s) of its own branch from 0"
+            if from_zero
+            else f"reached the swarm's versions after {row['reached_after']} s (bound {bound} s)"
+        )
+    return row

@@ -177,6 +177,7 @@ def finish_long_run(run: Workers, injector: FaultInjector) -> dict[str, Any]:
     went_back = verdicts.versions_went_back({s.name: s.tail.events for s in run.slots})
     found["versions_went_back"] = went_back
     found["faults"] = verdicts.faults_by_kind(run.kills)
+    found["newcomers"] = injector.newcomers.results()  # fresh peers through the restarted bootstrap (#31)
     found["no_state_lost"] = (
         not went_back and found.get("resume", {}).get("resumed", False) if decoupled else not went_back
     )

@@ -13,7 +13,8 @@ last line of its log and relaunched after `RELAUNCH_SECONDS`, as a supervisor wo
 
 The bootstrap node is SIGKILLed and restarted on the address it listened on (same port, same key, so
 every peer's ``--initial-peers`` stays valid); its restart is watched without blocking the run
-(``bootstrap_restarts``: when it was up again and whether its addresses were the same).
+(``bootstrap_restarts``: when it was up again and whether its addresses were the same). Once it is up, a
+fresh peer joins through it alone (`demo.newcomers`, issue #31).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.demo.chaos import KILL_BOOTSTRAP, KILL_LEARNER, KILL_SYNC, STOP_LEARNER, Fault
+from p2p_diloco.demo.newcomers import Newcomers
 from p2p_diloco.demo.slots import Slot
 from p2p_diloco.demo.workers import DECOUPLED, Workers, killpg, read_addresses
 
@@ -64,6 +66,7 @@ class FaultInjector:
         self.bootstrap_restarts: list[dict[str, Any]] = []
         self.original_addresses: list[str] = []
         self.exits: list[dict[str, Any]] = []
+        self.newcomers = Newcomers(run)  # a fresh peer through each restarted bootstrap node
 
     # ---- state -------------------------------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class FaultInjector:
         run = self.run
         self._resume_paused(now)
         self._watch_bootstrap(now)
+        self.newcomers.watch(now)
         self.watch_exits(now)
         for slot in run.slots:
             if slot.restart_at is not None and now >= slot.restart_at:
@@ -227,6 +231,8 @@ class FaultInjector:
                 restart["addresses"] = found
                 if not found:
                     restart["error"] = f"exited with {run.bootstrap.returncode}; see {self.bootstrap_log}"
+                else:
+                    self.newcomers.start(now, found)
                 self.bootstrap_log = None
 
     # ---- the end -----------------------------------------------------------------------------------
@@ -237,6 +243,7 @@ class FaultInjector:
         (`watch_exits`), no longer relaunched."""
         run = self.run
         self._resume_paused(now, all_now=True)
+        self.newcomers.finish(now)
         self.watch_exits(now, relaunch=False)
         for fault in self.pending:
             run.kills.append({"t": fault.at, "action": fault.action, "skipped": "no learner would stay up"})

@@ -147,6 +147,8 @@ def check_lines(checks: dict[str, Any] | None) -> list[str]:
             + ("up again" if restart.get("up") is not None else "NOT up")
             + (", same address" if restart.get("same_address") else ", address CHANGED")
         )
+    for row in checks.get("newcomers", []):
+        lines.append(newcomer_line(row))
     if "replicas" in checks:
         rep = checks["replicas"]
         group = rep.get("largest_group") or {}
@@ -173,6 +175,21 @@ def check_lines(checks: dict[str, Any] | None) -> list[str]:
         )
     lines.append(f"no global state lost: {'yes' if checks['no_state_lost'] else 'NO'}")
     return lines
+
+
+def newcomer_line(row: dict[str, Any]) -> str:
+    """One newcomer through a restarted bootstrap node (`demo.checks.newcomer_check`), in words."""
+    reached = row.get("reached_after")
+    return (
+        f"{row['name']} through the restarted bootstrap (launched at {row['launched']:.1f} s): "
+        + (
+            f"at the swarm's versions {row['swarm_at_start']} {reached:.1f} s after its start"
+            if reached is not None
+            else f"did NOT reach the swarm's versions {row.get('swarm_at_start')}"
+        )
+        + f" (bound {row.get('bound', 0):.1f} s), published from 0: {row['published_from_zero']}"
+        + (" ok" if row["ok"] else f" NOT ok: {row.get('why')}")
+    )
 
 
 def plot_all(report: dict[str, Any], out: Path) -> None:

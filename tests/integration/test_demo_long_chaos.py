@@ -1,6 +1,6 @@
 """`p2p-diloco demo --chaos-every` end to end, briefly: real bootstrap and `join` processes on 127.0.0.1
 under a fault about every 8 s (synchronizer and learner SIGKILLs, a SIGSTOPped learner, a bootstrap
-restart on the same address). The report must list faults of several kinds, and after all peers were
+restart on the same address, then a fresh peer through it). The report must list faults of several kinds, and after all peers were
 stopped together and restarted they must resume from their last versions, not from 0. Versions must
 never have gone back; where they did (a holder's fork over versions only dead or frozen peers held) the test reports xfail with
 the count instead of passing."""
@@ -38,6 +38,9 @@ def test_long_chaos_injects_several_kinds_of_faults_and_loses_no_global_state(tm
     assert resume["swarm_after"] == resume["swarm_before"] and sum(resume["swarm_after"]) > 0, summary
     if "kill_bootstrap" in executed:
         assert all(r["same_address"] for r in checks["bootstrap_restarts"]), summary
+        # a fresh peer joined through each restarted bootstrap (#31); none published from version 0
+        assert checks["newcomers"] and "through the restarted bootstrap" in done.stdout, summary
+        assert not any(row["published_from_zero"] for row in checks["newcomers"]), summary
     assert "stall_summary" in decoupled and "stalls" in decoupled
     if checks["versions_went_back"]:
         # A holder behind can still publish from its state in a higher term and win reconciliation over

@@ -18,7 +18,7 @@ from p2p_diloco.demo.chaos import (
     long_chaos_schedule,
 )
 from p2p_diloco.demo.faults import is_current
-from p2p_diloco.demo.report import check_lines
+from p2p_diloco.demo.report import check_lines, newcomer_line
 
 # ---- the schedule ----------------------------------------------------------------------------------
 
@@ -228,3 +228,54 @@ def test_a_learner_is_current_when_fresh_and_at_most_one_version_behind_the_newe
     }
     assert [n for n in reports if is_current(n, reports, 100.0)] == ["a", "b"]
     assert not is_current("zz", reports, 100.0)
+
+
+# ---- a newcomer through a restarted bootstrap node (#31) --------------------------------------------
+
+SWARM = {
+    "learner-0": [
+        {"event": "progress", "t": 100.0, "versions": [5, 4]},
+        {"event": "progress", "t": 109.0, "versions": [6, 6]},
+        {"event": "progress", "t": 130.0, "versions": [9, 9]},  # after the newcomer's start: not its target
+    ],
+    "learner-1": [{"event": "progress", "t": 108.0, "versions": [7, 5]}],
+}
+
+
+def test_a_newcomer_at_the_swarms_versions_within_two_heartbeats_and_never_from_zero_passes():
+    newcomer = [
+        {"event": "start", "t": 110.0, "versions": [0, 0]},
+        {"event": "catch_up", "t": 111.5, "before": [0, 0], "after": [7, 6]},
+        {"event": "published", "t": 115.0, "fragment": 0, "version": 8},
+    ]
+    row = checks.newcomer_check(newcomer, SWARM, heartbeat_period=1.0)
+    assert row["swarm_at_start"] == [7, 6] and row["reached_after"] == 1.5 and row["bound"] == 2.0
+    assert row["ok"] and row["published_from_zero"] == 0
+    line = newcomer_line({"name": "newcomer-1", "launched": 42.0, **row})
+    assert "newcomer-1" in line and "[7, 6] 1.5 s after its start" in line and line.endswith(" ok")
+
+
+@pytest.mark.parametrize(
+    "newcomer, why",
+    [
+        (  # caught up, but too late: 3 s after its start with a 1 s heartbeat
+            [{"event": "start", "t": 110.0}, {"event": "progress", "t": 113.0, "versions": [7, 6]}],
+            "after 3.0 s",
+        ),
+        (  # an island: it trained its own branch from version 0
+            [
+                {"event": "start", "t": 110.0},
+                {"event": "published", "t": 110.5, "fragment": 1, "version": 1},
+                {"event": "progress", "t": 111.0, "versions": [7, 6]},
+            ],
+            "from 0",
+        ),
+        ([{"event": "progress", "t": 113.0, "versions": [7, 6]}], "never started"),
+        ([{"event": "start", "t": 110.0}, {"event": "progress", "t": 111.0, "versions": [7, 5]}], "None"),
+    ],
+)
+def test_a_newcomer_late_on_its_own_branch_or_never_at_the_swarms_versions_fails(newcomer, why):
+    row = checks.newcomer_check(newcomer, SWARM, heartbeat_period=1.0)
+    assert not row["ok"] and why in row["why"], row
+    if row["started"] is not None:
+        assert "NOT ok" in newcomer_line({"name": "n", "launched": 1.0, **row})
