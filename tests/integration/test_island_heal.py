@@ -1,0 +1,196 @@
+"""Healing an island never loses the real run (#31 item 3), with real processes on 127.0.0.1.
+
+The real run (bootstrap node A, peers p0 and p1) trains at term 1. A goes down; two newcomers that know
+A and a second bootstrap node B find only each other through B and train an island from version 0. Its
+first holder is SIGKILLed and restarted, so the island's term (2) is HIGHER than the real run's (1), and
+its training is stopped (SIGUSR1) while the real run goes on, so the real run carries more updates on
+every fragment. Then A comes back on its address and every peer re-dials it (net/redial.py): the two
+groups meet. The rule of protocol/reconcile.py keeps the branch with more updates since the common
+ancestor: the real run's peers keep their state (no `reconciled` line, versions never go back), the
+island's replicas log `reconciled` and end on the real run's history, and all four replicas agree.
+Under the former rule (highest term first) the island's state would have replaced the real run's.
+
+Every condition is awaited with a deadline; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.net.identity import write_identity
+from p2p_diloco.node.state import read_events, read_peer_state
+from p2p_diloco.protocol.reconcile import LOG_RECONCILED, Outranked
+from tests.support.manifests import tiny_swarm_toml
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+START_TIMEOUT = 120.0
+REAL, ISLAND = ("p0", "p1"), ("i0", "i1")
+
+
+class Groups:
+    def __init__(self, spawn, cli, wait_for, tmp: Path):  # noqa: ANN001
+        self.spawn, self.cli, self.wait_for, self.tmp = spawn, cli, wait_for, tmp
+        self.manifest_path = tmp / "run.toml"
+        # leases long enough that a loaded machine does not churn terms: the terms are the test's doing
+        self.manifest_path.write_text(tiny_swarm_toml("heal", timing={"lease_ttl": 8.0, "claim_grace": 1.0}))
+        self.handles: dict[str, object] = {}
+        self.ids = {name: write_identity(tmp / f"{name}.key") for name in (*REAL, *ISLAND, "A", "B")}
+
+    def bootstrap(self, name: str, listen: str = LOOPBACK_LISTEN) -> list[str]:
+        cmd = self.cli("bootstrap", "--identity", str(self.tmp / f"{name}.key"), "--listen", listen)
+        self.handles[name] = handle = self.spawn(cmd)
+        lines = handle.wait_for_lines("bootstrap address: ", timeout=START_TIMEOUT)
+        return [line.removeprefix("bootstrap address: ").strip() for line in lines]
+
+    def join(self, name: str, initial_peers: list[str]) -> None:
+        cmd = self.cli(
+            "join",
+            str(self.manifest_path),
+            "--initial-peers",
+            *initial_peers,
+            "--identity",
+            str(self.tmp / f"{name}.key"),
+            "--state-dir",
+            str(self.tmp / f"state-{name}"),
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--min-step-time",
+            "0.05",
+            "--persist-every",
+            "1",
+            "--progress-every",
+            "1",
+        )
+        self.handles[name] = self.spawn(cmd)
+
+    def versions(self, name: str) -> tuple[int, ...]:
+        saved = read_peer_state(self.tmp / f"state-{name}")
+        return tuple(saved["versions"]) if saved else ()
+
+    def digest(self, name: str) -> str:
+        saved = read_peer_state(self.tmp / f"state-{name}")
+        return saved["digest"] if saved else ""
+
+    def events(self, name: str) -> list[dict]:
+        state = self.tmp / f"state-{name}"
+        return read_events(state) if state.exists() else []
+
+    def claims(self, name: str) -> list[int]:
+        return [int(e["term"]) for e in self.events(name) if e["event"] == "claim"]
+
+    def reconciled(self, name: str) -> list[str]:
+        return [
+            e["line"]
+            for e in self.events(name)
+            if e["event"] == "note" and e["line"].startswith(f"{LOG_RECONCILED}:")
+        ]
+
+    def alive(self, *names: str) -> None:
+        for name in names:
+            code = self.handles[name].popen.poll()
+            assert code is None, f"{name} exited with {code}\n{self.handles[name].stderr_tail()}"
+
+
+def at_least(mine: tuple[int, ...], other: tuple[int, ...], margin: int = 0) -> bool:
+    return bool(mine) and len(mine) == len(other) and all(m >= o + margin for m, o in zip(mine, other))
+
+
+@pytest.mark.timeout(900)
+def test_an_island_of_a_higher_term_heals_onto_the_real_run(spawn, cli, wait_for, tmp_path) -> None:  # noqa: ANN001
+    run = Groups(spawn, cli, wait_for, tmp_path)
+    first = run.bootstrap("A")
+    listen_a = first[0].rsplit("/p2p/", 1)[0]
+    for name in REAL:
+        run.join(name, first)
+
+    def real_trained() -> bool:
+        run.alive(*REAL)
+        return all(min(run.versions(n) or (0,)) >= 3 for n in REAL)
+
+    wait_for(real_trained, START_TIMEOUT, "the real run at version 3", interval=0.3)
+    run.handles["A"].kill_group()  # the real run's bootstrap node goes down; p0 and p1 keep each other
+
+    # The island: newcomers that know A (down) and B, which knows nobody else.
+    second = run.bootstrap("B")
+    for name in ISLAND:
+        run.join(name, first + second)
+    wait_for(lambda: any(run.claims(n) for n in ISLAND), START_TIMEOUT, "an island holder", interval=0.3)
+    assert max(t for n in ISLAND for t in run.claims(n)) == 1  # it found nobody: a run of its own
+
+    def island_settled() -> bool:
+        run.alive(*ISLAND)
+        mine = [run.versions(n) for n in ISLAND]
+        return min(mine[0] or (0,)) >= 1 and mine[0] == mine[1]
+
+    def term(names: tuple[str, ...]) -> int:
+        return max((t for n in names for t in run.claims(n)), default=0)
+
+    for _ in range(4):  # fail the island's holder over until the island's term is above the real run's
+        if term(ISLAND) > term(REAL):
+            break
+        island_term = term(ISLAND)
+        holder = max(ISLAND, key=lambda n: max(run.claims(n), default=0))
+        other = next(n for n in ISLAND if n != holder)
+        wait_for(
+            lambda h=holder: min(run.versions(h) or (0,)) >= 1, START_TIMEOUT, "island updates", interval=0.3
+        )
+        run.handles[holder].kill_group()
+        wait_for(
+            lambda o=other, t=island_term: run.alive(o) or term((o,)) > t,
+            START_TIMEOUT,
+            "the island's next term",
+            interval=0.3,
+        )
+        run.join(holder, first + second)  # back: two island peers report the island's tips alike
+        wait_for(island_settled, START_TIMEOUT, "both island peers on the island's tip", interval=0.3)
+    assert term(ISLAND) > term(REAL), (term(ISLAND), term(REAL))
+
+    wait_for(island_settled, START_TIMEOUT, "both island peers on the island's tip", interval=0.3)
+    for name in ISLAND:
+        run.handles[name].signal(signal.SIGUSR1)  # the island stops training; its peers stay
+
+    def real_ahead() -> bool:  # more updates on every fragment than the island's branch
+        run.alive(*REAL, *ISLAND)
+        island = run.versions(ISLAND[0])
+        return island == run.versions(ISLAND[1]) and all(at_least(run.versions(n), island, 2) for n in REAL)
+
+    wait_for(real_ahead, START_TIMEOUT, "the real run ahead of the island", interval=0.3)
+    island_at_heal = run.versions(ISLAND[0])
+    real_at_heal = {n: run.versions(n) for n in REAL}
+    assert term(ISLAND) > term(REAL), (term(ISLAND), term(REAL))  # the former rule would keep the island
+
+    run.bootstrap("A", listen_a)  # A comes back on its address: both groups re-dial it and meet
+
+    def healed() -> bool:
+        run.alive(*REAL, *ISLAND)
+        return all(run.reconciled(n) for n in ISLAND) and all(
+            at_least(run.versions(i), real_at_heal[r]) for i in ISLAND for r in REAL
+        )
+
+    wait_for(healed, 2 * START_TIMEOUT, "the island's replicas reconciled onto the real run", interval=0.5)
+    for name in ISLAND:
+        lines = run.reconciled(name)
+        assert all(str(Outranked.MORE_UPDATES) in line for line in lines), lines
+    for name in REAL:
+        assert not run.reconciled(name), (name, run.reconciled(name))
+        progress = [tuple(e["versions"]) for e in run.events(name) if e["event"] == "progress"]
+        went_back = [(a, b) for a, b in zip(progress, progress[1:]) if not at_least(b, a)]
+        assert not went_back, (name, went_back[:3])
+
+    for name in REAL:
+        run.handles[name].signal(signal.SIGUSR1)  # training ends everywhere: the replicas settle
+
+    def agree() -> bool:
+        names = (*REAL, *ISLAND)
+        run.alive(*names)
+        return len({run.versions(n) for n in names}) == 1 and len({run.digest(n) for n in names}) == 1
+
+    wait_for(agree, START_TIMEOUT, "all four replicas at one state", interval=0.5)
+    final = run.versions(REAL[0])
+    assert all(at_least(final, real_at_heal[n]) for n in REAL), (final, real_at_heal)
+    assert at_least(final, island_at_heal, 2), (final, island_at_heal)
