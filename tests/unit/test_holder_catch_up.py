@@ -1,7 +1,8 @@
 """A synchronizer never publishes from behind (#15: the long chaos run lost 215 versions this way).
 
-An update built on an older version of a fragment starts a branch of a higher term, which wins
-reconciliation and drops the newer versions every other replica holds. So versions that trusted tips of
+An update built on an older version of a fragment starts a branch of a higher term that replicas further
+ahead refuse (it carries fewer updates, protocol/reconcile.py): the round is lost, and it could still win
+over versions only dead peers held. So versions that trusted tips of
 live peers show (vouched by a checked record, or reported alike by two peers) count when a peer judges
 whether it may claim, and a holder that lacks them catches the fragment up before it merges a round of it
 (at most `lease_ttl`: the run never halts on it). One peer's word alone moves nothing.
