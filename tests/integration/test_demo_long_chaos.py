@@ -38,8 +38,10 @@ def test_long_chaos_injects_several_kinds_of_faults_and_loses_no_global_state(tm
     assert resume["swarm_after"] == resume["swarm_before"] and sum(resume["swarm_after"]) > 0, summary
     if "kill_bootstrap" in executed:
         assert all(r["same_address"] for r in checks["bootstrap_restarts"]), summary
-        # a fresh peer joined through each restarted bootstrap (#31); none published from version 0
-        assert checks["newcomers"] and "through the restarted bootstrap" in done.stdout, summary
+        # a fresh peer joins through a restarted bootstrap that came up before the end (#31); none
+        # published from version 0 (on a loaded machine the restart may come up only after the run)
+        if any(r["up"] is not None and r["up"] < 40 for r in checks["bootstrap_restarts"]):
+            assert checks["newcomers"] and "through the restarted bootstrap" in done.stdout, summary
         assert not any(row["published_from_zero"] for row in checks["newcomers"]), summary
     assert "stall_summary" in decoupled and "stalls" in decoupled
     if checks["versions_went_back"]:
