@@ -19,7 +19,8 @@ Definitions (N learner slots, wall = end - start):
 * uptime = |union of [a, a + period) over global-model advances a| / wall, clipped to the window: the
   fraction of wall times t such that the global model advanced in (t - period, t], i.e. within the last
   nominal round period (one expected round). Stalls around synchronizer kills: `demo.stalls`.
-* failovers = how often the peer publishing global updates changed (by term order).
+* failovers = how often the peer publishing global updates changed (by term order) without the old one
+  releasing its term (a planned rotation is no failover).
 """
 
 from __future__ import annotations
@@ -190,7 +191,14 @@ def uptime(advances: Sequence[float], *, start: float, end: float, period: float
 
 
 def failovers(events: Iterable[Event]) -> list[dict[str, Any]]:
-    """Changes of the publishing peer: ``[{"t", "term", "from", "to"}]``, from ``published`` events."""
+    """Changes of the publishing peer that were no planned rotation: ``[{"t", "term", "from", "to"}]``,
+    from ``published`` events. A change after a term whose holder released it (its ``released_lease``
+    event: a rotation after `timing.term_rounds` rounds, or a clean stop) is not a failover, as
+    `swarm.Membership.released` tells a peer's own count."""
+    events = list(events)
+    released = {
+        e["term"] for e in events if e.get("event") == "released_lease" and isinstance(e.get("term"), int)
+    }
     first_by_term: dict[int, tuple[float, str]] = {}
     for event in events:
         t = _time(event)
@@ -199,12 +207,12 @@ def failovers(events: Iterable[Event]) -> list[dict[str, Any]]:
         term = event["term"]
         if term not in first_by_term or t < first_by_term[term][0]:
             first_by_term[term] = (t, str(event.get("leader")))
-    changes, previous = [], None
+    changes, previous, previous_term = [], None, None
     for term in sorted(first_by_term):
         t, leader = first_by_term[term]
-        if previous is not None and leader != previous:
+        if previous is not None and leader != previous and previous_term not in released:
             changes.append({"t": t, "term": term, "from": previous, "to": leader})
-        previous = leader
+        previous, previous_term = leader, term
     return changes
 
 

@@ -3,7 +3,7 @@
 What a volunteer runs before joining and what an organizer asks for in a bug report: one line per check,
 ``ok`` / ``warn`` / ``fail``, and for anything not ok the fix. Checks: Python and the package versions
 (numpy below 2.4, see FINDINGS), torch's devices (CUDA, bitsandbytes), the run manifest (loads, signature,
-model size), host and GPU memory against what that model needs (per-parameter costs of docs/model_size.md:
+model size; a custom factory's model built and probed once), host and GPU memory against what that model needs (per-parameter costs of docs/model_size.md:
 16 B/param of training state, up to 19.1 B/param beyond it, 0.51 GiB of runtime), reachability of the
 initial peers, this clock against the peers' (timed from their heartbeats: leases
 expire on their writers' clocks and tolerate `timing.lease_margin` of disagreement; `doctor.clock`), whether this machine
@@ -201,6 +201,37 @@ def check_manifest(path: str | None) -> tuple[list[Check], Any]:
     return [Check("manifest", Status.OK, detail)], manifest
 
 
+def check_contract(manifest: Any) -> Check:
+    """A custom factory's model built and probed once, as `join` does before joining (`model.contract`:
+    its keywords, the (logits, loss) pair, the vocabulary against the data's where it is readable)."""
+    import dataclasses
+
+    from p2p_diloco.model.contract import check_model_contract, data_vocab_size
+    from p2p_diloco.model.gpt import build_model
+
+    fix = "fix the factory or [model.config] as the message says"
+    try:
+        vocab: int | None = data_vocab_size(manifest.data)
+    except ConfigError:
+        vocab = None  # the shards are not here yet: the forward is still probed
+    try:
+        check_model_contract(
+            manifest, build_model(dataclasses.replace(manifest.model, weights_digest="")), vocab
+        )
+    except ConfigError as exc:
+        return Check("model contract", Status.FAIL, str(exc), fix)
+    except Exception as exc:  # the organizer's code: whatever it raises is a finding, not doctor's crash
+        return Check(
+            "model contract", Status.FAIL, f"{manifest.model.factory}: {type(exc).__name__}: {exc}", fix
+        )
+    compared = (
+        f"vocabulary {vocab} covered" if vocab is not None else "vocabulary not compared (no data here)"
+    )
+    return Check(
+        "model contract", Status.OK, f"{manifest.model.factory}: forward returns (logits, loss), {compared}"
+    )
+
+
 def check_peers(addresses: list[str], timeout: float) -> list[Check]:
     from p2p_diloco.net.addresses import tcp_endpoints
     from p2p_diloco.preflight import _connect
@@ -288,9 +319,11 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         except ConfigError as exc:
             checks.append(Check("model", Status.FAIL, str(exc), "fix [model] as the message says"))
         else:
-            from p2p_diloco.config import InnerOptimizer
+            from p2p_diloco.config import InnerOptimizer, ModelKind
 
             checks.append(Check("model", Status.OK, f"{manifest.model.kind}, {params / 1e6:.1f}M parameters"))
+            if manifest.model.kind == ModelKind.CUSTOM:
+                checks.append(check_contract(manifest))
             eight_bit = manifest.train.optimizer == InnerOptimizer.ADAMW_8BIT
             use_gpu = gpu_free if (args.device or "cuda").startswith("cuda") else None
             checks += memory_checks(

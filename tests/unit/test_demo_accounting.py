@@ -110,6 +110,18 @@ def test_failovers_count_changes_of_the_publishing_peer_only():
     assert [(c["t"], c["from"], c["to"]) for c in changes] == [(30.0, "x", "y"), (70.0, "y", "x")]
 
 
+def test_a_planned_rotation_is_no_failover_in_the_report():
+    events = [
+        {"t": 5.0, "event": "published", "term": 1, "leader": "x"},
+        {"t": 20.0, "event": "released_lease", "term": 1, "rounds": 50},  # x rotated out after its rounds
+        {"t": 21.0, "event": "published", "term": 2, "leader": "y"},
+        {"t": 40.0, "event": "published", "term": 3, "leader": "x"},  # y lapsed (killed): a failover
+    ]
+    changes = accounting.failovers(events)
+    assert [(c["t"], c["term"], c["from"], c["to"]) for c in changes] == [(40.0, 3, "y", "x")]
+    assert len(accounting.failovers(e for e in events if e["event"] != "released_lease")) == 2
+
+
 def test_nominal_period_is_steps_per_round_times_the_median_step_time():
     events = [progress(0, step=0), progress(1, step=10), progress(2, step=15), progress(3, step=25)]
     assert accounting.nominal_period({"a": events}, 2.0) == pytest.approx(0.2)

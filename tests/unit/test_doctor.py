@@ -82,3 +82,21 @@ def test_state_dir_check(tmp_path):
     assert check_state_dir(str(file), 10).status == Status.FAIL
     fresh = check_state_dir(str(tmp_path / "new" / "state"), 1000)
     assert fresh.status == Status.OK and "(new)" in fresh.detail
+
+
+def test_doctor_probes_a_custom_factory_as_join_would(tmp_path, capsys):
+    run = tmp_path / "run.toml"
+    head = 'run_id = "t"\n[diloco]\nfragments = 1\n[model]\nkind = "custom"\nblock_size = 16\n'
+    run.write_text(head + 'factory = "tests.support.factories:good"\n')
+    code, checks = doctor_json([str(run)], capsys)
+    assert checks["model contract"]["status"] == "ok", checks["model contract"]
+    assert "forward returns (logits, loss), vocabulary 256 covered" in checks["model contract"]["detail"]
+    run.write_text(head + 'factory = "tests.support.factories:logits_only"\n')
+    code, checks = doctor_json([str(run)], capsys)
+    assert code == 1 and checks["model contract"]["status"] == "fail"
+    assert (
+        "logits_only" in checks["model contract"]["detail"]
+        and "[model.config]" in checks["model contract"]["fix"]
+    )
+    run.write_text('run_id = "t"\n')  # the built-in gpt: nothing to probe
+    assert "model contract" not in doctor_json([str(run)], capsys)[1]
