@@ -112,6 +112,9 @@ class DilocoConfig:
     synchronizer_shards: Annotated[
         int, Field(ge=1, description="S, shards of fragments with their own lease")
     ] = 1
+    # Each update goes from its publisher to at most `fanout` peers, then each peer that applied it offers
+    # it to at most `fanout` more (swarm/relay.py): about log_fanout(M) hops whatever the swarm's size
+    fanout: Annotated[int, Field(ge=1, description="peers each update is pushed, then relayed, to")] = 3
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> DilocoConfig:
@@ -298,6 +301,8 @@ class RunManifest:
             d["diloco"].pop("synchronizer_shards")
         if not d["trust"]["evaluators"]:
             d["trust"].pop("evaluators")  # added later: manifests without it keep their hash
+        if d["diloco"]["fanout"] == DilocoConfig.fanout:
+            d["diloco"].pop("fanout")  # added later: manifests at the default keep their hash
         if isinstance(d["model"]["config"], str):
             d["model"]["config"] = "file"
         if d["model"]["weights_digest"] or not d["model"]["pretrained"]:

@@ -85,12 +85,15 @@ def admission_for(manifest: RunManifest, *, max_subkeys: int = DEFAULT_MAX_SUBKE
 
 
 def stream_admission(manifest: RunManifest) -> Callable[[str, str], bool]:
-    """`admit(op, peer)` for `P2PTransport`: an update push only from a peer that may hold the lease,
-    any other request (deltas, fetches) only from a peer that may take part."""
+    """`admit(op, peer)` for `P2PTransport`: an update push only from a peer that may hold the lease, a
+    relayed update from a peer that may hold it or learn, any other request (deltas, fetches) only
+    from a peer that may take part."""
 
     def admit(op: str, peer: str) -> bool:
         if op == keys.OP_UPDATE:
             return manifest.may_synchronize(peer)
+        if op == keys.OP_RELAY:
+            return manifest.may_learn(peer) or manifest.may_synchronize(peer)
         return manifest.may_learn(peer)
 
     return admit

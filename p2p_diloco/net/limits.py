@@ -38,6 +38,7 @@ from p2p_diloco.wire import keys
 from p2p_diloco.wire.codec import frame_size
 from p2p_diloco.wire.delta_bundle import bundle_bound
 from p2p_diloco.wire.frames import delta_frame_bound, snapshot_frame_bound, update_frame_bound
+from p2p_diloco.wire.relay_frames import MAX_OFFER_BYTES, RELAY_HEAD_BYTES
 from p2p_diloco.wire.snapshot_chunks import CHUNK_REQUEST_BYTES, MAX_CHUNK_BYTES
 
 # reasons of inbound rejections that the limits cause (sent back to the caller when it can still listen)
@@ -101,6 +102,7 @@ class FrameCaps:
             requests={
                 keys.OP_DELTA: max_frame_bytes,
                 keys.OP_UPDATE: max_frame_bytes,
+                keys.OP_RELAY: max_frame_bytes,
                 keys.OP_FETCH_UPDATES: streams.FETCH_BODY_BYTES,
                 keys.OP_FETCH_SNAPSHOT: streams.FRAGMENT_BODY_BYTES,
                 keys.OP_FETCH_CHUNK: CHUNK_REQUEST_BYTES,
@@ -108,6 +110,7 @@ class FrameCaps:
             replies={
                 keys.OP_DELTA: (REPLY_BYTES, REPLY_BYTES),
                 keys.OP_UPDATE: (REPLY_BYTES, REPLY_BYTES),
+                keys.OP_RELAY: (REPLY_BYTES, REPLY_BYTES),
                 keys.OP_FETCH_UPDATES: (max_frame_bytes, max_reply_bytes),
                 keys.OP_FETCH_SNAPSHOT: (max_frame_bytes, max_frame_bytes),
                 keys.OP_FETCH_CHUNK: (MAX_CHUNK_BYTES, MAX_CHUNK_BYTES),
@@ -147,7 +150,12 @@ def run_frame_caps(
     snapshot = min(limit, snapshot_frame_bound(manifest.run_id, manifest.manifest_hash, fp32))
     uniform = FrameCaps.uniform(limit, max_reply_bytes)
     return FrameCaps(
-        requests={**uniform.requests, keys.OP_DELTA: delta, keys.OP_UPDATE: update},
+        requests={
+            **uniform.requests,
+            keys.OP_DELTA: delta,
+            keys.OP_UPDATE: update,
+            keys.OP_RELAY: min(limit, max(update + RELAY_HEAD_BYTES, MAX_OFFER_BYTES)),
+        },
         replies={
             **uniform.replies,
             keys.OP_FETCH_UPDATES: (update, min(max_reply_bytes, updates_per_reply * update)),

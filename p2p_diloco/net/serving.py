@@ -225,6 +225,8 @@ class InboundServer:
                 call = lambda: handlers.serve_chunk(sender, fragment, chunk, checksum)  # noqa: E731
             elif op == keys.OP_DELTA:
                 call = lambda: handlers.handle_delta(sender, body)  # noqa: E731
+            elif op == keys.OP_RELAY:
+                call = lambda: handlers.handle_relay(sender, body)  # noqa: E731
             else:
                 call = lambda: handlers.handle_update(sender, body)  # noqa: E731
         except streams.BadEnvelope as exc:
@@ -249,7 +251,7 @@ class InboundServer:
 
 def reply_items(op: str, result: Any) -> list[bytes]:
     """A handler's answer as the items of the reply envelope; TypeError if it is not what `op` answers."""
-    if op in (keys.OP_DELTA, keys.OP_UPDATE):
+    if op in (keys.OP_DELTA, keys.OP_UPDATE, keys.OP_RELAY):
         if not isinstance(result, Reply):
             raise TypeError(f"{op} handler returned {type(result).__name__}, expected a Reply")
         return [encode_reply(result)]

@@ -15,7 +15,7 @@ Handlers may answer with a `concurrent.futures.Future` (the node's driver posts 
 peer's owner thread); the transport awaits it, up to `answer_timeout`, on its own event loop, so it
 runs no handler threads. Deltas and updates are answered with a typed `wire.replies.Reply`.
 
-Outbound: `send_delta`/`push_update` return at once and deliver in the background (optional
+Outbound: `send_delta`/`push_update`/`relay` return at once and deliver in the background (optional
 `on_reply(Reply)` callback, called on the transport's loop thread: keep it short);
 `request_updates`/`request_snapshot` return futures; `fetch_updates`/`fetch_snapshot` block up to a
 timeout. Failures are `TimeoutError`, `ConnectionError` or `RemoteRejected` (a `ConnectionError`). One
@@ -74,7 +74,7 @@ from p2p_diloco.net.traffic import TrafficBook, TransportCounts
 from p2p_diloco.owner import Owner
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.interfaces import InboundHandlers, Liveness
-from p2p_diloco.wire.replies import Reply
+from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.snapshot_chunks import encode_chunk_request
 
 log = logging.getLogger(__name__)
@@ -243,14 +243,26 @@ class P2PTransport:
     def push_update(self, to_peer: str, frame: bytes, on_reply: OnReply | None = None) -> None:
         self._send_background(keys.OP_UPDATE, to_peer, frame, on_reply)
 
+    def relay(self, to_peer: str, frame: bytes) -> concurrent.futures.Future[Reply]:
+        """Send a relay frame (an offer, or an update asked for) in the background; the future gets the
+        receiver's `Reply`, or a local transient one when it could not be delivered (never fails)."""
+        answer: concurrent.futures.Future[Reply] = concurrent.futures.Future()
+        self._send_background(keys.OP_RELAY, to_peer, frame, answer.set_result, quiet=True)
+        return answer
+
     def send_and_wait(self, op: str, to_peer: str, frame: bytes, timeout: float | None = None) -> Reply:
         """Blocking delivery of a delta/update frame; returns the `Reply` `on_reply` would receive."""
-        if op not in (keys.OP_DELTA, keys.OP_UPDATE):
-            raise ValueError(f"op must be {keys.OP_DELTA!r} or {keys.OP_UPDATE!r}, got {op!r}")
+        if op not in (keys.OP_DELTA, keys.OP_UPDATE, keys.OP_RELAY):
+            raise ValueError(
+                f"op must be {keys.OP_DELTA!r}, {keys.OP_UPDATE!r} or {keys.OP_RELAY!r}, got {op!r}"
+            )
         parse_peer_id(to_peer, what="to_peer")
         return self._submit(self._deliver(op, to_peer, frame, timeout or self.send_timeout)).result()
 
-    def _send_background(self, op: str, to_peer: str, frame: bytes, on_reply: OnReply | None) -> None:
+    def _send_background(
+        self, op: str, to_peer: str, frame: bytes, on_reply: OnReply | None, *, quiet: bool = False
+    ) -> None:
+        """`quiet`: a refusal is an answer, not worth a log line (a relay offer declined)."""
         parse_peer_id(to_peer, what="to_peer")
         if self._closed:
             self._notify(on_reply, Reply.transient(REPLY_CLOSED, "transport is closed"))
@@ -268,7 +280,7 @@ class P2PTransport:
                 reply = Reply.transient(REPLY_UNREACHABLE, repr(fut.exception()))
             else:
                 reply = fut.result()
-            if not reply.ok:
+            if not reply.ok and not (quiet and reply.status == ReplyStatus.REFUSED):
                 log.info("%s to %s: %s", op, to_peer, reply)
             self._notify(on_reply, reply)
 

@@ -63,8 +63,9 @@ class PeerEventLog:
                 contributors = [peer_id for peer_id, _ in intent.record.contributors]
                 self.event("published", **update_fields(intent.record), contributors=contributors)
             case fx.Applied():
-                if intent.how == UpdateSource.PUSHED:
-                    self.event("applied", **update_fields(intent.record), source=intent.source)
+                if intent.how in (UpdateSource.PUSHED, UpdateSource.RELAYED):
+                    fields = update_fields(intent.record)
+                    self.event("applied", **fields, source=intent.source, how=str(intent.how))
                 if self.ledger is not None:
                     self.ledger.record(intent.record, self.clock.now())
             case fx.Claimed():

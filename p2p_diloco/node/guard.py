@@ -88,6 +88,9 @@ class HandlerSlot:
     def handle_update(self, sender: str, frame: bytes):  # noqa: ANN201
         return self._call("update", sender, lambda d: d.handle_update(sender, frame), lambda r: r)
 
+    def handle_relay(self, sender: str, frame: bytes):  # noqa: ANN201
+        return self._call("relay", sender, lambda d: d.handle_relay(sender, frame), lambda r: r)
+
     def serve_updates(self, requester: str, fragment: int, after_version: int):  # noqa: ANN201
         """The requester's replay source; an empty list when not serving (it falls back to other peers)."""
         return self._call(

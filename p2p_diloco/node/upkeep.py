@@ -86,6 +86,7 @@ class Upkeep:
         snapshot = self.take_snapshot()
         fields = {
             **snapshot.event_fields(),
+            "relay": peer.relay.stats.as_dict(),  # updates pushed, relayed, offered; hops (swarm.relay)
             **self.counters.fields(view, peer, counts),
         }  # the demo's counters win a name clash
         versions = list(peer.replica.versions())

@@ -76,6 +76,9 @@ class PeerDriver:
                 self.run_io(self._read_swarm, intent.task)
             case fx.Perform(request=fx.Probe() as probe):
                 self._when_done([self.transport.probe(probe.peer, probe.addresses)], intent.task, single=True)
+            case fx.Perform(request=fx.OfferUpdate() as offer):
+                futures = [self.transport.relay(to, offer.offer) for to in offer.targets]
+                self._when_done(futures, intent.task, single=False)
             case fx.Perform(request=fx.FetchUpdates() as fetch):
                 future = self.transport.request_updates(fetch.source, fetch.fragment, fetch.after_version)
                 self._when_done([future], intent.task, single=True)
@@ -99,6 +102,8 @@ class PeerDriver:
                 self.transport.send_delta(send.to, send.frame, on_reply)
             case fx.PushUpdate():
                 self.transport.push_update(intent.to, intent.frame)
+            case fx.RelayUpdate():
+                self.transport.relay(intent.to, intent.frame)
             case fx.Respond():
                 try:
                     intent.answer.set_result(intent.value)
@@ -174,6 +179,9 @@ class PeerDriver:
 
     def handle_update(self, sender: str, frame: bytes):  # noqa: ANN201
         return self._answer(self._ask(lambda a: fx.UpdateArrived(sender, frame, a, self.clock.now())))
+
+    def handle_relay(self, sender: str, frame: bytes):  # noqa: ANN201
+        return self._answer(self._ask(lambda a: fx.RelayArrived(sender, frame, a, self.clock.now())))
 
     def serve_updates(self, requester: str, fragment: int, after_version: int):  # noqa: ANN201
         return self._answer(self._ask(lambda a: fx.UpdatesRequested(requester, fragment, after_version, a)))

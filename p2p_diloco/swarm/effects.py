@@ -117,6 +117,14 @@ class UpdateArrived:
 
 
 @dataclass(frozen=True)
+class RelayArrived:  # a relay frame (`wire.relay_frames`): an offer of an update, or an update asked for
+    sender: str
+    frame: bytes
+    answer: Answer
+    now: float
+
+
+@dataclass(frozen=True)
 class UpdatesRequested:
     requester: str
     fragment: int
@@ -180,6 +188,7 @@ Event = (
     Tick
     | DeltaArrived
     | UpdateArrived
+    | RelayArrived
     | UpdatesRequested
     | SnapshotRequested
     | DeltaReady
@@ -253,7 +262,13 @@ class FetchChunks:
     wanted: tuple[tuple[str, int, int, str, int], ...]
 
 
-Request = ReadSwarm | Probe | FetchUpdates | FetchUpdateLogs | FetchSnapshots | FetchChunks
+@dataclass(frozen=True)
+class OfferUpdate:  # `offer` (`wire.relay_frames`) to each of `targets`; the result: their `Reply`s in order
+    targets: tuple[str, ...]
+    offer: bytes
+
+
+Request = OfferUpdate | ReadSwarm | Probe | FetchUpdates | FetchUpdateLogs | FetchSnapshots | FetchChunks
 # A task: yields requests, is resumed with their results, returns its own result (see the module docstring)
 Task = Generator[Request, Any, Any]
 
@@ -289,6 +304,12 @@ class SendDelta:
 
 @dataclass(frozen=True)
 class PushUpdate:
+    to: str
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class RelayUpdate:  # send an update a peer asked for (`wire.relay_frames.encode_relayed`)
     to: str
     frame: bytes
 
@@ -343,6 +364,7 @@ Intent = (
     | Perform
     | SendDelta
     | PushUpdate
+    | RelayUpdate
     | Respond
     | ToLearner
     | Published

@@ -234,12 +234,24 @@ class SimNetwork:
         return delay
 
     def deliver(
-        self, src: str, dst: str, frame: bytes, kind: str, on_reply: Callable[[str], None] | None
+        self,
+        src: str,
+        dst: str,
+        frame: bytes,
+        kind: str,
+        on_reply: Callable[[Reply], None] | None,
+        *,
+        answer_drops: bool = False,
     ) -> None:
+        """Deliver `frame` after its link's delay; `on_reply` gets the answer. A dropped frame gets none,
+        unless `answer_drops` (a relay frame's sender waits on a future): then a transient one."""
         delay = self._delay(src, dst, len(frame))
         self.bytes_sent[src] = self.bytes_sent.get(src, 0) + len(frame)
         if delay is None:
             self.dropped += 1
+            if answer_drops and on_reply is not None:
+                lost = Reply.transient(LinkTag.PEER_DOWN, f"{kind} to {dst} dropped")
+                self.loop.call_later(self.base_delay, lambda: on_reply(lost))
             return
 
         def arrive() -> None:
@@ -251,7 +263,7 @@ class SimNetwork:
                     self.loop.call_later(self.base_delay, lambda: on_reply(down) if self.is_up(src) else None)
                 return
             self.bytes_received[dst] = self.bytes_received.get(dst, 0) + len(frame)
-            handle = handlers.handle_delta if kind == "delta" else handlers.handle_update
+            handle = getattr(handlers, f"handle_{kind}")  # handle_delta, handle_update or handle_relay
             reply = handle(src, frame)
             if on_reply is not None:
                 self.loop.call_later(self.base_delay, lambda: on_reply(reply) if self.is_up(src) else None)
@@ -279,6 +291,11 @@ class InMemoryTransport:
         self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None
     ) -> None:
         self.network.deliver(self.peer_id, to_peer, frame, "update", on_reply)
+
+    def relay(self, to_peer: str, frame: bytes) -> Future[Reply]:
+        future: Future[Reply] = Future()
+        self.network.deliver(self.peer_id, to_peer, frame, "relay", future.set_result, answer_drops=True)
+        return future
 
     def _remote(self, peer: str) -> InboundHandlers:
         handlers = self.network.handlers.get(peer)

@@ -11,7 +11,8 @@ the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `Outb
 deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast succession) and `Handover`
 (a new holder's check for updates it lacks); the membership and the last three once per synchronizer
 shard (`swarm.seats`; with S = 1 one seat, the unsharded peer). A refused update or a lagging fragment
-becomes a `RepairNeeded`, which the peer runs as one task per fragment.
+becomes a `RepairNeeded`, which the peer runs as one task per fragment. `Spreading` relays applied
+updates onward, as `swarm.relay` decides.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from p2p_diloco.swarm.handover import Handover
 from p2p_diloco.swarm.journal import Journal, PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.outbox import Outbox
+from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.swarm.seats import Seat, busy, seat_of_delta
 from p2p_diloco.swarm.serving import Serving
+from p2p_diloco.swarm.spreading import Spreading
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
 from p2p_diloco.swarm.tasks import Tasks
@@ -87,6 +90,10 @@ class Peer:
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
         self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
+        self.relay = Relay(peer_id, manifest.diloco.fanout)
+        self.spreading = Spreading(
+            ctx, self.book, self.membership, self.outbox, self.relay, self.spawn, self._repair
+        )
         count = manifest.diloco.synchronizer_shards
         self.seats: list[Seat] = []  # one per synchronizer shard (`swarm.seats`)
         for shard in range(count):
@@ -102,6 +109,7 @@ class Peer:
                 self.outbox,
                 membership,
                 handover.held,
+                self.relay,
             )
             elect = functools.partial(self.elect, shard=shard)
             watch = HolderWatch(peer_id, membership, self.journal, self.spawn, elect)
@@ -124,6 +132,9 @@ class Peer:
                 self.spawn(
                     self._receive_update(event.sender, event.frame, event.now), self._respond(event.answer)
                 )
+            case fx.RelayArrived():
+                task = self.spreading.receive(event.sender, event.frame, event.now)
+                self.spawn(task, self._respond(event.answer))
             case fx.UpdatesRequested():
                 frames = self.serving.serve_updates(event.requester, event.fragment, event.after_version)
                 self._emit(fx.Respond(event.answer, frames))
@@ -212,6 +223,7 @@ class Peer:
         verdict = yield from self.book.accept(frame, sender, UpdateSource.PUSHED, now)
         if verdict.reply.status == ReplyStatus.APPLIED and verdict.record is not None:
             self.outbox.on_merged(verdict.record)
+            self.spreading.spread(verdict.record, hop=1, now=now, relayed=False)
         elif verdict.repair is not None:
             self._repair(verdict.repair)
         return verdict.reply

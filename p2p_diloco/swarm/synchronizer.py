@@ -4,7 +4,7 @@ and the updates it publishes.
 `SynchronizerRole` is what the peer talks to: it admits a delta once (`RunManifest.may_learn`) and hands
 it to the `Synchronizer` of the term this peer holds; its sync ticks close the ready rounds, install each
 merged update on the peer's own replica through `UpdateBook.apply` (the outer step computed once, by
-`swarm.merging`) and push it to every live peer. It changes only on the owner thread, so a term's end
+`swarm.merging`) and push it to at most `[diloco] fanout` live peers, which relay it on (`swarm.relay`). It changes only on the owner thread, so a term's end
 (merge the open rounds, release the lease) is one step no delta or merge can interleave with.
 
 A term's `Synchronizer` is sans-IO and never mutates the replica. An admitted delta passes the sender's
@@ -36,10 +36,12 @@ from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.merging import MergeOutcome, Merger, dense
 from p2p_diloco.swarm.outbox import Outbox
+from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.sparse_rounds import intake_problem
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.codec import decode_tensors
 from p2p_diloco.wire.frames import decode_delta, encode_update
+from p2p_diloco.wire.relay_frames import UpdateId
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import SignatureCheck
 
@@ -55,6 +57,7 @@ class SynchronizerRole:
         outbox: Outbox,
         membership: Membership,
         held: Callable[[float], frozenset[int]] = lambda now: frozenset(),
+        relay: Relay | None = None,
     ):
         self.peer_id, self.manifest, self.plan, self.replica = (
             ctx.peer_id,
@@ -70,6 +73,7 @@ class SynchronizerRole:
         self.outbox = outbox
         self.membership = membership
         self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
+        self.relay = relay or Relay(ctx.peer_id, ctx.manifest.diloco.fanout)  # whom an update goes to first
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
         self.sync: Synchronizer | None = None
 
@@ -90,8 +94,8 @@ class SynchronizerRole:
         self.journal.note(f"became synchronizer for term {term} at versions {self.replica.versions()}")
 
     def tick(self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None) -> list[UpdateRecord]:
-        """Close ready rounds; apply each update here (its outer step computed once), push it to every
-        live peer."""
+        """Close ready rounds; apply each update here (its outer step computed once), push it to at most
+        `fanout` live peers (`Relay.publish`), which offer it onward."""
         if self.sync is None or self._fenced(now):
             return []
         published = []
@@ -110,9 +114,8 @@ class SynchronizerRole:
                 continue
             self.outbox.on_merged(record)
             frame = encode_update(record)
-            for peer in sorted(self.membership.live_peers):
-                if peer != self.peer_id:
-                    self._emit(fx.PushUpdate(peer, frame))
+            for peer in self.relay.publish(UpdateId.of(record), self.membership.live_peers, len(frame)):
+                self._emit(fx.PushUpdate(peer, frame))
             self.sync.finish(record.fragment, sync_seconds)
             published.append(record)
             self._emit(fx.Published(record))

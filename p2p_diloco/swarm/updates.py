@@ -61,6 +61,7 @@ _STATE_TAGS = (ReplicaTag.DUPLICATE_UPDATE, ReplicaTag.OUT_OF_ORDER, ReplicaTag.
 
 class UpdateSource(StrEnum):
     PUSHED = "pushed"  # pushed by the synchronizer
+    RELAYED = "relayed"  # relayed by a peer that applied it (`swarm.relay`): checked as if pushed
     REPLAYED = "replayed"  # fetched from a peer's log
     OWN = "own"  # merged by this peer as synchronizer
 
@@ -249,8 +250,9 @@ class UpdateBook:
         sender is the leader it names, the leader's signature, a valid lease of that term
         (`Membership.verify_lease`) live when it arrived; a refused one that does not follow this replica
         names the repair it needs. Replayed: the frame, the signature, a lease of that term (past terms
-        of synchronizers count), and it must extend the replica (else `SKIPPED`, no offence)."""
-        pushed = how == UpdateSource.PUSHED
+        of synchronizers count), and it must extend the replica (else `SKIPPED`, no offence). Relayed:
+        as pushed, but from any peer of the run (`swarm.relay`: relaying extends no trust)."""
+        pushed = how in (UpdateSource.PUSHED, UpdateSource.RELAYED)
         if pushed and not self.membership.allowed(source):
             return Verdict(
                 self.journal.reject(source, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist")
@@ -273,13 +275,9 @@ class UpdateBook:
         if fencing.action != lease_rules.ACCEPT:
             return Verdict(self.journal.reject(source, fencing.tag, fencing.detail), record)
         term = record.term
-        if record.leader != source:
-            return Verdict(
-                self.journal.reject(
-                    source, UpdateTag.NOT_THE_LEADER, f"update of term {term} names {record.leader}"
-                ),
-                record,
-            )
+        if record.leader != source and how == UpdateSource.PUSHED:
+            detail = f"update of term {term} names {record.leader}"
+            return Verdict(self.journal.reject(source, UpdateTag.NOT_THE_LEADER, detail), record)
         if not self.signed_by_leader(record):
             return Verdict(
                 self.journal.reject(source, UpdateTag.BAD_SIGNATURE, f"update of term {term}"), record

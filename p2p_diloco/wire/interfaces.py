@@ -81,6 +81,11 @@ class Transport(Protocol):
         self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None
     ) -> None: ...
 
+    def relay(self, to_peer: str, frame: bytes) -> Future[Reply]:
+        """Send a relay frame (`wire.relay_frames`: an offer, or an update asked for) in the background;
+        the future gets the receiver's `Reply` (a local `TRANSIENT` one if undelivered), never fails."""
+        ...
+
     def probe(self, peer: str, addresses: Sequence[str] = ()) -> Future[Liveness]:
         """Whether `peer`'s process is there (reached at `addresses`, its heartbeat's), within about a
         second; the future never fails."""
@@ -112,6 +117,8 @@ class InboundHandlers(Protocol):
     def handle_delta(self, sender: str, frame: bytes) -> Reply | Future[Reply]: ...
 
     def handle_update(self, sender: str, frame: bytes) -> Reply | Future[Reply]: ...
+
+    def handle_relay(self, sender: str, frame: bytes) -> Reply | Future[Reply]: ...
 
     def serve_updates(
         self, requester: str, fragment: int, after_version: int

@@ -33,7 +33,8 @@ OP_UPDATE = "update"
 OP_FETCH_UPDATES = "fetch-updates"
 OP_FETCH_SNAPSHOT = "fetch-snapshot"  # a fragment snapshot's index (wire.snapshot_chunks)
 OP_FETCH_CHUNK = "fetch-chunk"  # one chunk of a snapshot
-TRANSPORT_OPS = (OP_DELTA, OP_UPDATE, OP_FETCH_UPDATES, OP_FETCH_SNAPSHOT, OP_FETCH_CHUNK)
+OP_RELAY = "relay"  # an update offered or relayed peer to peer (wire.relay_frames)
+TRANSPORT_OPS = (OP_DELTA, OP_UPDATE, OP_FETCH_UPDATES, OP_FETCH_SNAPSHOT, OP_FETCH_CHUNK, OP_RELAY)
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MANIFEST_HASH_RE = re.compile(r"^[0-9a-f]{16}$")

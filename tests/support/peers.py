@@ -61,6 +61,9 @@ class StubTransport:
     def push_update(self, to_peer, frame, on_reply=None) -> None:  # noqa: ANN001
         pass
 
+    def relay(self, to_peer, frame) -> concurrent.futures.Future:  # noqa: ANN001
+        return concurrent.futures.Future()  # lost in flight: never answered
+
     def request_updates(self, from_peer, fragment, after_version) -> concurrent.futures.Future:  # noqa: ANN001
         self.asked.append((from_peer, fragment, after_version))
         if from_peer in self.frozen:

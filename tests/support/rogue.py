@@ -79,6 +79,9 @@ class _RogueHandlers:
     def handle_update(self, sender: str, frame: bytes) -> Reply:
         return Reply.refused("ignored", "the rogue keeps no replica")
 
+    def handle_relay(self, sender: str, frame: bytes) -> Reply:
+        return Reply.refused("ignored", "the rogue keeps no replica")
+
     def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
         return []
 

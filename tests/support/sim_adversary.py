@@ -37,6 +37,7 @@ from p2p_diloco.wire.frames import decode_update, encode_delta, encode_update, u
 from p2p_diloco.wire.keys import eval_key, heartbeat_key, lease_key
 from p2p_diloco.wire.observe import EvalHistory, EvalPoint
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
+from p2p_diloco.wire.relay_frames import Relayed, RelayTag, decode_relay
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 STRATEGIES = ("tips", "leases", "snapshots", "logs", "pushes", "deltas", "evals")
@@ -69,6 +70,14 @@ class _Key:
     def handle_update(self, sender: str, frame: bytes) -> Reply:
         self.genuine.append(frame)
         return Reply(ReplyStatus.APPLIED, "applied")
+
+    def handle_relay(self, sender: str, frame: bytes) -> Reply:
+        """Asks for every offered update and keeps it, as it keeps pushed ones."""
+        message = decode_relay(frame)
+        if isinstance(message, Relayed):
+            self.genuine.append(message.frame)
+            return Reply(ReplyStatus.APPLIED, "applied")
+        return Reply(ReplyStatus.ACCEPTED, RelayTag.SEND)
 
     def serve_updates(self, requester: str, fragment: int, after_version: int) -> list[bytes]:
         if "logs" not in self.strategies:

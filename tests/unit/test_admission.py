@@ -54,4 +54,5 @@ def test_transport_requests_follow_the_same_rule_updates_only_from_synchronizers
     assert admit(keys.OP_UPDATE, SYNC) and not admit(keys.OP_UPDATE, LEARNER)
     for op in (keys.OP_DELTA, keys.OP_FETCH_UPDATES, keys.OP_FETCH_SNAPSHOT, "a-new-fetch-op"):
         assert admit(op, LEARNER) and admit(op, SYNC) and not admit(op, STRANGER)
+    assert admit(keys.OP_RELAY, LEARNER) and admit(keys.OP_RELAY, SYNC) and not admit(keys.OP_RELAY, STRANGER)
     assert stream_admission(RunManifest(run_id="open"))(keys.OP_UPDATE, STRANGER)  # no lists: anyone

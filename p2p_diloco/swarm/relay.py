@@ -1,0 +1,222 @@
+"""Updates spread peer to peer: who gets an update from whom, as pure bookkeeping (time passed in).
+
+The publisher pushes each update to at most `[diloco] fanout` peers; every peer that checked and applied
+it (pushed or relayed, never replayed nor unchecked) offers it onward to at most `fanout` peers. Who
+offers to whom is a tree over one order of the live peers per update: the leader first, then the others
+ranked by a rendezvous hash of (update, peer), so every peer with the same view of the live peers computes
+the same tree, and different updates start at different peers (no peer relays every update). The peer at
+position i offers to positions i*f+1 .. i*f+f: an update reaches M peers in about log_f(M) hops, and each
+peer sends at most f payloads and receives one. A child that an offer does not reach (gone, unreachable)
+has its children offered the update by its parent instead (`heirs`, one level).
+
+Offers are small (`wire.relay_frames.Offer`); the payload follows only when the receiver asks (`SEND`):
+it declines an update it holds (`HAVE`), one it already asked another peer for (`ASKED`, until
+`ASK_SECONDS` pass without the payload), and every offer of a relayer that sent garbage (`DROPPED`).
+Views of the live peers differ a little between peers; an offer to a peer that has the update costs a
+few bytes, and a peer that no one offered to catches up from heartbeats' trusted tips (`swarm.repair`).
+
+Relaying extends no trust: the receiver checks a relayed record in full (`UpdateBook.accept`), and a
+relayer whose record fails a check that its own checks must have passed is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from p2p_diloco.protocol.decisions import AdmissionTag
+from p2p_diloco.protocol.messages import UpdateTag
+from p2p_diloco.wire.relay_frames import RelayTag, UpdateId
+from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+ASK_SECONDS = 10.0  # how long a receiver waits for a payload it asked for before it asks another offerer
+MAX_TRACKED = 256  # updates remembered (asked for, or known held by their offerers); oldest dropped first
+MAX_DROPPED = 256  # relayers dropped for garbage, remembered
+
+# Refusals of a relayed record that its relayer's own checks must have made: relaying it is an offence.
+# (A duplicate, a gap, a checksum that does not match my state or a lease that lapsed on the way are not.)
+OFFENCES = frozenset(
+    {
+        RelayTag.MISMATCH,
+        RelayTag.BAD_FRAME,
+        UpdateTag.BAD_SIGNATURE,
+        UpdateTag.NO_LEASE,
+        UpdateTag.WRONG_CODEC,
+        UpdateTag.NOT_FINITE,
+        UpdateTag.TOO_LARGE,
+        UpdateTag.UNKNOWN_CONTRIBUTOR,
+        UpdateTag.IMPLAUSIBLE_WEIGHT,
+        AdmissionTag.WRONG_RUN,
+        AdmissionTag.WRONG_MANIFEST,
+        AdmissionTag.UNKNOWN_FRAGMENT,
+    }
+)
+
+
+def rank(update: UpdateId, peer: str) -> bytes:
+    """The rendezvous rank of `peer` for `update` (lower goes first)."""
+    key = f"{update.fragment}:{update.from_version}:{update.term}:{update.checksum}:{peer}".encode()
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def relay_order(update: UpdateId, peers: Collection[str]) -> list[str]:
+    """The tree order of `update` over `peers`: its leader first, the others by `rank`."""
+    others = sorted((p for p in set(peers) if p != update.leader), key=lambda p: rank(update, p))
+    return [update.leader, *others]
+
+
+def children(update: UpdateId, peers: Collection[str], me: str, fanout: int) -> list[str]:
+    """The peers `me` offers `update` to: its children in the tree over `peers` plus `me`."""
+    order = relay_order(update, {*peers, me})
+    i = order.index(me)
+    return order[i * fanout + 1 : (i + 1) * fanout + 1]
+
+
+@dataclass
+class RelayStats:
+    """Per-peer counters of spreading updates (`status`'s `relay` section; scripts/bench_swarm.py)."""
+
+    update_bytes_sent: int = 0  # update frames sent: pushed as publisher and relayed
+    update_frames_sent: int = 0
+    published: int = 0  # updates this peer published as synchronizer
+    publish_pushes: int = 0  # frames pushed as publisher (at most fanout per update)
+    relayed: int = 0  # payloads sent as a relayer (each asked for by its receiver)
+    offers_sent: int = 0
+    offers_declined: int = 0  # offers answered HAVE, ASKED or DROPPED (nothing more sent)
+    heirs_offered: int = 0  # offers to the children of a peer my offer did not reach
+    offers_received: int = 0
+    asked: int = 0  # offers answered SEND
+    applied_relayed: int = 0  # updates applied from a relayer
+    applied_pushed: int = 0  # updates applied from the publisher's push
+    offences: int = 0  # relayed records refused for what the relayer's checks must have refused
+    max_hop: int = 0  # the most hops an update applied here had travelled
+    hops: dict[int, int] = field(default_factory=dict)  # fragment -> hops of its newest applied update
+    applied_at: dict[int, tuple[int, float]] = field(default_factory=dict)  # fragment -> (version, time)
+
+    def as_dict(self) -> dict[str, object]:
+        fields = {k: v for k, v in vars(self).items() if k not in ("hops", "applied_at")}
+        fields["hops"] = {str(p): h for p, h in sorted(self.hops.items())}
+        fields["applied_at"] = {str(p): [v, round(t, 3)] for p, (v, t) in sorted(self.applied_at.items())}
+        return fields
+
+
+@dataclass(frozen=True)
+class Asked:
+    peer: str
+    hop: int
+    until: float
+
+
+class Relay:
+    def __init__(self, peer_id: str, fanout: int, *, ask_seconds: float = ASK_SECONDS):
+        if fanout < 1:
+            raise ValueError(f"fanout must be >= 1, got {fanout}")
+        self.peer_id = peer_id
+        self.fanout = fanout
+        self.ask_seconds = ask_seconds
+        self.stats = RelayStats()
+        self._asked: OrderedDict[UpdateId, Asked] = OrderedDict()
+        self._holders: OrderedDict[UpdateId, set[str]] = OrderedDict()  # peers that offered it to me
+        self.dropped: OrderedDict[str, str] = OrderedDict()  # relayer -> the offence that dropped it
+
+    # ---- sending -----------------------------------------------------------------------------------
+
+    def publish(self, update: UpdateId, live: Collection[str], frame_bytes: int) -> list[str]:
+        """The peers the publisher pushes `update` to (at most `fanout`), counted as sent."""
+        targets = children(update, live, self.peer_id, self.fanout)
+        self.stats.published += 1
+        self.stats.publish_pushes += len(targets)
+        self.sent_payloads(len(targets), frame_bytes)
+        return targets
+
+    def onward(self, update: UpdateId, live: Collection[str], holds: Collection[str] = ()) -> list[str]:
+        """The peers to offer an update I applied to: my children in its tree, less those known to hold
+        it (`holds`: e.g. heartbeats at its version; and the peers that offered it to me)."""
+        known = set(holds) | self._holders.get(update, set())
+        targets = [p for p in children(update, live, self.peer_id, self.fanout) if p not in known]
+        self.stats.offers_sent += len(targets)
+        return targets
+
+    def heirs(self, update: UpdateId, live: Collection[str], failed: Collection[str]) -> list[str]:
+        """The children of `failed` peers (offers that did not reach them) I offer `update` to instead."""
+        known = self._holders.get(update, set()) | {self.peer_id, *failed}
+        found = [c for peer in failed for c in children(update, live, peer, self.fanout) if c not in known]
+        heirs = list(dict.fromkeys(found))
+        self.stats.offers_sent += len(heirs)
+        self.stats.heirs_offered += len(heirs)
+        return heirs
+
+    def sent_payloads(self, count: int, frame_bytes: int, *, relayed: bool = False) -> None:
+        self.stats.update_frames_sent += count
+        self.stats.update_bytes_sent += count * frame_bytes
+        if relayed:
+            self.stats.relayed += count
+
+    def declined(self, count: int) -> None:
+        self.stats.offers_declined += count
+
+    # ---- receiving ---------------------------------------------------------------------------------
+
+    def on_offer(self, sender: str, update: UpdateId, hop: int, version: int, now: float) -> Reply:
+        """Ask `sender` for `update` (`SEND`), or say why not; `version` is my replica's of its fragment."""
+        self.stats.offers_received += 1
+        self._holders.setdefault(update, set()).add(sender)
+        _trim(self._holders)
+        if sender in self.dropped:
+            return Reply.refused(RelayTag.DROPPED, f"{sender} relayed garbage: {self.dropped[sender]}")
+        if version >= update.to_version:
+            return Reply.refused(RelayTag.HAVE, f"at v{version}")
+        asked = self._asked.get(update)
+        if asked is not None and asked.until > now and asked.peer != sender:
+            return Reply.refused(RelayTag.ASKED, f"{update} asked from {asked.peer}")
+        self._asked[update] = Asked(sender, hop, now + self.ask_seconds)
+        _trim(self._asked)
+        self.stats.asked += 1
+        return Reply(ReplyStatus.ACCEPTED, RelayTag.SEND, str(update))
+
+    def expected(self, sender: str, update: UpdateId) -> int | RelayTag:
+        """The hop of a relayed `update` if I asked `sender` for it (the entry is used up); else
+        `MISMATCH` if I asked `sender` for another update of that fragment and version (an offence),
+        `UNASKED` if for none."""
+        asked = self._asked.get(update)
+        if asked is not None and asked.peer == sender:
+            del self._asked[update]
+            return asked.hop
+        for other, asked in self._asked.items():
+            if asked.peer == sender and (other.fragment, other.from_version) == (
+                update.fragment,
+                update.from_version,
+            ):
+                return RelayTag.MISMATCH
+        return RelayTag.UNASKED
+
+    def refused(self, sender: str, tag: str) -> bool:
+        """A relayed record from `sender` was refused with `tag`: an offence drops it (True)."""
+        if tag not in OFFENCES:
+            return False
+        self.stats.offences += 1
+        self.dropped.pop(sender, None)
+        self.dropped[sender] = str(tag)
+        while len(self.dropped) > MAX_DROPPED:
+            self.dropped.popitem(last=False)
+        for update in [u for u, asked in self._asked.items() if asked.peer == sender]:
+            del self._asked[update]
+        return True
+
+    def applied(self, update: UpdateId, hop: int, now: float, *, relayed: bool) -> None:
+        """An update pushed (hop 1) or relayed to me was applied at `now`."""
+        stats = self.stats
+        if relayed:
+            stats.applied_relayed += 1
+        else:
+            stats.applied_pushed += 1
+        stats.max_hop = max(stats.max_hop, hop)
+        stats.hops[update.fragment] = hop
+        stats.applied_at[update.fragment] = (update.to_version, now)
+
+
+def _trim(table: OrderedDict) -> None:
+    while len(table) > MAX_TRACKED:
+        table.popitem(last=False)

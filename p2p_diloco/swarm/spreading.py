@@ -1,0 +1,132 @@
+"""Relaying on a peer: offers of updates in and out, and relayed updates checked, applied and passed on.
+
+`swarm.relay.Relay` decides (whom to offer an update to, whether to ask for an offered one, who is
+dropped); `Spreading` turns its decisions into intents (`OfferUpdate` tasks, `RelayUpdate` sends) on
+the peer's owner thread. A relayed update goes through `UpdateBook.accept` like a pushed one (every
+check; only the pusher need not be its leader), and only an applied update is offered onward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol.decisions import AdmissionTag
+from p2p_diloco.protocol.messages import UpdateRecord
+from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.journal import PeerContext
+from p2p_diloco.swarm.membership import Membership
+from p2p_diloco.swarm.outbox import Outbox
+from p2p_diloco.swarm.relay import Relay
+from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.wire.frames import decode_update, encode_update
+from p2p_diloco.wire.relay_frames import (
+    Offer,
+    Relayed,
+    RelayTag,
+    UpdateId,
+    decode_relay,
+    encode_offer,
+    encode_relayed,
+)
+from p2p_diloco.wire.replies import Reply, ReplyStatus
+
+
+class Spreading:
+    def __init__(
+        self,
+        ctx: PeerContext,
+        book: UpdateBook,
+        membership: Membership,
+        outbox: Outbox,
+        relay: Relay,
+        spawn: Callable[..., None],
+        repair: Callable[[fx.RepairNeeded], None],
+    ):
+        self.manifest, self.plan, self.replica = ctx.manifest, ctx.plan, ctx.replica
+        self.journal, self._emit = ctx.journal, ctx.emit
+        self.book, self.membership, self.outbox, self.relay = book, membership, outbox, relay
+        self.spawn, self._repair = spawn, repair
+
+    def receive(self, sender: str, data: bytes, now: float) -> fx.Task:
+        """An offer (answered at once: send it, or why not), or an update I asked `sender` for: checked
+        in full as a pushed one is (`UpdateBook.accept`), applied, then offered onward."""
+        if not self.membership.allowed(sender):
+            return self.journal.reject(
+                sender, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist"
+            )
+        try:
+            message = decode_relay(data)
+            if isinstance(message, Relayed):
+                record = decode_update(message.frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except DecodeError as exc:
+            self._relay_offence(sender, RelayTag.BAD_FRAME)
+            return self.journal.reject(sender, exc.reason, f"relay frame: {exc.detail}")
+        if isinstance(message, Offer):
+            update = message.update
+            if not 0 <= update.fragment < self.plan.num_fragments:
+                detail = f"offered fragment {update.fragment} not in [0, {self.plan.num_fragments})"
+                return self.journal.reject(sender, AdmissionTag.UNKNOWN_FRAGMENT, detail)
+            return self.relay.on_offer(
+                sender, update, message.hop, self.replica.version(update.fragment), now
+            )
+        update = UpdateId.of(record)
+        hop = self.relay.expected(sender, update)
+        if not isinstance(hop, int):
+            self._relay_offence(sender, hop)
+            return self.journal.reject(sender, hop, f"relayed {update}")
+        verdict = yield from self.book.accept(message.frame, sender, UpdateSource.RELAYED, now)
+        if verdict.reply.status == ReplyStatus.APPLIED:
+            self.outbox.on_merged(record)
+            self.spread(record, hop=hop, now=now, relayed=True)
+        else:
+            self._relay_offence(sender, verdict.reply.tag)
+            if verdict.repair is not None:
+                self._repair(verdict.repair)
+        return verdict.reply
+
+    def _relay_offence(self, sender: str, tag: str) -> None:
+        if self.relay.refused(sender, tag):
+            self.journal.note(f"dropped relayer {sender}: it relayed a record refused for {tag}")
+
+    def spread(self, record: UpdateRecord, *, hop: int, now: float, relayed: bool) -> None:
+        """An update pushed or relayed to me was applied: offer it to my children in its relay tree."""
+        update = UpdateId.of(record)
+        self.relay.applied(update, hop, now, relayed=relayed)
+        live = self.membership.live_peers
+        holds = [
+            p
+            for p, info in live.items()
+            if record.fragment < len(info.versions) and info.versions[record.fragment] >= update.to_version
+        ]
+        targets = self.relay.onward(update, live, holds)
+        if targets:
+            self.spawn(self._offer(record, hop + 1, tuple(targets)))
+
+    def _offer(self, record: UpdateRecord, hop: int, targets: tuple[str, ...]) -> fx.Task:
+        """Offer `record` to `targets`, send it to those that ask; a target the offer did not reach hands
+        its children to me (one level: I send at most fanout x (fanout + 1) payloads of an update)."""
+        update = UpdateId.of(record)
+        replies = yield fx.OfferUpdate(targets, encode_offer(Offer(update, hop)))
+        wanted, failed = _sorted_replies(targets, replies)
+        heirs = tuple(self.relay.heirs(update, self.membership.live_peers, failed)) if failed else ()
+        if heirs:
+            replies = yield fx.OfferUpdate(heirs, encode_offer(Offer(update, hop + 1)))
+            wanted += _sorted_replies(heirs, replies)[0]
+        self.relay.declined(len(targets) + len(heirs) - len(wanted))
+        if wanted:
+            frame = encode_relayed(hop, encode_update(record))
+            self.relay.sent_payloads(len(wanted), len(frame), relayed=True)
+            for peer in wanted:
+                self._emit(fx.RelayUpdate(peer, frame))
+
+
+def _sorted_replies(targets: tuple[str, ...], replies: list) -> tuple[list[str], list[str]]:
+    """(the targets that asked for the update, those the offer did not reach)."""
+    wanted, failed = [], []
+    for peer, reply in zip(targets, replies):
+        if not isinstance(reply, Reply) or reply.status == ReplyStatus.TRANSIENT:
+            failed.append(peer)
+        elif reply.status == ReplyStatus.ACCEPTED and reply.tag == RelayTag.SEND:
+            wanted.append(peer)
+    return wanted, failed
