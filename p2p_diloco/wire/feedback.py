@@ -72,7 +72,8 @@ class ErrorFeedback:
                 raise ValueError(f"fragment {fragment}: delta {name!r} holds NaN or inf; not sent")
             corrected[name] = value
         frame = encode_tensors(corrected, codec=self.codec, block_size=self.block_size, density=self.density)
-        decoded = decode_tensors(frame, max_bytes=len(frame))
+        shapes = {name: tuple(value.shape) for name, value in corrected.items()}
+        decoded = decode_tensors(frame, expected_shapes=shapes, max_bytes=len(frame))
         if self.enabled:
             self._residuals[fragment] = {
                 name: (value - decoded[name].to(value.device)).to(self.residual_dtype)

@@ -28,13 +28,10 @@ CHUNKED = ["topk4k-int2", "topk4k-int4", "topk4k-int8"]
 IDS = {"topk4k-int2": 5, "topk4k-int4": 6, "topk4k-int8": 7}
 
 
-def _frame(entries: list[bytes], codec_id: int) -> bytes:
-    return codec.MAGIC + struct.pack("<BBI", 1, codec_id, len(entries)) + b"".join(entries)
-
-
-def _entry(shape: tuple[int, ...], body: bytes, block: int = 64) -> bytes:
-    head = struct.pack("<H", 1) + b"w" + struct.pack("<BB", 1, len(shape))
-    return head + struct.pack(f"<{len(shape)}Q", *shape) + struct.pack("<I", block) + body
+def _frame(shape: tuple[int, ...], body: bytes, codec_id: int, block: int = 64) -> bytes:
+    """A chunked frame of one tensor "w" of `shape`: no names, the digest of {"w": shape}, then `body`."""
+    head = codec.MAGIC + struct.pack("<BBI", 1, codec_id, 1) + struct.pack("<I", block)
+    return head + codec.table_digest({"w": shape}) + body
 
 
 def _int2_body(keeps: tuple[int, int], offsets, levels, codes) -> bytes:
@@ -46,9 +43,9 @@ def _int2_body(keeps: tuple[int, int], offsets, levels, codes) -> bytes:
     )
 
 
-def _reason(data: bytes) -> str:
+def _reason(data: bytes, shape: tuple[int, ...]) -> str:
     with pytest.raises(DecodeError) as info:
-        decode_tensors(data, max_bytes=1 << 24)
+        decode_tensors(data, expected_shapes={"w": shape}, max_bytes=1 << 24)
     return info.value.reason
 
 
@@ -103,18 +100,18 @@ def test_sizes_match_sparseloco_budget():
 def test_decoding_is_deterministic_and_non_finite_is_refused(name):
     x = {"w": torch.randn(5000, generator=torch.Generator().manual_seed(2))}
     frame = encode_tensors(x, codec=name, density=0.05)
-    a, b = decode_tensors(frame)["w"], decode_tensors(bytearray(frame))["w"]
-    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    assert (
-        float(
-            decode_tensors(encode_tensors({"z": torch.zeros(100)}, codec=name, density=0.1))["z"].abs().sum()
-        )
-        == 0
+    w = {"w": (5000,)}
+    a, b = (
+        decode_tensors(frame, expected_shapes=w)["w"],
+        decode_tensors(bytearray(frame), expected_shapes=w)["w"],
     )
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    zeros = encode_tensors({"z": torch.zeros(100)}, codec=name, density=0.1)
+    assert float(decode_tensors(zeros, expected_shapes={"z": (100,)})["z"].abs().sum()) == 0
     for bad in (float("nan"), float("inf")):
         t = torch.randn(100)
         t[5] = bad
-        assert _reason(encode_tensors({"w": t}, codec=name, density=0.5)) == "non-finite"
+        assert _reason(encode_tensors({"w": t}, codec=name, density=0.5), (100,)) == "non-finite"
 
 
 @FAST
@@ -171,7 +168,9 @@ def test_heavy_tails_cost_the_bulk_no_precision(name, bound):
         torch.randn(8 * CHUNK, generator=gen)
         / (torch.randn(3, 8 * CHUNK, generator=gen).pow(2).mean(0)).sqrt()
     )
-    got = decode_sparse(encode_tensors({"w": x}, codec=name, density=0.03))["w"]
+    got = decode_sparse(encode_tensors({"w": x}, codec=name, density=0.03), expected_shapes={"w": x.shape})[
+        "w"
+    ]
     sent = x[got.indices]
     assert float(((got.values - sent).abs() / sent.abs()).median()) < bound
 
@@ -179,7 +178,7 @@ def test_heavy_tails_cost_the_bulk_no_precision(name, bound):
 def test_hostile_bodies_get_specific_reasons():
     shape, name = (10,), "topk4k-int2"
     ok = _int2_body((0, 2), [3, 7], [1.0, 2.0], [0, 3])
-    out = decode_tensors(_frame([_entry(shape, ok)], IDS[name]))["w"]
+    out = decode_tensors(_frame(shape, ok, IDS[name]), expected_shapes={"w": shape})["w"]
     assert out.tolist() == [0, 0, 0, 1.0, 0, 0, 0, -2.0, 0, 0]
     for body, reason in [
         (_int2_body((1, 2), [3, 7], [1.0, 2.0], [0, 3]), SparseReason.BAD_COUNT),  # no full chunk to keep of
@@ -198,34 +197,34 @@ def test_hostile_bodies_get_specific_reasons():
         (ok + b"\x00", codec.TRAILING_BYTES),
         (struct.pack("<HH", 0, 1) + bytes([0x05, 0x10]) + ok[-9:-1] + b"\x00", PackReason.BAD_PADDING),
     ]:
-        assert _reason(_frame([_entry(shape, body)], IDS[name])) == reason, body
+        assert _reason(_frame(shape, body, IDS[name]), shape) == reason, body
 
 
 def test_full_chunks_are_checked_one_by_one():
     shape = (2 * CHUNK,)  # two full chunks, 2 kept of each: offsets increase within a chunk, restart after
     levels = [0.5, 1.0]
-    got = decode_sparse(
-        _frame([_entry(shape, _int2_body((2, 0), [5, 9, 1, 4095], levels, [0, 1, 2, 3]))], 5)
-    )["w"]
+    body = _int2_body((2, 0), [5, 9, 1, 4095], levels, [0, 1, 2, 3])
+    got = decode_sparse(_frame(shape, body, 5), expected_shapes={"w": shape})["w"]
     assert got.indices.tolist() == [5, 9, CHUNK + 1, CHUNK + 4095]
     assert got.values.tolist() == [0.5, 1.0, -0.5, -1.0]
     bad = _int2_body((2, 0), [5, 9, 4, 1], levels, [0, 0, 0, 0])  # the second chunk decreases
-    assert _reason(_frame([_entry(shape, bad)], 5)) == SparseReason.BAD_INDEX
-    huge = _frame([_entry((CHUNK * 10**6,), struct.pack("<HH", 4096, 0))], 5)  # 4G kept in a tiny frame
-    assert _reason(huge) in ("truncated", "oversized")
+    assert _reason(_frame(shape, bad, 5), shape) == SparseReason.BAD_INDEX
+    huge = _frame((CHUNK * 10**6,), struct.pack("<HH", 4096, 0), 5)  # 4G kept in a tiny frame
+    assert _reason(huge, (CHUNK * 10**6,)) in ("truncated", "oversized")
 
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.binary(max_size=300), codec_id=st.sampled_from([5, 6, 7]), numel=st.integers(0, 9000))
 def test_garbage_bodies_only_raise_decode_error(data, codec_id, numel):
-    frame = _frame([_entry((numel,), data)], codec_id)
+    frame = _frame((numel,), data, codec_id)
     try:
-        out = decode_sparse(frame, max_bytes=1 << 20)
+        out = decode_sparse(frame, expected_shapes={"w": (numel,)}, max_bytes=1 << 20)
     except DecodeError:
         return
     t = out["w"]
     assert bool(torch.isfinite(t.values).all()) and bool((t.indices[1:] > t.indices[:-1]).all())
-    assert torch.equal(decode_tensors(frame).get("w").reshape(-1), t.to_dense().reshape(-1))
+    dense = decode_tensors(frame, expected_shapes={"w": (numel,)})["w"]
+    assert torch.equal(dense.reshape(-1), t.to_dense().reshape(-1))
 
 
 @FAST
@@ -236,10 +235,40 @@ def test_mutated_valid_frames_only_raise_decode_error(seed, cut, flip):
     frame = bytearray(encode_tensors({"w": torch.randn(CHUNK + 77, generator=gen)}, codec=name, density=0.02))
     frame[cut % len(frame)] ^= flip
     try:
-        out = decode_tensors(bytes(frame), max_bytes=1 << 20)
+        out = decode_tensors(bytes(frame), expected_shapes={"w": (CHUNK + 77,)}, max_bytes=1 << 20)
     except DecodeError:
         return
     assert all(bool(torch.isfinite(t).all()) for t in out.values())
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_frames_name_no_tensors_and_only_the_expected_table_decodes(name):
+    tensors = {"b": torch.randn(300), "a": torch.randn(2, 2100), "c": torch.randn(64)}
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    frame = encode_tensors(tensors, codec=name, density=0.05)
+    bodies = sum(len(encode_tensors({n: t}, codec=name, density=0.05)) - 22 for n, t in tensors.items())
+    assert len(frame) == 22 + bodies  # magic, head, block size and digest once: nothing per tensor
+    out = decode_tensors(frame, expected_shapes=shapes)
+    assert list(out) == list(shapes)  # in the caller's order (bodies travel in name order)
+    alone = decode_tensors(
+        encode_tensors({"a": tensors["a"]}, codec=name, density=0.05), expected_shapes={"a": (2, 2100)}
+    )
+    assert torch.equal(out["a"], alone["a"])
+    for expected, reason in [
+        (None, codec.BAD_HEADER),  # nothing to decode it by
+        ({**shapes, "d": (4,)}, codec.MISSING_TENSOR),
+        ({"a": (2, 2100), "b": (300,)}, codec.UNEXPECTED_TENSOR),
+        ({**shapes, "c": (65,)}, codec.WRONG_SHAPE),  # a shape differs
+        ({"a": (2, 2100), "b": (300,), "e": (64,)}, codec.WRONG_SHAPE),  # a name differs
+    ]:
+        with pytest.raises(DecodeError) as info:
+            decode_tensors(frame, expected_shapes=expected)
+        assert info.value.reason == reason, expected
+    bad_block = bytearray(frame)
+    bad_block[10:14] = struct.pack("<I", 100)
+    with pytest.raises(DecodeError) as info:
+        decode_tensors(bytes(bad_block), expected_shapes=shapes)
+    assert info.value.reason == codec.BAD_HEADER
 
 
 def test_decode_sparse_refuses_dense_frames():
@@ -257,7 +286,7 @@ def test_error_feedback_residual_is_what_was_not_delivered(name):
     for _ in range(3):
         delta = torch.randn(5000, generator=gen)
         frame, decoded = feedback.compress(0, {"w": delta})
-        assert torch.equal(decode_tensors(frame)["w"], decoded["w"])
+        assert torch.equal(decode_tensors(frame, expected_shapes={"w": (5000,)})["w"], decoded["w"])
         corrected = delta + residual * 0.95
         residual = feedback._residuals[0]["w"]
         assert torch.allclose(residual, corrected - decoded["w"], atol=1e-6)

@@ -154,7 +154,8 @@ def test_a_replica_merges_the_listed_deltas_bit_identically(codec):
     grad = open_record(record, keys, manifest, sync.replica.shapes(0))
     assert isinstance(grad, dict)
     # nothing re-sparsified: the update covers exactly the union of the entries the learners sent
-    sent = [decode_sparse(decode_delta(f, max_bytes=1 << 24)[1]) for f in frames]
+    shapes = sync.replica.shapes(0)
+    sent = [decode_sparse(decode_delta(f, max_bytes=1 << 24)[1], expected_shapes=shapes) for f in frames]
     for name, t in grad.items():
         union = set().union(*(set(s[name].indices.tolist()) for s in sent))
         assert set(torch.nonzero(t.reshape(-1)).reshape(-1).tolist()) <= union
