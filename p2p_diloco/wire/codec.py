@@ -9,16 +9,9 @@ Frame layout, all integers little-endian::
                                  fp32: values f32 * numel (block size 0)
                                  topk-int8 / topk-int4: the sparse body of `wire.sparse`
 
-Chunked codecs (topk4k-int2 / -int4 / -int8, `wire.chunked`) name no tensors: the receiver knows its
-fragment's names and shapes, so their frame is::
-
-    magic b"PDTF" | format version u8 | codec id u8 | tensor count u32 | block size u32 |
-    table digest (8 bytes: BLAKE2b of the names and shapes, `table_digest`) |
-    per tensor, in name order: the chunked body of `wire.chunked`
-
-and decoding one needs `expected_shapes`: the count and digest must match them exactly (else
-MISSING_TENSOR, UNEXPECTED_TENSOR or WRONG_SHAPE). On the demo model this saves the ~40 bytes of name,
-dtype, shape and block size per tensor (0.0085 B/param per round of 0.046 at 2 %).
+Chunked codecs (topk4k-*) name no tensors (the receiver knows its fragment's): after the tensor count
+come block size u32, an 8-byte digest of the names and shapes and one body of all tensors in name order
+(`wire.chunked.read_frame`); decoding needs `expected_shapes`, whose count and digest must match.
 
 Encoding uses `bitsandbytes.functional.quantize_blockwise` on accelerators and the same algorithm on the
 CPU (`quantize_blockwise_cpu`: the C kernels of `protocol.fused` when built, else plain torch, with the same
@@ -35,8 +28,6 @@ primitives (tags, code table, byte reader, CPU quantizer) live in `wire.blockwis
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import struct
 from collections.abc import Mapping
@@ -96,15 +87,6 @@ _U32 = struct.Struct("<I")
 _DTYPE_NDIM = struct.Struct("<BB")
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 _MIN_ENTRY_BYTES = _U16.size + 1 + _DTYPE_NDIM.size + _U32.size
-TABLE_DIGEST_BYTES = 8
-_CHUNKED_HEAD = _U32.size + TABLE_DIGEST_BYTES  # block size u32 | table digest
-
-
-def table_digest(shapes: Mapping[str, tuple[int, ...]]) -> bytes:
-    """What a chunked frame sends instead of its tensors' names and shapes: a digest of them, in name order."""
-    table = [[name, [int(d) for d in shapes[name]]] for name in sorted(shapes)]
-    raw = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return hashlib.blake2b(raw, digest_size=TABLE_DIGEST_BYTES, person=b"PDTF-table").digest()
 
 
 @dataclass(frozen=True)
@@ -115,12 +97,7 @@ class _Entry:
     block_size: int
     absmax_at: int
     data_at: int
-    layout: sparse.SparseLayout | chunked.ChunkedLayout | None = None
-
-
-def _bodies(codec: Codec):  # noqa: ANN202 - the module of a sparse codec's bodies
-    """`wire.chunked` or `wire.sparse`: both offer body_size, encode_body, claim_body, decode_sparse."""
-    return chunked if codec in chunked.VALUE_BITS else sparse
+    layout: sparse.SparseLayout | None = None
 
 
 def check_codec(codec: str, block_size: int, density: float = DEFAULT_DENSITY) -> Codec:
@@ -208,7 +185,10 @@ def encode_tensors(
     `density` is the fraction of each chunk a sparse codec keeps (ignored by dense codecs)."""
     codec = check_codec(codec, block_size, density)
     if codec in chunked.VALUE_BITS:
-        return _encode_chunked(tensors, codec, block_size, density)
+        for name, tensor in tensors.items():
+            _entry_head(name, tensor, block_size)  # the same checks of names, dtypes and dims
+        head = MAGIC + _FRAME_HEAD.pack(FORMAT_VERSION, CODEC_IDS[codec], len(tensors))
+        return head + chunked.encode_frame(tensors, codec=codec, density=density, block_size=block_size)
     block = 0 if codec == Codec.FP32 else block_size
     heads = [_entry_head(name, tensor, block) for name, tensor in tensors.items()]
     chunks = [MAGIC, _FRAME_HEAD.pack(FORMAT_VERSION, CODEC_IDS[codec], len(tensors))]
@@ -219,25 +199,12 @@ def encode_tensors(
         for head, tensor in zip(heads, tensors.values()):
             chunks += (
                 head,
-                _bodies(codec).encode_body(tensor, codec=codec, density=density, block_size=block_size),
+                sparse.encode_body(tensor, codec=codec, density=density, block_size=block_size),
             )
     else:
         for head, tensor in zip(heads, tensors.values()):
             values = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
             chunks += (head, values.numpy().astype("<f4", copy=False).tobytes())
-    return b"".join(chunks)
-
-
-def _encode_chunked(
-    tensors: Mapping[str, torch.Tensor], codec: Codec, block_size: int, density: float
-) -> bytes:
-    for name, tensor in tensors.items():
-        _entry_head(name, tensor, block_size)  # the same checks of names, dtypes and dims
-    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-    chunks = [MAGIC, _FRAME_HEAD.pack(FORMAT_VERSION, CODEC_IDS[codec], len(tensors))]
-    chunks += (_U32.pack(block_size), table_digest(shapes))
-    for name in sorted(tensors):
-        chunks.append(chunked.encode_body(tensors[name], codec=codec, density=density, block_size=block_size))
     return b"".join(chunks)
 
 
@@ -252,18 +219,14 @@ def frame_size(
     codec = check_codec(codec, block_size, density)
     size = len(MAGIC) + _FRAME_HEAD.size
     if codec in chunked.VALUE_BITS:
-        bodies = (
-            chunked.body_size(math.prod(s), codec=codec, density=density, block_size=block_size)
-            for s in shapes.values()
-        )
-        return size + _CHUNKED_HEAD + sum(bodies)
+        return size + chunked.frame_size(shapes, codec=codec, density=density, block_size=block_size)
     for name, shape in shapes.items():
         numel = math.prod(shape)
         size += _MIN_ENTRY_BYTES - 1 + len(name.encode("utf-8")) + 8 * len(shape)
         if codec == Codec.INT8:
             size += 4 * (-(-numel // block_size)) + numel
         elif codec.sparse:
-            size += _bodies(codec).body_size(numel, codec=codec, density=density, block_size=block_size)
+            size += sparse.body_size(numel, codec=codec, density=density, block_size=block_size)
         else:
             size += 4 * numel
     return size
@@ -309,37 +272,13 @@ def _read_entry(
         data_at = reader.claim(numel, f"codes of {name!r}")
     elif codec.sparse:
         absmax_at = data_at = -1
-        layout = _bodies(codec).claim_body(reader, name, numel, codec, block)
+        layout = sparse.claim_body(reader, name, numel, codec, block)
     else:
         if block != 0:
             raise DecodeError(BAD_HEADER, f"fp32 tensor {name!r} has block size {block}, expected 0")
         absmax_at, data_at = -1, reader.claim(4 * numel, f"values of {name!r}")
     seen.add(name)
     return _Entry(name, shape, numel, block, absmax_at, data_at, layout)
-
-
-def _read_chunked(
-    reader: ByteReader, codec: Codec, count: int, expected_shapes: Mapping[str, tuple[int, ...]] | None
-) -> list[_Entry]:
-    """The entries of a chunked frame, which only the expected names and shapes describe."""
-    if expected_shapes is None:
-        raise DecodeError(BAD_HEADER, f"a {codec} frame names no tensors: decode it with expected_shapes")
-    if count != len(expected_shapes):
-        reason = MISSING_TENSOR if count < len(expected_shapes) else UNEXPECTED_TENSOR
-        raise DecodeError(reason, f"{codec} frame holds {count} tensors, expected {len(expected_shapes)}")
-    (block,) = reader.unpack(_U32, "block size")
-    if block not in BLOCK_SIZES:
-        raise DecodeError(BAD_HEADER, f"block size {block}, not one of {BLOCK_SIZES}")
-    digest = reader.take(TABLE_DIGEST_BYTES, "table digest")
-    shapes = {name: tuple(int(d) for d in expected_shapes[name]) for name in sorted(expected_shapes)}
-    if digest != table_digest(shapes):
-        raise DecodeError(WRONG_SHAPE, "the frame's names and shapes are not the expected ones")
-    entries = {}
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        layout = chunked.claim_body(reader, name, numel, codec, block)
-        entries[name] = _Entry(name, shape, numel, block, -1, -1, layout)
-    return [entries[name] for name in expected_shapes]  # handed over in the caller's order
 
 
 def _quantized(view: memoryview, entry: _Entry) -> QuantizedTensor | torch.Tensor:
@@ -373,7 +312,7 @@ def _read_fp32(view: memoryview, entry: _Entry) -> torch.Tensor:
 
 def _read_frame(
     data: bytes, expected_shapes: Mapping[str, tuple[int, ...]] | None, max_bytes: int
-) -> tuple[memoryview, Codec, list[_Entry]]:
+) -> tuple[memoryview, Codec, list[_Entry] | chunked.ChunkedFrame]:
     """The frame's view, codec and entries, every size checked and claimed; raises only `DecodeError`."""
     view = byte_view(data)
     if len(view) > max_bytes:
@@ -389,10 +328,10 @@ def _read_frame(
         raise DecodeError(UNKNOWN_CODEC, f"codec id {codec_id}, known: {CODEC_IDS}")
     codec = Codec(_CODEC_NAMES[codec_id])
     if codec in chunked.VALUE_BITS:
-        entries = _read_chunked(reader, codec, count, expected_shapes)
+        frame = chunked.read_frame(reader, codec, count, expected_shapes)
         if reader.pos != len(view):
-            raise DecodeError(TRAILING_BYTES, f"{len(view) - reader.pos} bytes after the last tensor")
-        return view, codec, entries
+            raise DecodeError(TRAILING_BYTES, f"{len(view) - reader.pos} bytes after the chunked body")
+        return view, codec, frame
     table_start = reader.pos
     reader.claim(count * _MIN_ENTRY_BYTES, f"table of {count} tensors")  # count bounded before looping
     reader.pos = table_start
@@ -422,13 +361,19 @@ def decode_tensors(
     """
     view, codec, entries = _read_frame(data, expected_shapes, max_bytes)
     if codec.sparse:
-        return {e.name: _sparse_entry(view, codec, e).to_dense() for e in entries}
+        return {name: t.to_dense() for name, t in _sparse_entries(view, codec, entries).items()}
     read = (_quantized if lazy else _dequantize) if codec == Codec.INT8 else _read_fp32
     return {entry.name: read(view, entry) for entry in entries}
 
 
-def _sparse_entry(view: memoryview, codec: Codec, e: _Entry) -> SparseTensor:
-    return _bodies(codec).decode_sparse(view, e.name, e.shape, e.layout, codec, e.block_size)
+def _sparse_entries(
+    view: memoryview, codec: Codec, entries: list[_Entry] | chunked.ChunkedFrame
+) -> dict[str, SparseTensor]:
+    if isinstance(entries, chunked.ChunkedFrame):
+        return entries.decode(view)
+    return {
+        e.name: sparse.decode_sparse(view, e.name, e.shape, e.layout, codec, e.block_size) for e in entries
+    }
 
 
 def decode_sparse(
@@ -442,7 +387,7 @@ def decode_sparse(
     view, codec, entries = _read_frame(data, expected_shapes, max_bytes)
     if not codec.sparse:
         raise DecodeError(UNKNOWN_CODEC, f"codec {codec} is not sparse: its tensors are not index/value sets")
-    return {e.name: _sparse_entry(view, codec, e) for e in entries}
+    return _sparse_entries(view, codec, entries)
 
 
 def frame_codec(data: bytes) -> Codec | None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from p2p_diloco.config import RunManifest, WireConfig
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.wire import codec
+from p2p_diloco.wire import chunked, codec
 from p2p_diloco.wire.bitpack import PackReason, pack12, pack_codes, unpack12, unpack_codes
 from p2p_diloco.wire.chunked import CHUNK
 from p2p_diloco.wire.codec import decode_sparse, decode_tensors, encode_tensors, frame_size
@@ -31,12 +31,12 @@ IDS = {"topk4k-int2": 5, "topk4k-int4": 6, "topk4k-int8": 7}
 def _frame(shape: tuple[int, ...], body: bytes, codec_id: int, block: int = 64) -> bytes:
     """A chunked frame of one tensor "w" of `shape`: no names, the digest of {"w": shape}, then `body`."""
     head = codec.MAGIC + struct.pack("<BBI", 1, codec_id, 1) + struct.pack("<I", block)
-    return head + codec.table_digest({"w": shape}) + body
+    return head + chunked.table_digest({"w": shape}) + body
 
 
-def _int2_body(keeps: tuple[int, int], offsets, levels, codes) -> bytes:
+def _int2_body(keep_full: int, offsets, levels, codes) -> bytes:
     return (
-        struct.pack("<HH", *keeps)
+        struct.pack("<H", keep_full)
         + pack12(np.asarray(offsets))
         + np.asarray(levels, "<f4").tobytes()
         + pack_codes(np.asarray(codes, np.uint8), 2)
@@ -70,12 +70,14 @@ def test_round_trip_keeps_the_top_entries_of_each_4096_chunk(name, density):
         flat, got = t.reshape(-1), out[n].reshape(-1)
         assert got.dtype == torch.float32 and torch.equal(sparse[n].to_dense().reshape(-1), got)
         sent = set(sparse[n].indices.tolist())
-        assert len(sent) == sum(
-            chunk_keep(min(CHUNK, flat.numel() - s), density) for s in range(0, flat.numel(), CHUNK)
-        )
-        for start in range(0, flat.numel(), CHUNK):
+        keep_full = chunk_keep(CHUNK, density)
+        keeps = [
+            keep_full if s + CHUNK <= flat.numel() else chunked.short_keep(flat.numel() - s, keep_full)
+            for s in range(0, flat.numel(), CHUNK)
+        ]
+        assert len(sent) == sum(keeps)
+        for start, keep in zip(range(0, flat.numel(), CHUNK), keeps):
             chunk = flat[start : start + CHUNK]
-            keep = chunk_keep(chunk.numel(), density)
             top = {start + int(i) for i in torch.topk(chunk.abs(), keep).indices}
             assert {i for i in sent if start <= i < start + CHUNK} == top
         if sent:
@@ -176,26 +178,27 @@ def test_heavy_tails_cost_the_bulk_no_precision(name, bound):
 
 
 def test_hostile_bodies_get_specific_reasons():
-    shape, name = (10,), "topk4k-int2"
-    ok = _int2_body((0, 2), [3, 7], [1.0, 2.0], [0, 3])
+    shape, name = (10,), "topk4k-int2"  # a short chunk of 10: keep_full 3000 keeps ceil(3000 x 10 / 4096) = 8
+    assert chunked.short_keep(10, 820) == 3 and chunked.short_keep(10, 1) == 1
+    ok = _int2_body(820, [3, 7, 8], [1.0, 2.0], [0, 3, 1])
     out = decode_tensors(_frame(shape, ok, IDS[name]), expected_shapes={"w": shape})["w"]
-    assert out.tolist() == [0, 0, 0, 1.0, 0, 0, 0, -2.0, 0, 0]
+    assert out.tolist() == [0, 0, 0, 1.0, 0, 0, 0, -2.0, 2.0, 0]
     for body, reason in [
-        (_int2_body((1, 2), [3, 7], [1.0, 2.0], [0, 3]), SparseReason.BAD_COUNT),  # no full chunk to keep of
-        (_int2_body((0, 11), [0] * 11, [1.0, 2.0], [0] * 11), SparseReason.BAD_COUNT),  # more than 10 entries
-        (_int2_body((0, 2), [7, 3], [1.0, 2.0], [0, 3]), SparseReason.BAD_INDEX),  # decreasing
-        (_int2_body((0, 2), [3, 3], [1.0, 2.0], [0, 3]), SparseReason.BAD_INDEX),  # repeated
-        (_int2_body((0, 2), [3, 10], [1.0, 2.0], [0, 3]), SparseReason.BAD_INDEX),  # past the tensor
-        (_int2_body((0, 2), [3, 7], [2.0, 1.0], [0, 3]), codec.BAD_HEADER),  # levels decreasing
-        (_int2_body((0, 2), [3, 7], [-1.0, 2.0], [0, 3]), codec.BAD_HEADER),  # negative level
-        (_int2_body((0, 2), [3, 7], [1.0, float("inf")], [0, 3]), codec.NON_FINITE),
-        (
-            _int2_body((0, 2), [3, 7], [1.0, 2.0], [0, 3])[:-1] + bytes([0b1100_0000 | 0b11_00]),
-            PackReason.BAD_PADDING,
-        ),
+        (_int2_body(0, [], [], []), SparseReason.BAD_COUNT),  # keeps nothing
+        (_int2_body(4097, [0] * 10, [1.0, 2.0], [0] * 10), SparseReason.BAD_COUNT),  # more than a chunk
+        (_int2_body(820, [7, 3, 8], [1.0, 2.0], [0, 3, 1]), SparseReason.BAD_INDEX),  # decreasing
+        (_int2_body(820, [3, 3, 8], [1.0, 2.0], [0, 3, 1]), SparseReason.BAD_INDEX),  # repeated
+        (_int2_body(820, [3, 7, 10], [1.0, 2.0], [0, 3, 1]), SparseReason.BAD_INDEX),  # past the tensor
+        (_int2_body(820, [3, 7, 8], [2.0, 1.0], [0, 3, 1]), codec.BAD_HEADER),  # levels decreasing
+        (_int2_body(820, [3, 7, 8], [-1.0, 2.0], [0, 3, 1]), codec.BAD_HEADER),  # negative level
+        (_int2_body(820, [3, 7, 8], [1.0, float("inf")], [0, 3, 1]), codec.NON_FINITE),
+        (ok[:-1] + bytes([ok[-1] | 0b1100_0000]), PackReason.BAD_PADDING),  # a 4th code in a 3-code byte
         (ok[:-1], codec.TRUNCATED),
         (ok + b"\x00", codec.TRAILING_BYTES),
-        (struct.pack("<HH", 0, 1) + bytes([0x05, 0x10]) + ok[-9:-1] + b"\x00", PackReason.BAD_PADDING),
+        (
+            struct.pack("<H", 820) + pack12(np.asarray([3, 7])) + bytes([0x08, 0x10]) + ok[-9:],
+            PackReason.BAD_PADDING,
+        ),
     ]:
         assert _reason(_frame(shape, body, IDS[name]), shape) == reason, body
 
@@ -203,13 +206,13 @@ def test_hostile_bodies_get_specific_reasons():
 def test_full_chunks_are_checked_one_by_one():
     shape = (2 * CHUNK,)  # two full chunks, 2 kept of each: offsets increase within a chunk, restart after
     levels = [0.5, 1.0]
-    body = _int2_body((2, 0), [5, 9, 1, 4095], levels, [0, 1, 2, 3])
+    body = _int2_body(2, [5, 9, 1, 4095], levels, [0, 1, 2, 3])
     got = decode_sparse(_frame(shape, body, 5), expected_shapes={"w": shape})["w"]
     assert got.indices.tolist() == [5, 9, CHUNK + 1, CHUNK + 4095]
     assert got.values.tolist() == [0.5, 1.0, -0.5, -1.0]
-    bad = _int2_body((2, 0), [5, 9, 4, 1], levels, [0, 0, 0, 0])  # the second chunk decreases
+    bad = _int2_body(2, [5, 9, 4, 1], levels, [0, 0, 0, 0])  # the second chunk decreases
     assert _reason(_frame(shape, bad, 5), shape) == SparseReason.BAD_INDEX
-    huge = _frame((CHUNK * 10**6,), struct.pack("<HH", 4096, 0), 5)  # 4G kept in a tiny frame
+    huge = _frame((CHUNK * 10**6,), struct.pack("<H", 4096), 5)  # 4G kept in a tiny frame
     assert _reason(huge, (CHUNK * 10**6,)) in ("truncated", "oversized")
 
 
@@ -247,7 +250,8 @@ def test_frames_name_no_tensors_and_only_the_expected_table_decodes(name):
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     frame = encode_tensors(tensors, codec=name, density=0.05)
     bodies = sum(len(encode_tensors({n: t}, codec=name, density=0.05)) - 22 for n, t in tensors.items())
-    assert len(frame) == 22 + bodies  # magic, head, block size and digest once: nothing per tensor
+    # magic, head, block size, digest and keep count once: nothing per tensor but its kept entries and scales
+    assert len(frame) == frame_size(shapes, codec=name, density=0.05) <= 22 + bodies - 2 * 2
     out = decode_tensors(frame, expected_shapes=shapes)
     assert list(out) == list(shapes)  # in the caller's order (bodies travel in name order)
     alone = decode_tensors(
