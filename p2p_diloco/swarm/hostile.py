@@ -90,7 +90,10 @@ class DeltaAttack:
             header = replace(header, steps=steps, tokens=header.tokens * steps // header.steps)
             if self.kind == "inflated_claim":
                 return encode_delta(header, payload)
-        tensors = decode_tensors(payload, max_bytes=MAX_FRAME_BYTES)
+        # chunked frames name no tensors: their shapes come from the replica when `toward` is given
+        initial = None if self.toward is None else self.toward(header.fragment)[1]
+        shapes = None if initial is None else {name: tuple(t.shape) for name, t in initial.items()}
+        tensors = decode_tensors(payload, expected_shapes=shapes, max_bytes=MAX_FRAME_BYTES)
         if self.kind == "revert":
             assert self.toward is not None
             bad = _toward_initial(tensors, *self.toward(header.fragment))
