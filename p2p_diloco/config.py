@@ -258,6 +258,10 @@ class RunManifest:
         """Whether `peer` may send deltas and fetch state: the allowlist (if any) and `trust.learners`."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_learn(peer)
 
+    def takes_part(self, peer: str) -> bool:
+        """Whether `peer` may learn or synchronize: a place in an update's relay tree (`swarm.relay`)."""
+        return self.may_learn(peer) or self.may_synchronize(peer)
+
     def may_evaluate(self, peer: str) -> bool:
         """Whether `peer`'s global eval points count (`trust.may_evaluate`, within the allowlist if any)."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_evaluate(peer)

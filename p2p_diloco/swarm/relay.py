@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from p2p_diloco.protocol.decisions import AdmissionTag
@@ -110,10 +110,20 @@ class Asked:
 
 
 class Relay:
-    def __init__(self, peer_id: str, fanout: int, *, ask_seconds: float = ASK_SECONDS):
+    def __init__(
+        self,
+        peer_id: str,
+        fanout: int,
+        *,
+        ask_seconds: float = ASK_SECONDS,
+        member: Callable[[str], bool] = lambda peer: True,
+    ):
         if fanout < 1:
             raise ValueError(f"fanout must be >= 1, got {fanout}")
         self.peer_id = peer_id
+        # Only peers the manifest lets take part are in a tree: unlisted keys' heartbeats must not decide
+        # who gets an update first (they could take every place near the root and swallow it).
+        self.member = member
         self.fanout = fanout
         self.ask_seconds = ask_seconds
         self.stats = RelayStats()
@@ -123,9 +133,12 @@ class Relay:
 
     # ---- sending -----------------------------------------------------------------------------------
 
+    def _tree(self, live: Collection[str]) -> list[str]:
+        return [p for p in live if self.member(p)]
+
     def publish(self, update: UpdateId, live: Collection[str], frame_bytes: int) -> list[str]:
         """The peers the publisher pushes `update` to (at most `fanout`), counted as sent."""
-        targets = children(update, live, self.peer_id, self.fanout)
+        targets = children(update, self._tree(live), self.peer_id, self.fanout)
         self.stats.published += 1
         self.stats.publish_pushes += len(targets)
         self.sent_payloads(len(targets), frame_bytes)
@@ -135,14 +148,15 @@ class Relay:
         """The peers to offer an update I applied to: my children in its tree, less those known to hold
         it (`holds`: e.g. heartbeats at its version; and the peers that offered it to me)."""
         known = set(holds) | self._holders.get(update, set())
-        targets = [p for p in children(update, live, self.peer_id, self.fanout) if p not in known]
+        targets = [p for p in children(update, self._tree(live), self.peer_id, self.fanout) if p not in known]
         self.stats.offers_sent += len(targets)
         return targets
 
     def heirs(self, update: UpdateId, live: Collection[str], failed: Collection[str]) -> list[str]:
         """The children of `failed` peers (offers that did not reach them) I offer `update` to instead."""
         known = self._holders.get(update, set()) | {self.peer_id, *failed}
-        found = [c for peer in failed for c in children(update, live, peer, self.fanout) if c not in known]
+        tree = self._tree(live)
+        found = [c for peer in failed for c in children(update, tree, peer, self.fanout) if c not in known]
         heirs = list(dict.fromkeys(found))
         self.stats.offers_sent += len(heirs)
         self.stats.heirs_offered += len(heirs)

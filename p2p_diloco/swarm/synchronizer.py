@@ -73,7 +73,7 @@ class SynchronizerRole:
         self.outbox = outbox
         self.membership = membership
         self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
-        self.relay = relay or Relay(ctx.peer_id, ctx.manifest.diloco.fanout)  # whom an update goes to first
+        self.relay = relay or Relay(ctx.peer_id, ctx.manifest.diloco.fanout, member=ctx.manifest.takes_part)
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
         self.sync: Synchronizer | None = None
 
