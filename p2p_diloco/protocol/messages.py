@@ -98,3 +98,8 @@ class UpdateRecord:
     @property
     def to_version(self) -> int:
         return self.from_version + 1
+
+    @property
+    def contributor_ids(self) -> tuple[str, ...]:
+        """The peers whose deltas this update merged."""
+        return tuple(who for who, _ in self.contributors)

@@ -90,7 +90,7 @@ class Peer:
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
         self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
-        self.relay = Relay(peer_id, manifest.diloco.fanout, member=manifest.takes_part)
+        self.relay = Relay.for_run(peer_id, manifest)
         self.spreading = Spreading(
             ctx, self.book, self.membership, self.outbox, self.relay, self.spawn, self._repair
         )

@@ -4,7 +4,12 @@ The publisher pushes each update to at most `[diloco] fanout` peers; every peer 
 it (pushed or relayed, never replayed nor unchecked) offers it onward to at most `fanout` peers. Who
 offers to whom is a tree over one order of the live peers per update: the leader first, then the others
 ranked by a rendezvous hash of (update, peer), so every peer with the same view of the live peers computes
-the same tree, and different updates start at different peers (no peer relays every update). The peer at
+the same tree, and different updates start at different peers (no peer relays every update). Peers with
+signed evidence of taking part come before all others (`proven`): those the manifest lists, the
+contributors the update's own signed record names, and those of the last `RECENT_RECORDS` records applied
+here. A fresh key's heartbeat thus gets it a place only below every proven peer: it can delay no proven
+peer's update by sitting near the root and keeping it (in a run open to any learner, keys cost nothing,
+while a place among the proven costs a delta a synchronizer merged and signed). The peer at
 position i offers to positions i*f+1 .. i*f+f: an update reaches M peers in about log_f(M) hops, and each
 peer sends at most f payloads and receives one. A child that an offer does not reach (gone, unreachable)
 has its children offered the update by its parent instead (`heirs`, one level).
@@ -22,10 +27,11 @@ relayer whose record fails a check that its own checks must have passed is count
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.wire.relay_frames import RelayTag, UpdateId
@@ -34,6 +40,7 @@ from p2p_diloco.wire.replies import Reply, ReplyStatus
 ASK_SECONDS = 10.0  # how long a receiver waits for a payload it asked for before it asks another offerer
 MAX_TRACKED = 256  # updates remembered (asked for, or known held by their offerers); oldest dropped first
 MAX_DROPPED = 256  # relayers dropped for garbage, remembered
+RECENT_RECORDS = 32  # applied records whose contributors rank as proven in later updates' trees
 
 # Refusals of a relayed record that its relayer's own checks must have made: relaying it is an offence.
 # (A duplicate, a gap, a checksum that does not match my state or a lease that lapsed on the way are not.)
@@ -61,15 +68,21 @@ def rank(update: UpdateId, peer: str) -> bytes:
     return hashlib.blake2b(key, digest_size=16).digest()
 
 
-def relay_order(update: UpdateId, peers: Collection[str]) -> list[str]:
-    """The tree order of `update` over `peers`: its leader first, the others by `rank`."""
-    others = sorted((p for p in set(peers) if p != update.leader), key=lambda p: rank(update, p))
+def relay_order(update: UpdateId, peers: Collection[str], proven: Collection[str] = ()) -> list[str]:
+    """The tree order of `update` over `peers`: its leader first, then the `proven` peers by `rank`, then
+    the others by `rank`."""
+    first = set(proven)
+    others = sorted(
+        (p for p in set(peers) if p != update.leader), key=lambda p: (p not in first, rank(update, p))
+    )
     return [update.leader, *others]
 
 
-def children(update: UpdateId, peers: Collection[str], me: str, fanout: int) -> list[str]:
+def children(
+    update: UpdateId, peers: Collection[str], me: str, fanout: int, proven: Collection[str] = ()
+) -> list[str]:
     """The peers `me` offers `update` to: its children in the tree over `peers` plus `me`."""
-    order = relay_order(update, {*peers, me})
+    order = relay_order(update, {*peers, me}, proven)
     i = order.index(me)
     return order[i * fanout + 1 : (i + 1) * fanout + 1]
 
@@ -117,6 +130,7 @@ class Relay:
         *,
         ask_seconds: float = ASK_SECONDS,
         member: Callable[[str], bool] = lambda peer: True,
+        listed: Callable[[str], bool] = lambda peer: True,
     ):
         if fanout < 1:
             raise ValueError(f"fanout must be >= 1, got {fanout}")
@@ -124,6 +138,8 @@ class Relay:
         # Only peers the manifest lets take part are in a tree: unlisted keys' heartbeats must not decide
         # who gets an update first (they could take every place near the root and swallow it).
         self.member = member
+        self.listed = listed  # the manifest names it (`RunManifest.listed`): proven without a record
+        self._recent: deque[tuple[str, ...]] = deque(maxlen=RECENT_RECORDS)  # contributors of applied records
         self.fanout = fanout
         self.ask_seconds = ask_seconds
         self.stats = RelayStats()
@@ -131,32 +147,69 @@ class Relay:
         self._holders: OrderedDict[UpdateId, set[str]] = OrderedDict()  # peers that offered it to me
         self.dropped: OrderedDict[str, str] = OrderedDict()  # relayer -> the offence that dropped it
 
+    @classmethod
+    def for_run(cls, peer_id: str, manifest: RunManifest) -> Relay:
+        """The relay of a peer of the run `manifest` describes: its fanout, who takes part, who is listed."""
+        return cls(peer_id, manifest.diloco.fanout, member=manifest.takes_part, listed=manifest.listed)
+
     # ---- sending -----------------------------------------------------------------------------------
 
     def _tree(self, live: Collection[str]) -> list[str]:
         return [p for p in live if self.member(p)]
 
-    def publish(self, update: UpdateId, live: Collection[str], frame_bytes: int) -> list[str]:
-        """The peers the publisher pushes `update` to (at most `fanout`), counted as sent."""
-        targets = children(update, self._tree(live), self.peer_id, self.fanout)
+    def _proven(self, tree: Collection[str], contributors: Collection[str]) -> set[str]:
+        """The peers of `tree` with signed evidence of taking part: listed by the manifest, or named as a
+        contributor by this update's record (`contributors`) or by one of the last records applied here."""
+        named = set(contributors).union(*self._recent)
+        return {p for p in tree if p in named or self.listed(p)}
+
+    def _remember(self, contributors: Collection[str]) -> None:
+        self._recent.append(tuple(contributors))
+
+    def publish(
+        self, update: UpdateId, live: Collection[str], frame_bytes: int, contributors: Collection[str] = ()
+    ) -> list[str]:
+        """The peers the publisher pushes `update` to (at most `fanout`), counted as sent; `contributors`:
+        those its signed record names."""
+        tree = self._tree(live)
+        targets = children(update, tree, self.peer_id, self.fanout, self._proven(tree, contributors))
+        self._remember(contributors)
         self.stats.published += 1
         self.stats.publish_pushes += len(targets)
         self.sent_payloads(len(targets), frame_bytes)
         return targets
 
-    def onward(self, update: UpdateId, live: Collection[str], holds: Collection[str] = ()) -> list[str]:
+    def onward(
+        self,
+        update: UpdateId,
+        live: Collection[str],
+        holds: Collection[str] = (),
+        contributors: Collection[str] = (),
+    ) -> list[str]:
         """The peers to offer an update I applied to: my children in its tree, less those known to hold
         it (`holds`: e.g. heartbeats at its version; and the peers that offered it to me)."""
         known = set(holds) | self._holders.get(update, set())
-        targets = [p for p in children(update, self._tree(live), self.peer_id, self.fanout) if p not in known]
+        tree = self._tree(live)
+        mine = children(update, tree, self.peer_id, self.fanout, self._proven(tree, contributors))
+        self._remember(contributors)
+        targets = [p for p in mine if p not in known]
         self.stats.offers_sent += len(targets)
         return targets
 
-    def heirs(self, update: UpdateId, live: Collection[str], failed: Collection[str]) -> list[str]:
+    def heirs(
+        self,
+        update: UpdateId,
+        live: Collection[str],
+        failed: Collection[str],
+        contributors: Collection[str] = (),
+    ) -> list[str]:
         """The children of `failed` peers (offers that did not reach them) I offer `update` to instead."""
         known = self._holders.get(update, set()) | {self.peer_id, *failed}
         tree = self._tree(live)
-        found = [c for peer in failed for c in children(update, tree, peer, self.fanout) if c not in known]
+        proven = self._proven(tree, contributors)
+        found = [
+            c for peer in failed for c in children(update, tree, peer, self.fanout, proven) if c not in known
+        ]
         heirs = list(dict.fromkeys(found))
         self.stats.offers_sent += len(heirs)
         self.stats.heirs_offered += len(heirs)

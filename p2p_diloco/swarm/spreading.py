@@ -99,7 +99,7 @@ class Spreading:
             for p, info in live.items()
             if record.fragment < len(info.versions) and info.versions[record.fragment] >= update.to_version
         ]
-        targets = self.relay.onward(update, live, holds)
+        targets = self.relay.onward(update, live, holds, contributors=record.contributor_ids)
         if targets:
             self.spawn(self._offer(record, hop + 1, tuple(targets)))
 
@@ -109,7 +109,8 @@ class Spreading:
         update = UpdateId.of(record)
         replies = yield fx.OfferUpdate(targets, encode_offer(Offer(update, hop)))
         wanted, failed = _sorted_replies(targets, replies)
-        heirs = tuple(self.relay.heirs(update, self.membership.live_peers, failed)) if failed else ()
+        live = self.membership.live_peers
+        heirs = tuple(self.relay.heirs(update, live, failed, record.contributor_ids)) if failed else ()
         if heirs:
             replies = yield fx.OfferUpdate(heirs, encode_offer(Offer(update, hop + 1)))
             wanted += _sorted_replies(heirs, replies)[0]

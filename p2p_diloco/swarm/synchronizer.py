@@ -73,7 +73,7 @@ class SynchronizerRole:
         self.outbox = outbox
         self.membership = membership
         self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
-        self.relay = relay or Relay(ctx.peer_id, ctx.manifest.diloco.fanout, member=ctx.manifest.takes_part)
+        self.relay = relay or Relay.for_run(ctx.peer_id, ctx.manifest)
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
         self.sync: Synchronizer | None = None
 
@@ -114,7 +114,8 @@ class SynchronizerRole:
                 continue
             self.outbox.on_merged(record)
             frame = encode_update(record)
-            for peer in self.relay.publish(UpdateId.of(record), self.membership.live_peers, len(frame)):
+            live = self.membership.live_peers
+            for peer in self.relay.publish(UpdateId.of(record), live, len(frame), record.contributor_ids):
                 self._emit(fx.PushUpdate(peer, frame))
             self.sync.finish(record.fragment, sync_seconds)
             published.append(record)

@@ -202,20 +202,26 @@ class HostileRun:
         )
 
     def wait_agreeing(self, names: tuple[str, ...] | None = None) -> dict:
-        """A status in which the honest peers (`names`) report the same versions; their digests must agree."""
+        """Until every honest peer (`names`) has been seen at one same versions tuple (not necessarily at
+        the same instant: a live swarm keeps training, and under load its peers rarely sit at equal
+        versions during one poll); every digest reported at a versions tuple must be the same."""
         ids = {self.peers[n].peer_id for n in (names or tuple(self.peers))}
+        seen: dict[tuple[int, ...], dict[str, str]] = {}  # versions -> peer id -> digest reported there
 
-        def same_versions(status: dict) -> bool:
-            honest = [p for pid, p in self.honest(status).items() if pid in ids]
-            return len(honest) == len(ids) and len({tuple(p["versions"]) for p in honest}) == 1
+        def everyone_at_one_tuple(status: dict) -> bool:
+            for pid, p in self.honest(status).items():
+                if pid in ids:
+                    seen.setdefault(tuple(p["versions"]), {})[pid] = p["digest"]
+            for versions, digests in seen.items():
+                assert len(set(digests.values())) == 1, (
+                    f"honest replicas diverged at versions {versions}: "
+                    f"{ {pid[:12]: d for pid, d in digests.items()} }"
+                )
+            return any(set(digests) == ids for digests in seen.values())
 
-        status = self.wait_status(same_versions, ADVANCE_TIMEOUT, "the honest peers at the same versions")
-        honest = [p for pid, p in self.honest(status).items() if pid in ids]
-        digests = {p["peer_id"][:12]: p["digest"] for p in honest}
-        assert len(set(digests.values())) == 1, (
-            f"honest replicas diverged at versions {honest[0]['versions']}: {digests}"
+        return self.wait_status(
+            everyone_at_one_tuple, ADVANCE_TIMEOUT, "the honest peers at one same versions tuple"
         )
-        return status
 
     def wait_ticks(self, since: float, n: int = 2) -> dict:
         """Until every honest peer wrote a heartbeat at least `n - 1` periods after DHT time `since`: each

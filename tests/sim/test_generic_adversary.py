@@ -42,10 +42,9 @@ def public_manifest() -> RunManifest:
     return dataclasses.replace(
         base,
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
-        # Every peer pushed to by the publisher (no relay tree): anyone may learn here, so the fresh keys'
-        # heartbeats would take places in the relay tree and delay the honest peers' updates (a weakness
-        # of relaying left open in issue #29, not what this test is about).
-        diloco=dataclasses.replace(base.diloco, inner_steps=8, batch_size=8, fanout=1024),
+        # The default fanout: a relay tree over 4 honest peers and K fresh keys; the fresh keys rank below
+        # every peer a signed record names (`swarm.relay`), so they cannot delay an honest peer's update.
+        diloco=dataclasses.replace(base.diloco, inner_steps=8, batch_size=8),
         trust=TrustConfig(authority=HONEST[0], synchronizers=HONEST[:2]),
         robust=dataclasses.replace(base.robust, loss_check="off"),  # refused long before; saves time
     )

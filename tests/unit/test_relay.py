@@ -12,7 +12,7 @@ from p2p_diloco.config import DilocoConfig
 from p2p_diloco.errors import ConfigError, DecodeError
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.replica import ReplicaTag
-from p2p_diloco.swarm.relay import Relay, children, relay_order
+from p2p_diloco.swarm.relay import RECENT_RECORDS, Relay, children, relay_order
 from p2p_diloco.wire.relay_frames import (
     Offer,
     Relayed,
@@ -31,17 +31,27 @@ def update(version: int = 0, fragment: int = 0) -> UpdateId:
     return UpdateId(fragment, version, 1, "peer-0", f"c{fragment}-{version}")
 
 
-def depth(u: UpdateId, peers: list[str], fanout: int) -> dict[str, int]:
-    """Hops at which each peer gets `u` when every peer offers to its children."""
-    hops, frontier = {u.leader: 0}, [u.leader]
+def parents(
+    u: UpdateId, peers: list[str], fanout: int, proven: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """Who offers `u` to each peer when every peer offers to its children."""
+    found, frontier = {}, [u.leader]
     while frontier:
         nxt = []
         for peer in frontier:
-            for child in children(u, peers, peer, fanout):
-                assert child not in hops, f"{child} offered twice"
-                hops[child] = hops[peer] + 1
+            for child in children(u, peers, peer, fanout, proven):
+                assert child not in found and child != u.leader, f"{child} offered twice"
+                found[child] = peer
                 nxt.append(child)
         frontier = nxt
+    return found
+
+
+def depth(u: UpdateId, peers: list[str], fanout: int) -> dict[str, int]:
+    """Hops at which each peer gets `u` when every peer offers to its children."""
+    hops = {u.leader: 0}
+    for child, parent in parents(u, peers, fanout).items():  # parents come before their children
+        hops[child] = hops[parent] + 1
     return hops
 
 
@@ -147,3 +157,48 @@ def test_the_children_of_an_unreachable_peer_are_offered_by_its_parent():
     heirs = relay.heirs(u, PEERS, [gone])
     assert heirs == children(u, PEERS, gone, 2) and len(heirs) == 2 and me not in heirs
     assert relay.stats.heirs_offered == 2
+
+
+FRESH = [f"fresh-{i}" for i in range(64)]
+
+
+@pytest.mark.parametrize("version", range(8))
+def test_fresh_keys_never_stand_between_the_leader_and_a_proven_peer(version):
+    u = update(version)
+    proven = frozenset(PEERS[1:8])
+    found = parents(u, PEERS[:8] + FRESH, 3, proven)
+    assert set(found) == set(PEERS[1:8] + FRESH)
+    assert all(found[p] in proven | {u.leader} for p in proven), "a fresh key parents a proven peer"
+    order = relay_order(u, PEERS[:8] + FRESH, proven)
+    assert set(order[1:8]) == proven  # the proven first, in rendezvous order, then the fresh keys
+
+
+def test_a_relay_ranks_listed_peers_and_the_records_contributors_first():
+    listed = {"peer-0", "peer-1"}
+    relay = Relay("peer-0", 3, listed=listed.__contains__)
+    live = ["peer-1", "peer-2", "peer-3", *FRESH]
+    # the record names peer-2 and peer-3: with peer-1 (listed) they are the publisher's three pushes
+    assert set(relay.publish(update(0), live, 100, contributors=("peer-2", "peer-3"))) == {
+        "peer-1",
+        "peer-2",
+        "peer-3",
+    }
+    # a later record names no one: the contributors of the records applied before still rank first
+    assert set(relay.publish(update(1), live, 100)) == {"peer-1", "peer-2", "peer-3"}
+    # only for the last RECENT_RECORDS records
+    for v in range(2, 2 + RECENT_RECORDS):
+        relay.publish(update(v), live, 100, contributors=("peer-1",))
+    assert "peer-2" not in relay._proven(live, ()) and "peer-1" in relay._proven(live, ())
+
+
+def test_relayers_and_heirs_use_the_same_proven_ranking():
+    u = update(5)
+    proven = frozenset(PEERS[:6])
+    first = children(u, PEERS[:6] + FRESH, "peer-0", 2, proven)[0]
+    relay = Relay(first, 2, listed=lambda peer: False)
+    mine = relay.onward(u, PEERS[:6] + FRESH, contributors=tuple(proven))
+    assert mine == children(u, PEERS[:6] + FRESH, first, 2, proven)
+    gone = mine[0]
+    assert relay.heirs(u, PEERS[:6] + FRESH, [gone], tuple(proven)) == [
+        c for c in children(u, PEERS[:6] + FRESH, gone, 2, proven) if c != first
+    ]
