@@ -113,6 +113,7 @@ class ReplicaSaver:
         connected = now - self.peer.membership.last_read < self.peer.manifest.timing.heartbeat_ttl
         replica = self.peer.replica.frozen()
         term_seen = self.peer.membership.term_seen
+        shard_terms = tuple(seat.membership.term_seen for seat in self.peer.seats)
         known = tuple(
             address
             for peer_id, info in sorted(self.peer.membership.live_peers.items())
@@ -130,6 +131,7 @@ class ReplicaSaver:
                     previous=self.last_in_sync,
                     known_peers=known,
                     term_seen=term_seen,
+                    shard_terms=shard_terms,
                 )
             except OSError as exc:
                 self.event("persist_failed", error=str(exc))

@@ -172,8 +172,10 @@ class PeerNode:
         if saved is not None:
             # Terms climb one at a time from the highest this peer trusted (`protocol.lease_rules`). A
             # restart that forgot it would trust whatever it reads first, and a first read can come back
-            # empty: it would start its own terms from 1 and refuse the swarm's as a jump.
-            self.peer.membership.saw_term(saved.term_seen)
+            # empty: it would start its own terms from 1 and refuse the swarm's as a jump. Each shard has its
+            # own terms (a state saved before shards were remembered holds shard 0's only).
+            for seat, term in zip(self.peer.seats, saved.shard_terms or (saved.term_seen,)):
+                seat.membership.saw_term(term)
         self.driver = ThreadedDriver(
             self.peer,
             kv=DhtKeyValueStore(self.dht_peer, timeout=opts.dht_timeout, admission=admission_for(manifest)),

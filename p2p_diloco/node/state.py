@@ -57,6 +57,7 @@ class PeerState:
     saved_at: float
     known_peers: tuple[str, ...] = ()  # other live peers' addresses when saved (extra initial peers)
     term_seen: int = 0  # the highest lease term trusted when saved: a restart keeps its term floor
+    shard_terms: tuple[int, ...] = ()  # the same per synchronizer shard (shard 0's is `term_seen`)
 
 
 class StateDir:
@@ -104,6 +105,7 @@ class StateDir:
         try:
             raw = json.loads(file.read_text())
             raw["known_peers"] = tuple(str(a) for a in raw.get("known_peers", ()))[:MAX_KNOWN_PEERS]
+            raw["shard_terms"] = tuple(int(t) for t in raw.get("shard_terms", ()))
             state = PeerState(**{**raw, "versions": tuple(raw["versions"])})
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ConfigError(
@@ -137,6 +139,7 @@ class StateDir:
         previous: float,
         known_peers: tuple[str, ...] = (),
         term_seen: int = 0,
+        shard_terms: tuple[int, ...] = (),
     ) -> None:
         """Persist the replica, then the peer state (so the state never claims a replica not on disk)."""
         self.store.save(replica)
@@ -150,6 +153,7 @@ class StateDir:
             saved_at=now,
             known_peers=known_peers[:MAX_KNOWN_PEERS],
             term_seen=term_seen,
+            shard_terms=shard_terms,
         )
         write_atomic(self.path / PEER_STATE_FILE, json.dumps(asdict(state), indent=1).encode())
 

@@ -243,11 +243,22 @@ def test_a_restart_dials_the_peers_it_knew_besides_the_bootstrap(tmp_path):
     plan = plan_fragments([("a", (4,))], 1)
     state = StateDir(tmp_path / "state", MANIFEST)
     replica = GlobalReplica(plan, {"a": torch.ones(4)})
-    state.save(replica, own, now=1.0, in_sync=True, previous=0.0, known_peers=known, term_seen=25)
+    state.save(
+        replica,
+        own,
+        now=1.0,
+        in_sync=True,
+        previous=0.0,
+        known_peers=known,
+        term_seen=25,
+        shard_terms=(25, 7),
+    )
     saved = state.read_peer_state()
     assert saved.known_peers == known and saved.term_seen == 25  # a restart keeps its term floor
+    assert saved.shard_terms == (25, 7)  # ... of every synchronizer shard
     state.close()
     old = json.loads((tmp_path / "state" / "peer_state.json").read_text())
-    del old["known_peers"]  # written before peers were remembered
+    del old["known_peers"], old["shard_terms"]  # written before peers and shard terms were remembered
     (tmp_path / "state" / "peer_state.json").write_text(json.dumps(old))
-    assert StateDir(tmp_path / "state", MANIFEST).read_peer_state().known_peers == ()
+    restored = StateDir(tmp_path / "state", MANIFEST).read_peer_state()
+    assert restored.known_peers == () and restored.shard_terms == () and restored.term_seen == 25
