@@ -23,6 +23,7 @@ trusted tips are ahead of this replica (election and the holder's catch-up befor
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -62,12 +63,12 @@ class Vouchers:
     ) -> dict[str, BranchTip]:
         """The peers' tips of `fragment` that are vouched for, or reported alike by `MIN_INDEPENDENT_PEERS`
         peers that may witness (may synchronize); what other keys report never counts."""
-        trusted = {}
-        for peer, tip in tips.items():
-            alike = sum(other.same_state(tip) for who, other in tips.items() if may_witness(who))
-            if self.vouched(fragment, tip) or alike >= MIN_INDEPENDENT_PEERS:
-                trusted[peer] = tip
-        return trusted
+        witnessed = Counter((tip.version, tip.checksum) for who, tip in tips.items() if may_witness(who))
+        return {
+            peer: tip
+            for peer, tip in tips.items()
+            if self.vouched(fragment, tip) or witnessed[tip.version, tip.checksum] >= MIN_INDEPENDENT_PEERS
+        }
 
     def credible_tips(
         self, fragment: int, tips: Mapping[str, BranchTip], may_witness: Witness
