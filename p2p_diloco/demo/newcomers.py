@@ -1,7 +1,9 @@
 """Newcomers through a restarted bootstrap node (``demo --chaos-every``, issue #31).
 
 After each bootstrap restart that came up, `Newcomers.start` launches a fresh peer (`p2p-diloco join`, a
-new key and state dir, the bootstrap node's addresses as its only initial peers), unless one still runs.
+new key and state dir, the bootstrap node's addresses as its only initial peers), unless one still runs
+or less than `newcomer_lead` seconds of the run are left (it would not finish starting: not a newcomer
+that failed, and not launched).
 `watch` reads its events every tick and stops it (SIGTERM, its graceful stop) once it reached the swarm's
 versions or `NEWCOMER_SECONDS` after its launch; `results` judges each one with
 `demo.checks.newcomer_check` (the swarm's versions at its start, within 2 heartbeat periods, never a
@@ -23,6 +25,13 @@ from p2p_diloco.demo.workers import LOOPBACK, STOP_TIMEOUT, Workers, killpg, pyt
 from p2p_diloco.net.identity import write_identity
 
 NEWCOMER_SECONDS = 60.0  # launch to stop at the latest: imports and DHT on a loaded 2-core machine
+NEWCOMER_LEAD = 45.0  # no newcomer launched this close to the run's end (one started 24 s before never did)
+
+
+def newcomer_lead(duration: float) -> float:
+    """Seconds before the end of a run of `duration` s after which no newcomer is launched: `NEWCOMER_LEAD`,
+    or a quarter of a short run."""
+    return min(NEWCOMER_LEAD, duration / 4)
 
 
 @dataclass
@@ -47,9 +56,11 @@ class Newcomers:
         return any(n.stopped is None for n in self.all)
 
     def start(self, now: float, addresses: list[str]) -> None:
+        run = self.run
         if self.closed or self.running() or not addresses:
             return
-        run = self.run
+        if now > run.start_time + run.schedule.duration - newcomer_lead(run.schedule.duration):
+            return
         name = f"newcomer-{len(self.all) + 1}"
         key, state_dir = run.workdir / f"{name}.key", run.workdir / f"state-{name}"
         write_identity(key, force=True)
