@@ -276,13 +276,18 @@ def test_crashed_holder_is_succeeded_at_once_and_a_frozen_one_is_fenced_out(swar
         assert not taken["reason"].startswith("succession"), taken  # silence is not death
     finally:
         os.killpg(zombie.handle.pid, signal.SIGCONT)
-    swarm.wait_for(
-        lambda: any(
-            e["event"] == "note" and "higher term" in e["line"] for e in incarnations(zombie.state_dir)[-1]
-        ),
-        30,
-        "the thawed zombie to step down for the higher term",
-    )
+
+    def stepped_down() -> bool:  # for the higher term, or its own lease's expiry if it read that first
+        return any(
+            e["event"] == "note" and e["line"].startswith("election: step_down:")
+            for e in incarnations(zombie.state_dir)[-1]
+        )
+
+    try:
+        swarm.wait_for(stepped_down, 30, "the thawed zombie to step down")
+    except TimeoutError as exc:
+        notes = [e.get("line", e["event"]) for e in incarnations(zombie.state_dir)[-1]][-15:]
+        raise AssertionError(f"{exc}; its last events:\n" + "\n".join(map(str, notes))) from exc
     try:
         final = swarm.quiesce(3)
     except AssertionError as exc:
