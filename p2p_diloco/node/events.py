@@ -112,8 +112,7 @@ class ReplicaSaver:
         # in sync while the swarm still sees our last heartbeat as live
         connected = now - self.peer.membership.last_read < self.peer.manifest.timing.heartbeat_ttl
         replica = self.peer.replica.frozen()
-        term_seen = self.peer.membership.term_seen
-        shard_terms = tuple(seat.membership.term_seen for seat in self.peer.seats)
+        shard_terms = tuple(seat.membership.term_seen for seat in self.peer.seats)  # shard 0's first
         known = tuple(
             address
             for peer_id, info in sorted(self.peer.membership.live_peers.items())
@@ -130,7 +129,7 @@ class ReplicaSaver:
                     in_sync=connected,
                     previous=self.last_in_sync,
                     known_peers=known,
-                    term_seen=term_seen,
+                    term_seen=shard_terms[0],
                     shard_terms=shard_terms,
                 )
             except OSError as exc:

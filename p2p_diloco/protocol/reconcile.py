@@ -101,8 +101,13 @@ class BranchTip:
             return NotImplemented
         return self.rank < other.rank
 
+    @property
+    def state(self) -> tuple[int, str]:
+        """What two replicas on the same state share: version and checksum (the term may differ)."""
+        return self.version, self.checksum
+
     def same_state(self, other: BranchTip) -> bool:
-        return self.version == other.version and self.checksum == other.checksum
+        return self.state == other.state
 
     def __str__(self) -> str:
         return f"t{self.term} v{self.version} {self.checksum}"

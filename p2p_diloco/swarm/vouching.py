@@ -63,11 +63,11 @@ class Vouchers:
     ) -> dict[str, BranchTip]:
         """The peers' tips of `fragment` that are vouched for, or reported alike by `MIN_INDEPENDENT_PEERS`
         peers that may witness (may synchronize); what other keys report never counts."""
-        witnessed = Counter((tip.version, tip.checksum) for who, tip in tips.items() if may_witness(who))
+        witnessed = Counter(tip.state for who, tip in tips.items() if may_witness(who))
         return {
             peer: tip
             for peer, tip in tips.items()
-            if self.vouched(fragment, tip) or witnessed[tip.version, tip.checksum] >= MIN_INDEPENDENT_PEERS
+            if self.vouched(fragment, tip) or witnessed[tip.state] >= MIN_INDEPENDENT_PEERS
         }
 
     def credible_tips(
