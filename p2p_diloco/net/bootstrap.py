@@ -78,6 +78,7 @@ def run_bootstrap(
                 print("error: the DHT process died; exiting for a supervisor to restart", file=sys.stderr)
                 return EXIT_DHT_DIED
     finally:
+        print("bootstrap stopping: shutting the DHT node down", file=sys.stderr, flush=True)
         peer.shutdown()
     print("bootstrap stopped", file=sys.stderr, flush=True)
     return 0

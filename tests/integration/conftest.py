@@ -88,7 +88,13 @@ class ProcessHandle:
         self.popen.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout=timeout)
+        """The exit status; a process still running after `timeout` fails the test with its stderr tail."""
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{' '.join(self.cmd)}: still running {timeout:.0f} s later\nstderr tail:\n{self.stderr_tail()}"
+            ) from None
 
     def group_alive(self) -> bool:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0
+QUIET_SECONDS = 10.0  # longer than a round and its grace window here: a delta in flight has landed by then
 REAL, ISLAND = ("p0", "p1"), ("i0", "i1")
 
 
@@ -137,10 +139,25 @@ def test_an_island_of_a_higher_term_heals_onto_the_real_run(spawn, cli, wait_for
     wait_for(lambda: any(run.claims(n) for n in ISLAND), START_TIMEOUT, "an island holder", interval=0.3)
     assert max(t for n in ISLAND for t in run.claims(n)) == 1  # it found nobody: a run of its own
 
+    quiet: dict[str, object] = {}
+
     def island_settled() -> bool:
+        """Both island peers stopped training and on one tip that no late delta moved for QUIET_SECONDS:
+        a delta sent just before the stop may still be merged a round later (CI once saw v30 -> v31)."""
         run.alive(*ISLAND)
         mine = [run.versions(n) for n in ISLAND]
-        return min(mine[0] or (0,)) >= 1 and mine[0] == mine[1]
+        if not (min(mine[0] or (0,)) >= 1 and mine[0] == mine[1] and all(map(stopped, ISLAND))):
+            quiet.clear()
+            return False
+        now = time.monotonic()
+        if quiet.get("tip") != mine[0]:
+            quiet.update(tip=mine[0], since=now)
+        return now - float(quiet["since"]) >= QUIET_SECONDS
+
+    def stopped(name: str) -> bool:  # training stopped in its current life (its events hold former lives too)
+        events = run.events(name)
+        begun = max((i for i, e in enumerate(events) if e["event"] == "start"), default=-1)
+        return any(e["event"] == "training_stopped" for e in events[begun + 1 :])
 
     def term(names: tuple[str, ...]) -> int:
         return max((t for n in names for t in run.claims(n)), default=0)
@@ -188,9 +205,10 @@ def test_an_island_of_a_higher_term_heals_onto_the_real_run(spawn, cli, wait_for
             fail_island_holder_over()
         for name in ISLAND:
             run.handles[name].signal(signal.SIGUSR1)  # the island stops training; its peers stay
-        wait_for(island_settled, START_TIMEOUT, "both island peers on the island's tip", interval=0.3)
+        quiet.clear()
+        wait_for(island_settled, START_TIMEOUT, "both island peers quiet on the island's tip", interval=0.3)
         wait_for(real_ahead, START_TIMEOUT, "the real run ahead of the island", interval=0.3)
-        if term(ISLAND) > term(REAL):
+        if term(ISLAND) > term(REAL) and island_settled():
             break
     island_at_heal = run.versions(ISLAND[0])
     real_at_heal = {n: run.versions(n) for n in REAL}

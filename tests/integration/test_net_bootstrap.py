@@ -31,7 +31,8 @@ def test_bootstrap_prints_full_addresses_then_exits_0_on_signal(start_bootstrap,
         assert address.startswith("/ip4/127.0.0.1/tcp/")
 
     node.handle.signal(stop_signal)
-    assert node.handle.wait(timeout=15) == 0, node.handle.stderr_tail()
+    # the DHT node is gone within about 5 s of the signal (net.dht_store); the rest is a loaded machine's slack
+    assert node.handle.wait(timeout=45) == 0, node.handle.stderr_tail()
     # its DHT child and p2pd are gone too, not left behind as orphans
     wait_for(lambda: not node.handle.group_alive(), timeout=10, what="the bootstrap's process group to exit")
     assert "bootstrap stopped" in node.handle.stderr_tail()
