@@ -203,6 +203,9 @@ class LimitsConfig:
     ] = 4 * MIB
     snapshot_sources: Count = 4  # a newcomer fetches one fragment's chunks from up to this many peers at once
     snapshot_chunks_in_flight: Count = 2  # chunk requests open per source at once
+    # A newcomer downloads fragments side by side while their Θ and m (8 B/param) fit this many bytes (at
+    # least one fragment at a time): its memory peak is its replica plus this much.
+    snapshot_download_bytes: Annotated[int, Field(ge=0, description=f"e.g. {256 * MIB}")] = 256 * MIB
     # Fragment states a peer keeps serving to downloaders (most recently used): one costs nothing while it is
     # the replica's current state, a fragment's Θ and m (8 B/param of it) once the replica has moved on.
     snapshot_pins: Count = 4

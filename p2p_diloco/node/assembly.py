@@ -37,6 +37,7 @@ from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.peer import Peer
+from p2p_diloco.swarm.snapshot_download import SNAPSHOT_BYTES_PER_PARAM
 from p2p_diloco.wire.signing import PeerKeys
 
 
@@ -212,7 +213,9 @@ def catch_up_at_start(
     after = driver.call(peer.replica.versions, timeout=timeout)
     sizes = peer.plan.sizes()
     if not replay:  # params and momentum, fp32
-        stats["bytes"] = sum(8 * sizes[p] for p in range(len(sizes)) if after[p] != before[p])
+        stats["bytes"] = sum(
+            SNAPSHOT_BYTES_PER_PARAM * sizes[p] for p in range(len(sizes)) if after[p] != before[p]
+        )
     return dict(
         mode="replay" if replay else "snapshot",
         away=None if math.isinf(away) else away,

@@ -116,11 +116,15 @@ class PeerDriver:
                 self.observer(intent)
 
     def _read_swarm(self) -> fx.SwarmRecords:
+        """Every record a swarm tick reads, all lookups in one round trip where the store can (`get_many`)."""
         now = self.clock.now()
         membership = self.peer.membership
-        heartbeats, leases = self.kv.get(membership.hb_key, now), self.kv.get(membership.lease_key, now)
-        underway = self.kv.get(self.peer.underway.key, now) if self.peer.underway.reading else {}
-        shard_leases = tuple(get_many(self.kv, [m.lease_key for m in membership.shards[1:]], now))
+        reading_underway = self.peer.underway.reading
+        keys = [membership.hb_key, membership.lease_key, *(m.lease_key for m in membership.shards[1:])]
+        found = get_many(self.kv, [*keys, self.peer.underway.key] if reading_underway else keys, now)
+        heartbeats, leases = found[0], found[1]
+        shard_leases = tuple(found[2 : len(keys)])
+        underway = found[-1] if reading_underway else {}
         return fx.SwarmRecords(
             heartbeats, leases, self.clock.now(), underway, shard_leases
         )  # as of the read end

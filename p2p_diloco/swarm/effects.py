@@ -3,9 +3,9 @@
 The peer never performs I/O. Handlers, timers and the training loop post events to its driver; the
 peer's handling of each event returns intents, which the driver performs outside the peer's state:
 stores DHT records, sends frames, answers requests, passes messages to the training thread, logs.
-Work that needs an answer from the network (reading the swarm's records, fetching an update log, a
-snapshot's index or its chunks) is written as a task: a generator that yields a `Request` and is resumed with its result
-(`TaskResult`), so catch-up and repair read top to bottom while the peer keeps handling other events.
+Work that needs an answer from the network (the swarm's records, an update log, a snapshot's index or
+chunks) is a task: a generator that yields a `Request` and is resumed with its result (`TaskResult`), so
+catch-up and repair read top to bottom while the peer keeps handling other events.
 
 Inbound requests carry a `Respond` target (any object with `set_result`, e.g. a
 `concurrent.futures.Future`); the peer answers through a `Respond` intent, maybe later (an update
@@ -45,11 +45,9 @@ class Adopt:
 
 @dataclass(frozen=True)
 class Release:
-    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work.
-
-    `sent_out`: it left this peer (a holder that stepped down may still merge it: kept in `released` to
-    recognise that by its seq); `resend`: send the fragment at the next step, not at its turn (a new
-    synchronizer took over)."""
+    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work. `sent_out`:
+    it left this peer (a holder that stepped down may still merge it: kept in `released` to recognise that
+    by its seq); `resend`: send at the next step, not at its turn (a new synchronizer took over)."""
 
     fragment: int
     seq: int
@@ -268,9 +266,14 @@ class OfferUpdate:  # `offer` (`wire.relay_frames`) to each of `targets`; the re
     offer: bytes
 
 
-Request = OfferUpdate | ReadSwarm | Probe | FetchUpdates | FetchUpdateLogs | FetchSnapshots | FetchChunks
-# A task: yields requests, is resumed with their results, returns its own result (see the module docstring)
-Task = Generator[Request, Any, Any]
+@dataclass(frozen=True)
+class Together:  # run tasks side by side (`swarm.tasks`, no driver); the result: theirs in order, None if failed
+    tasks: tuple[Generator[Any, Any, Any], ...]
+
+
+Fetch = FetchUpdates | FetchUpdateLogs | FetchSnapshots | FetchChunks
+Request = OfferUpdate | ReadSwarm | Probe | Fetch | Together
+Task = Generator[Request, Any, Any]  # yields requests, resumed with their results (module docstring)
 
 
 # ---- intents ---------------------------------------------------------------------------------------

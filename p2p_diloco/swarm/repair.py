@@ -34,12 +34,13 @@ from p2p_diloco.swarm.effects import (
     RepairKind,
     RepairNeeded,
     Task,
+    Together,
     ToLearner,
 )
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.serving import Serving
-from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader
+from p2p_diloco.swarm.snapshot_download import SNAPSHOT_BYTES_PER_PARAM, Downloaded, SnapshotDownloader
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
 from p2p_diloco.wire.frames import decode_update
@@ -221,23 +222,36 @@ class Repair:
         copy of it is reset to the global one. Sources whose state fails its checksum are not asked again."""
         left = list(dict.fromkeys(sources))
         while left:
-            downloaded = yield from self.downloader.download(fragment, left)
-            if downloaded is None:
+            answer = yield from self.downloader.download(fragment, left)
+            if answer is None:
                 return False
-            used = list(self.last_download) or left[:1]
+            downloaded, bytes_from = answer
+            used = list(bytes_from) or left[:1]
             if (yield from self._install(fragment, used[0], downloaded)):
-                self.downloaded.update(self.last_download)
+                self.downloaded.update(bytes_from)
                 return True
             left = [s for s in left if s not in used]
         return False
 
     def fetch_fragments(self, wanted: dict[int, list[str]]) -> Task:
-        """Download several fragments (a newcomer), one after the other, each from several peers at once
-        (`wanted[p]`: the peers on its winning tip, first the one to ask first): the memory peak is the
-        replica plus one fragment's download, and every source serves at once."""
-        installed = 0
+        """Download several fragments (a newcomer), each from several peers at once (`wanted[p]`: the peers on
+        its winning tip, first the one to ask first), as many side by side as fit `[limits]
+        snapshot_download_bytes` (at least one): the memory peak is the replica plus that window, and a
+        newcomer waits for one round trip per step of a download, not one per step per fragment."""
+        budget = self.manifest.limits.snapshot_download_bytes
+        windows: list[list[int]] = []
+        window_bytes = 0
         for p in sorted(wanted):
-            installed += bool((yield from self.fetch_fragment(p, wanted[p])))
+            need = SNAPSHOT_BYTES_PER_PARAM * self.plan.sizes()[p]
+            if not windows or window_bytes + need > budget:
+                windows.append([])
+                window_bytes = 0
+            windows[-1].append(p)
+            window_bytes += need
+        installed = 0
+        for window in windows:
+            done = yield Together(tuple(self.fetch_fragment(p, wanted[p]) for p in window))
+            installed += sum(map(bool, done))
         return installed
 
     # ---- reconciliation and anti-entropy -----------------------------------------------------------
@@ -262,9 +276,10 @@ class Repair:
                 )
             )
         for source in sources:
-            downloaded = yield from self.downloader.download(fragment, [source])
-            if downloaded is None:
+            answer = yield from self.downloader.download(fragment, [source])
+            if answer is None:
                 continue
+            downloaded = answer[0]
             snap = downloaded[0]
             got = BranchTip(winner.term, snap.version, snap.checksum)
             if snap.version < winner.version or (

@@ -14,7 +14,8 @@ from p2p_diloco.swarm.snapshots import ChunkedDownload
 from p2p_diloco.swarm.updates import UpdateBook
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex, chunk_layout, decode_index
 
-Downloaded = tuple[SnapshotIndex, dict, dict]
+Downloaded = tuple[SnapshotIndex, dict, dict]  # the index, Θ and m of one fragment
+SNAPSHOT_BYTES_PER_PARAM = 8  # a snapshot holds Θ and m in fp32
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
@@ -24,7 +25,7 @@ class SnapshotDownloader:
         self.replica = replica
         self.book = book
         self.journal = journal
-        self.last_download: dict[str, int] = {}  # bytes per source of the last download
+        self.last_download: dict[str, int] = {}  # bytes per source of the download that ended last
 
     def read_index(self, fragment: int, source: str, result: object) -> SnapshotIndex | None:
         """One source's index answer, checked (run, manifest, fragment, layout); None if unusable (noted,
@@ -49,8 +50,8 @@ class SnapshotDownloader:
         return None
 
     def download(self, fragment: int, sources: list[str]) -> Task:
-        """A checked download of `fragment` (index, Θ, m) from up to `[limits] snapshot_sources` of `sources`
-        at once, or None. The sources announcing the most common index (ties: the first source's) share the
+        """A checked download of `fragment` (`Downloaded`: index, Θ, m) and the bytes each source sent, from
+        up to `[limits] snapshot_sources` of `sources` at once, or None. The sources announcing the most common index (ties: the first source's) share the
         chunks; a source that fails or sends a bad chunk is dropped and its chunks go to the others. The
         whole is checked against the index's checksum by `_install`."""
         limits = self.manifest.limits
@@ -91,4 +92,4 @@ class SnapshotDownloader:
                     self.journal.reject(source, bad[0], f"snapshot of fragment {fragment}: {bad[1]}")
                     download.fail(source, bad[0])
         self.last_download = {s: b for s, b in download.bytes_from.items() if b}
-        return index, download.params, download.momentum
+        return (index, download.params, download.momentum), dict(self.last_download)

@@ -4,7 +4,8 @@ A task yields a `Request` (`swarm.effects`) and is resumed with its result, so c
 election's reads read top to bottom while the peer keeps handling other events. `Tasks` runs them on the
 peer's owner thread: `spawn` runs a task until its first request, which goes out as a `Perform` intent;
 the driver performs it and posts a `TaskResult`, which `resume` hands back to the task. A task that raises
-ends (its completion callback gets None) and the peer goes on.
+ends (its completion callback gets None) and the peer goes on. A task that yields `Together(subtasks)`
+waits here, without the driver, while its subtasks run side by side; it resumes with their results.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from p2p_diloco.swarm.effects import Intent, Perform, Request, Task
+from p2p_diloco.swarm.effects import Intent, Perform, Request, Task, Together
 from p2p_diloco.swarm.journal import Journal
 
 
@@ -49,4 +50,23 @@ class Tasks:
             self.journal.note(f"task failed: {type(exc).__name__}: {exc}")
             on_done(None)
             return
-        self._emit(Perform(task_id, request))
+        if isinstance(request, Together):
+            self._together(task_id, request.tasks)
+        else:
+            self._emit(Perform(task_id, request))
+
+    def _together(self, task_id: int, subtasks: tuple[Task, ...]) -> None:
+        """Spawn `subtasks`; when the last one ends, resume `task_id` with their results in order."""
+        results: list[Any] = [None] * len(subtasks)
+        left = [len(subtasks)]
+
+        def finished(i: int, value: Any) -> None:
+            results[i] = value
+            left[0] -= 1
+            if not left[0]:
+                self.resume(task_id, results, None)
+
+        if not subtasks:
+            self.resume(task_id, results, None)
+        for i, subtask in enumerate(subtasks):
+            self.spawn(subtask, lambda value, i=i: finished(i, value))

@@ -4,6 +4,8 @@ reaches the replica; pins bounded and expiring; the index and chunk request deco
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -51,8 +53,8 @@ def advanced(steps: int = 2) -> GlobalReplica:
     return replica
 
 
-def harness(peer_id: str, replica: GlobalReplica, transport=None) -> PeerHarness:  # noqa: ANN001
-    peer = Peer(peer_id, MANIFEST, PLAN, replica, shapes=SHAPES, keys=keys_for(peer_id), has_learner=False)
+def harness(peer_id: str, replica: GlobalReplica, transport=None, manifest=MANIFEST) -> PeerHarness:  # noqa: ANN001
+    peer = Peer(peer_id, manifest, PLAN, replica, shapes=SHAPES, keys=keys_for(peer_id), has_learner=False)
     return PeerHarness(
         peer, kv=InMemoryKeyValueStore(), transport=transport or StubTransport(), clock=FakeClock(1.7e9)
     )
@@ -65,39 +67,60 @@ class Routing(StubTransport):
         super().__init__()
         self.sources = sources
         self.calls: list[tuple[str, int]] = []
+        self.asked: list[tuple[str, int, int]] = []  # ("index" or "chunk", fragment, round), in order asked
+        self.deferred = False  # answers wait for `next_round` (a network's round trip), not given at once
+        self.pending: list[tuple[concurrent.futures.Future, object]] = []
+        self.round = 0
         self.die_after: dict[str, int] = {}  # source -> chunks it serves before it dies
         self.dead: set[str] = set()
         self.corrupt: set[tuple[str, int]] = set()  # (source, chunk) answered with a flipped bit
         self.short: set[tuple[str, int]] = set()  # (source, chunk) answered one float short
 
+    def answer(self, value: object) -> concurrent.futures.Future:
+        if not self.deferred:
+            return settled(value)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.pending.append((future, value))
+        return future
+
+    def next_round(self) -> bool:
+        """Answer every request asked so far; False when none was waiting."""
+        answers, self.pending = self.pending, []
+        self.round += 1
+        for future, value in answers:
+            (future.set_exception if isinstance(value, BaseException) else future.set_result)(value)
+        return bool(answers)
+
     def request_snapshot(self, from_peer, fragment):  # noqa: ANN001, ANN201
+        self.asked.append(("index", fragment, self.round))
         if from_peer in self.dead:
-            return settled(ConnectionError(f"{from_peer} is down"))
-        return settled(self.sources[from_peer].serve_snapshot("me", fragment))
+            return self.answer(ConnectionError(f"{from_peer} is down"))
+        return self.answer(self.sources[from_peer].serve_snapshot("me", fragment))
 
     def request_chunk(self, from_peer, fragment, chunk, checksum, nbytes):  # noqa: ANN001, ANN201
+        self.asked.append(("chunk", fragment, self.round))
         served = sum(1 for who, _ in self.calls if who == from_peer)
         if from_peer in self.die_after and served >= self.die_after[from_peer]:
             self.dead.add(from_peer)
         if from_peer in self.dead:
-            return settled(ConnectionError(f"{from_peer} is down"))
+            return self.answer(ConnectionError(f"{from_peer} is down"))
         self.calls.append((from_peer, chunk))
         try:
             data = self.sources[from_peer].serve_chunk("me", fragment, chunk, checksum)
         except LookupError as exc:
-            return settled(ConnectionError(str(exc)))
+            return self.answer(ConnectionError(str(exc)))
         if (from_peer, chunk) in self.corrupt:
             data = bytes([data[0] ^ 1]) + data[1:]
         if (from_peer, chunk) in self.short:
             data = data[:-4]
-        return settled(data)
+        return self.answer(data)
 
 
-def setup(*names: str) -> tuple[GlobalReplica, Routing, PeerHarness]:
+def setup(*names: str, manifest: RunManifest = MANIFEST) -> tuple[GlobalReplica, Routing, PeerHarness]:
     state = advanced()
     sources = {name: harness(name, state.frozen()) for name in names}
     routing = Routing(sources)
-    me = harness("me", GlobalReplica(PLAN, initial()), routing)
+    me = harness("me", GlobalReplica(PLAN, initial()), routing, manifest)
     for p in range(PLAN.num_fragments):  # the newcomer has checked the update records of these states
         v = state.version(p)
         record = UpdateRecord(
@@ -133,6 +156,31 @@ def test_both_sources_share_the_work_when_all_is_well() -> None:
     assert me.replica.digest() == state.digest()
     per = {s: sum(1 for who, _ in routing.calls if who == s) for s in ("A", "B")}
     assert abs(per["A"] - per["B"]) <= 2 and min(per.values()) > 0
+
+
+@pytest.mark.parametrize("budget, side_by_side", [(256 * 1024 * 1024, True), (0, False)])
+def test_fragments_download_side_by_side_within_the_byte_budget(budget, side_by_side) -> None:
+    manifest = RunManifest(
+        run_id="chunks",
+        model=TINY_MODEL,
+        diloco=TINY_DILOCO,
+        limits=LimitsConfig(
+            snapshot_chunk_bytes=4096, snapshot_chunks_in_flight=1, snapshot_download_bytes=budget
+        ),
+    )
+    state, routing, me = setup("A", "B", manifest=manifest)
+    routing.deferred = True
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    me.peer.spawn(me.peer.repair.fetch_fragments({0: ["A", "B"], 1: ["B", "A"]}), done.set_result)
+    for intent in me.peer.flush():
+        me.perform(intent)
+    while routing.next_round():
+        pass
+    assert done.result(timeout=0) == 2 and me.replica.digest() == state.digest()
+    rounds = {p: {r for kind, q, r in routing.asked if q == p} for p in (0, 1)}
+    # side by side: both fragments' downloads start in the first round; else fragment 1 starts after 0 ends
+    assert (min(rounds[0]) == min(rounds[1]) == 0) == side_by_side
+    assert (min(rounds[1]) > max(rounds[0])) == (not side_by_side)
 
 
 @pytest.mark.parametrize("fault, tag", [("corrupt", BAD_CHUNK_DIGEST), ("short", BAD_CHUNK_SIZE)])
