@@ -229,7 +229,8 @@ def newcomer_check(
 ) -> dict[str, Any]:
     """A fresh peer started through the bootstrap node right after its restart (#31): its ``start`` event,
     the swarm's versions then (element-wise max of the learners' ``progress`` events up to that time),
-    when its own versions (``catch_up`` ``after`` or ``progress``) first reached them, and whether it ever
+    when its own versions (``catch_up`` ``after`` or ``progress``, raised by each ``applied``, ``replayed``
+    or ``published`` update in between) first reached them, and whether it ever
     published a version of a branch of its own from 0 (a ``published`` version 1). ``ok``: it reached them
     within 2 heartbeat periods of its start and never did that."""
     start = next((e for e in newcomer if e.get("event") == "start" and "t" in e), None)
@@ -251,11 +252,28 @@ def newcomer_check(
         ]
     )
     row["swarm_at_start"] = target
-    for e in newcomer:
-        mine = _versions(e.get("after") if e.get("event") == "catch_up" else e.get("versions"))
-        if e.get("event") not in ("start", "catch_up", "progress") or mine is None or target is None:
+    mine: list[int] | None = None
+    for e in newcomer[newcomer.index(start) :] if target is not None else ():
+        kind = e.get("event")
+        fragment, version = e.get("fragment"), e.get("version")
+        if kind in ("start", "catch_up", "progress"):
+            reported = _versions(e.get("after") if kind == "catch_up" else e.get("versions"))
+            mine = list(reported) if reported is not None else mine
+        elif (
+            kind in ("applied", "published", "replayed")
+            and mine is not None
+            and isinstance(fragment, int)
+            and isinstance(version, int)
+            and 0 <= fragment < len(mine)
+        ):
+            mine[fragment] = max(mine[fragment], version)  # when it applied it, not at its next progress
+        else:
             continue
-        if len(mine) == len(target) and all(m >= n for m, n in zip(mine, target, strict=True)):
+        if (
+            mine is not None
+            and len(mine) == len(target)
+            and all(m >= n for m, n in zip(mine, target, strict=True))
+        ):
             row["reached_after"] = round(float(e.get("t", t0)) - t0, 2)
             row["reached_versions"] = list(mine)
             break

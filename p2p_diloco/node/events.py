@@ -66,6 +66,8 @@ class PeerEventLog:
                 if intent.how in (UpdateSource.PUSHED, UpdateSource.RELAYED):
                     fields = update_fields(intent.record)
                     self.event("applied", **fields, source=intent.source, how=str(intent.how))
+                elif intent.how == UpdateSource.REPLAYED:  # apart: `applied` times measure propagation
+                    self.event("replayed", **update_fields(intent.record), source=intent.source)
                 if self.ledger is not None:
                     self.ledger.record(intent.record, self.clock.now())
             case fx.Claimed():

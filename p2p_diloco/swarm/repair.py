@@ -355,6 +355,7 @@ class Repair:
         others = {p: i for p, i in self.membership.live_peers.items() if p != self.peer_id and i.versions}
         stats = {"replayed": 0, "snapshots": 0}
         wanted: dict[int, list[str]] = {}
+        targets: dict[int, int] = {}
         behind: list[tuple[int, list[str], int]] = []  # (fragment, sources, target) to replay
         if not others:
             return stats
@@ -375,7 +376,7 @@ class Repair:
             if replay:
                 behind.append((p, sources, target))
             else:
-                wanted[p] = sources
+                wanted[p], targets[p] = sources, target
         if behind:  # every fragment's first log at once (one round trip, not one per fragment)
             logs = yield FetchUpdateLogs(tuple((s[0], p, self.replica.version(p)) for p, s, _ in behind))
             for (p, sources, target), log in zip(behind, logs, strict=True):
@@ -385,4 +386,9 @@ class Repair:
         before = Counter(self.downloaded)
         stats["snapshots"] = yield from self.fetch_fragments(wanted)
         stats["from_sources"] = dict(self.downloaded - before)  # snapshot bytes per source
+        # a source may serve a state a few updates behind the tip it reported: replay the rest from the logs
+        short = [p for p in sorted(wanted) if self.replica.version(p) < targets[p]]
+        versions = sum(self.replica.version(p) for p in short)
+        yield Together(tuple(self.catch_up_fragment(p, wanted[p], target=targets[p], now=now) for p in short))
+        stats["replayed"] += sum(self.replica.version(p) for p in short) - versions
         return stats

@@ -255,6 +255,18 @@ def test_a_newcomer_at_the_swarms_versions_within_two_heartbeats_and_never_from_
     assert "newcomer-1" in line and "[7, 6] 1.5 s after its start" in line and line.endswith(" ok")
 
 
+def test_a_newcomer_reaches_the_swarm_when_it_applies_the_missing_update_not_at_its_next_progress():
+    newcomer = [
+        {"event": "start", "t": 110.0, "versions": [0, 0]},
+        {"event": "catch_up", "t": 110.4, "before": [0, 0], "after": [7, 5]},  # its source was one behind
+        {"event": "applied", "t": 110.5, "fragment": "1", "version": 9},  # not a fragment number: ignored
+        {"event": "applied", "t": 110.6, "fragment": 1, "version": 6},
+        {"event": "progress", "t": 112.1, "versions": [7, 6]},
+    ]
+    row = checks.newcomer_check(newcomer, SWARM, heartbeat_period=1.0)
+    assert row["reached_after"] == 0.6 and row["reached_versions"] == [7, 6] and row["ok"], row
+
+
 @pytest.mark.parametrize(
     "newcomer, why",
     [
