@@ -40,7 +40,7 @@ from p2p_diloco.swarm.effects import (
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.serving import Serving
-from p2p_diloco.swarm.snapshot_download import SNAPSHOT_BYTES_PER_PARAM, Downloaded, SnapshotDownloader
+from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader, download_windows
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
 from p2p_diloco.wire.frames import decode_update
@@ -238,16 +238,8 @@ class Repair:
         its winning tip, first the one to ask first), as many side by side as fit `[limits]
         snapshot_download_bytes` (at least one): the memory peak is the replica plus that window, and a
         newcomer waits for one round trip per step of a download, not one per step per fragment."""
-        budget = self.manifest.limits.snapshot_download_bytes
-        windows: list[list[int]] = []
-        window_bytes = 0
-        for p in sorted(wanted):
-            need = SNAPSHOT_BYTES_PER_PARAM * self.plan.sizes()[p]
-            if not windows or window_bytes + need > budget:
-                windows.append([])
-                window_bytes = 0
-            windows[-1].append(p)
-            window_bytes += need
+        sizes = {p: self.plan.sizes()[p] for p in wanted}
+        windows = download_windows(sizes, self.manifest.limits.snapshot_download_bytes)
         installed = 0
         for window in windows:
             done = yield Together(tuple(self.fetch_fragment(p, wanted[p]) for p in window))
@@ -351,7 +343,10 @@ class Repair:
             self.busy -= held
 
     def _catch_up(self, now: float, *, replay: bool) -> Task:
-        self.membership.ingest((yield ReadSwarm()))
+        views, read_at = self.membership.ingest_all((yield ReadSwarm())), self.membership.last_read
+        holders = [
+            max((x for x in v.leases if x.live(read_at)), key=lambda x: x.term, default=None) for v in views
+        ]
         others = {p: i for p, i in self.membership.live_peers.items() if p != self.peer_id and i.versions}
         stats = {"replayed": 0, "snapshots": 0}
         wanted: dict[int, list[str]] = {}
@@ -386,9 +381,20 @@ class Repair:
         before = Counter(self.downloaded)
         stats["snapshots"] = yield from self.fetch_fragments(wanted)
         stats["from_sources"] = dict(self.downloaded - before)  # snapshot bytes per source
-        # a source may serve a state a few updates behind the tip it reported: replay the rest from the logs
+        # a source's state, or the tip it reported, may be updates behind: replay the rest from the holders'
+        # logs (the freshest), then from the sources' up to the tips read
+        versions = sum(self.replica.version(p) for p in wanted)
+        lease_of = {p: holders[self.membership.for_fragment(p).shard] for p in sorted(wanted)}
+        ask = {p: lease.holder for p, lease in lease_of.items() if lease and lease.holder != self.peer_id}
+        logs = (
+            (yield FetchUpdateLogs(tuple((h, p, self.replica.version(p)) for p, h in ask.items())))
+            if ask
+            else []
+        )
+        for (p, holder), log in zip(ask.items(), logs, strict=True):
+            if not isinstance(log, BaseException):
+                yield from self.replay_log(p, holder, log, now)
         short = [p for p in sorted(wanted) if self.replica.version(p) < targets[p]]
-        versions = sum(self.replica.version(p) for p in short)
         yield Together(tuple(self.catch_up_fragment(p, wanted[p], target=targets[p], now=now) for p in short))
-        stats["replayed"] += sum(self.replica.version(p) for p in short) - versions
+        stats["replayed"] += sum(self.replica.version(p) for p in wanted) - versions
         return stats

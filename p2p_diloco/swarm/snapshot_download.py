@@ -19,6 +19,21 @@ SNAPSHOT_BYTES_PER_PARAM = 8  # a snapshot holds Θ and m in fp32
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
+def download_windows(sizes: dict[int, int], budget: int) -> list[list[int]]:
+    """The fragments (`sizes`: parameters per fragment) in groups to download side by side, in order: as
+    many as fit `budget` bytes of Θ and m, at least one per group."""
+    windows: list[list[int]] = []
+    window_bytes = 0
+    for p in sorted(sizes):
+        need = SNAPSHOT_BYTES_PER_PARAM * sizes[p]
+        if not windows or window_bytes + need > budget:
+            windows.append([])
+            window_bytes = 0
+        windows[-1].append(p)
+        window_bytes += need
+    return windows
+
+
 class SnapshotDownloader:
     def __init__(self, manifest: RunManifest, replica: GlobalReplica, book: UpdateBook, journal: Journal):
         self.manifest = manifest
