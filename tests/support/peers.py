@@ -148,6 +148,7 @@ def make_peer(
     may_sync: bool = False,
     learner: bool = True,
     published: list | None = None,
+    transport: StubTransport | None = None,
 ) -> PeerHarness:
     """A peer of `manifest` (freshly built model, 2 fragments) under a `PeerHarness`: a stub transport, a
     new store and a clock at 100.0 unless given. `learner=False`: no learner (built without a sampler
@@ -177,4 +178,5 @@ def make_peer(
             published.append(intent.record)
 
     kv, clock = kv or InMemoryKeyValueStore(), clock or FakeClock(100.0)
-    return PeerHarness(peer, kv=kv, transport=StubTransport(), clock=clock, learner=trainer, observer=observe)
+    transport = transport or StubTransport()
+    return PeerHarness(peer, kv=kv, transport=transport, clock=clock, learner=trainer, observer=observe)
