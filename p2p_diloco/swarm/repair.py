@@ -378,23 +378,21 @@ class Repair:
                 before = self.replica.version(p)
                 yield from self.catch_up_fragment(p, sources, target=target, now=now, first_log=log)
                 stats["replayed"] += self.replica.version(p) - before
-        before = Counter(self.downloaded)
+        before, start = Counter(self.downloaded), {p: self.replica.version(p) for p in wanted}
         stats["snapshots"] = yield from self.fetch_fragments(wanted)
         stats["from_sources"] = dict(self.downloaded - before)  # snapshot bytes per source
-        # a source's state, or the tip it reported, may be updates behind: replay the rest from the holders'
-        # logs (the freshest), then from the sources' up to the tips read
-        versions = sum(self.replica.version(p) for p in wanted)
-        lease_of = {p: holders[self.membership.for_fragment(p).shard] for p in sorted(wanted)}
+        # a loaded snapshot, or the tip its source reported, may be updates behind: replay the rest from the
+        # holders' logs (the freshest), then from the sources' up to the tips read
+        loaded = [p for p in sorted(wanted) if self.replica.version(p) != start[p]]
+        versions = sum(self.replica.version(p) for p in loaded)
+        lease_of = {p: holders[self.membership.for_fragment(p).shard] for p in loaded}
         ask = {p: lease.holder for p, lease in lease_of.items() if lease and lease.holder != self.peer_id}
-        logs = (
-            (yield FetchUpdateLogs(tuple((h, p, self.replica.version(p)) for p, h in ask.items())))
-            if ask
-            else []
-        )
+        asks = tuple((h, p, self.replica.version(p)) for p, h in ask.items())
+        logs = (yield FetchUpdateLogs(asks)) if asks else []
         for (p, holder), log in zip(ask.items(), logs, strict=True):
             if not isinstance(log, BaseException):
                 yield from self.replay_log(p, holder, log, now)
-        short = [p for p in sorted(wanted) if self.replica.version(p) < targets[p]]
+        short = [p for p in loaded if self.replica.version(p) < targets[p]]
         yield Together(tuple(self.catch_up_fragment(p, wanted[p], target=targets[p], now=now) for p in short))
-        stats["replayed"] += sum(self.replica.version(p) for p in wanted) - versions
+        stats["replayed"] += sum(self.replica.version(p) for p in loaded) - versions
         return stats
