@@ -73,11 +73,6 @@ class Repair:
         self.downloader = SnapshotDownloader(ctx.manifest, ctx.replica, book, ctx.journal)
         self.downloaded: Counter[str] = Counter()  # snapshot bytes installed, per source, ever
 
-    @property
-    def last_download(self) -> dict[str, int]:
-        """Bytes per source of the last snapshot download."""
-        return self.downloader.last_download
-
     # ---- replay ------------------------------------------------------------------------------------
 
     def catch_up_fragment(

@@ -40,7 +40,6 @@ class SnapshotDownloader:
         self.replica = replica
         self.book = book
         self.journal = journal
-        self.last_download: dict[str, int] = {}  # bytes per source of the download that ended last
 
     def read_index(self, fragment: int, source: str, result: object) -> SnapshotIndex | None:
         """One source's index answer, checked (run, manifest, fragment, layout); None if unusable (noted,
@@ -66,9 +65,10 @@ class SnapshotDownloader:
 
     def download(self, fragment: int, sources: list[str]) -> Task:
         """A checked download of `fragment` (`Downloaded`: index, Θ, m) and the bytes each source sent, from
-        up to `[limits] snapshot_sources` of `sources` at once, or None. The sources announcing the most common index (ties: the first source's) share the
-        chunks; a source that fails or sends a bad chunk is dropped and its chunks go to the others. The
-        whole is checked against the index's checksum by `_install`."""
+        up to `[limits] snapshot_sources` of `sources` at once, or None. The sources announcing the most
+        common index (ties: the first source's) share the chunks; a source that fails or sends a bad chunk
+        is dropped and its chunks go to the others. The whole is checked against the index's checksum by
+        `_install`."""
         limits = self.manifest.limits
         sources = list(dict.fromkeys(sources))[: limits.snapshot_sources]
         if not sources:
@@ -106,5 +106,6 @@ class SnapshotDownloader:
                 elif (bad := download.accept(source, n, result)) is not None:
                     self.journal.reject(source, bad[0], f"snapshot of fragment {fragment}: {bad[1]}")
                     download.fail(source, bad[0])
-        self.last_download = {s: b for s, b in download.bytes_from.items() if b}
-        return (index, download.params, download.momentum), dict(self.last_download)
+        return (index, download.params, download.momentum), {
+            s: b for s, b in download.bytes_from.items() if b
+        }

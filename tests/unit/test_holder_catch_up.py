@@ -131,27 +131,34 @@ def holder_behind() -> tuple[PeerHarness, int, bytes, tuple]:
         me.train_step()
     (fragment,) = set(me.peer.outbox.in_flight) - before
 
-    replica = copy.deepcopy(me.replica)
+    frame, checksum = old_update(me.replica, fragment, 0)
+    versions = tuple(int(p == fragment) for p in range(me.peer.plan.num_fragments))
+    tips = tuple(
+        (1, checksum[:16]) if p == fragment else (t.term, t.checksum)
+        for p, t in enumerate(me.peer.book.tips())
+    )
+    me.published = published
+    return me, fragment, frame, (versions, tips)
+
+
+def old_update(replica, fragment: int, from_version: int) -> tuple[bytes, str]:  # noqa: ANN001
+    """The signed term-1 update of "old" (a former holder) to `fragment` from `replica`'s state at
+    `from_version`, and the checksum it produces."""
+    replica = copy.deepcopy(replica)
     payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(fragment).items()})
     pending = replica.compute_update(fragment, decode_tensors(payload), lr=0.7, momentum=0.9)
-    update = UpdateRecord(
+    record = UpdateRecord(
         MANIFEST.run_id,
         MANIFEST.manifest_hash,
         fragment,
-        0,
+        from_version,
         1,
         "old",
         (("a", 1.0),),
         pending.checksum,
         payload,
     )
-    versions = tuple(int(p == fragment) for p in range(me.peer.plan.num_fragments))
-    tips = tuple(
-        (1, pending.checksum[:16]) if p == fragment else (t.term, t.checksum)
-        for p, t in enumerate(me.peer.book.tips())
-    )
-    me.published = published
-    return me, fragment, encode_update(signed(update)), (versions, tips)
+    return encode_update(signed(record)), pending.checksum
 
 
 def test_a_holder_behind_trusted_tips_catches_up_before_it_merges():

@@ -5,18 +5,11 @@ record checked like any replayed update: a forged one is refused and counted, an
 
 from __future__ import annotations
 
-import copy
-
-import torch
-
 from p2p_diloco.protocol.election import LeaseRecord
-from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.frames import encode_update
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import encode_lease
-from tests.support.peers import PeerHarness, StubTransport, make_peer, settled, signed
-from tests.unit.test_holder_catch_up import MANIFEST, report, ticks
+from tests.support.peers import PeerHarness, StubTransport, make_peer, settled
+from tests.unit.test_holder_catch_up import MANIFEST, old_update, report, ticks
 
 FRAGMENT = 1
 
@@ -37,21 +30,7 @@ class FromSource(StubTransport):
 
 def update(peer: PeerHarness, from_version: int) -> bytes:
     """The holder "old"'s signed update of FRAGMENT from `peer`'s state at `from_version`."""
-    replica = copy.deepcopy(peer.replica)
-    payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(FRAGMENT).items()})
-    pending = replica.compute_update(FRAGMENT, decode_tensors(payload), lr=0.7, momentum=0.9)
-    record = UpdateRecord(
-        MANIFEST.run_id,
-        MANIFEST.manifest_hash,
-        FRAGMENT,
-        from_version,
-        1,
-        "old",
-        (("a", 1.0),),
-        pending.checksum,
-        payload,
-    )
-    return encode_update(signed(record))
+    return old_update(peer.replica, FRAGMENT, from_version)[0]
 
 
 def newcomer_and_a_source_one_update_behind_the_holder() -> tuple[PeerHarness, bytes]:

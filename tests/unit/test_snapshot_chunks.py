@@ -139,10 +139,8 @@ def test_a_fragment_comes_in_chunks_from_two_sources_and_survives_one_dying_midw
     assert me.replica.checksum(0) == state.checksum(0) and me.replica.version(0) == 2
     who = [source for source, _ in routing.calls]
     assert who.count("B") == 2 and who.count("A") == count - 2  # B's share went to A
-    assert set(me.peer.repair.last_download) == {"A", "B"}
-    assert sum(me.peer.repair.last_download.values()) == sum(
-        c.nbytes for c in chunk_layout(SHAPES_OF(0), 4096)
-    )
+    assert set(me.peer.repair.downloaded) == {"A", "B"}
+    assert sum(me.peer.repair.downloaded.values()) == sum(c.nbytes for c in chunk_layout(SHAPES_OF(0), 4096))
     assert me.peer.rejections == {}  # a dead source is a failure, not a hostile one
 
 
