@@ -202,26 +202,43 @@ class HostileRun:
         )
 
     def wait_agreeing(self, names: tuple[str, ...] | None = None) -> dict:
-        """Until every honest peer (`names`) has been seen at one same versions tuple (not necessarily at
-        the same instant: a live swarm keeps training, and under load its peers rarely sit at equal
-        versions during one poll); every digest reported at a versions tuple must be the same."""
+        """Until, for every fragment, every honest peer (`names`) has been seen at one same version of it,
+        not necessarily at the same instant. Each fragment's tip checksum reported at a version, and each
+        digest reported at a whole versions tuple, must be the same for every peer seen there.
+
+        Agreement is checked per fragment because a whole tuple is rarely seen on every peer: with two
+        fragments updated every ~0.2 s and heartbeats every 0.5 s, a tuple lasts about one heartbeat,
+        and three out-of-phase heartbeats can miss it for minutes under CI load (seen once)."""
         ids = {self.peers[n].peer_id for n in (names or tuple(self.peers))}
-        seen: dict[tuple[int, ...], dict[str, str]] = {}  # versions -> peer id -> digest reported there
+        tips: dict[tuple[int, int], dict[str, str]] = {}  # (fragment, version) -> peer id -> tip checksum
+        digests: dict[tuple[int, ...], dict[str, str]] = {}  # versions -> peer id -> digest reported there
 
-        def everyone_at_one_tuple(status: dict) -> bool:
+        def agree(where: object, reported: dict[str, str]) -> None:
+            assert len(set(reported.values())) == 1, (
+                f"honest replicas diverged at {where}: { {pid[:12]: d for pid, d in reported.items()} }"
+            )
+
+        def every_fragment_met(status: dict) -> bool:
             for pid, p in self.honest(status).items():
-                if pid in ids:
-                    seen.setdefault(tuple(p["versions"]), {})[pid] = p["digest"]
-            for versions, digests in seen.items():
-                assert len(set(digests.values())) == 1, (
-                    f"honest replicas diverged at versions {versions}: "
-                    f"{ {pid[:12]: d for pid, d in digests.items()} }"
-                )
-            return any(set(digests) == ids for digests in seen.values())
+                if pid not in ids or not p["versions"]:
+                    continue
+                digests.setdefault(tuple(p["versions"]), {})[pid] = p["digest"]
+                agree(f"versions {tuple(p['versions'])}", digests[tuple(p["versions"])])
+                for i, (version, tip) in enumerate(zip(p["versions"], p["tips"])):
+                    tips.setdefault((i, version), {})[pid] = tip[1]
+                    agree(f"fragment {i} version {version}", tips[(i, version)])
+            met = {i for (i, _), seen in tips.items() if set(seen) == ids}
+            return met == set(range(self.manifest.diloco.fragments))
 
-        return self.wait_status(
-            everyone_at_one_tuple, ADVANCE_TIMEOUT, "the honest peers at one same versions tuple"
-        )
+        try:
+            return self.wait_status(
+                every_fragment_met, ADVANCE_TIMEOUT, "the honest peers at one same version"
+            )
+        except AssertionError as exc:
+            last = {
+                pid[:12]: sorted(v for v, seen in digests.items() if pid in seen)[-6:] for pid in sorted(ids)
+            }
+            raise AssertionError(f"{exc}\nthe last versions each honest peer was seen at: {last}") from exc
 
     def wait_ticks(self, since: float, n: int = 2) -> dict:
         """Until every honest peer wrote a heartbeat at least `n - 1` periods after DHT time `since`: each
