@@ -71,7 +71,7 @@ class PeerEventLog:
                 if self.ledger is not None:
                     self.ledger.record(intent.record, self.clock.now())
             case fx.Claimed():
-                self.event("claim", term=intent.term, reason=intent.reason)
+                self.event("claim", term=intent.term, reason=intent.reason, shard=intent.shard)
             case fx.LeaseReleased():
                 self.event("released_lease", term=intent.term, rounds=intent.rounds)
 

@@ -1,18 +1,29 @@
 """Synchronizer shards with real processes: 6 `join` peers, S = 4 (`[diloco] synchronizer_shards`), one
-shard's holder SIGKILLed.
+shard's holder SIGKILLed, then another shard's holder frozen.
 
 The fragments of the other shards keep advancing while that shard fails over (the versions timeline the
-peers report, read as `p2p-diloco status` reads it), the shard gets a new holder and term, and after the
-peers stop training every replica is identical."""
+peers report, read as `p2p-diloco status` reads it), and the shard gets a new holder and term. A frozen
+holder (SIGSTOP: alive but silent) of another shard is waited out and its shard claimed the ordinary way;
+thawed, it steps down. After the peers stop training every replica is identical and no update was
+applied twice."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
 from p2p_diloco.protocol import shards
-from tests.support.real_swarm import START_TIMEOUT, Swarm
+from tests.support.real_swarm import (
+    START_TIMEOUT,
+    Joined,
+    Swarm,
+    assert_no_update_applied_twice,
+    claims_of,
+    incarnations,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,6 +52,14 @@ def held(status: dict) -> dict[int, tuple[str, int]]:
 
 def versions(status: dict) -> list[int]:
     return [f["version"] for f in status["fragments"]]
+
+
+def step_downs(joined: Joined) -> int:
+    """How many times `joined`'s current process stepped down from a shard it held."""
+    return sum(
+        e["event"] == "note" and e["line"].startswith("election: step_down:")
+        for e in incarnations(joined.state_dir)[-1]
+    )
 
 
 def test_a_killed_shard_holder_stalls_only_its_shard(
@@ -96,6 +115,37 @@ def test_a_killed_shard_holder_stalls_only_its_shard(
         f"measured: shard {shard} merged again {timeline[-1][0]:.2f} s after the kill; others moved at {moved[:3]}"
     )
     assert moved, timeline
+
+    # a frozen holder of another shard (connections hang, not refused): silence is not death, so its
+    # shard is claimed only once its lease has run out, and the thawed zombie steps down
+    timing = swarm.manifest.timing
+    holders = swarm.wait_status(lambda s: len(held(s)) == SHARDS, 30, "every shard held again")
+    holders = held(holders)
+    alone = [
+        s for s, (h, _) in holders.items() if s != shard and sum(x == h for x, _ in holders.values()) == 1
+    ]
+    frozen_shard = (alone or [s for s in holders if s != shard])[0]
+    zombie_id, frozen_term = holders[frozen_shard]
+    zombie = swarm.by_id(zombie_id)
+    downs = step_downs(zombie)
+    frozen_at = time.time()
+    os.killpg(zombie.handle.pid, signal.SIGSTOP)  # python, its DHT child and p2pd
+    try:
+        others = [j for j in swarm.live() if j is not zombie]
+        taken = swarm.wait_for(
+            lambda: next((c for j in others for c in claims_of(j, frozen_term, frozen_shard)), None),
+            timing.lease_ttl + timing.lease_margin + 3 * timing.claim_grace + 30,
+            f"another peer to claim shard {frozen_shard} after the frozen holder's lease",
+        )
+        assert not taken["reason"].startswith("succession"), taken
+        print(f"measured: shard {frozen_shard}'s holder frozen -> claimed by another peer "
+              f"{taken['t'] - frozen_at:.2f} s (lease_ttl {timing.lease_ttl} s)")  # fmt: skip
+    finally:
+        os.killpg(zombie.handle.pid, signal.SIGCONT)
+    swarm.wait_for(lambda: step_downs(zombie) > downs, 30, "the thawed zombie to step down")
+
     settled = swarm.quiesce(len(NAMES) - 1, timeout=90.0)
+    assert held(settled)[frozen_shard][1] > frozen_term
     assert len({p["digest"] for p in settled["peers"]}) == 1
     swarm.stop_all()
+    assert_no_update_applied_twice(swarm)

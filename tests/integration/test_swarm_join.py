@@ -16,13 +16,19 @@ import os
 import signal
 import subprocess
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from p2p_diloco.node.state import read_events, read_peer_state
-from tests.support.real_swarm import START_TIMEOUT, Joined, Swarm
+from tests.support.real_swarm import (
+    START_TIMEOUT,
+    Joined,
+    Swarm,
+    assert_no_update_applied_twice,
+    claims_of,
+    incarnations,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -53,30 +59,10 @@ def group_pss_mib(pid: int) -> float:
     return total_kib / 1024
 
 
-def incarnations(state_dir: Path) -> list[list[dict]]:
-    """The event log split at each process start."""
-    runs: list[list[dict]] = []
-    for event in read_events(state_dir):
-        if event["event"] == "start" or not runs:
-            runs.append([])
-        runs[-1].append(event)
-    return runs
-
-
 def catch_up_of(joined: Joined) -> dict | None:
     """The catch-up event of `joined`'s latest process start (None before it caught up)."""
     runs = incarnations(joined.state_dir)
     return next((e for e in runs[-1] if e["event"] == "catch_up"), None) if runs else None
-
-
-def assert_no_update_applied_twice(swarm: Swarm) -> None:
-    for joined in swarm.peers.values():
-        for run in incarnations(joined.state_dir):
-            seen = Counter(
-                (e["fragment"], e["version"]) for e in run if e["event"] in ("applied", "published")
-            )
-            twice = [key for key, n in seen.items() if n > 1]
-            assert not twice, f"{joined.name} applied updates (fragment, version) {twice} more than once"
 
 
 def library_thread(name: str) -> bool:
@@ -208,10 +194,6 @@ def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     assert len(set(saved.values())) == 1, saved
     assert saved[stopped[0].name][:16] == final["peers"][0]["digest"]
     assert_no_update_applied_twice(swarm)
-
-
-def claims_of(joined: Joined, above_term: int) -> list[dict]:
-    return [e for e in read_events(joined.state_dir) if e["event"] == "claim" and e["term"] > above_term]
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,3 +196,32 @@ class Swarm:
         for joined in live:
             code = joined.handle.wait(timeout=STOP_TIMEOUT)
             assert code == 0, f"{joined.name} exited with {code}\n{joined.handle.stderr_tail()}"
+
+
+def incarnations(state_dir: Path) -> list[list[dict]]:
+    """The event log split at each process start."""
+    runs: list[list[dict]] = []
+    for event in read_events(state_dir):
+        if event["event"] == "start" or not runs:
+            runs.append([])
+        runs[-1].append(event)
+    return runs
+
+
+def claims_of(joined: Joined, above_term: int, shard: int = 0) -> list[dict]:
+    """`joined`'s claims of a term above `above_term` of synchronizer `shard`."""
+    return [
+        e
+        for e in read_events(joined.state_dir)
+        if e["event"] == "claim" and e["term"] > above_term and e.get("shard", 0) == shard
+    ]
+
+
+def assert_no_update_applied_twice(swarm: Swarm) -> None:
+    for joined in swarm.peers.values():
+        for run in incarnations(joined.state_dir):
+            seen = Counter(
+                (e["fragment"], e["version"]) for e in run if e["event"] in ("applied", "published")
+            )
+            twice = [key for key, n in seen.items() if n > 1]
+            assert not twice, f"{joined.name} applied updates (fragment, version) {twice} more than once"
