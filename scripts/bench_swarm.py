@@ -4,6 +4,8 @@
     .venv/bin/python scripts/bench_swarm.py --learners 4,8,16 --shards 1,4 --out docs/results/swarm
     .venv/bin/python scripts/bench_swarm.py --inprocess 16,64,256,1024 --shards 1,4 --real-upto 64 \
         --out docs/results/swarm-model
+    .venv/bin/python scripts/bench_swarm.py --inprocess 64,256,1024 --shards 4 --peers-per-shard 16 \
+        --real-upto 0 --out docs/results/swarm-scaled        # also S grown with the swarm (S = M / 16)
     .venv/bin/python scripts/bench_swarm.py --tabulate --out DIR      # measures and figures again from DIR
     .venv/bin/python scripts/bench_swarm.py --inprocess 1 --tabulate --out DIR   # the same, in-process
 
@@ -334,6 +336,13 @@ def main() -> int:
     parser.add_argument("--inprocess", type=int_list, default=None, metavar="PEERS,...")
     parser.add_argument("--fanout", type=int, default=3, help="--inprocess: the relay tree's fan-out")
     parser.add_argument("--rounds", type=int, default=4, help="--inprocess: rounds of every fragment")
+    parser.add_argument(
+        "--peers-per-shard",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--inprocess: add the rule S = M / N (shards and fragments grown with the swarm)",
+    )
     parser.add_argument("--up-mbit", type=float, default=20.0, help="--inprocess: each peer's uplink")
     parser.add_argument("--down-mbit", type=float, default=100.0, help="--inprocess: each peer's downlink")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="--inprocess: one-way, per peer")
@@ -346,6 +355,8 @@ def main() -> int:
     parser.add_argument("--real-seconds", type=float, default=20.0, help="fake seconds of that run")
     parser.add_argument("--tabulate", action="store_true", help="figures and plots again from OUT, no runs")
     args = parser.parse_args()
+    if args.peers_per_shard is not None and args.peers_per_shard < 1:
+        parser.error(f"--peers-per-shard {args.peers_per_shard}: give the learners per shard, 1 or more")
     args.overrides = {}
     for item in args.sets:
         key, sep, value = item.partition("=")

@@ -7,6 +7,12 @@ model's int8 fragment frames as deltas and updates and every peer on one `LinkSp
 objects (`swarm.inprocess`, tiny GPT, the same link model on its `SimNetwork`) for `--real-seconds` fake
 seconds: its busiest peer's bytes per round beside the model's, and its wall seconds per fake second
 (why 1024 real peers are out of reach). Writes OUT/inprocess.json and OUT/inprocess.png.
+
+`--peers-per-shard N` adds one more rule: the relay tree with S grown with the swarm, S = M / N shards over
+as many fragments (P = max(manifest P, S)), every fragment's frames the model's int8 bytes / P, so a round
+still moves the whole model once per learner. A shard holder then receives (M - 1) / S fragment deltas, the
+same at every size: what a run's organizer gets by listing about M / N synchronizers and setting
+`synchronizer_shards` and `fragments` to that at the start.
 """
 
 from __future__ import annotations
@@ -26,6 +32,16 @@ from p2p_diloco.sim.dissemination import SpreadSpec, fragment_frame_bytes, run_s
 from p2p_diloco.swarm.links import MBIT, LinkModel, LinkSpec
 
 REFERENCE = 64  # issue #29: the 1024-peer run against the 64-peer one
+
+
+def rule_of(row: dict[str, Any]) -> str:
+    """The rule a model row ran under (rows written before `rule` was stored: from fanout and S)."""
+    return row.get("rule") or f"fanout={row['fanout'] or 'all'} S={row['shards']}"
+
+
+def scaled_shards(peers: int, peers_per_shard: int, max_shards: int) -> int:
+    """S for `peers` under `--peers-per-shard`: M / N rounded down, at least 1, at most `max_shards`."""
+    return max(1, min(max_shards, peers // peers_per_shard))
 
 
 def real_swarm(peers: int, seconds: float, link: LinkSpec) -> dict[str, Any]:
@@ -71,13 +87,11 @@ def figures(rows: list[dict[str, Any]], fanout: int) -> dict[str, Any]:
     """Busiest peer's bytes per round at the largest size over `REFERENCE` peers (else the smallest size):
     target <= 2x, per rule; and the depth at each size."""
     out: dict[str, Any] = {}
-    rules = sorted({(r["fanout"], r["shards"]) for r in rows})
-    for f, s in rules:
-        mine = sorted((r for r in rows if (r["fanout"], r["shards"]) == (f, s)), key=lambda r: r["peers"])
+    for name in sorted({rule_of(r) for r in rows}):
+        mine = sorted((r for r in rows if rule_of(r) == name), key=lambda r: r["peers"])
         if len(mine) < 2:
             continue
         lo, hi = next((r for r in mine if r["peers"] == REFERENCE), mine[0]), mine[-1]
-        name = f"fanout={f or 'all'} S={s}"
         for what in ("busiest_bytes_per_round", "max_update_bytes_per_round"):
             value = hi[what] / lo[what] if lo[what] else None
             out.setdefault(name, {})[f"{what}_{hi['peers']}_over_{lo['peers']}"] = {
@@ -98,10 +112,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     rows = report["model"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for f, s in sorted({(r["fanout"], r["shards"]) for r in rows}):
-        mine = sorted((r for r in rows if (r["fanout"], r["shards"]) == (f, s)), key=lambda r: r["peers"])
+    for label in sorted({rule_of(r) for r in rows}):
+        mine = sorted((r for r in rows if rule_of(r) == label), key=lambda r: r["peers"])
         n = [r["peers"] for r in mine]
-        label = f"{'push to all' if f == 0 else f'relay, fanout {f}'}, S={s}"
         axes[0].plot(n, [r["busiest_bytes_per_round"] / 1e6 for r in mine], "o-", label=f"{label}: all")
         axes[0].plot(
             n, [r["max_update_bytes_per_round"] / 1e6 for r in mine], "x--", label=f"{label}: updates"
@@ -156,25 +169,35 @@ def inprocess_main(args: argparse.Namespace) -> int:
         manifest = RunManifest.load(args.manifest)
         size = fragment_frame_bytes(manifest)
         link = LinkSpec(up=args.up_mbit * MBIT, down=args.down_mbit * MBIT, latency=args.latency_ms / 1e3)
-        rules = [(0, 1)] + [(args.fanout, s) for s in args.shards]
+        fragments = manifest.diloco.fragments
+        rules = [
+            (f"fanout={f or 'all'} S={s}", f, lambda m, s=s: s)
+            for f, s in [(0, 1)] + [(args.fanout, s) for s in args.shards]
+        ]
+        if args.peers_per_shard:
+            n = args.peers_per_shard
+            rules.append((f"fanout={args.fanout} S=M/{n}", args.fanout, lambda m: scaled_shards(m, n, m)))
         rows = []
         for peers in args.inprocess:
-            for fanout, shards in rules:
+            for name, fanout, shards_for in rules:
+                shards = shards_for(peers)
+                split = max(fragments, shards)  # the same model bytes over more, smaller fragments
+                frame = size * fragments // split
                 spec = SpreadSpec(
                     peers=peers,
-                    update_bytes=size,
-                    delta_bytes=size,
-                    fragments=manifest.diloco.fragments,
+                    update_bytes=frame,
+                    delta_bytes=frame,
+                    fragments=split,
                     shards=shards,
                     fanout=fanout,
                     rounds=args.rounds,
                     link=link,
                 )
                 started = time.time()
-                row = run_spread(spec) | {"wall_seconds": time.time() - started}
+                row = run_spread(spec) | {"rule": name, "wall_seconds": time.time() - started}
                 rows.append(row)
                 print(
-                    f"model M={peers} fanout={fanout or 'all'} S={shards}: busiest "
+                    f"model M={peers} {name} (S={shards}, P={split}): busiest "
                     f"{row['busiest_bytes_per_round'] / 1e6:.2f} MB/round (updates "
                     f"{row['max_update_bytes_per_round'] / 1e6:.2f}), depth {row['depth_max']}, "
                     f"publish -> last {row['propagation_max']:.2f} s",
@@ -189,6 +212,7 @@ def inprocess_main(args: argparse.Namespace) -> int:
             "peers": args.inprocess,
             "fanout": args.fanout,
             "shards": args.shards,
+            "peers_per_shard": args.peers_per_shard,
             "rounds": args.rounds,
             "link": dataclasses.asdict(link),
             "real_upto": args.real_upto,

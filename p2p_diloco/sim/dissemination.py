@@ -230,6 +230,8 @@ class Spread:
         return {
             "peers": spec.peers,
             "shards": spec.shards,
+            "fragments": spec.fragments,
+            "frame_bytes": spec.update_bytes,
             "fanout": spec.fanout,
             "rounds": spec.rounds,
             "updates": len(self.published),

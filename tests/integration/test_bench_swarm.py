@@ -42,13 +42,15 @@ def test_real_processes_report_bytes_per_update_and_propagation(tmp_path: Path):
 
 @pytest.mark.timeout(300)
 def test_inprocess_model_and_real_peers_report_busiest_bytes_and_depth(tmp_path: Path):
-    small = "--inprocess 8,16 --real-upto 8 --real-seconds 5 --rounds 1".split()
+    small = "--inprocess 8,16 --real-upto 8 --real-seconds 5 --rounds 1 --peers-per-shard 4".split()
     bench(*small, "--out", str(tmp_path), timeout=280)
     report = json.loads((tmp_path / "inprocess.json").read_text())
-    rules = {(r["peers"], r["fanout"], r["shards"]) for r in report["model"]}
-    assert rules == {(8, 0, 1), (8, 3, 1), (16, 0, 1), (16, 3, 1)}
+    rules = {(r["peers"], r["fanout"], r["shards"], r["fragments"]) for r in report["model"]}
+    # S = M / 4 over as many fragments: 8 peers S = 2 (the manifest's 4 fragments), 16 peers S = 4
+    assert rules == {(8, 0, 1, 4), (8, 3, 1, 4), (8, 3, 2, 4), (16, 0, 1, 4), (16, 3, 1, 4), (16, 3, 4, 4)}
     assert all(r["every_peer_got_every_update"] for r in report["model"])
     (real,) = report["real"]
     assert real["peers"] == 8 and real["replicas_agree"] and real["busiest_bytes_per_round"] > 0
     assert report["figures"]["fanout=3 S=1"]["depth"] == {"8": 2, "16": 3}
+    assert "busiest_bytes_per_round_16_over_8" in report["figures"]["fanout=3 S=M/4"]
     assert (tmp_path / "inprocess.png").stat().st_size > 0

@@ -101,3 +101,26 @@ def test_a_partition_longer_than_the_lease_heals_to_one_holder_per_shard(sharded
         holders = [p.peer_id for p in swarm.peers.values() if p.seats[seat].sync is not None]
         assert len(holders) == 1, (seat, holders)
     assert report.digests_equal
+
+
+def test_as_many_shards_as_peers_give_every_peer_one_shard_and_equal_replicas(manifest, corpus):
+    """S grown with the swarm (issue #29: one shard per N learners keeps a holder's inbound deltas flat):
+    S = P = M = 8, each peer holds exactly one shard, every fragment keeps merging, replicas identical."""
+    many = 8
+    spec = SwarmSpec(
+        manifest=dataclasses.replace(
+            manifest,
+            diloco=dataclasses.replace(manifest.diloco, fragments=many, synchronizer_shards=many),
+        ),
+        learners=many,
+        duration=40.0,
+        eval_every=1000,
+    )
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    report = swarm.run()
+    holders = {shard: holder for _, holder, shard, _ in swarm.shard_terms}
+    assert sorted(holders) == list(range(many)) and len(set(holders.values())) == many, swarm.shard_terms
+    assert len(swarm.shard_terms) == many  # one term each: no split claim, no rotation
+    assert {leader for _, leader, p, _ in swarm.published} == set(holders.values())
+    assert all(v >= 3 for v in report.versions), report.versions
+    assert report.digests_equal, "replicas diverged"
