@@ -87,6 +87,23 @@ def test_a_killed_shard_holder_stalls_only_its_shard(
     victim_id, term = holders[shard]
     mine = set(shards.fragments_of(shard, SHARDS, FRAGMENTS))
     victim = swarm.by_id(victim_id)
+    # the holder names the shard's successor in every renewal: two renewals naming the same peer, so the
+    # successor has read one and watches the holder
+    first = swarm.wait_for(
+        lambda: swarm.live_lease(with_successor=True, shard=shard),
+        20,
+        f"shard {shard}'s lease naming a successor",
+    )
+    swarm.wait_for(
+        lambda: (
+            (lease := swarm.live_lease(with_successor=True, shard=shard)) is not None
+            and lease.successor == first.successor
+            and lease.expires_at > first.expires_at
+        ),
+        20,
+        "a renewal naming the same successor",
+    )
+    assert first.holder == victim_id and first.term == term, (first, holders)
     killed_at = time.monotonic()
     victim.handle.kill_group()
     # heartbeats report versions up to a period late: what the dead holder published shows within `settle`
@@ -105,6 +122,9 @@ def test_a_killed_shard_holder_stalls_only_its_shard(
 
     after = swarm.wait_status(resumed, 60.0, f"shard {shard} failed over and merged again")
     assert held(after)[shard][0] != victim_id
+    # its named successor saw the holder's connections refused and claimed at once, for this shard only
+    claim = min((c for j in swarm.live() for c in claims_of(j, term, shard)), key=lambda c: c["t"])
+    assert claim["reason"].startswith("succession"), claim
     others = [p for p in range(FRAGMENTS) if p not in mine]
     # before the shard merged again (its resumption is read from heartbeats, at least `settle` after the
     # kill) the other shards' fragments moved on

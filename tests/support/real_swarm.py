@@ -178,11 +178,12 @@ class Swarm:
               f"{failover:.2f} s")  # fmt: skip
         return victim, failover
 
-    def live_lease(self, with_successor: bool = False) -> LeaseRecord | None:
-        """The live lease of the highest term in the DHT (optionally: only one that names a successor)."""
+    def live_lease(self, with_successor: bool = False, shard: int = 0) -> LeaseRecord | None:
+        """The live lease of `shard` of the highest term in the DHT (optionally: only one that names a
+        successor)."""
         now = get_dht_time()
         try:
-            stored = self.kv.get(lease_key(self.manifest.run_id, self.manifest.manifest_hash), now)
+            stored = self.kv.get(lease_key(self.manifest.run_id, self.manifest.manifest_hash, shard), now)
         except TimeoutError:
             return None
         leases = [decode_lease(holder, value.value) for holder, value in stored.items()]
