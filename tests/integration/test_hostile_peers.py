@@ -255,10 +255,14 @@ class HostileRun:
         return self.wait_status(ticked, 30, f"every honest peer to tick {n} times after the forged record")
 
     def assert_never_synchronizer(self, *rogues: Rogue) -> None:
-        """`swarm_status` (what `p2p-diloco status` prints) never named a rogue as synchronizer."""
+        """`swarm_status` (what `p2p-diloco status` prints) never named a rogue as synchronizer (of any
+        shard)."""
         bad = {r.peer_id for r in rogues}
         held = [
-            s["synchronizer"] for s in self.seen if s["synchronizer"] and s["synchronizer"]["peer_id"] in bad
+            sync
+            for s in self.seen
+            for sync in [s["synchronizer"], *(row["synchronizer"] for row in s.get("shards", []))]
+            if sync and sync["peer_id"] in bad
         ]
         assert not held, f"`status` showed a rogue as synchronizer ({len(held)} reads): {held[:2]}"
 
@@ -385,7 +389,8 @@ def hostile_run(request, spawn, cli, wait_for, bootstrap_node, rogue_keys, obser
     run_id = "hostile-" + request.node.name.split("[")[0].removeprefix("test_")[:40].replace("_", "-")
     path = tmp_path / "public.toml"
     trust = {"authority": authority, "synchronizers": listed, "learners": "any"}
-    path.write_text(tiny_swarm_toml(run_id, diloco={"inner_steps": INNER_STEPS}, trust=trust))
+    diloco = {"inner_steps": INNER_STEPS, **getattr(request, "param", {})}  # indirect: e.g. SHARDED
+    path.write_text(tiny_swarm_toml(run_id, diloco=diloco, trust=trust))
     sign_manifest(path, honest_keys["a"][0])  # `p2p-diloco manifest sign`: joins refuse it unsigned
     manifest = load_run_manifest(path)
     run = HostileRun(
@@ -517,6 +522,61 @@ def test_row1_term_jump_backed_by_a_strangers_heartbeat_is_refused(hostile_run: 
     run.assert_loss_not_risen(losses)
     run.assert_never_synchronizer(insider, stranger)
     report(run, "row 1 (collusion)", rejected)
+
+
+SHARDED = {"synchronizer_shards": 4, "fragments": 4}  # the two honest peers hold two shards each
+
+
+def shard_holders(run: HostileRun, status: dict) -> dict[int, dict]:
+    """shard -> its synchronizer row, for every shard an honest peer holds."""
+    return {
+        row["shard"]: row["synchronizer"]
+        for row in status["shards"]
+        if row["synchronizer"] and row["synchronizer"]["peer_id"] in run.honest(status)
+    }
+
+
+@pytest.mark.parametrize("hostile_run", [SHARDED], indirect=True, ids=["S4"])
+def test_row1_sharded_future_lease_of_one_shard_vouches_for_no_update(hostile_run: HostileRun):
+    """S = 4: the insider (a listed synchronizer) writes a lease 1000 terms ahead for shard 1 only, then
+    pushes destructive updates under that term: of fragment 1 (shard 1's) and of fragment 2 (shard 2's,
+    which no lease of shard 1 covers). All refused; shard 1 keeps an honest holder below the forged term;
+    no honest peer adopts it for any shard; every fragment advances and the replicas agree."""
+    run = hostile_run
+    rogue = run.rogues["insider"]
+    shard = 1
+    before = run.wait_status(
+        lambda s: run.ready(s) and len(shard_holders(run, s)) == SHARDED["synchronizer_shards"],
+        60,
+        "every shard held by an honest peer",
+    )
+    losses = run.eval_losses()
+    forged_term = shard_holders(run, before)[shard]["term"] + 1000
+    forged_at = rogue.now()
+    rogue.forge_lease(forged_term, expires_at=forged_at + 3600, shard=shard)
+    run.wait_for(lambda: rogue.lease_visible(shard), 20, "the forged shard lease to be visible in the DHT")
+    run.wait_ticks(forged_at)  # every honest peer has read it before the updates arrive
+    replies = {
+        (name, fragment): rogue.push_destructive_update(joined.peer_id, forged_term, fragment)
+        for name, joined in run.peers.items()
+        for fragment in (1, 2)
+    }
+    print(f"measured: sharded update replies: { {k: [str(r) for r in rs] for k, rs in replies.items()} }")
+    for key, rs in replies.items():
+        assert not any(r.tag == "applied" for r in rs), f"{key} applied the rogue's update: {rs}"
+    after = run.wait_advanced(before)
+    run.wait_agreeing()
+    held = shard_holders(run, after).get(shard)
+    assert held is not None and held["term"] < forged_term, (
+        f"shard {shard} lost its honest holder: {after['shards']}"
+    )
+    seen = {pid[:12]: [p["term_seen"], *p["shard_terms"]] for pid, p in run.honest(after).items()}
+    assert all(max(terms) < forged_term for terms in seen.values()), (forged_term, seen)
+    run.assert_loss_not_risen(losses)
+    rejected = run.wait_rejected(REASONS["insider future lease"], "the insider's forged shard lease")
+    run.wait_rejected(REASONS["rogue update"], "the insider's updates")
+    run.assert_never_synchronizer(rogue)
+    report(run, "row 1 (S = 4)", rejected)
 
 
 # ---- row 2: an already-expired lease of the current term, then an update -------------------------------

@@ -203,18 +203,20 @@ class Rogue:
         rounds_done: int = 0,
         released: bool = False,
         visible_for: float | None = None,
+        shard: int = 0,
     ) -> LeaseRecord:
-        """A lease record of `term` held by the rogue, logically expiring at `expires_at`; stored so it stays
-        visible in the DHT for `visible_for` seconds (default: a lease TTL) past both now and `expires_at`."""
+        """A lease record of synchronizer `shard`'s `term` held by the rogue, logically expiring at
+        `expires_at`; stored so it stays visible in the DHT for `visible_for` seconds (default: a lease TTL)
+        past both now and `expires_at`."""
         lease = LeaseRecord(self.peer_id, term, expires_at, rounds_done, released)
         ttl = self.manifest.timing.lease_ttl if visible_for is None else visible_for
-        key = keys.lease_key(self.manifest.run_id, self.manifest.manifest_hash)
+        key = keys.lease_key(self.manifest.run_id, self.manifest.manifest_hash, shard)
         self.kv.store(key, self.peer_id, encode_lease(lease), max(expires_at, self.now()) + ttl)
         return lease
 
-    def lease_visible(self) -> bool:
-        """Whether the DHT returns a lease record of the rogue (what every reader then sees)."""
-        key = keys.lease_key(self.manifest.run_id, self.manifest.manifest_hash)
+    def lease_visible(self, shard: int = 0) -> bool:
+        """Whether the DHT returns a lease record of the rogue for `shard` (what every reader then sees)."""
+        key = keys.lease_key(self.manifest.run_id, self.manifest.manifest_hash, shard)
         try:
             return self.peer_id in self.kv.get(key, self.now())
         except TimeoutError:
