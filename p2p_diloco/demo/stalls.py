@@ -10,8 +10,10 @@ Per SIGKILL of the synchronizer at time k (`sync_kill_stalls`):
 * ``to_first_accept`` = the first remote delta accepted after k by a peer other than the killed one,
   minus k: the time until the new holder was taking learners' work again. Peers report, in their
   progress events, the time of the first delta they accepted in each synchronizer term
-  (``first_accepts``: ``[[term, t], ...]``, `node.guard.DeltaAccepts`); a holder's own deltas never
-  cross the network and do not count.
+  (``first_accepts``: ``[[term, t, shard], ...]``, `node.threads.DeltaAccepts`; older reports omit the
+  shard, which is then 0); a holder's own deltas never cross the network and do not count. With
+  synchronizer shards the demo's "synchronizer" is shard 0's holder, so only shard 0's accepts count:
+  the other shards' holders take deltas all along, and their terms are numbered on their own.
 
 `stall_summary` gives worst and median of both over a run's synchronizer kills.
 """
@@ -26,22 +28,24 @@ Event = Mapping[str, Any]
 
 
 def first_accepts(events_by_peer: Mapping[str, Sequence[Event]]) -> list[dict[str, Any]]:
-    """``[{"t", "term", "peer"}]`` by time: per peer and term, the earliest first-accept time reported
-    in that peer's ``progress`` events (absolute times, as in the events)."""
-    found: dict[tuple[str, int], float] = {}
+    """``[{"t", "term", "peer", "shard"}]`` by time: per peer, shard and term, the earliest first-accept
+    time reported in that peer's ``progress`` events (absolute times, as in the events)."""
+    found: dict[tuple[str, int, int], float] = {}
     for peer, events in events_by_peer.items():
         for event in events:
             if event.get("event") != "progress":
                 continue
-            for pair in event.get("first_accepts") or ():
+            for row in event.get("first_accepts") or ():
                 try:
-                    term, t = int(pair[0]), float(pair[1])
+                    term, t = int(row[0]), float(row[1])
+                    shard = int(row[2]) if len(row) > 2 else 0
                 except (TypeError, ValueError, IndexError):
                     continue
-                key = (peer, term)
+                key = (peer, shard, term)
                 found[key] = min(t, found.get(key, t))
     return sorted(
-        ({"t": t, "term": term, "peer": peer} for (peer, term), t in found.items()), key=lambda a: a["t"]
+        ({"t": t, "term": term, "peer": peer, "shard": shard} for (peer, shard, term), t in found.items()),
+        key=lambda a: a["t"],
     )
 
 
@@ -64,8 +68,9 @@ def stall_at(advances: Sequence[float], kill: float, *, end: float, start: float
 def first_accept_after(
     accepts: Iterable[Mapping[str, Any]], kill: float, killed: str | None
 ) -> Mapping[str, Any] | None:
-    """The earliest accept (`first_accepts` rows, same time base as `kill`) after `kill` by another peer."""
-    later = [a for a in accepts if a["t"] > kill and a.get("peer") != killed]
+    """The earliest accept of shard 0 (`first_accepts` rows, same time base as `kill`) after `kill` by
+    another peer."""
+    later = [a for a in accepts if a["t"] > kill and a.get("peer") != killed and a.get("shard", 0) == 0]
     return min(later, key=lambda a: a["t"]) if later else None
 
 

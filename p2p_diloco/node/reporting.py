@@ -110,7 +110,8 @@ class NodeSnapshot:
     tick_errors: dict[str, int] = field(default_factory=dict)
     ledger: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer -> tokens, weight, share, updates
     deltas_accepted: int = 0  # remote deltas this process accepted as synchronizer
-    first_accepts: tuple[tuple[int, float], ...] = ()  # (term, DHT time of its first accepted delta)
+    # (term, DHT time of its first accepted delta, synchronizer shard)
+    first_accepts: tuple[tuple[int, float, int], ...] = ()
     waiting: str = ""  # why this peer claims no term (`swarm.underway`: a run under way, replica at 0)
     step_time: float = 0.0  # seconds of the last inner step (0 before the first)
     eval_loss: float = math.nan  # the newest global eval loss this peer ran or read (NaN: none yet)
@@ -123,7 +124,7 @@ class NodeSnapshot:
             "deltas_merged": self.deltas_merged,
             "rejected": sum(self.rejections.values()),
             "deltas_accepted": self.deltas_accepted,
-            "first_accepts": [list(pair) for pair in self.first_accepts],
+            "first_accepts": [list(row) for row in self.first_accepts],
             "digest": self.digest,
         }
 

@@ -23,6 +23,7 @@ from typing import Any
 from p2p_diloco.owner import Owner
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.driver import PeerDriver
+from p2p_diloco.swarm.seats import accepting_term
 from p2p_diloco.wire.replies import Reply
 
 log = logging.getLogger(__name__)
@@ -31,29 +32,30 @@ SYNC_POLL_SECONDS = 0.02  # how often the synchronizer's rounds are polled
 
 
 class DeltaAccepts:
-    """Remote deltas this peer accepted as synchronizer: a count, and per term the DHT time of the first
-    (the last `TERMS_KEPT` terms); progress events report them so that the demo can time a new
-    synchronizer's first accepted delta. Owned by the owner thread. Its own deltas never arrive as
-    `DeltaArrived` and are not counted."""
+    """Remote deltas this peer accepted as synchronizer: a count, and per shard and term the DHT time of the
+    first (each shard's last `TERMS_KEPT` terms); progress events report them so that the demo can time a
+    new synchronizer's first accepted delta. Terms are per synchronizer shard, so a shard's term never
+    hides another's. Owned by the owner thread. Its own deltas never arrive as `DeltaArrived` and are not
+    counted."""
 
     TERMS_KEPT = 8
 
     def __init__(self, owner: Owner | None = None) -> None:
         self.owner = owner or Owner("peer-owner")
         self.count = 0
-        self.first_by_term: dict[int, float] = {}
+        self.first_by_term: dict[tuple[int, int], float] = {}  # (shard, term) -> DHT time
 
-    def note(self, term: int, now: float) -> None:
+    def note(self, term: int, now: float, shard: int = 0) -> None:
         self.owner.check("DeltaAccepts")
         self.count += 1
-        if term not in self.first_by_term:
-            self.first_by_term[term] = now
-            for old in sorted(self.first_by_term)[: -self.TERMS_KEPT]:
-                del self.first_by_term[old]
+        if (shard, term) not in self.first_by_term:
+            self.first_by_term[(shard, term)] = now
+            for old in sorted(t for s, t in self.first_by_term if s == shard)[: -self.TERMS_KEPT]:
+                del self.first_by_term[(shard, old)]
 
-    def first_accepts(self) -> tuple[tuple[int, float], ...]:
-        """((term, DHT time of the first accepted delta), ...) by term."""
-        return tuple(sorted(self.first_by_term.items()))
+    def first_accepts(self) -> tuple[tuple[int, float, int], ...]:
+        """((term, DHT time of the first accepted delta, shard), ...) by shard, then term."""
+        return tuple((term, t, shard) for (shard, term), t in sorted(self.first_by_term.items()))
 
 
 class _Job:
@@ -106,16 +108,18 @@ class ThreadedDriver(PeerDriver):
         self.owner.check("the peer")
         super().process(event)
         if isinstance(event, fx.DeltaArrived):  # answered within `handle` (a `Respond`)
-            self._note_accept(event.answer)
+            self._note_accept(event)
 
-    def _note_accept(self, answer: concurrent.futures.Future) -> None:
-        """Count an accepted delta under the term this peer synchronizes."""
+    def _note_accept(self, event: fx.DeltaArrived) -> None:
+        """Count an accepted delta under its shard and the term this peer synchronizes there."""
+        answer = event.answer
         if not answer.done() or answer.cancelled() or answer.exception() is not None:
             return
         reply = answer.result()
         if isinstance(reply, Reply) and reply.ok:
-            sync = self.peer.sync
-            self.accepts.note(sync.term if sync is not None else self.peer.term_seen, self.clock.now())
+            max_bytes = self.peer.manifest.wire.max_message_bytes
+            shard, term = accepting_term(self.peer.seats, event.frame, max_bytes)
+            self.accepts.note(term, self.clock.now(), shard)
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run `fn` on the owner thread and return its result (for shutdown and snapshots)."""

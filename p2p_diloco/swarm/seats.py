@@ -20,7 +20,7 @@ from p2p_diloco.swarm.handover import Handover
 from p2p_diloco.swarm.membership import Membership, SwarmView
 from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
-from p2p_diloco.wire.frames import decode_delta
+from p2p_diloco.wire.frames import decode_delta_header
 
 
 @dataclass
@@ -56,10 +56,18 @@ def seat_of_delta(seats: Sequence[Seat], frame: bytes, max_bytes: int) -> Seat:
     if len(seats) == 1:
         return seats[0]
     try:
-        header, _ = decode_delta(frame, max_bytes=max_bytes)
+        header = decode_delta_header(frame, max_bytes=max_bytes)
     except DecodeError:
         return seats[0]
     fragment = header.fragment
     if not isinstance(fragment, int) or fragment < 0:
         return seats[0]
     return seats[shards.shard_of(fragment, len(seats))]
+
+
+def accepting_term(seats: Sequence[Seat], frame: bytes, max_bytes: int) -> tuple[int, int]:
+    """(shard, term) that an accepted delta `frame` counts under: its shard's, and the term this peer holds
+    there (the highest term seen of that shard while it holds none)."""
+    seat = seat_of_delta(seats, frame, max_bytes)
+    sync = seat.sync
+    return seat.shard, sync.term if sync is not None else seat.membership.term_seen

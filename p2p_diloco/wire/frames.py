@@ -185,6 +185,18 @@ def _decode(
     extended: dict[str, Check] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """`extended`: a second schema (more keys) the header may follow instead, chosen by its key set."""
+    header, view, payload_at, payload_len = _decode_parts(frame, magic, schema, max_bytes, extended)
+    return header, bytes(view[payload_at : payload_at + payload_len])
+
+
+def _decode_parts(
+    frame: bytes,
+    magic: bytes,
+    schema: dict[str, Check],
+    max_bytes: int,
+    extended: dict[str, Check] | None = None,
+) -> tuple[dict[str, Any], memoryview, int, int]:
+    """The checked header, the frame's view, and where its payload starts and how long it is (uncopied)."""
     kind = _KIND_BY_MAGIC[magic]
     view = byte_view(frame)
     if len(view) > max_bytes:
@@ -216,7 +228,7 @@ def _decode(
     problem = _schema_problem(header, schema)
     if problem is not None:
         raise DecodeError(BAD_HEADER, f"{kind} header: {problem}")
-    return header, bytes(view[payload_at : payload_at + payload_len])
+    return header, view, payload_at, payload_len
 
 
 # --- records -----------------------------------------------------------------------------------------
@@ -235,6 +247,14 @@ def decode_delta(frame: bytes, *, max_bytes: int) -> tuple[DeltaHeader, bytes]:
     header, payload = _decode(frame, DELTA_MAGIC, DELTA_SCHEMA, max_bytes, SIGNED_DELTA_SCHEMA)
     signature = bytes.fromhex(header.pop("signature", ""))
     return DeltaHeader(**header, sender="", signature=signature), payload
+
+
+def decode_delta_header(frame: bytes, *, max_bytes: int) -> DeltaHeader:
+    """`decode_delta`'s header alone, with the same checks, without copying the payload (routing a delta
+    to its shard reads only the fragment)."""
+    header, _, _, _ = _decode_parts(frame, DELTA_MAGIC, DELTA_SCHEMA, max_bytes, SIGNED_DELTA_SCHEMA)
+    signature = bytes.fromhex(header.pop("signature", ""))
+    return DeltaHeader(**header, sender="", signature=signature)
 
 
 def _update_schema(record: UpdateRecord) -> dict[str, Check]:

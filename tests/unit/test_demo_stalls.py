@@ -41,10 +41,25 @@ def test_first_accepts_take_each_peers_earliest_report_per_term():
         ],
     }
     assert stalls.first_accepts(events) == [
-        {"t": 100.5, "term": 3, "peer": "a"},
-        {"t": 121.0, "term": 4, "peer": "b"},
-        {"t": 130.0, "term": 5, "peer": "a"},
+        {"t": 100.5, "term": 3, "peer": "a", "shard": 0},
+        {"t": 121.0, "term": 4, "peer": "b", "shard": 0},
+        {"t": 130.0, "term": 5, "peer": "a", "shard": 0},
     ]
+
+
+def test_with_shards_a_sync_kill_is_timed_by_shard_0s_accepts_only():
+    """Shards number their terms on their own: the new shard-0 holder's term 4 is not hidden by its earlier
+    term 4 of shard 1, and the other shards' holders (accepting all along) do not count."""
+    events = {
+        "learner-0": [progress(10, [[4, 5.0, 1]]), progress(30, [[4, 5.0, 1], [4, 22.5, 0]])],
+        "learner-2": [progress(30, [[7, 21.0, 2]])],  # shard 2's holder, a first accept of a new term
+    }
+    accepts = stalls.first_accepts(events)
+    assert {(a["peer"], a["shard"], a["term"]) for a in accepts} == {
+        ("learner-0", 1, 4), ("learner-0", 0, 4), ("learner-2", 2, 7)
+    }  # fmt: skip
+    (row,) = stalls.sync_kill_stalls([SYNC_KILL], [19.0, 20.5], accepts, end=60.0)
+    assert row["new_holder"] == "learner-0" and row["to_first_accept"] == pytest.approx(2.5)
 
 
 def test_sync_kill_rows_time_the_new_holders_first_accepted_delta():

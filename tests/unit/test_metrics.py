@@ -39,7 +39,7 @@ SNAPSHOT = NodeSnapshot(
     tick_errors={"TimeoutError": 1},
     ledger={"QmSelf": {"tokens": 6144, "weight": 3.0e6, "share": 2.5, "updates": 12, "fragments": [0, 1]}},
     deltas_accepted=21,
-    first_accepts=((3, 1000.5),),
+    first_accepts=((3, 1000.5, 0),),
     step_time=0.125,
     eval_loss=2.75,
 )
@@ -158,5 +158,5 @@ def test_plain_display_prints_lines_and_live_display_draws_a_panel():
 
 def test_progress_event_fields_carry_accepts_and_the_replica_digest():
     fields = SNAPSHOT.event_fields()
-    assert fields["deltas_accepted"] == 21 and fields["first_accepts"] == [[3, 1000.5]]
+    assert fields["deltas_accepted"] == 21 and fields["first_accepts"] == [[3, 1000.5, 0]]
     assert fields["digest"] == "ab" * 8 and fields["deltas_sent"] == 15

@@ -20,8 +20,10 @@ from p2p_diloco.node.options import check_device
 from p2p_diloco.node.state import StateDir, read_events
 from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.protocol.fragments import plan_fragments
+from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
@@ -67,15 +69,29 @@ def test_handler_slot_answers_with_reasons_and_never_raises_from_handle():
 
 
 class AnsweringPeer:
-    """A peer that answers each arriving delta with the next of `replies` (as `Peer.handle` does)."""
+    """A peer of one synchronizer shard that answers each arriving delta with the next of `replies` (as
+    `Peer.handle` does)."""
 
     def __init__(self, sync_term: int | None):
-        self.sync = None if sync_term is None else SimpleNamespace(term=sync_term)
-        self.term_seen = 9
+        sync = None if sync_term is None else SimpleNamespace(term=sync_term)
+        self.seats = [SimpleNamespace(shard=0, sync=sync, membership=SimpleNamespace(term_seen=9))]
+        self.manifest = SimpleNamespace(wire=SimpleNamespace(max_message_bytes=1 << 20))
         self.replies: list[Reply] = []
+
+    @property
+    def sync(self) -> SimpleNamespace | None:
+        return self.seats[0].sync
+
+    @sync.setter
+    def sync(self, value: SimpleNamespace | None) -> None:
+        self.seats[0].sync = value
 
     def handle(self, event: fx.Event) -> list[fx.Intent]:
         return [fx.Respond(event.answer, self.replies.pop(0))]
+
+
+DELTA_FIELDS = {"run_id": "r", "manifest_hash": "0123456789abcdef", "anchor_version": 0, "tokens": 8,
+                "steps": 1, "seq": 1}  # fmt: skip
 
 
 class Clock:
@@ -97,18 +113,40 @@ def test_the_driver_notes_accepted_deltas_and_the_first_one_per_term():
 
     assert arrive(Reply(ReplyStatus.REFUSED, "stale anchor: v1")).result(0).status is ReplyStatus.REFUSED
     arrive(Reply(ReplyStatus.ACCEPTED, "accepted"))
-    assert driver.accepts.count == 1 and driver.accepts.first_accepts() == ((4, 100.0),)
+    assert driver.accepts.count == 1 and driver.accepts.first_accepts() == ((4, 100.0, 0),)
     peer.sync.term, clock.t = 5, 130.0
     arrive(Reply(ReplyStatus.ACCEPTED, "accepted"))
     clock.t = 140.0
     arrive(Reply(ReplyStatus.ACCEPTED, "replaced"))
-    assert driver.accepts.count == 3 and driver.accepts.first_accepts() == ((4, 100.0), (5, 130.0))
+    assert driver.accepts.count == 3 and driver.accepts.first_accepts() == ((4, 100.0, 0), (5, 130.0, 0))
     peer.sync = None  # no longer the synchronizer: counted under the highest term seen
     arrive(Reply(ReplyStatus.ACCEPTED, "accepted"))
-    assert [term for term, _ in driver.accepts.first_accepts()] == [4, 5, 9]
+    assert [term for term, _, _ in driver.accepts.first_accepts()] == [4, 5, 9]
     for term in range(10, 20):  # only the last few terms are kept
         driver.accepts.note(term, 1.0)
-    assert [term for term, _ in driver.accepts.first_accepts()] == list(range(12, 20))
+    assert [term for term, _, _ in driver.accepts.first_accepts()] == list(range(12, 20))
+    driver.stop(timeout=1.0)
+
+
+def test_accepted_deltas_count_under_their_fragments_shard_and_its_term():
+    """S = 2: shard 1's term 4 is not shard 0's term 4 (terms are numbered per shard), so an accept in one
+    never hides the other's first; a delta goes to the seat of its fragment's shard (fragment mod S)."""
+    peer, clock = AnsweringPeer(sync_term=4), Clock()
+    peer.seats.append(SimpleNamespace(shard=1, sync=SimpleNamespace(term=4), membership=SimpleNamespace()))
+    peer.manifest = SimpleNamespace(wire=SimpleNamespace(max_message_bytes=1 << 20))
+    driver = ThreadedDriver(peer, kv=None, transport=None, clock=clock, bind=False)
+
+    def arrive(fragment: int) -> None:
+        peer.replies.append(Reply(ReplyStatus.ACCEPTED, "accepted"))
+        frame = encode_delta(DeltaHeader(fragment=fragment, **DELTA_FIELDS), b"payload")
+        driver.process(fx.DeltaArrived("a", frame, concurrent.futures.Future(), clock.now()))
+
+    arrive(1)  # shard 1
+    clock.t = 120.0
+    arrive(0)  # shard 0, same term number, later
+    arrive(3)  # shard 1 again: not a first
+    assert driver.accepts.first_accepts() == ((4, 120.0, 0), (4, 100.0, 1))
+    assert driver.accepts.count == 3
     driver.stop(timeout=1.0)
 
 
