@@ -57,7 +57,15 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
         {**a, "t": a["t"] - record.start, "peer": names.get(a["peer"], a["peer"])}
         for a in stalls.first_accepts(record.events)
     ]
-    stall_rows = stalls.sync_kill_stalls(record.kills, advances, accepts, end=wall)
+    published = [{**e, "t": e["t"] - record.start} for e in all_events if e.get("event") == "published"]
+    shard_count = manifest.diloco.synchronizer_shards
+    kills = [
+        {**k, "shards": stalls.held_shards(published, k["peer_id"], float(k["t"]), shard_count)}
+        if "peer_id" in k and "t" in k
+        else k
+        for k in record.kills
+    ]
+    stall_rows = stalls.sync_kill_stalls(kills, advances, accepts, end=wall)
     return {
         "goodput": books["goodput"],
         "uptime": accounting.uptime(advances, start=0.0, end=record.end - record.start, period=period),

@@ -12,8 +12,10 @@ Per SIGKILL of the synchronizer at time k (`sync_kill_stalls`):
   progress events, the time of the first delta they accepted in each synchronizer term
   (``first_accepts``: ``[[term, t, shard], ...]``, `node.threads.DeltaAccepts`; older reports omit the
   shard, which is then 0); a holder's own deltas never cross the network and do not count. With
-  synchronizer shards the demo's "synchronizer" is shard 0's holder, so only shard 0's accepts count:
-  the other shards' holders take deltas all along, and their terms are numbered on their own.
+  synchronizer shards the demo's "synchronizer" is the peer that published last, of any shard: a kill
+  row carries the shards whose newest update before the kill was the victim's (`held_shards`), and
+  only those shards' accepts count (the other shards' holders take deltas all along, and every shard
+  numbers its terms on its own).
 
 `stall_summary` gives worst and median of both over a run's synchronizer kills.
 """
@@ -65,12 +67,32 @@ def stall_at(advances: Sequence[float], kill: float, *, end: float, start: float
     }
 
 
+def held_shards(published: Iterable[Event], holder: str, before: float, shards: int) -> list[int]:
+    """The shards whose newest update published at or before `before` was `holder`'s (its peer ID): what a
+    kill of `holder` at `before` fails over. `published`: ``published`` events (``fragment``, ``leader``,
+    ``t`` in the time base of `before`); fragment p belongs to shard p mod `shards`."""
+    newest: dict[int, tuple[float, str]] = {}
+    for event in published:
+        if event.get("event") != "published" or float(event["t"]) > before:
+            continue
+        shard = int(event["fragment"]) % shards
+        t = float(event["t"])
+        if shard not in newest or t > newest[shard][0]:
+            newest[shard] = (t, str(event.get("leader")))
+    return sorted(shard for shard, (_, leader) in newest.items() if leader == holder)
+
+
 def first_accept_after(
-    accepts: Iterable[Mapping[str, Any]], kill: float, killed: str | None
+    accepts: Iterable[Mapping[str, Any]], kill: float, killed: str | None, shards: Iterable[int] | None = None
 ) -> Mapping[str, Any] | None:
-    """The earliest accept of shard 0 (`first_accepts` rows, same time base as `kill`) after `kill` by
-    another peer."""
-    later = [a for a in accepts if a["t"] > kill and a.get("peer") != killed and a.get("shard", 0) == 0]
+    """The earliest accept (`first_accepts` rows, same time base as `kill`) after `kill` by another peer,
+    of one of `shards` (None or empty: of any shard)."""
+    wanted = set(shards or ())
+    later = [
+        a
+        for a in accepts
+        if a["t"] > kill and a.get("peer") != killed and (not wanted or a.get("shard", 0) in wanted)
+    ]
     return min(later, key=lambda a: a["t"]) if later else None
 
 
@@ -82,16 +104,18 @@ def sync_kill_stalls(
     end: float,
 ) -> list[dict[str, Any]]:
     """One row per synchronizer kill (``kills`` rows with ``synchronizer`` true, or the older
-    ``why == "the current synchronizer"``): ``{"t", "learner", "stall", "last_before", "first_after",
-    "resolved", "first_accept", "to_first_accept", "new_holder", "term"}``. `advances`, `accepts` and
-    the kill times share one time base (seconds since the run's start in the report)."""
+    ``why == "the current synchronizer"``): ``{"t", "learner", "shards", "stall", "last_before",
+    "first_after", "resolved", "first_accept", "to_first_accept", "new_holder", "term"}``; a kill's
+    ``shards`` (`held_shards`, absent in older reports) limit the accepts that time it. `advances`,
+    `accepts` and the kill times share one time base (seconds since the run's start in the report)."""
     rows = []
     for kill in kills:
         if "skipped" in kill or not is_sync_kill(kill):
             continue
         t = float(kill["t"])
-        row: dict[str, Any] = {"t": t, "learner": kill.get("learner"), **stall_at(advances, t, end=end)}
-        accept = first_accept_after(accepts, t, kill.get("learner"))
+        row: dict[str, Any] = {"t": t, "learner": kill.get("learner"), "shards": kill.get("shards")}
+        row.update(stall_at(advances, t, end=end))
+        accept = first_accept_after(accepts, t, kill.get("learner"), kill.get("shards"))
         row["first_accept"] = accept["t"] if accept else None
         row["to_first_accept"] = accept["t"] - t if accept else None
         row["new_holder"] = accept.get("peer") if accept else None

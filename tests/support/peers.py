@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import replace
+from types import SimpleNamespace
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.driver import InlineDriver
 from p2p_diloco.swarm.effects import Published
 from p2p_diloco.swarm.learner import Learner
@@ -21,9 +23,33 @@ from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.frames import update_signing_bytes
 from p2p_diloco.wire.interfaces import Liveness
-from p2p_diloco.wire.replies import Reply
+from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import InMemoryKeys, PeerKeys
 from tests.support.manifests import tiny_training
+
+
+class AnsweringPeer:
+    """What a `ThreadedDriver` needs of a peer, of one synchronizer shard: it answers each arriving delta with
+    the next of `replies` (as `Peer.handle` does; "accepted" when none is queued). `sync` is the seat's
+    `Synchronizer` stand-in (None: holds no lease; `term_seen` is then counted)."""
+
+    def __init__(self, sync_term: int | None = None, term_seen: int = 9):
+        sync = None if sync_term is None else SimpleNamespace(term=sync_term)
+        self.seats = [SimpleNamespace(shard=0, sync=sync, membership=SimpleNamespace(term_seen=term_seen))]
+        self.manifest = SimpleNamespace(wire=SimpleNamespace(max_message_bytes=1 << 20))
+        self.replies: list[Reply] = []
+
+    @property
+    def sync(self) -> SimpleNamespace | None:
+        return self.seats[0].sync
+
+    @sync.setter
+    def sync(self, value: SimpleNamespace | None) -> None:
+        self.seats[0].sync = value
+
+    def handle(self, event: fx.Event) -> list[fx.Intent]:
+        reply = self.replies.pop(0) if self.replies else Reply(ReplyStatus.ACCEPTED, "accepted")
+        return [fx.Respond(event.answer, reply)]
 
 
 def settled(value) -> concurrent.futures.Future:  # noqa: ANN001

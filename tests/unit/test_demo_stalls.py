@@ -47,19 +47,32 @@ def test_first_accepts_take_each_peers_earliest_report_per_term():
     ]
 
 
-def test_with_shards_a_sync_kill_is_timed_by_shard_0s_accepts_only():
-    """Shards number their terms on their own: the new shard-0 holder's term 4 is not hidden by its earlier
+def test_with_shards_a_sync_kill_is_timed_by_the_accepts_of_the_shards_the_victim_held():
+    """Shards number their terms on their own: the new shard-3 holder's term 4 is not hidden by its earlier
     term 4 of shard 1, and the other shards' holders (accepting all along) do not count."""
+    published = [
+        {"t": 10.0, "event": "published", "fragment": 3, "leader": "Qm1"},  # shard 3: learner-1's
+        {"t": 12.0, "event": "published", "fragment": 0, "leader": "Qm1"},  # shard 0: learner-1's, then
+        {"t": 15.0, "event": "published", "fragment": 4, "leader": "Qm0"},  # learner-0's (fragment 4 mod 4)
+        {"t": 25.0, "event": "published", "fragment": 3, "leader": "Qm0"},  # after the kill: not counted
+    ]
+    assert stalls.held_shards(published, "Qm1", 20.0, 4) == [3]
+    assert stalls.held_shards(published, "Qm0", 20.0, 4) == [0]
+    assert stalls.held_shards(published, "Qm2", 20.0, 4) == []
     events = {
-        "learner-0": [progress(10, [[4, 5.0, 1]]), progress(30, [[4, 5.0, 1], [4, 22.5, 0]])],
+        "learner-0": [progress(10, [[4, 5.0, 1]]), progress(30, [[4, 5.0, 1], [4, 22.5, 3]])],
         "learner-2": [progress(30, [[7, 21.0, 2]])],  # shard 2's holder, a first accept of a new term
     }
     accepts = stalls.first_accepts(events)
     assert {(a["peer"], a["shard"], a["term"]) for a in accepts} == {
-        ("learner-0", 1, 4), ("learner-0", 0, 4), ("learner-2", 2, 7)
+        ("learner-0", 1, 4), ("learner-0", 3, 4), ("learner-2", 2, 7)
     }  # fmt: skip
-    (row,) = stalls.sync_kill_stalls([SYNC_KILL], [19.0, 20.5], accepts, end=60.0)
+    (row,) = stalls.sync_kill_stalls([{**SYNC_KILL, "shards": [3]}], [19.0, 20.5], accepts, end=60.0)
     assert row["new_holder"] == "learner-0" and row["to_first_accept"] == pytest.approx(2.5)
+    assert row["shards"] == [3]
+    # an older report's kill (no shards): the first accept of any shard, as before
+    (old,) = stalls.sync_kill_stalls([SYNC_KILL], [19.0, 20.5], accepts, end=60.0)
+    assert old["new_holder"] == "learner-2" and old["to_first_accept"] == pytest.approx(1.0)
 
 
 def test_sync_kill_rows_time_the_new_holders_first_accepted_delta():

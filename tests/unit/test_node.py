@@ -26,6 +26,7 @@ from p2p_diloco.swarm import effects as fx
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat
 from p2p_diloco.wire.replies import Reply, ReplyStatus
+from tests.support.peers import AnsweringPeer
 
 MANIFEST = RunManifest(run_id="unit-node")
 
@@ -66,28 +67,6 @@ def test_handler_slot_answers_with_reasons_and_never_raises_from_handle():
     assert slot.handle_update("s", b"f").tag == REJECT_NOT_READY
     assert slot.serve_updates("r", 0, 0) == []  # the requester asks another peer
     assert slot.rejections == {REJECT_NOT_READY: 3, REJECT_HANDLER_ERROR: 2}
-
-
-class AnsweringPeer:
-    """A peer of one synchronizer shard that answers each arriving delta with the next of `replies` (as
-    `Peer.handle` does)."""
-
-    def __init__(self, sync_term: int | None):
-        sync = None if sync_term is None else SimpleNamespace(term=sync_term)
-        self.seats = [SimpleNamespace(shard=0, sync=sync, membership=SimpleNamespace(term_seen=9))]
-        self.manifest = SimpleNamespace(wire=SimpleNamespace(max_message_bytes=1 << 20))
-        self.replies: list[Reply] = []
-
-    @property
-    def sync(self) -> SimpleNamespace | None:
-        return self.seats[0].sync
-
-    @sync.setter
-    def sync(self, value: SimpleNamespace | None) -> None:
-        self.seats[0].sync = value
-
-    def handle(self, event: fx.Event) -> list[fx.Intent]:
-        return [fx.Respond(event.answer, self.replies.pop(0))]
 
 
 DELTA_FIELDS = {"run_id": "r", "manifest_hash": "0123456789abcdef", "anchor_version": 0, "tokens": 8,
@@ -133,7 +112,6 @@ def test_accepted_deltas_count_under_their_fragments_shard_and_its_term():
     never hides the other's first; a delta goes to the seat of its fragment's shard (fragment mod S)."""
     peer, clock = AnsweringPeer(sync_term=4), Clock()
     peer.seats.append(SimpleNamespace(shard=1, sync=SimpleNamespace(term=4), membership=SimpleNamespace()))
-    peer.manifest = SimpleNamespace(wire=SimpleNamespace(max_message_bytes=1 << 20))
     driver = ThreadedDriver(peer, kv=None, transport=None, clock=clock, bind=False)
 
     def arrive(fragment: int) -> None:

@@ -23,8 +23,8 @@ from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.node.training import TrainingLoop, TrainingView
 from p2p_diloco.owner import Owner, WrongThread, checks_on, set_checks
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.wire.replies import Reply, ReplyStatus
 from tests.support.manifests import tiny_manifest
+from tests.support.peers import AnsweringPeer
 
 WAIT = 10.0
 REPO = Path(__file__).resolve().parents[2]
@@ -114,14 +114,6 @@ def test_the_handler_slot_counts_refusals_on_the_transport_thread_only():
     assert slot.rejections == {REJECT_NOT_READY: 1}
     with pytest.raises(TypeError):
         slot.rejections[REJECT_NOT_READY] = 0  # type: ignore[index]
-
-
-class AnsweringPeer:
-    sync = None
-    term_seen = 2
-
-    def handle(self, event: fx.Event) -> list[fx.Intent]:
-        return [fx.Respond(event.answer, Reply(ReplyStatus.ACCEPTED, "accepted"))]
 
 
 def test_the_driver_takes_the_peer_to_its_owner_thread_and_reports_io_errors_there():
