@@ -18,11 +18,10 @@ import pytest
 from p2p_diloco.protocol import shards
 from tests.support.real_swarm import (
     START_TIMEOUT,
-    Joined,
     Swarm,
     assert_no_update_applied_twice,
     claims_of,
-    incarnations,
+    step_downs,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -52,14 +51,6 @@ def held(status: dict) -> dict[int, tuple[str, int]]:
 
 def versions(status: dict) -> list[int]:
     return [f["version"] for f in status["fragments"]]
-
-
-def step_downs(joined: Joined) -> int:
-    """How many times `joined`'s current process stepped down from a shard it held."""
-    return sum(
-        e["event"] == "note" and e["line"].startswith("election: step_down:")
-        for e in incarnations(joined.state_dir)[-1]
-    )
 
 
 def test_a_killed_shard_holder_stalls_only_its_shard(
@@ -139,8 +130,7 @@ def test_a_killed_shard_holder_stalls_only_its_shard(
     # a frozen holder of another shard (connections hang, not refused): silence is not death, so its
     # shard is claimed only once its lease has run out, and the thawed zombie steps down
     timing = swarm.manifest.timing
-    holders = swarm.wait_status(lambda s: len(held(s)) == SHARDS, 30, "every shard held again")
-    holders = held(holders)
+    holders = held(swarm.wait_status(lambda s: len(held(s)) == SHARDS, 30, "every shard held again"))
     alone = [
         s for s, (h, _) in holders.items() if s != shard and sum(x == h for x, _ in holders.values()) == 1
     ]

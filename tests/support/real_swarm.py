@@ -218,6 +218,14 @@ def claims_of(joined: Joined, above_term: int, shard: int = 0) -> list[dict]:
     ]
 
 
+def step_downs(joined: Joined) -> int:
+    """How many times `joined`'s current process stepped down from a term it held (of any shard)."""
+    return sum(
+        e["event"] == "note" and e["line"].startswith("election: step_down:")
+        for e in incarnations(joined.state_dir)[-1]
+    )
+
+
 def assert_no_update_applied_twice(swarm: Swarm) -> None:
     for joined in swarm.peers.values():
         for run in incarnations(joined.state_dir):
