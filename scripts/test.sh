@@ -30,4 +30,5 @@ if [[ "${1:-}" == "--fast" ]]; then
     shift
     ARGS+=(-m "not slow and not integration")
 fi
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${ARGS[@]}" "$@"
+# the slowest tests are listed at the end, so a run near its time budget shows where the time went
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${ARGS[@]}" "$@"

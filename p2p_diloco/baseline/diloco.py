@@ -11,7 +11,9 @@ silent for a grace period past when its progress records said it would be done i
 `wait_limit` s in all) and for peers whose record is behind; all-reduce with whoever joined within the
 matchmaking window; a failed all-reduce is tried again; a peer that finds another one ahead (it missed a
 round or restarted) loads Θ, momentum and epoch from the most advanced peer and drops its own round; a
-peer with no other peer done steps alone. A SIGKILLed peer loses its unfinished round; restarted, it resumes from its
+peer with no other peer done steps alone; members of one all-reduce whose global models differ (each
+stepped alone at one epoch) keep the least digest's (`rounds.holds_canonical_model`): the others drop the
+round and load the state of one that stepped (``global_models_differ`` event). A SIGKILLed peer loses its unfinished round; restarted, it resumes from its
 ``baseline.pt`` (Θ, momentum, AdamW state, epoch: `checkpoint` format with this mode's optimizer dict)
 or from a peer that is ahead.
 
@@ -38,7 +40,14 @@ from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from p2p_diloco.baseline.elastic import COMPRESSIONS
 from p2p_diloco.baseline.ledger import ALONE, allreduce_bytes
 from p2p_diloco.baseline.outer_averager import EXACT_DTYPE, OuterAverager, RoundTracker
-from p2p_diloco.baseline.rounds import Decision, decide_round, outer_gradients, outer_step, round_outcome
+from p2p_diloco.baseline.rounds import (
+    Decision,
+    decide_round,
+    holds_canonical_model,
+    outer_gradients,
+    outer_step,
+    round_outcome,
+)
 from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker, parameter_digest, tensors_digest
 from p2p_diloco.model.data import load_corpus, make_sampler
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
@@ -254,8 +263,12 @@ class DilocoWorker(BaselineWorker):
                         )
                         continue
                     grads, group = averaged, len(gathered)
-                    if any(g.get("digest") != digest for g in gathered):  # type: ignore[union-attr]
-                        self.event("global_models_differ", epoch=self.epoch, gathered=gathered)
+                    if not holds_canonical_model(digest, gathered):
+                        self.event(
+                            "global_models_differ", epoch=self.epoch, gathered=gathered, action="reload"
+                        )
+                        self._next_reload = time.monotonic()
+                        return  # the round's work stays pending: the reload from a peer that stepped drops it
             if outcome is None:
                 return  # stopped while waiting: the round's work stays pending (never merged)
             local_digest = self._alone_digest(names, local) if group > 1 else None

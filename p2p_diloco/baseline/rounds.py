@@ -17,6 +17,11 @@ Owns what `diloco.DilocoWorker` decides without touching the network, so it can 
 * `round_outcome`: what a finished all-reduce means for the ledger (`ledger.AVERAGED` or `ledger.ALONE`;
   a failed one is retried and decided again, never applied alone while peers are at the same epoch,
   because a peer that applied its own outer gradient would differ from the others for good);
+* `holds_canonical_model`: after an all-reduce whose members gathered different global-model digests
+  (two peers that each stepped alone at one epoch, when neither saw the other's progress record), which
+  of them keeps its model: those with the least digest step; the others drop the round and load the
+  state of one that stepped (it is then ahead), so diverged replicas meet again instead of averaging on
+  different models for good;
 * `epoch_group_bits`: the averager's group key bits for an epoch, so only peers of one epoch meet.
 """
 
@@ -136,6 +141,13 @@ def round_outcome(epoch: int, gathered: Sequence[object] | None) -> str | None:
     if any(not isinstance(g, dict) or g.get("epoch") != epoch for g in gathered):
         return None
     return AVERAGED
+
+
+def holds_canonical_model(digest: str, gathered: Sequence[object]) -> bool:
+    """Whether this member's global model (`digest`) is the one every member of the round keeps: the
+    least digest gathered. The same answer on every member, since all gather the same values."""
+    digests = [g.get("digest") for g in gathered if isinstance(g, dict) and isinstance(g.get("digest"), str)]
+    return not digests or digest <= min(digests)
 
 
 def epoch_group_bits(epoch: int) -> str:

@@ -15,6 +15,7 @@ from p2p_diloco.baseline.rounds import (
     PeerProgress,
     decide_round,
     epoch_group_bits,
+    holds_canonical_model,
     outer_gradients,
     outer_step,
     overdue,
@@ -130,6 +131,17 @@ def test_round_outcome_needs_two_members_of_the_same_epoch():
     assert round_outcome(5, [{"epoch": 5}]) is None
     assert round_outcome(5, [{"epoch": 5}, {"epoch": 4}]) is None
     assert round_outcome(5, [{"epoch": 5}, None]) is None
+
+
+def test_members_with_different_models_keep_the_least_digest_and_the_others_reload():
+    gathered = [{"epoch": 5, "digest": "b7"}, {"epoch": 5, "digest": "a1"}, {"epoch": 5, "digest": "a1"}]
+    assert holds_canonical_model("a1", gathered)  # both holders of the least digest step
+    assert not holds_canonical_model("b7", gathered)  # the other drops the round and reloads
+    same = [{"epoch": 5, "digest": "c3"}, {"epoch": 5, "digest": "c3"}]
+    assert holds_canonical_model("c3", same)  # the usual round: one model, everyone steps
+    # a member that gathered no digest (an old peer) decides nothing for the others
+    assert holds_canonical_model("c3", [{"epoch": 5}, {"epoch": 5, "digest": "c3"}])
+    assert not holds_canonical_model("d4", [{"epoch": 5}, {"epoch": 5, "digest": "c3"}])
 
 
 def test_group_bits_separate_consecutive_epochs():
