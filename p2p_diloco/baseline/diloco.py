@@ -224,7 +224,13 @@ class DilocoWorker(BaselineWorker):
         self.ledger.blocking_started(began)
         names = [name for name, _ in self.global_model.named_parameters()]
         local = outer_gradients(list(self.global_model.parameters()), list(self.model.parameters()))
-        digest = parameter_digest(self.global_model)
+        # the members compare their outer states (Θ and momentum): the same Θ with another momentum
+        # would step to a different model
+        named_state = [
+            *self.global_model.named_parameters(),
+            *((f"momentum.{n}", m) for n, m in zip(names, self.momentum, strict=True)),
+        ]
+        digest = tensors_digest(named_state)
         outcome, grads, group, attempts, stepped = None, local, 1, 0, 0.0
         try:
             while outcome is None and not self.stop.is_set():

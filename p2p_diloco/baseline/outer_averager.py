@@ -10,7 +10,8 @@ are the outer gradients, global − local), without its subclass of `hivemind.Op
   differed after the first round); in float64 the sum of float32 values is exact, so every member gets
   the same average and, cast to float32, the same global model, bit for bit. Before each round its
   group key bits are set to the round's epoch (`rounds.epoch_group_bits`), so peers of different epochs
-  never meet; each member gathers ``{"epoch", "digest"}`` (checked by `rounds.round_outcome`). It also
+  never meet; each member gathers ``{"epoch", "digest"}`` (its Θ and outer momentum; checked by
+  `rounds.round_outcome` and `rounds.holds_canonical_model`). It also
   serves this peer's global state (Θ, outer momentum, epoch, from the `state` callable, called on
   hivemind's state thread) to peers that call `load`, which downloads from the peer with the highest
   epoch (`state_sharing_priority`).
