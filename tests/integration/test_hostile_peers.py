@@ -26,14 +26,15 @@ honest peers' state directories:
   the global model did not rise;
 * the attempt shows in the honest peers' `status` rejections with its reason (`REASONS`).
 
-Test names, per row of the issue's table:
+Test names, per row of the issue's table (``[S4]``: the same attack on a run with `synchronizer_shards = 4`
+over 4 fragments, its forged lease and update of shard 0, its forged term above every shard's):
 
 | attack | tests |
 | --- | --- |
-| lease term + 1000, expiry 1 h ahead, then a destructive update | `test_row1_future_lease_and_destructive_update_are_refused[stranger/insider]`, `test_row1_early_claim_of_the_next_term_is_refused`, `test_row1_term_jump_backed_by_a_strangers_heartbeat_is_refused` |
-| already-expired lease of the current term, then an update | `test_row2_expired_lease_then_update_is_refused[stranger/insider]` |
+| lease term + 1000, expiry 1 h ahead, then a destructive update | `test_row1_future_lease_and_destructive_update_are_refused[stranger/insider]`, `test_row1_early_claim_of_the_next_term_is_refused`, `test_row1_term_jump_backed_by_a_strangers_heartbeat_is_refused`; with S = 4 shards, a lease of one shard: `test_row1_sharded_future_lease_of_one_shard_vouches_for_no_update[S4]` |
+| already-expired lease of the current term, then an update | `test_row2_expired_lease_then_update_is_refused[S1-stranger/S1-insider/S4-insider]` |
 | deltas toward the initial weights claiming 10^6 steps | `test_row3_revert_deltas_with_inflated_claims_weigh_no_more_than_an_honest_learner` |
-| forged heartbeat: versions + 1000, term_seen + 1000 | `test_row4_forged_heartbeat_neither_deposes_the_holder_nor_halts_training` |
+| forged heartbeat: versions + 1000, term_seen + 1000 | `test_row4_forged_heartbeat_neither_deposes_the_holder_nor_halts_training[S1/S4]` |
 | forged branch tip, random-weight snapshot served | `test_row5_forged_tip_and_poisoned_snapshot_are_not_adopted_by_replicas_or_a_newcomer` |
 | 8 idle streams per honest peer, 200 MiB claimed | `test_row6_idle_streams_claiming_200_mib_do_not_stall_updates_or_deltas` |
 | garbage, truncated, wrong shape, NaN, 10^12 tokens, 1e3 values | `tests/integration/test_swarm_bad_input.py` (unchanged) |
@@ -79,6 +80,10 @@ ADVANCE = 3  # versions every fragment must gain after an attack
 # its reply and by the digests; subtle weight gains (row 3) by the merge weights in the ledger.
 LOSS_SLACK = 0.5
 INNER_STEPS = 8
+SHARDED = {"synchronizer_shards": 4, "fragments": 4}  # the two honest peers hold two shards each
+# rows that run at S = 1 and at S = 4 (indirect parameter of `hostile_run`): the attacks on what is kept per
+# shard (leases, terms). Rows 3, 5 and 6 and the election rows of row 1 run at S = 1 only (CI time).
+BOTH_SIZES = pytest.mark.parametrize("hostile_run", [{}, SHARDED], indirect=True, ids=["S1", "S4"])
 
 # The rejection tags the honest peers count for each attack (any one of them shows the attempt).
 REASONS = {
@@ -272,7 +277,9 @@ class HostileRun:
         assert "synchronizer" in roles.values(), f"no honest peer holds the lease: {roles}"
 
     def assert_terms_not_adopted(self, status: dict, forged_term: int) -> None:
-        terms = {p["peer_id"][:12]: p["term_seen"] for p in self.honest(status).values()}
+        terms = {
+            p["peer_id"][:12]: max([p["term_seen"], *p["shard_terms"]]) for p in self.honest(status).values()
+        }
         assert all(t < forged_term for t in terms.values()), (
             f"honest peers adopted the forged term {forged_term}: {terms}"
         )
@@ -387,9 +394,10 @@ def hostile_run(request, spawn, cli, wait_for, bootstrap_node, rogue_keys, obser
     authority = honest_keys["a"][1]
     listed = [honest_keys["a"][1], honest_keys["b"][1], rogue_keys.insider.peer_id]
     run_id = "hostile-" + request.node.name.split("[")[0].removeprefix("test_")[:40].replace("_", "-")
+    diloco = {"inner_steps": INNER_STEPS, **getattr(request, "param", {})}  # indirect: e.g. SHARDED
+    run_id += f"-s{diloco.get('synchronizer_shards', 1)}"  # one test at two sizes: two runs
     path = tmp_path / "public.toml"
     trust = {"authority": authority, "synchronizers": listed, "learners": "any"}
-    diloco = {"inner_steps": INNER_STEPS, **getattr(request, "param", {})}  # indirect: e.g. SHARDED
     path.write_text(tiny_swarm_toml(run_id, diloco=diloco, trust=trust))
     sign_manifest(path, honest_keys["a"][0])  # `p2p-diloco manifest sign`: joins refuse it unsigned
     manifest = load_run_manifest(path)
@@ -439,8 +447,7 @@ def test_row1_future_lease_and_destructive_update_are_refused(hostile_run: Hosti
     rogue = run.rogues[who]
     before = run.wait_status(run.ready, 30, "a ready swarm")
     losses = run.eval_losses()
-    holder = before["synchronizer"]
-    forged_term = holder["term"] + 1000
+    forged_term = max(row["term"] for row in synchronizer_rows(before)) + 1000  # above every shard's
     forged_at = rogue.now()
     rogue.forge_lease(forged_term, expires_at=forged_at + 3600)
     run.wait_for(rogue.lease_visible, 20, "the forged lease to be visible in the DHT")
@@ -524,7 +531,10 @@ def test_row1_term_jump_backed_by_a_strangers_heartbeat_is_refused(hostile_run: 
     report(run, "row 1 (collusion)", rejected)
 
 
-SHARDED = {"synchronizer_shards": 4, "fragments": 4}  # the two honest peers hold two shards each
+def synchronizer_rows(status: dict) -> list[dict]:
+    """The synchronizer of every shard that has one (one row at S = 1)."""
+    rows = [row["synchronizer"] for row in status.get("shards", []) if row["synchronizer"]]
+    return rows or [status["synchronizer"]]
 
 
 def shard_holders(run: HostileRun, status: dict) -> dict[int, dict]:
@@ -582,7 +592,12 @@ def test_row1_sharded_future_lease_of_one_shard_vouches_for_no_update(hostile_ru
 # ---- row 2: an already-expired lease of the current term, then an update -------------------------------
 
 
-@pytest.mark.parametrize("who", ["stranger", "insider"])
+@pytest.mark.parametrize(
+    ("hostile_run", "who"),
+    [({}, "stranger"), ({}, "insider"), (SHARDED, "insider")],  # at S = 4 the listed key only: CI time
+    indirect=["hostile_run"],
+    ids=["S1-stranger", "S1-insider", "S4-insider"],
+)
 def test_row2_expired_lease_then_update_is_refused(hostile_run: HostileRun, who: str):
     run = hostile_run
     rogue = run.rogues[who]
@@ -659,12 +674,12 @@ def test_row3_revert_deltas_with_inflated_claims_weigh_no_more_than_an_honest_le
 # ---- row 4: a forged heartbeat ----------------------------------------------------------------------
 
 
+@BOTH_SIZES
 def test_row4_forged_heartbeat_neither_deposes_the_holder_nor_halts_training(hostile_run: HostileRun):
     run = hostile_run
     rogue = run.rogues["stranger"]
     before = run.wait_status(run.ready, 30, "a ready swarm")
-    holder = before["synchronizer"]
-    forged_term = holder["term"] + 1000
+    forged_term = max(row["term"] for row in synchronizer_rows(before)) + 1000  # above every shard's
     versions = tuple(v + 1000 for v in run.floor(before))
     period = run.manifest.timing.heartbeat_period
     with rogue.sustain(lambda: rogue.forge_heartbeat(versions, forged_term, may_sync=True), period=period):
