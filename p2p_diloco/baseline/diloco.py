@@ -11,11 +11,11 @@ silent for a grace period past when its progress records said it would be done i
 `wait_limit` s in all) and for peers whose record is behind; all-reduce with whoever joined within the
 matchmaking window; a failed all-reduce is tried again; a peer that finds another one ahead (it missed a
 round or restarted) loads Θ, momentum and epoch from the most advanced peer and drops its own round; a
-peer with no other peer done steps alone; members of one all-reduce whose global models differ (each
-stepped alone at one epoch) keep the least digest's (`rounds.holds_canonical_model`): the others drop the
-round and load the state of one that stepped (``global_models_differ`` event). A SIGKILLed peer loses its unfinished round; restarted, it resumes from its
-``baseline.pt`` (Θ, momentum, AdamW state, epoch: `checkpoint` format with this mode's optimizer dict)
-or from a peer that is ahead.
+peer with no other peer done steps alone; members of one all-reduce whose outer states differ (as when
+two peers stepped alone at one epoch) keep the least digest's (`rounds.holds_canonical_model`): the
+others drop the round and load the state of one that stepped (``global_models_differ`` event). A
+SIGKILLed peer loses its unfinished round; restarted, it resumes from its ``baseline.pt`` (Θ, momentum,
+AdamW state, epoch: `checkpoint` format with this mode's optimizer dict) or from a peer that is ahead.
 
 The books, events, checkpoint file and shutdown are `worker.BaselineWorker`'s, so the demo accounts both
 baselines alike: compute (forward, backward and AdamW of every inner step) is merged when its round is

@@ -17,8 +17,8 @@ Owns what `diloco.DilocoWorker` decides without touching the network, so it can 
 * `round_outcome`: what a finished all-reduce means for the ledger (`ledger.AVERAGED` or `ledger.ALONE`;
   a failed one is retried and decided again, never applied alone while peers are at the same epoch,
   because a peer that applied its own outer gradient would differ from the others for good);
-* `holds_canonical_model`: after an all-reduce whose members gathered different global-model digests
-  (two peers that each stepped alone at one epoch, when neither saw the other's progress record), which
+* `holds_canonical_model`: after an all-reduce whose members gathered different digests of their outer
+  states (as when two peers each stepped alone at one epoch, neither seeing the other's record), which
   of them keeps its model: those with the least digest step; the others drop the round and load the
   state of one that stepped (it is then ahead), so diverged replicas meet again instead of averaging on
   different models for good;
