@@ -61,6 +61,14 @@ RELOAD_BACKOFF = 3.0  # seconds between two tries to load a peer's state
 GRACE_MIN, GRACE_WINDOWS = 3.0, 3  # a silent peer is waited for max(3 s, 3 matchmaking times) past its due
 
 
+def outer_state_digest(global_model: torch.nn.Module, momentum: list[torch.Tensor]) -> str:
+    """What the members of an all-reduce compare: Θ and the outer momentum (the same Θ with another
+    momentum would step to another model)."""
+    names = [name for name, _ in global_model.named_parameters()]
+    momenta = ((f"momentum.{n}", m) for n, m in zip(names, momentum, strict=True))
+    return tensors_digest([*global_model.named_parameters(), *momenta])
+
+
 class DilocoWorker(BaselineWorker):
     """One synchronous DiLoCo peer (module docstring); `run`, `loop` and the books are the base class's."""
 
@@ -224,13 +232,7 @@ class DilocoWorker(BaselineWorker):
         self.ledger.blocking_started(began)
         names = [name for name, _ in self.global_model.named_parameters()]
         local = outer_gradients(list(self.global_model.parameters()), list(self.model.parameters()))
-        # the members compare their outer states (Θ and momentum): the same Θ with another momentum
-        # would step to a different model
-        named_state = [
-            *self.global_model.named_parameters(),
-            *((f"momentum.{n}", m) for n, m in zip(names, self.momentum, strict=True)),
-        ]
-        digest = tensors_digest(named_state)
+        digest = outer_state_digest(self.global_model, self.momentum)
         outcome, grads, group, attempts, stepped = None, local, 1, 0, 0.0
         try:
             while outcome is None and not self.stop.is_set():

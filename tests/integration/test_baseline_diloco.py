@@ -1,7 +1,9 @@
 """Synchronous DiLoCo for real: a bootstrap and two `p2p-diloco baseline-worker --mode diloco` processes.
 
 Both train a tiny model for H = 4 inner steps per round and all-reduce their outer gradients through
-hivemind. Checked: every round was averaged in a group of two and both peers stepped to the same global
+hivemind. They start from epoch-0 checkpoints whose global models differ in one weight (as after two
+peers each stepped alone at one epoch): in the first round the one whose outer state has the greater
+digest drops the round and loads the other's state before it steps. Checked then: every round was averaged in a group of two and both peers stepped to the same global
 model, which differs from what either would have reached with its own outer gradient alone (so the
 all-reduce really averaged); one worker is SIGKILLed (its whole process group) and restarted with the
 same identity and state dir, finds the other ahead, loads its state and averages with it again; both
@@ -16,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE
+from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from p2p_diloco.baseline.diloco import outer_state_digest
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model import build_model
+from p2p_diloco.model.gpt import make_inner_optimizer
 from p2p_diloco.node.state import read_events
 from tests.support.baseline_workers import accounting, prepare_workers, stop_workers, worker_args
 
@@ -50,10 +54,31 @@ def rounds(state: Path, after: float = 0.0) -> dict[int, dict]:
     }
 
 
+def diverged_checkpoints(manifest_path: Path, dirs: dict[str, Path]) -> str:
+    """Epoch-0 checkpoints whose global models differ in one weight (as after two peers each stepped
+    alone at one epoch); the name of the worker whose outer state has the greater digest (it must
+    reload)."""
+    manifest = RunManifest.load(manifest_path)
+    digests = {}
+    for nudge, (name, state) in enumerate(dirs.items()):
+        model = build_model(manifest.model)
+        with torch.no_grad():
+            next(iter(model.parameters())).view(-1)[0] += 1e-3 * nudge
+        momentum = [torch.zeros_like(p) for p in model.parameters()]
+        inner = make_inner_optimizer(model, manifest.diloco.inner_lr, manifest.diloco.inner_weight_decay)
+        optimizer = {"mode": "diloco", "inner": inner.state_dict(), "momentum": momentum}
+        state.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(state / CHECKPOINT_FILE, manifest, model, optimizer, epoch=0)
+        digests[name] = outer_state_digest(model, momentum)
+    assert len(set(digests.values())) == len(digests)
+    return max(digests, key=digests.__getitem__)
+
+
 def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
     tmp_path, bootstrap_node, spawn, cli, wait_for
 ):
     manifest_path, dirs, keys = prepare_workers(tmp_path, TINY_MANIFEST)
+    reloader = diverged_checkpoints(manifest_path, dirs)
 
     def start(name: str):
         return spawn(
@@ -75,6 +100,24 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
         assert a["digest"] == b["digest"], f"the global models differ after round {epoch}"
         assert a["local_digest"] != b["local_digest"], "both peers computed the same outer gradient"
         assert a["digest"] not in (a["local_digest"], b["local_digest"]), "the outer step did not average"
+
+    # the first round's members held different models: the one with the greater digest dropped the
+    # round and loaded the other's state before it stepped; the other stepped
+    for name, state in dirs.items():
+        moves = [
+            e for e in read_events(state) if e["event"] in ("global_models_differ", "reloaded", "global_step")
+        ]
+        if name == reloader:
+            differ, then = moves[:2]
+            assert (differ["event"], differ["epoch"], differ["action"]) == (
+                "global_models_differ",
+                0,
+                "reload",
+            )
+            assert then["event"] == "reloaded" and then["epoch"] >= 1, moves[:3]
+        else:
+            assert moves[0]["event"] == "global_step" and moves[0]["outcome"] == "averaged", moves[:2]
+            assert not any(e["event"] == "global_models_differ" for e in moves), name
 
     for name, state in dirs.items():
         alone = [
