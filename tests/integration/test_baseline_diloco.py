@@ -54,6 +54,13 @@ def rounds(state: Path, after: float = 0.0) -> dict[int, dict]:
     }
 
 
+def model_moves(state: Path) -> list[dict]:
+    """The events that change (or refuse to change) a worker's global model, in order."""
+    return [
+        e for e in read_events(state) if e["event"] in ("global_models_differ", "reloaded", "global_step")
+    ]
+
+
 def diverged_checkpoints(manifest_path: Path, dirs: dict[str, Path]) -> str:
     """Epoch-0 checkpoints whose global models differ in one weight (as after two peers each stepped
     alone at one epoch); the name of the worker whose outer state has the greater digest (it must
@@ -104,9 +111,7 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
     # the first round's members held different models: the one with the greater digest dropped the
     # round and loaded the other's state before it stepped; the other stepped
     for name, state in dirs.items():
-        moves = [
-            e for e in read_events(state) if e["event"] in ("global_models_differ", "reloaded", "global_step")
-        ]
+        moves = model_moves(state)
         if name == reloader:  # (met again at epoch 0 if the other's first all-reduce failed: differ again)
             differ = moves[0]
             then = next(e for e in moves if e["event"] != "global_models_differ")
@@ -147,9 +152,7 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
         assert after1[epoch]["digest"] == after2[epoch]["digest"], f"global models differ at epoch {epoch}"
     reloaded = [e for e in read_events(dirs["w2"]) if e["event"] == "reloaded" and e["t"] > killed_at]
     for name, state in dirs.items():  # a member whose model differed from its round's reloads before it steps
-        moves = [
-            e for e in read_events(state) if e["event"] in ("global_models_differ", "reloaded", "global_step")
-        ]
+        moves = model_moves(state)
         for differ, after in zip(moves, moves[1:], strict=False):
             if differ["event"] == "global_models_differ":
                 assert after["event"] in ("reloaded", "global_models_differ"), (
