@@ -45,11 +45,20 @@ class InMemoryKeys:
     """A keyring of per-peer secrets for peers living in one process (in-process swarm, tests): a peer's
     signer holds its own secret only, so a hostile in-process peer cannot sign as another."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: str | None = None) -> None:
+        """`seed`: derive each peer's secret from it (a simulator's run replays bit for bit); random else."""
         self._secrets: dict[str, bytes] = {}
+        self._seed = seed
+
+    def _new_secret(self, peer_id: str) -> bytes:
+        if self._seed is None:
+            return secrets.token_bytes(32)
+        return hashlib.blake2b(f"{self._seed}:{peer_id}".encode(), digest_size=32).digest()
 
     def signer(self, peer_id: str) -> _InMemorySigner:
-        secret = self._secrets.setdefault(peer_id, secrets.token_bytes(32))
+        if peer_id not in self._secrets:
+            self._secrets[peer_id] = self._new_secret(peer_id)
+        secret = self._secrets[peer_id]
         return _InMemorySigner(peer_id, secret)
 
     def for_peer(self, peer_id: str) -> PeerKeys:

@@ -1,0 +1,201 @@
+"""What must hold in every simulated run, each rule with a name, checked after every event of the loop
+(`check`), on every telemetry intent a peer emits (`on_intent`) and once the run is quiet (`final`).
+
+The first broken rule is kept as a `Violation` (its name, the virtual time, the seed); the run stops
+there, and `scripts/explore.py --replay SEED` shows the trace up to that point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from p2p_diloco.config import RunManifest
+from p2p_diloco.sim.bottle.node import STOP_DEADLINE, Phase, SimNode
+from p2p_diloco.sim.bottle.world import World
+from p2p_diloco.swarm import effects as fx
+
+
+class Rule(StrEnum):
+    ONE_HOLDER_PER_TERM = "one_holder_per_term"  # no shard term held by two peers past the lease margin
+    FENCING_MONOTONE = "fencing_monotone"  # a peer's highest term seen (per shard) never goes back
+    APPLIED_ONCE = "applied_once"  # no update applied twice to one replica
+    VERSIONS_MONOTONE = "versions_monotone"  # no fragment's version goes back on a running replica
+    MERGED_ONCE = "merged_once"  # a learner's delta (fragment, seq) is merged by at most one update
+    NO_CLAIM_WHILE_STOPPING = "no_claim_while_stopping"  # a stopping peer never claims a lease
+    EXITS_IN_TIME = "exits_in_time"  # SIGTERM -> exit within `STOP_DEADLINE`
+    OWNER_NEVER_RAISES = "owner_never_raises"  # the peer and its driver never raise on the owner
+    REPLICAS_IDENTICAL = "replicas_identical"  # once quiet, every running replica is bit-identical
+    DELTAS_SETTLED = "deltas_settled"  # once quiet, no delta is still in flight: merged or released
+    EVERYONE_REJOINED = "everyone_rejoined"  # once healed and quiet, every node runs at the swarm's versions
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: Rule
+    t: float
+    detail: str
+    seed: int
+
+    def __str__(self) -> str:
+        return f"seed {self.seed}: {self.rule} broken at t={self.t:.3f}: {self.detail}"
+
+
+class Invariants:
+    """The rules above over one run's nodes (module docstring)."""
+
+    def __init__(self, world: World, nodes: Sequence[SimNode], manifest: RunManifest):
+        self.world, self.nodes, self.manifest = world, nodes, manifest
+        self.shared_terms: dict[tuple[int, int], float] = {}  # (shard, term) -> since when two peers hold it
+        self.terms_seen: dict[tuple[str, int, int], int] = {}  # (peer, incarnation, shard) -> highest
+        self.versions: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.applied: set[tuple[str, int, int, int, int, str]] = set()
+        self.merged: dict[tuple[str, int, int], tuple[int, int, str]] = {}
+        self.claims = 0
+        self.published = 0
+        self.violation: Violation | None = None  # the first rule broken
+
+    def fail(self, rule: Rule, detail: str) -> None:
+        if self.violation is None:
+            self.violation = Violation(rule, self.world.now(), detail, self.world.seed)
+            self.world.note("sim", "violation", rule=str(rule), detail=detail)
+
+    # ---- on every intent -------------------------------------------------------------------------------
+
+    def on_intent(self, node: SimNode, intent: fx.Intent) -> None:
+        match intent:
+            case fx.Claimed():
+                self.claims += 1
+                self.world.note(node.peer_id, "claim", shard=intent.shard, term=intent.term)
+                if node.stopping_since is not None:
+                    self.fail(
+                        Rule.NO_CLAIM_WHILE_STOPPING,
+                        f"{node.peer_id} claimed shard {intent.shard} term {intent.term} "
+                        f"{self.world.now() - node.stopping_since:.2f} s after it began stopping",
+                    )  # noqa: E501
+            case fx.Published():
+                self.published += 1
+                record = intent.record
+                self.world.note(
+                    node.peer_id,
+                    "published",
+                    fragment=record.fragment,
+                    version=record.to_version,
+                    term=record.term,
+                )
+                self._merged_once(record)
+            case fx.Applied():
+                record = intent.record
+                key = (
+                    node.peer_id,
+                    node.incarnation,
+                    record.fragment,
+                    record.to_version,
+                    record.term,
+                    record.leader,
+                )
+                self.world.note(
+                    node.peer_id,
+                    "applied",
+                    fragment=record.fragment,
+                    version=record.to_version,
+                    how=str(intent.how),
+                )
+                if key in self.applied:
+                    self.fail(
+                        Rule.APPLIED_ONCE,
+                        f"{node.peer_id} applied fragment {record.fragment} "
+                        f"v{record.to_version} of term {record.term} twice",
+                    )
+                self.applied.add(key)
+            case fx.LeaseReleased():
+                self.world.note(node.peer_id, "released", term=intent.term, rounds=intent.rounds)
+
+    def _merged_once(self, record) -> None:  # noqa: ANN001 - protocol.messages.UpdateRecord
+        update = (record.to_version, record.term, record.leader)
+        if len(record.seqs) != len(record.contributors):
+            return
+        for (learner, _), seq in zip(record.contributors, record.seqs):
+            key = (learner, record.fragment, seq)
+            first = self.merged.setdefault(key, update)
+            if first != update:
+                self.fail(
+                    Rule.MERGED_ONCE,
+                    f"{learner}'s delta seq {seq} of fragment {record.fragment} merged "
+                    f"by v{first[0]} (term {first[1]}, {first[2]}) and v{update[0]} (term {update[1]}, "
+                    f"{update[2]})",
+                )
+
+    # ---- after every event -----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        now = self.world.now()
+        holders: dict[tuple[int, int], list[str]] = {}
+        for node in self.nodes:
+            if not node.up or node.peer is None:
+                continue
+            self._node_checks(node, now)
+            for seat in node.peer.seats:
+                if seat.sync is not None:
+                    holders.setdefault((seat.shard, seat.sync.term), []).append(node.peer_id)
+        margin = self.manifest.timing.lease_margin
+        for key, who in holders.items():
+            if len(who) < 2:
+                self.shared_terms.pop(key, None)
+                continue
+            since = self.shared_terms.setdefault(key, now)
+            if now - since > margin:
+                self.fail(
+                    Rule.ONE_HOLDER_PER_TERM,
+                    f"shard {key[0]} term {key[1]} held by {sorted(who)} for {now - since:.2f} s",
+                )
+        for key in [k for k in self.shared_terms if k not in holders or len(holders[k]) < 2]:
+            del self.shared_terms[key]
+
+    def _node_checks(self, node: SimNode, now: float) -> None:
+        peer = node.peer
+        if node.errors:
+            self.fail(Rule.OWNER_NEVER_RAISES, f"{node.peer_id}: {node.errors[0]}")
+        for seat in peer.seats:
+            key = (node.peer_id, node.incarnation, seat.shard)
+            seen = seat.membership.term_seen
+            if seen < self.terms_seen.get(key, 0):
+                self.fail(
+                    Rule.FENCING_MONOTONE,
+                    f"{node.peer_id} shard {seat.shard}: term seen {self.terms_seen[key]} -> {seen}",
+                )
+            self.terms_seen[key] = seen
+        versions = peer.replica.versions()
+        before = self.versions.get((node.peer_id, node.incarnation))
+        if before is not None and any(v < b for v, b in zip(versions, before)):
+            self.fail(Rule.VERSIONS_MONOTONE, f"{node.peer_id}: versions {list(before)} -> {list(versions)}")
+        self.versions[(node.peer_id, node.incarnation)] = versions
+        if node.phase == Phase.STOPPING and node.terminated_at is not None:
+            if now - node.terminated_at > STOP_DEADLINE:
+                self.fail(
+                    Rule.EXITS_IN_TIME,
+                    f"{node.peer_id} still running {now - node.terminated_at:.1f} s after SIGTERM "
+                    f"(deadline {STOP_DEADLINE:.0f} s)",
+                )
+
+    # ---- once quiet ------------------------------------------------------------------------------------
+
+    def final(self) -> None:
+        running = [n for n in self.nodes if n.phase == Phase.RUNNING and n.peer is not None]
+        down = [n.peer_id for n in self.nodes if n.phase != Phase.RUNNING]
+        if down:
+            self.fail(Rule.EVERYONE_REJOINED, f"not running at the end: {down}")
+        versions = {n.peer_id: n.peer.replica.versions() for n in running}
+        newest = tuple(
+            max(v[p] for v in versions.values()) for p in range(len(next(iter(versions.values()))))
+        )
+        behind = {who: list(v) for who, v in versions.items() if v != newest}
+        if behind:
+            self.fail(Rule.EVERYONE_REJOINED, f"behind the swarm's {list(newest)}: {behind}")
+        digests = {n.peer_id: n.peer.replica.digest()[:16] for n in running}
+        if len(set(digests.values())) > 1:
+            self.fail(Rule.REPLICAS_IDENTICAL, f"replicas differ at versions {list(newest)}: {digests}")
+        unsettled = {n.peer_id: sorted(n.peer.outbox.in_flight) for n in running if n.peer.outbox.in_flight}
+        if unsettled:
+            self.fail(Rule.DELTAS_SETTLED, f"deltas still in flight once quiet (fragments): {unsettled}")

@@ -1,0 +1,192 @@
+"""`SimTransport`: the project's `Transport` interface for one simulated node, over the world's links.
+
+Frames and requests take their link's latency and bandwidth both ways and can be lost (a partition, the
+link's loss rate). The receiver is the node's driver, whose handlers answer with futures that settle
+when its owner gets to them: a frozen node answers after its thaw, or never within the sender's
+timeout. A node whose process is gone refuses the connection (`LinkTag.PEER_DOWN`); a lost frame or a
+silent receiver ends in the sender's timeout, as the real transport's (`net.outbound`). Replies to an
+incarnation that has since died go nowhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from p2p_diloco.sim.bottle.world import World
+from p2p_diloco.wire.interfaces import InboundHandlers, Liveness
+from p2p_diloco.wire.replies import LinkTag, Reply
+
+REPLY_TIMEOUT = "transport timeout"  # the tag `net.outbound` gives an unanswered frame
+REQUEST_BYTES = 128  # a request or a reply without payload, on the wire
+PROBE_SECONDS = 1.0  # a probe that reaches nobody says UNKNOWN after this long
+
+
+def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_size(v) for v in value)
+    return REQUEST_BYTES
+
+
+class SimTransport:
+    """One incarnation's transport (module docstring). `alive()` says whether that incarnation runs."""
+
+    def __init__(
+        self,
+        world: World,
+        peer_id: str,
+        alive: Callable[[], bool],
+        *,
+        send_timeout: float,
+        fetch_timeout: float,
+    ):
+        self.world = world
+        self.peer_id = peer_id
+        self.alive = alive
+        self.send_timeout = send_timeout
+        self.fetch_timeout = fetch_timeout
+        self._handlers: InboundHandlers | None = None
+
+    def bind(self, handlers: InboundHandlers) -> None:
+        self._handlers = handlers
+        self.world.register(self.peer_id, handlers)
+
+    def close(self) -> None:
+        if self._handlers is not None:
+            self.world.unregister(self.peer_id, self._handlers)
+
+    # ---- one-way frames with a reply -----------------------------------------------------------------
+
+    def send_delta(self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None) -> None:
+        self._send(to_peer, frame, "delta", on_reply)
+
+    def push_update(
+        self, to_peer: str, frame: bytes, on_reply: Callable[[Reply], None] | None = None
+    ) -> None:
+        self._send(to_peer, frame, "update", on_reply)
+
+    def relay(self, to_peer: str, frame: bytes) -> Future[Reply]:
+        future: Future[Reply] = Future()
+        self._send(to_peer, frame, "relay", lambda reply: _settle(future, reply))
+        return future
+
+    def _send(self, to: str, frame: bytes, kind: str, on_reply: Callable[[Reply], None] | None) -> None:
+        answered = [False]
+
+        def reply(value: Reply) -> None:
+            if answered[0]:
+                return
+            answered[0] = True
+            if on_reply is not None and self.alive():
+                on_reply(value)
+
+        timeout = Reply.transient(REPLY_TIMEOUT, f"no answer from {to} within {self.send_timeout:.1f} s")
+        self.world.later(self.send_timeout, lambda: reply(timeout))
+        self._deliver(
+            to,
+            len(frame),
+            lambda handlers: getattr(handlers, f"handle_{kind}")(self.peer_id, frame),
+            on_value=reply,
+            on_error=lambda exc: reply(self._refusal(to, exc)),
+        )
+
+    @staticmethod
+    def _refusal(to: str, exc: BaseException) -> Reply:
+        return Reply.transient(LinkTag.PEER_DOWN, f"{to} refused the connection: {exc}")
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def _request(self, peer: str, ask: Callable[[InboundHandlers], Any]) -> Future:
+        future: Future = Future()
+        timeout = TimeoutError(f"no answer from {peer} within {self.fetch_timeout:.1f} s")
+        self.world.later(self.fetch_timeout, lambda: _settle(future, error=timeout))
+        self._deliver(
+            peer,
+            REQUEST_BYTES,
+            ask,
+            on_value=lambda value: _settle(future, value),
+            on_error=lambda exc: _settle(future, error=ConnectionError(f"{peer}: {exc}")),
+        )
+        return future
+
+    def request_updates(self, from_peer: str, fragment: int, after_version: int) -> Future[list[bytes]]:
+        return self._request(from_peer, lambda h: h.serve_updates(self.peer_id, fragment, after_version))
+
+    def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]:
+        return self._request(from_peer, lambda h: h.serve_snapshot(self.peer_id, fragment))
+
+    def request_chunk(
+        self, from_peer: str, fragment: int, chunk: int, checksum: str, nbytes: int
+    ) -> Future[bytes]:
+        def ask(handlers: InboundHandlers) -> bytes:
+            data = handlers.serve_chunk(self.peer_id, fragment, chunk, checksum)
+            if len(data) > nbytes:
+                raise ConnectionError(f"answered chunk {chunk} with {len(data)} bytes, limit {nbytes}")
+            return data
+
+        return self._request(from_peer, ask)
+
+    def probe(self, peer: str, addresses: Sequence[str] = ()) -> Future[Liveness]:
+        """DOWN where the process is gone; UNKNOWN behind a cut link or from a frozen process."""
+        future: Future[Liveness] = Future()
+        if not self.world.reachable(self.peer_id, peer) or peer in self.world.frozen:
+            self.world.later(PROBE_SECONDS, lambda: _settle(future, Liveness.UNKNOWN))
+        else:
+            up = peer in self.world.handlers
+            rtt = 2 * (self.world.link.latency + self.world.link.jitter)
+            self.world.later(rtt, lambda: _settle(future, Liveness.ALIVE if up else Liveness.DOWN))
+        return future
+
+    # ---- delivery ------------------------------------------------------------------------------------
+
+    def _deliver(
+        self,
+        to: str,
+        size: int,
+        ask: Callable[[InboundHandlers], Any],
+        *,
+        on_value: Callable[[Any], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """Carry a frame of `size` bytes to `to`, have its handlers answer it (`ask`), and carry the
+        answer back; a lost frame or answer is never answered (the caller's timeout ends it)."""
+        delay = self.world.link_delay(self.peer_id, to, size)
+        if delay is None:
+            return
+
+        def back(value: Any = None, error: BaseException | None = None) -> None:
+            returning = self.world.link_delay(to, self.peer_id, _size(value))
+            if returning is None:
+                return
+            self.world.later(returning, lambda: on_error(error) if error is not None else on_value(value))
+
+        def arrive() -> None:
+            handlers = self.world.handlers.get(to)
+            if handlers is None:
+                back(error=ConnectionRefusedError(f"{to} is not running"))
+                return
+            try:
+                answer = ask(handlers)
+            except Exception as exc:  # a handler's refusal (e.g. an unknown snapshot chunk)
+                back(error=exc)
+                return
+            if isinstance(answer, Future):
+                answer.add_done_callback(
+                    lambda done: back(error=done.exception()) if done.exception() else back(done.result())
+                )
+            else:
+                back(answer)
+
+        self.world.later(delay, arrive)
