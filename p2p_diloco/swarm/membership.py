@@ -74,6 +74,12 @@ class Membership:
         # term lapsed as first seen): the newest LEASE_HISTORY terms, RECORDS_PER_TERM records each
         self.lease_history: dict[int, list[SeenLease]] = {}
         self.my_lease: LeaseRecord | None = None
+        # (term, why) of this peer's own lease record that the last read refused (`lease_rules`): what
+        # every honest reader refuses, this peer must not go on holding
+        self.own_refused: tuple[int, str] | None = None
+        self.refused_terms = (
+            0  # times this peer stepped down from its own refused lease (its fence went back)
+        )
         self.holder: str | None = None  # the synchronizer this peer follows (itself when it holds the lease)
         self.holder_term = 0
         self.term_seen = 0
@@ -155,9 +161,12 @@ class Membership:
             },
             history=[item for records in self.lease_history.values() for item in records],
         )
+        self.own_refused = None
         for lease, tag, detail in screened.refused:
             if self.first_seen.get(lease) == records.now:  # count each refused record once
                 self.journal.reject(lease.holder, tag, detail)
+            if lease.holder == self.peer_id:
+                self.own_refused = (lease.term, f"{tag}: {detail}")
         leases = []
         for item in screened.valid:
             leases.append(item.lease)
@@ -315,12 +324,35 @@ class Membership:
         seen = election.highest_term_seen(view.leases, self.term_seen)
         # A wait names the term it waits to claim: only a term someone holds (or I claim) is seen.
         held = decision.action in (election.CLAIM, election.RENEW, election.HOLD, election.FOLLOW)
-        self.term_seen = max(self.term_seen, seen, decision.term if held else 0)
+        decision = self._refused_holder(decision)
+        if decision.tag == election.ElectionTag.REFUSED_LEASE:
+            # the refused term was never valid anywhere: fence by the highest term the readers accept
+            self.term_seen = election.highest_term_seen(view.leases, 0)
+            self.refused_terms += 1
+        else:
+            self.term_seen = max(self.term_seen, seen, decision.term if held else 0)
         quiet = decision.action in (election.HOLD, election.RENEW, election.FOLLOW)
         if not quiet or decision.tag != self.last_election_tag:
             self.journal.note(f"election: {decision}")
         self.last_election_tag = decision.tag
         return decision
+
+    def _refused_holder(self, decision: ElectionDecision) -> ElectionDecision:
+        """A holder whose own lease record the lease rules refused steps down: a term claimed where the
+        rest of the run could not see it (an island, a partitioned DHT) is refused by every reader once
+        they meet, and holding it on would merge a branch nobody follows, for good."""
+        mine, refused = self.my_lease, self.own_refused
+        if decision.action not in (election.HOLD, election.RENEW) or mine is None or refused is None:
+            return decision
+        term, why = refused
+        if term != mine.term:
+            return decision
+        return ElectionDecision(
+            election.STEP_DOWN,
+            election.ElectionTag.REFUSED_LEASE,
+            f"readers refuse my term {term} lease ({why})",
+            term=term,
+        )
 
     def _with_recent_candidates(self, view: SwarmView, now: float) -> list[PeerHeartbeat]:
         """The view's heartbeats, plus those of peers that may synchronize seen in a read within the last

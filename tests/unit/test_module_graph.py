@@ -1,4 +1,7 @@
-"""The module graph of `p2p_diloco/` (read with `ast`, nothing imported): no cycles, short modules, no packing.
+"""The module graph of `p2p_diloco/` (read with `ast`, nothing imported): no cycles, short functions, no packing.
+
+A module's length is not capped (a cap decided where code split, not the concept: issue #39); a function
+is, at `MAX_FUNCTION_LINES`, except the declarative tables in `TABLES` (argument parsers).
 
 An edge runs from a module to each package module it imports: at module level, inside a function (an
 import moved into a function to dodge a cycle is still the cycle) or in an ``if TYPE_CHECKING:`` block
@@ -17,13 +20,42 @@ from pathlib import Path
 
 from tests.support.modules import PACKAGE, Import, imports, package_files
 
-MAX_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+# Functions that are declarative tables, read as a list rather than as logic (path:function).
+TABLES = {"cli.py:build_parser", "node/join_command.py:add_join_command"}
 
 # Cycles not broken yet (each a strongly connected set of modules, names below `p2p_diloco.`).
 CYCLES_LEFT: dict[frozenset[str], str] = {}
 
-# Modules over MAX_LINES lines, not split yet (path below `p2p_diloco/`).
-LONG_LEFT: dict[str, str] = {}
+# Functions over MAX_FUNCTION_LINES lines, not split yet (path below `p2p_diloco/`:function).
+LONG_LEFT: dict[str, str] = {
+    "sim/decoupled.py:simulate_decoupled": "#39: 135 lines, not split yet",
+    "node/runtime.py:start": "#39: 128 lines, not split yet",
+    "node/status.py:swarm_status": "#39: 94 lines, not split yet",
+    "swarm/synchronizer.py:offer_delta": "#39: 93 lines, not split yet",
+    "sim/jobs.py:simulate_elastic_job": "#39: 87 lines, not split yet",
+    "baseline/diloco.py:outer_round": "#39: 82 lines, not split yet",
+    "node/metrics.py:snapshot_metrics": "#39: 81 lines, not split yet",
+    "dashboard/collector.py:view": "#39: 78 lines, not split yet",
+    "demo/checks.py:versions_went_back": "#39: 78 lines, not split yet",
+    "swarm/membership.py:ingest": "#39: 78 lines, not split yet",
+    "protocol/election.py:_decide_as_holder": "#39: 77 lines, not split yet",
+    "baseline/diloco.py:start": "#39: 75 lines, not split yet",
+    "demo/report.py:plot_all": "#39: 75 lines, not split yet",
+    "sim/goodput.py:run_simulation": "#39: 73 lines, not split yet",
+    "protocol/election.py:decide": "#39: 72 lines, not split yet",
+    "node/join.py:cli_join": "#39: 70 lines, not split yet",
+    "demo/report.py:summarize_record": "#39: 69 lines, not split yet",
+    "protocol/lease_rules.py:screen_leases": "#39: 69 lines, not split yet",
+    "net/dht_store.py:start_dht": "#39: 68 lines, not split yet",
+    "protocol/election.py:_decide_claim": "#39: 68 lines, not split yet",
+    "node/observing.py:attach": "#39: 67 lines, not split yet",
+    "swarm/membership.py:decide": "#39: 67 lines, not split yet",
+    "swarm/peer.py:__init__": "#39: 66 lines, not split yet",
+    "demo/checks.py:newcomer_check": "#39: 64 lines, not split yet",
+    "swarm/updates.py:apply": "#39: 61 lines, not split yet",
+}
 
 # Modules with `# fmt: skip` lines packed by hand, not unpacked yet.
 PACKED_LEFT: dict[str, str] = {}
@@ -126,14 +158,30 @@ def test_no_cycle_between_modules():
     )
 
 
-def test_no_module_over_400_lines():
+def long_functions(source: str, path: str) -> dict[str, str]:
+    """`path:name` -> its length, for every function (or method) over `MAX_FUNCTION_LINES` lines."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES and f"{path}:{node.name}" not in TABLES:
+                found[f"{path}:{node.name}"] = f"{lines} lines"
+    return found
+
+
+def test_no_function_over_60_lines():
     found = {}
     for _, path in package_files():
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES:
-            found[relative(path)] = f"{lines} lines"
-    problems = check_allowlist("long module", found, LONG_LEFT)
-    assert not problems, f"modules over {MAX_LINES} lines (split by job):\n" + "\n".join(problems)
+        found.update(long_functions(path.read_text(), relative(path)))
+    problems = check_allowlist("long function", found, LONG_LEFT)
+    assert not problems, f"functions over {MAX_FUNCTION_LINES} lines (split by step):\n" + "\n".join(problems)
+
+
+def test_the_function_rule_measures_whole_definitions():
+    body = "\n".join(f"    x{i} = {i}" for i in range(59))
+    assert long_functions(f"def short():\n{body}\n", "m.py") == {}  # 60 lines with its def
+    assert long_functions(f"def f():\n{body}\n    return 1\n", "m.py") == {"m.py:f": "61 lines"}
+    assert long_functions(f"def build_parser():\n{body}\n    return 1\n", "cli.py") == {}  # a table
 
 
 def test_no_lines_packed_with_fmt_skip():

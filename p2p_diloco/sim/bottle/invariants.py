@@ -49,6 +49,7 @@ class Invariants:
         self.world, self.nodes, self.manifest = world, nodes, manifest
         self.shared_terms: dict[tuple[int, int], float] = {}  # (shard, term) -> since when two peers hold it
         self.terms_seen: dict[tuple[str, int, int], int] = {}  # (peer, incarnation, shard) -> highest
+        self.refusals: dict[tuple[str, int, int], int] = {}  # the same -> `Membership.refused_terms`
         self.versions: dict[tuple[str, int], tuple[int, ...]] = {}
         self.applied: set[tuple[str, int, int, int, int, str]] = set()
         self.merged: dict[tuple[str, int, int], tuple[int, int, str]] = {}
@@ -160,6 +161,10 @@ class Invariants:
         for seat in peer.seats:
             key = (node.peer_id, node.incarnation, seat.shard)
             seen = seat.membership.term_seen
+            refusals = seat.membership.refused_terms
+            if refusals != self.refusals.get(key, 0):  # it stepped down from a claim no reader accepted:
+                self.refusals[key] = refusals  # that term was never valid, its fence starts anew
+                self.terms_seen.pop(key, None)
             if seen < self.terms_seen.get(key, 0):
                 self.fail(
                     Rule.FENCING_MONOTONE,

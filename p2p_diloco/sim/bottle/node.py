@@ -34,7 +34,7 @@ from p2p_diloco.model.probe import loss_probe_for
 from p2p_diloco.node.events import PeerEventLog, ReplicaSaver
 from p2p_diloco.node.ledger import ContributionLedger
 from p2p_diloco.node.runtime import CATCH_UP_SECONDS, SHUTDOWN_SECONDS, TEARDOWN_SECONDS
-from p2p_diloco.node.state import StateDir
+from p2p_diloco.node.state import PeerState, StateDir
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.sim.bottle.driver import DhtWeather, Freezer, SimDriver
@@ -144,43 +144,9 @@ class SimNode:
         last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
         self.ledger = ContributionLedger(self.path, manifest)
         self.learner = self._make_learner(replica)
-        self.peer = peer = Peer(
-            self.peer_id,
-            manifest,
-            shared.plan,
-            replica,
-            shapes=shared.shapes,
-            keys=shared.keys.for_peer(self.peer_id),
-            embedding_names=shared.embeddings,
-            may_sync=self.spec.may_sync,
-            loss_probe=loss_probe_for(manifest, replica, shared.corpus.eval),
-        )
-        if saved is not None:  # as `PeerNode.start`: each shard's term floor
-            for seat, term in zip(peer.seats, saved.shard_terms or (saved.term_seen,)):
-                seat.membership.saw_term(term)
+        self.peer = peer = self._make_peer(replica, saved)
+        self.driver = driver = self._make_driver(peer)
         incarnation = self.incarnation
-        transport = SimTransport(
-            self.world,
-            self.peer_id,
-            lambda: self.incarnation == incarnation and self.up,
-            send_timeout=FETCH_TIMEOUT,
-            fetch_timeout=FETCH_TIMEOUT,
-        )
-        events = PeerEventLog(self.event, self.ledger, verbose=False, clock=self.clock)
-        self.driver = driver = SimDriver(
-            peer,
-            kv=self.world.dht_view(self.peer_id),
-            transport=transport,
-            clock=self.clock,
-            learner=self.learner,
-            observer=lambda intent: self._observe(events, intent),
-            world=self.world,
-            freezer=self.freezer,
-            dht=self.dht,
-            dht_timeout=DHT_TIMEOUT,
-            rng=self.world.node_rng(self.peer_id, f"driver{incarnation}"),
-            on_error=self._owner_error,
-        )
         self.saver = ReplicaSaver(self.state, peer, driver, self.clock, last_in_sync, self.event)
         period = manifest.timing.heartbeat_period
         driver.every(period, self._swarm_tick)
@@ -197,6 +163,49 @@ class SimNode:
             versions=list(replica.versions()),
         )
         self._catch_up(last_in_sync, incarnation)
+
+    def _make_peer(self, replica: GlobalReplica, saved: PeerState | None) -> Peer:
+        manifest, shared = self.shared.manifest, self.shared
+        peer = Peer(
+            self.peer_id,
+            manifest,
+            shared.plan,
+            replica,
+            shapes=shared.shapes,
+            keys=shared.keys.for_peer(self.peer_id),
+            embedding_names=shared.embeddings,
+            may_sync=self.spec.may_sync,
+            loss_probe=loss_probe_for(manifest, replica, shared.corpus.eval),
+        )
+        if saved is not None:  # as `PeerNode.start`: each shard's term floor
+            for seat, term in zip(peer.seats, saved.shard_terms or (saved.term_seen,)):
+                seat.membership.saw_term(term)
+        return peer
+
+    def _make_driver(self, peer: Peer) -> SimDriver:
+        incarnation = self.incarnation
+        transport = SimTransport(
+            self.world,
+            self.peer_id,
+            lambda: self.incarnation == incarnation and self.up,
+            send_timeout=FETCH_TIMEOUT,
+            fetch_timeout=FETCH_TIMEOUT,
+        )
+        events = PeerEventLog(self.event, self.ledger, verbose=False, clock=self.clock)
+        return SimDriver(
+            peer,
+            kv=self.world.dht_view(self.peer_id),
+            transport=transport,
+            clock=self.clock,
+            learner=self.learner,
+            observer=lambda intent: self._observe(events, intent),
+            world=self.world,
+            freezer=self.freezer,
+            dht=self.dht,
+            dht_timeout=DHT_TIMEOUT,
+            rng=self.world.node_rng(self.peer_id, f"driver{incarnation}"),
+            on_error=self._owner_error,
+        )
 
     def _make_learner(self, replica: GlobalReplica) -> Learner:
         manifest, shared = self.shared.manifest, self.shared

@@ -133,7 +133,15 @@ def _specs(seed: int, scenario: Scenario) -> list[NodeSpec]:
 class Simulation:
     """One run's world, nodes and checks; `run()` plays it to the end (or to the first violation)."""
 
-    def __init__(self, seed: int, scenario: Scenario, root: Path, manifest: RunManifest | None = None):
+    def __init__(
+        self,
+        seed: int,
+        scenario: Scenario,
+        root: Path,
+        manifest: RunManifest | None = None,
+        faults: list[Fault] | None = None,
+    ):
+        """`faults`: these instead of the seed's draw (a scenario written out by hand)."""
         self.seed, self.scenario = seed, scenario
         self.manifest = manifest or sim_manifest(scenario.shards)
         self.world = World(seed, scenario.link)
@@ -143,7 +151,12 @@ class Simulation:
         for spec in _specs(seed, scenario):
             self.nodes.append(SimNode(self.world, spec, shared, root, self.invariants.on_intent))
         window = (10.0, scenario.fault_window)
-        self.faults = schedule(seed, scenario.nodes, window, scenario.kinds, scenario.faults)
+        drawn = (
+            faults
+            if faults is not None
+            else schedule(seed, scenario.nodes, window, scenario.kinds, scenario.faults)
+        )
+        self.faults = sorted(drawn, key=lambda f: (f.at, f.kind, f.node))
 
     def _stopped(self) -> bool:
         self.invariants.check()
@@ -201,15 +214,23 @@ class Simulation:
         return max(running, key=sum) if running else ()
 
 
-def simulate(seed: int, scenario: Scenario | None = None, workdir: Path | None = None) -> Result:
+def simulate(
+    seed: int,
+    scenario: Scenario | None = None,
+    workdir: Path | None = None,
+    *,
+    manifest: RunManifest | None = None,
+    faults: list[Fault] | None = None,
+) -> Result:
     """Play seed `seed` of `scenario` (module docstring); state directories under `workdir` (kept) or a
-    temporary folder (removed)."""
+    temporary folder (removed). `manifest` replaces `sim_manifest(scenario.shards)`; `faults` replace the
+    seed's draw."""
     scenario = scenario or Scenario()
     torch.set_num_threads(1)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bottle-{seed}-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
-        sim = Simulation(seed, scenario, root)
+        sim = Simulation(seed, scenario, root, manifest, faults)
         try:
             sim.run()
             versions = sim.versions()
