@@ -6,16 +6,19 @@ steps (the manifest's `inner_steps`), then all peers all-reduce their outer grad
 hivemind (`outer_averager.OuterAverager`) and each applies the manifest's outer Nesterov step to Θ and
 trains on from it (θ ← Θ). Nobody trains while waiting for a round: that is what makes it synchronous.
 
-Round rules (`rounds.decide_round`): wait for the peers of this epoch to report their round done (one
-silent for a grace period past when its progress records said it would be done is skipped; at most
-`wait_limit` s in all) and for peers whose record is behind; all-reduce with whoever joined within the
-matchmaking window; a failed all-reduce is tried again; a peer that finds another one ahead (it missed a
-round or restarted) loads Θ, momentum and epoch from the most advanced peer and drops its own round; a
-peer with no other peer done steps alone; members of one all-reduce whose outer states differ (as when
-two peers stepped alone at one epoch) keep the least digest's (`rounds.holds_canonical_model`): the
-others drop the round and load the state of one that stepped (``global_models_differ`` event). A
-SIGKILLed peer loses its unfinished round; restarted, it resumes from its ``baseline.pt`` (Θ, momentum,
-AdamW state, epoch: `checkpoint` format with this mode's optimizer dict) or from a peer that is ahead.
+Round rules (`rounds.decide_round`, `rounds.settle_round`; why they converge: `rounds`' docstring): wait
+for the peers of this epoch to report their round done (one silent for a grace period past when its
+progress records said it would be done is skipped; at most `wait_limit` s in all) and for peers whose
+record is behind; all-reduce with whoever joined within the matchmaking window; a failed all-reduce is
+tried again, and so is one that hivemind reported done while part of the average never came back (it
+fills such parts with this peer's own values: `outer_averager`); a peer that finds another one ahead (it
+missed a round or restarted) loads Θ, momentum and epoch from the most advanced peer and drops its own
+round; a peer with no other peer done steps alone. Members of one all-reduce whose outer states differ
+(as when two peers stepped alone at one epoch) keep the least digest's: the others
+(``global_models_differ`` event) never step that epoch; they wait for a member that stepped to show up
+ahead and load its state, joining the epoch's all-reduce again only after a grace. A SIGKILLed peer
+loses its unfinished round; restarted, it resumes from its ``baseline.pt`` (Θ, momentum, AdamW state,
+epoch: `checkpoint` format with this mode's optimizer dict) or from a peer that is ahead.
 
 The books, events, checkpoint file and shutdown are `worker.BaselineWorker`'s, so the demo accounts both
 baselines alike: compute (forward, backward and AdamW of every inner step) is merged when its round is
@@ -38,15 +41,15 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from p2p_diloco.baseline.elastic import COMPRESSIONS
-from p2p_diloco.baseline.ledger import ALONE, allreduce_bytes
+from p2p_diloco.baseline.ledger import ALONE, AVERAGED, allreduce_bytes
 from p2p_diloco.baseline.outer_averager import EXACT_DTYPE, OuterAverager, RoundTracker
 from p2p_diloco.baseline.rounds import (
     Decision,
+    Settle,
     decide_round,
-    holds_canonical_model,
     outer_gradients,
     outer_step,
-    round_outcome,
+    settle_round,
 )
 from p2p_diloco.baseline.worker import BaselineOptions, BaselineWorker, parameter_digest, tensors_digest
 from p2p_diloco.model.data import load_corpus, make_sampler
@@ -234,6 +237,7 @@ class DilocoWorker(BaselineWorker):
         local = outer_gradients(list(self.global_model.parameters()), list(self.model.parameters()))
         digest = outer_state_digest(self.global_model, self.momentum)
         outcome, grads, group, attempts, stepped = None, local, 1, 0, 0.0
+        lost_at: float | None = None  # when this round's all-reduce showed this state is not canonical
         try:
             while outcome is None and not self.stop.is_set():
                 view = decide_round(
@@ -246,6 +250,7 @@ class DilocoWorker(BaselineWorker):
                     waited=time.perf_counter() - began,
                     wait_limit=self.settings.wait_limit,
                     expected_peers=self.settings.group_size,
+                    lost_for=None if lost_at is None else time.perf_counter() - lost_at,
                 )
                 if view.decision == Decision.WAIT:
                     self.stop.wait(0.1)
@@ -260,23 +265,19 @@ class DilocoWorker(BaselineWorker):
                     result = self.averager.average(
                         local, epoch=self.epoch, digest=digest, timeout=elastic.averaging_timeout
                     )
-                    if isinstance(result, str):
-                        self.event("round_failed", epoch=self.epoch, attempt=attempts, reason=result[:300])
-                        continue
-                    gathered, averaged = result
-                    outcome = round_outcome(self.epoch, gathered)
-                    if outcome is None:
-                        self.event(
-                            "round_failed", epoch=self.epoch, attempt=attempts, reason=f"gathered {gathered}"
-                        )
-                        continue
-                    grads, group = averaged, len(gathered)
-                    if not holds_canonical_model(digest, gathered):
+                    gathered, averaged = (None, None) if isinstance(result, str) else result
+                    settle = settle_round(self.epoch, digest, gathered, lost=lost_at is not None)
+                    if settle == Settle.RETRY:
+                        reason = result if isinstance(result, str) else f"gathered {gathered}"
+                        self.event("round_failed", epoch=self.epoch, attempt=attempts, reason=reason[:300])
+                    elif settle == Settle.RELOAD:  # another member's state is the round's (rounds, rule 3)
                         self.event(
                             "global_models_differ", epoch=self.epoch, gathered=gathered, action="reload"
                         )
+                        lost_at = time.perf_counter()  # wait a grace for a member that stepped
                         self._next_reload = time.monotonic()
-                        return  # the round's work stays pending: the reload from a peer that stepped drops it
+                    else:
+                        outcome, grads, group = AVERAGED, averaged, len(gathered)
             if outcome is None:
                 return  # stopped while waiting: the round's work stays pending (never merged)
             local_digest = self._alone_digest(names, local) if group > 1 else None

@@ -11,7 +11,10 @@ are the outer gradients, global − local), without its subclass of `hivemind.Op
   the same average and, cast to float32, the same global model, bit for bit. Before each round its
   group key bits are set to the round's epoch (`rounds.epoch_group_bits`), so peers of different epochs
   never meet; each member gathers ``{"epoch", "digest"}`` (its Θ and outer momentum; checked by
-  `rounds.round_outcome` and `rounds.holds_canonical_model`). It also
+  `rounds.settle_round`). A member to which a reducer did not send its part of the average back
+  (hivemind then keeps this member's own values for that part, logs "Averaging: received N% results"
+  and reports success) fails the round instead (`rounds.partial_average`): applied, such an average
+  leaves it on another global model than the members that got every part. It also
   serves this peer's global state (Θ, outer momentum, epoch, from the `state` callable, called on
   hivemind's state thread) to peers that call `load`, which downloads from the peer with the highest
   epoch (`state_sharing_priority`).
@@ -28,10 +31,11 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from torch import Tensor
 
-from p2p_diloco.baseline.rounds import PeerProgress, epoch_group_bits
+from p2p_diloco.baseline.rounds import PeerProgress, epoch_group_bits, partial_average
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,18 @@ class OuterAverager(DecentralizedAverager):
     def get_current_state(self) -> tuple[dict[str, Any], list[Tensor], None]:
         metadata, tensors = self._state()
         return metadata, tensors, None
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        """hivemind's all-reduce (in the averager's process), failed if a part of the average never came
+        back (module docstring): hivemind's runner counts such values in its `failed_size`."""
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        runner = self._running_groups[group_info.group_id if group_id is None else group_id].result()
+        parts = runner.tensor_part_container
+        reason = partial_average(parts.failed_size, parts.total_size)
+        if reason is not None:
+            raise AllreduceException(reason)
 
     def average(
         self, grads: Sequence[Tensor], *, epoch: int, digest: str, timeout: float

@@ -14,15 +14,34 @@ Owns what `diloco.DilocoWorker` decides without touching the network, so it can 
   that is ahead; a dead one's record expires), goes to the all-reduce with the peers that are done,
   reloads the state of a peer that is ahead, or steps alone when no other peer is done (the others
   then find it ahead and load its state);
-* `round_outcome`: what a finished all-reduce means for the ledger (`ledger.AVERAGED` or `ledger.ALONE`;
-  a failed one is retried and decided again, never applied alone while peers are at the same epoch,
-  because a peer that applied its own outer gradient would differ from the others for good);
-* `holds_canonical_model`: after an all-reduce whose members gathered different digests of their outer
-  states (as when two peers each stepped alone at one epoch, neither seeing the other's record), which
-  of them keeps its model: those with the least digest step; the others drop the round and load the
-  state of one that stepped (it is then ahead), so diverged replicas meet again instead of averaging on
-  different models for good;
+* `settle_round`: what a member does once an all-reduce returned (`Settle`): step with the averaged
+  outer gradient, decide the round again (it failed: no group, a member of another epoch, or a partial
+  average, `partial_average`), or drop it and load the state of a member that stepped (the members
+  gathered different digests of their outer states and this one's is not the least);
+* `partial_average`: hivemind's all-reduce fills the parts of the average that a reducer never sent back
+  with the member's own values and still reports success; such a member must not step (module rule 1);
 * `epoch_group_bits`: the averager's group key bits for an epoch, so only peers of one epoch meet.
+
+Why replicas converge (the rules the functions above implement; `diloco` applies them):
+
+1. A member steps with an averaged outer gradient only if its all-reduce was complete (every part of
+   the average came back from its reducer) and every member was at its epoch. Every member gets a part's
+   average from the one reducer of that part, so all members with complete results hold the same average
+   (float64 sums of float32 values, `outer_averager`); a member with a partial result retries the round
+   (if the others stepped, it then finds them ahead: rule 4).
+2. A member steps only if its outer-state digest is the least its group gathered: all stepping members
+   of one all-reduce held one state and apply one average, so they hold one state afterwards.
+3. A member whose digest was not the least is *lost* for that epoch: it never steps an all-reduce of
+   the epoch again. It waits for a member that stepped to show up ahead and loads that member's state;
+   after a grace it joins the epoch's all-reduce again (to let a member whose own try failed step), but
+   only as a contributor. The holder of the least digest of an epoch is never lost, so the epoch ends.
+4. A member behind loads from the most advanced peer and never steps an epoch it was not at.
+
+So with two peers up, every round ends with both on one state, or one on a state the other holds after
+its reload; the only way in for a difference is a step alone (a peer that saw no other peer of its epoch
+done), and the next all-reduce the two share removes it (rules 2 and 3). With more peers, every
+all-reduce group leaves its stepping members on one state; groups that stepped the same epoch apart
+(a split matchmaking, steps alone) are joined by rules 2 and 3 the next time their members meet.
 """
 
 from __future__ import annotations
@@ -34,7 +53,6 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-from p2p_diloco.baseline.ledger import AVERAGED
 from p2p_diloco.protocol.outer_step import nesterov_step
 
 GROUP_BITS = 16  # epochs modulo 2**16 name the matchmaking key: rounds that far apart never overlap
@@ -104,6 +122,7 @@ def decide_round(
     waited: float,
     wait_limit: float,
     expected_peers: int = 1,
+    lost_for: float | None = None,
 ) -> RoundView:
     """What a peer at `epoch` that finished its H steps does next (module docstring).
 
@@ -111,7 +130,10 @@ def decide_round(
     reports its round done, or until it is `grace` seconds overdue (dead, most likely: a SIGKILLed peer's
     record stays until it expires). `waited`: seconds already spent waiting in this round, at most
     `wait_limit`. At epoch 0 the peer also waits (up to `wait_limit`) for `expected_peers` peers to show
-    up, so a swarm starting together takes its first round together.
+    up, so a swarm starting together takes its first round together. `lost_for`: seconds since this
+    peer found its outer state not canonical at `epoch` (`settle_round`), None if it did not: it waits
+    `grace` seconds for a member that stepped to show up ahead before it joins the epoch's all-reduce
+    again (module rule 3).
     """
     others = [p for p in peers if p.peer_id != me]
     ahead = sum(p.epoch > epoch for p in others)
@@ -122,6 +144,8 @@ def decide_round(
     missing = epoch == 0 and len(same) + 1 < expected_peers
     if ahead:
         decision = Decision.RELOAD
+    elif lost_for is not None and lost_for < grace:
+        decision = Decision.WAIT
     elif (late or behind or missing) and waited < wait_limit:
         decision = Decision.WAIT
     elif done:
@@ -133,21 +157,37 @@ def decide_round(
     )
 
 
-def round_outcome(epoch: int, gathered: Sequence[object] | None) -> str | None:
-    """`AVERAGED` if the all-reduce ran with at least one other peer, all of them at `epoch` (the values
-    they gathered); None if it failed (no group, an error, or a member of another epoch)."""
+class Settle(StrEnum):
+    STEP = "step"  # apply the averaged outer gradient: this member's outer state is the round's
+    RETRY = "retry"  # the all-reduce failed: decide the round again
+    RELOAD = "reload"  # another member's state is the round's: drop the round, load one that stepped
+
+
+def partial_average(failed: int, total: int) -> str | None:
+    """Why an all-reduce whose reducers left `failed` of `total` values unsent (hivemind filled them with
+    this member's own values) must not be applied; None if every value came back."""
+    if total <= 0 or failed < 0 or failed > total:
+        return f"partial average: {failed} of {total} values unaccounted for"
+    if failed == 0:
+        return None
+    return f"partial average: received {100.0 * (1 - failed / total):.1f}% of the averaged values"
+
+
+def settle_round(epoch: int, digest: str, gathered: Sequence[object] | None, *, lost: bool = False) -> Settle:
+    """What a member at `epoch` whose outer state has `digest` does with a finished all-reduce (module
+    rules 1-3). `gathered`: what every member gathered (None: the all-reduce failed or was partial).
+
+    RETRY unless at least two members, all at `epoch`; then STEP if `digest` is the least digest gathered
+    (the same answer on every member, since all gather the same values), else RELOAD. `lost`: this
+    member already found its state not canonical at this epoch: it never steps (RELOAD)."""
     if gathered is None or len(gathered) < 2:
-        return None
+        return Settle.RETRY
     if any(not isinstance(g, dict) or g.get("epoch") != epoch for g in gathered):
-        return None
-    return AVERAGED
-
-
-def holds_canonical_model(digest: str, gathered: Sequence[object]) -> bool:
-    """Whether this member's global model (`digest`) is the one every member of the round keeps: the
-    least digest gathered. The same answer on every member, since all gather the same values."""
-    digests = [g.get("digest") for g in gathered if isinstance(g, dict) and isinstance(g.get("digest"), str)]
-    return not digests or digest <= min(digests)
+        return Settle.RETRY
+    if lost:
+        return Settle.RELOAD
+    digests = [g["digest"] for g in gathered if isinstance(g.get("digest"), str)]
+    return Settle.STEP if not digests or digest <= min(digests) else Settle.RELOAD
 
 
 def epoch_group_bits(epoch: int) -> str:

@@ -3,28 +3,48 @@
 Both train a tiny model for H = 4 inner steps per round and all-reduce their outer gradients through
 hivemind. They start from epoch-0 checkpoints whose global models differ in one weight (as after two
 peers each stepped alone at one epoch): in the first round the one whose outer state has the greater
-digest drops the round and loads the other's state before it steps. Checked then: every round was
-averaged in a group of two and both peers stepped to the same global model, which differs from what
-either would have reached with its own outer gradient alone (so the all-reduce really averaged); one worker is SIGKILLed (its whole process group) and restarted with the
-same identity and state dir, finds the other ahead, loads its state and averages with it again; both
-exit 0 on SIGTERM, and the accounting over both logs is consistent. Every wait has a deadline.
+digest drops the round and loads the other's state before it steps. The test waits (with a deadline)
+until both averaged `AGREED` rounds past the last heal (the last ``reloaded`` or ``global_models_differ``
+event: `tests.support.baseline_workers.rounds_after_heal`) and checks that every round both averaged
+past it was a group of two, with one global model, which differs from what either would have reached
+with its own outer gradient alone (so the all-reduce really averaged); and that, both being up, the
+seeded difference was the only one (no other heal, no step alone). Then one worker is SIGKILLed (its
+whole process group) and restarted with the same identity and state dir, finds the other ahead, loads
+its state and averages with it again: waited for and checked alike. Both exit 0 on SIGTERM, and the
+accounting over both logs is consistent. A second test makes a reducer of one all-reduce fail and
+checks that the member that got only part of its average back does not take it for a result (a worker
+stepped on such a partial average in CI, after which the global models differed).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from p2p_diloco.baseline.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from p2p_diloco.baseline.diloco import outer_state_digest
+from p2p_diloco.baseline.outer_averager import EXACT_DTYPE, OuterAverager
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model import build_model
 from p2p_diloco.model.gpt import make_inner_optimizer
 from p2p_diloco.node.state import read_events
-from tests.support.baseline_workers import accounting, prepare_workers, stop_workers, worker_args
+from tests.support.baseline_workers import (
+    HEAL_EVENTS,
+    accounting,
+    agreed_rounds,
+    model_moves,
+    prepare_workers,
+    round_disagreements,
+    stop_workers,
+    worker_args,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,22 +63,15 @@ block_size = 32
 """
 START_TIMEOUT = 90.0  # imports, DHT, averager and tracker on a loaded 2-core machine
 STOP_TIMEOUT = 30.0
+AGREED = 3  # rounds both workers averaged past the last heal before the checks
 
 
-def rounds(state: Path, after: float = 0.0) -> dict[int, dict]:
-    """Averaged global steps by epoch."""
-    return {
-        e["epoch"]: e
-        for e in read_events(state)
-        if e.get("event") == "global_step" and e["outcome"] == "averaged" and e["t"] > after
-    }
+def logs_of(dirs: dict[str, Path]) -> dict[str, list[dict]]:
+    return {name: read_events(state) for name, state in dirs.items()}
 
 
-def model_moves(state: Path) -> list[dict]:
-    """The events that change (or refuse to change) a worker's global model, in order."""
-    return [
-        e for e in read_events(state) if e["event"] in ("global_models_differ", "reloaded", "global_step")
-    ]
+def last_epoch(events: list[dict]) -> int:
+    return max((e["epoch"] for e in events if e.get("event") == "global_step"), default=0)
 
 
 def diverged_checkpoints(manifest_path: Path, dirs: dict[str, Path]) -> str:
@@ -95,69 +108,56 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
     procs = {name: start(name) for name in dirs}
     for proc in procs.values():
         proc.wait_for_lines("diloco worker joined", timeout=START_TIMEOUT)
+    # the seeded difference heals (the reloader loads the other's state), then both average in step
     wait_for(
-        lambda: all(len(rounds(d)) >= 3 for d in dirs.values()),
-        START_TIMEOUT,
-        "both workers to average 3 rounds",
+        lambda: len(agreed_rounds(logs_of(dirs))) >= AGREED, START_TIMEOUT, f"{AGREED} rounds after the heal"
     )
-    first, second = rounds(dirs["w1"]), rounds(dirs["w2"])
-    for epoch in sorted(set(first) & set(second)):
-        a, b = first[epoch], second[epoch]
-        assert a["group_size"] == b["group_size"] == 2
-        assert a["digest"] == b["digest"], f"the global models differ after round {epoch}"
-        assert a["local_digest"] != b["local_digest"], "both peers computed the same outer gradient"
-        assert a["digest"] not in (a["local_digest"], b["local_digest"]), "the outer step did not average"
+    logs = logs_of(dirs)
+    assert not round_disagreements(logs), round_disagreements(logs)
 
     # the first round's members held different models: the one with the greater digest dropped the
-    # round and loaded the other's state before it stepped; the other stepped
-    for name, state in dirs.items():
-        moves = model_moves(state)
-        if name == reloader:  # (met again at epoch 0 if the other's first all-reduce failed: differ again)
-            differ = moves[0]
+    # round (it may meet the other at epoch 0 again if the other's try failed: the same answer) and
+    # loaded the other's state before it stepped; the other stepped. Nothing differed after that, since
+    # both stayed up (a difference comes in only through a step alone: `baseline.rounds`)
+    for name, events in logs.items():
+        moves = model_moves(events)
+        if name == reloader:
+            differ = [e for e in moves if e["event"] == "global_models_differ"]
             then = next(e for e in moves if e["event"] != "global_models_differ")
-            assert (differ["event"], differ["epoch"], differ["action"]) == (
-                "global_models_differ",
-                0,
-                "reload",
-            )
+            assert moves[0]["event"] == "global_models_differ" and moves[0]["action"] == "reload", moves[:3]
+            assert {e["epoch"] for e in differ} == {0}, f"{name} found the models differ again: {differ}"
             assert then["event"] == "reloaded" and then["epoch"] >= 1, moves[:3]
         else:
             assert moves[0]["event"] == "global_step" and moves[0]["outcome"] == "averaged", moves[:2]
-            assert not any(e["event"] == "global_models_differ" for e in moves), name
-
-    for name, state in dirs.items():
-        alone = [
-            e for e in read_events(state) if e.get("event") == "global_step" and e["outcome"] != "averaged"
-        ]
+            assert not any(e["event"] in HEAL_EVENTS for e in moves), name
+        alone = [e for e in events if e.get("event") == "global_step" and e["outcome"] != "averaged"]
         assert not alone, f"{name} stepped without the other while both were up: {alone[:3]}"
 
     # crash w2 like a machine would: the whole group, no clean shutdown
     procs["w2"].kill_group()
     killed_at = time.time()
-    epoch_at_kill = max(first)
+    epoch_at_kill = last_epoch(read_events(dirs["w2"]))
     time.sleep(2)  # w1 goes on alone meanwhile
     procs["w2"] = start("w2")
     procs["w2"].wait_for_lines("diloco worker joined", timeout=START_TIMEOUT)
     wait_for(
-        lambda: len(set(rounds(dirs["w1"], killed_at)) & set(rounds(dirs["w2"], killed_at))) >= 2,
+        lambda: len(agreed_rounds(logs_of(dirs), killed_at)) >= AGREED,
         START_TIMEOUT,
-        "both workers to average 2 rounds together after the restart",
+        f"{AGREED} rounds together after the restart and its last heal",
     )
-    starts = [e for e in read_events(dirs["w2"]) if e["event"] == "start"]
+    logs = logs_of(dirs)
+    assert not round_disagreements(logs, killed_at), round_disagreements(logs, killed_at)
+    starts = [e for e in logs["w2"] if e["event"] == "start"]
     assert len(starts) == 2
-    after1, after2 = rounds(dirs["w1"], killed_at), rounds(dirs["w2"], killed_at)
-    shared = sorted(set(after1) & set(after2))
-    assert shared[0] > epoch_at_kill, "the restarted worker began again from an old epoch"
-    for epoch in shared:
-        assert after1[epoch]["digest"] == after2[epoch]["digest"], f"global models differ at epoch {epoch}"
-    reloaded = [e for e in read_events(dirs["w2"]) if e["event"] == "reloaded" and e["t"] > killed_at]
-    for name, state in dirs.items():  # a member whose model differed from its round's reloads before it steps
-        moves = model_moves(state)
+    assert agreed_rounds(logs, killed_at)[0] > epoch_at_kill, (
+        "the restarted worker began again from an old epoch"
+    )
+    reloaded = [e for e in logs["w2"] if e["event"] == "reloaded" and e["t"] > killed_at]
+    for name, events in logs.items():  # a member whose model differed from its round's reloads first
+        moves = model_moves(events)
         for differ, after in zip(moves, moves[1:], strict=False):
             if differ["event"] == "global_models_differ":
-                assert after["event"] in ("reloaded", "global_models_differ"), (
-                    f"{name} after {differ}: {after}"
-                )
+                assert after["event"] in HEAL_EVENTS, f"{name} after {differ}: {after}"
     restored = starts[1]["restored_epoch"]
     assert reloaded or restored is not None, "neither the checkpoint nor a peer's state was loaded"
 
@@ -183,5 +183,55 @@ def test_two_diloco_workers_average_outer_gradients_and_survive_a_kill(
     print(
         f"measured: goodput {report['goodput']:.4f} compute {report['compute_fraction']:.4f} "
         f"blocked {report['blocked_fraction']:.3f} over {report['wall_seconds']:.1f} s, rounds "
-        f"w1 {max(rounds(dirs['w1']))} w2 {max(rounds(dirs['w2']))}"
+        f"w1 {last_epoch(logs['w1'])} w2 {last_epoch(logs['w2'])}"
     )
+
+
+def test_an_all_reduce_that_gets_only_part_of_its_average_back_fails(dht_peers):
+    """hivemind keeps a member's own values for a part of the average whose reducer never answered, and
+    reports success; `OuterAverager` fails such a round (a worker stepped on one in CI on 2026-11-28 and
+    its global model differed from the other's: `baseline.rounds`, rule 1). Two averagers in this
+    process; one answers every request for its part with an error."""
+    first = dht_peers()
+    second = dht_peers(initial_peers=first.visible_addresses())
+
+    async def unanswering(
+        self: OuterAverager, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+    # hivemind names handlers by class name: the broken class must be called OuterAverager too
+    broken_type = type("OuterAverager", (OuterAverager,), {"rpc_aggregate_part": unanswering})
+    shape = torch.Size([2, 65536])  # two of hivemind's parts (64 Ki float64 each): one per member reduces
+    settings = {
+        "prefix": "partial-average-test",
+        "target_group_size": 2,
+        "min_matchmaking_time": 1.0,
+        "request_timeout": 0.5,
+        "allreduce_timeout": 5.0,
+        "dtype": EXACT_DTYPE,
+        "state": lambda: ({}, []),
+    }
+    honest = OuterAverager([shape], first.dht, **settings)
+    broken = broken_type([shape], second.dht, **settings)
+    results: dict[str, object] = {}
+
+    def average(name: str, averager: OuterAverager, value: float) -> None:
+        results[name] = averager.average([torch.full(shape, value)], epoch=0, digest="d", timeout=10.0)
+
+    try:
+        threads = [
+            threading.Thread(target=average, args=("honest", honest, 1.0)),
+            threading.Thread(target=average, args=("broken", broken, 3.0)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30.0)
+        assert not any(thread.is_alive() for thread in threads), "an all-reduce did not return"
+    finally:
+        honest.shutdown()
+        broken.shutdown()
+    result = results["honest"]
+    assert isinstance(result, str) and "partial average: received 50.0%" in result, result
+    assert isinstance(results["broken"], str), "the broken member's all-reduce cannot have completed"

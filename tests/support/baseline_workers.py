@@ -48,3 +48,72 @@ def accounting(dirs: dict[str, Path]) -> tuple[dict[str, list[dict]], dict]:
     begin = min(e["t"] for log in logs.values() for e in log if e["event"] == "start")
     end = max(e["t"] for log in logs.values() for e in log if e["event"] == "stopped")
     return logs, summarize(logs, start=begin, end=end)
+
+
+# ---- synchronous DiLoCo (`baseline-worker --mode diloco`) event logs ------------------------------------
+
+HEAL_EVENTS = ("global_models_differ", "reloaded")
+
+
+def model_moves(events: list[dict]) -> list[dict]:
+    """The events that change (or refuse to change) a DiLoCo worker's global model, in order."""
+    return [e for e in events if e.get("event") in (*HEAL_EVENTS, "global_step")]
+
+
+def heal_epoch(logs: dict[str, list[dict]]) -> int:
+    """The last epoch a heal reached in any log: a ``reloaded`` event's epoch, or a
+    ``global_models_differ`` event's epoch + 1 (its canonical member steps there, and the member that
+    logged it loads that epoch or a later one); -1 if no worker healed."""
+    reached = [
+        e["epoch"] + (e["event"] == "global_models_differ")
+        for events in logs.values()
+        for e in events
+        if e.get("event") in HEAL_EVENTS
+    ]
+    return max(reached, default=-1)
+
+
+def rounds_after_heal(
+    logs: dict[str, list[dict]], after: float = float("-inf")
+) -> dict[int, dict[str, dict]]:
+    """Per epoch past `heal_epoch`: the averaged ``global_step`` event of every worker that logged one
+    for it (later than `after`), by worker name. A round of every worker is in it only once all of them
+    stepped it."""
+    heal = heal_epoch(logs)
+    by_epoch: dict[int, dict[str, dict]] = {}
+    for name, events in logs.items():
+        for e in events:
+            if (
+                e.get("event") == "global_step"
+                and e["outcome"] == "averaged"
+                and e["epoch"] > heal
+                and e["t"] > after
+            ):
+                by_epoch.setdefault(e["epoch"], {})[name] = e
+    return by_epoch
+
+
+def agreed_rounds(logs: dict[str, list[dict]], after: float = float("-inf")) -> list[int]:
+    """The epochs past the last heal that every worker averaged (`rounds_after_heal`), ascending."""
+    return sorted(e for e, steps in rounds_after_heal(logs, after).items() if len(steps) == len(logs))
+
+
+def round_disagreements(logs: dict[str, list[dict]], after: float = float("-inf")) -> list[str]:
+    """What is wrong with the rounds every worker averaged past the last heal: a group not of all of
+    them, global models that differ, outer gradients that are one, a step that did not average."""
+    wrong = []
+    by_epoch = rounds_after_heal(logs, after)
+    for epoch in agreed_rounds(logs, after):
+        steps = list(by_epoch[epoch].values())
+        sizes = {s["group_size"] for s in steps}
+        digests = {s["digest"] for s in steps}
+        local = {s["local_digest"] for s in steps}
+        if sizes != {len(logs)}:
+            wrong.append(f"epoch {epoch}: group sizes {sorted(sizes)}")
+        if len(digests) != 1:
+            wrong.append(f"epoch {epoch}: the global models differ ({sorted(digests)})")
+        if len(local) != len(steps):
+            wrong.append(f"epoch {epoch}: two workers computed one outer gradient")
+        if digests & local:
+            wrong.append(f"epoch {epoch}: the outer step did not average")
+    return wrong

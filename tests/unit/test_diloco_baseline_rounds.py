@@ -3,39 +3,47 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import pytest
 import torch
 
 from p2p_diloco.baseline.command import options_from_args
-from p2p_diloco.baseline.ledger import AVERAGED
 from p2p_diloco.baseline.rounds import (
     Decision,
     DilocoSettings,
     PeerProgress,
+    Settle,
     decide_round,
     epoch_group_bits,
-    holds_canonical_model,
     outer_gradients,
     outer_step,
     overdue,
-    round_outcome,
+    partial_average,
+    settle_round,
 )
 from p2p_diloco.cli import build_parser
 from p2p_diloco.demo import compared_systems
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.identity import write_identity
+from tests.support.baseline_workers import agreed_rounds, heal_epoch, model_moves, round_disagreements
 
 ME, A, B = b"me", b"peer-a", b"peer-b"
 T = 16 * 32  # samples per round: H = 16 steps of 32 sequences
 
 
 def decide(
-    epoch: int, peers: list[PeerProgress], *, now: float = 100.0, waited: float = 0.0, expected: int = 1
+    epoch: int,
+    peers: list[PeerProgress],
+    *,
+    now: float = 100.0,
+    waited: float = 0.0,
+    expected: int = 1,
+    lost_for: float | None = None,
 ):
     return decide_round(
         ME, epoch, peers, target_samples=T, now=now, grace=3.0, waited=waited, wait_limit=30.0,
-        expected_peers=expected,
+        expected_peers=expected, lost_for=lost_for,
     )  # fmt: skip
 
 
@@ -125,23 +133,108 @@ def test_the_first_round_waits_for_the_expected_peers_to_show_up():
     assert decide(1, [progress(A, 1, T)], expected=3).decision == Decision.AVERAGE  # later rounds do not
 
 
-def test_round_outcome_needs_two_members_of_the_same_epoch():
-    assert round_outcome(5, [{"epoch": 5}, {"epoch": 5, "digest": "x"}]) == AVERAGED
-    assert round_outcome(5, None) is None
-    assert round_outcome(5, [{"epoch": 5}]) is None
-    assert round_outcome(5, [{"epoch": 5}, {"epoch": 4}]) is None
-    assert round_outcome(5, [{"epoch": 5}, None]) is None
+def test_a_round_is_settled_only_by_two_members_of_its_epoch():
+    assert settle_round(5, "x", [{"epoch": 5, "digest": "x"}, {"epoch": 5, "digest": "x"}]) == Settle.STEP
+    assert settle_round(5, "x", None) == Settle.RETRY  # failed, or partial (`partial_average`)
+    assert settle_round(5, "x", [{"epoch": 5, "digest": "x"}]) == Settle.RETRY
+    assert settle_round(5, "x", [{"epoch": 5, "digest": "x"}, {"epoch": 4, "digest": "x"}]) == Settle.RETRY
+    assert settle_round(5, "x", [{"epoch": 5, "digest": "x"}, None]) == Settle.RETRY
 
 
-def test_members_with_different_models_keep_the_least_digest_and_the_others_reload():
+def test_members_with_different_outer_states_keep_the_least_digest_and_the_others_reload():
     gathered = [{"epoch": 5, "digest": "b7"}, {"epoch": 5, "digest": "a1"}, {"epoch": 5, "digest": "a1"}]
-    assert holds_canonical_model("a1", gathered)  # both holders of the least digest step
-    assert not holds_canonical_model("b7", gathered)  # the other drops the round and reloads
-    same = [{"epoch": 5, "digest": "c3"}, {"epoch": 5, "digest": "c3"}]
-    assert holds_canonical_model("c3", same)  # the usual round: one model, everyone steps
+    assert settle_round(5, "a1", gathered) == Settle.STEP  # both holders of the least digest step
+    assert settle_round(5, "b7", gathered) == Settle.RELOAD  # the other drops the round and reloads
     # a member that gathered no digest (an old peer) decides nothing for the others
-    assert holds_canonical_model("c3", [{"epoch": 5}, {"epoch": 5, "digest": "c3"}])
-    assert not holds_canonical_model("d4", [{"epoch": 5}, {"epoch": 5, "digest": "c3"}])
+    assert settle_round(5, "c3", [{"epoch": 5}, {"epoch": 5, "digest": "c3"}]) == Settle.STEP
+    assert settle_round(5, "d4", [{"epoch": 5}, {"epoch": 5, "digest": "c3"}]) == Settle.RELOAD
+
+
+def test_a_lost_member_never_steps_its_epoch_again_even_when_it_meets_only_its_own_state():
+    same = [{"epoch": 5, "digest": "b7"}, {"epoch": 5, "digest": "b7"}]
+    assert settle_round(5, "b7", same, lost=True) == Settle.RELOAD
+    assert settle_round(5, "b7", None, lost=True) == Settle.RETRY  # a failed try is a failed try
+
+
+def test_the_stepping_members_of_any_group_share_one_state_and_the_least_one_always_steps():
+    """Rules 2 and 3 over every group of 2-4 members with digests from {a, b, c} and any lost flags."""
+    for size in (2, 3, 4):
+        for digests in itertools.product("abc", repeat=size):
+            for lost in itertools.product((False, True), repeat=size):
+                gathered = [{"epoch": 7, "digest": d} for d in digests]
+                settled = [settle_round(7, d, gathered, lost=x) for d, x in zip(digests, lost, strict=True)]
+                stepped = {d for d, how in zip(digests, settled, strict=True) if how == Settle.STEP}
+                assert len(stepped) <= 1, (digests, lost, settled)
+                least = min(digests)
+                if any(d == least and not x for d, x in zip(digests, lost, strict=True)):
+                    assert stepped == {least}, (digests, lost, settled)
+
+
+def test_a_partial_average_is_refused_and_a_complete_one_accepted():
+    assert partial_average(0, 30176) is None
+    reason = partial_average(8180, 30176)  # the CI run of 2026-11-28: W1 got 72.9 % of its average
+    assert reason is not None and "72.9%" in reason
+    assert partial_average(30176, 30176) is not None
+    assert partial_average(0, 0) is not None and partial_average(-1, 10) is not None
+    assert partial_average(11, 10) is not None
+
+
+def test_a_lost_member_waits_a_grace_for_one_that_stepped_then_joins_the_epoch_again():
+    done = progress(A, 3, T)  # the record of the member that stepped, not yet refreshed
+    assert decide(3, [done]).decision == Decision.AVERAGE  # not lost: the usual round
+    assert decide(3, [done], lost_for=0.0).decision == Decision.WAIT
+    assert decide(3, [done], lost_for=2.9).decision == Decision.WAIT
+    assert decide(3, [progress(A, 4, 0)], lost_for=0.1).decision == Decision.RELOAD  # it stepped: load it
+    # past the grace: A may have failed its own try and retries this epoch; join it (as a contributor)
+    assert decide(3, [done], lost_for=3.0).decision == Decision.AVERAGE
+
+
+def test_the_ci_failure_of_2026_11_28_now_ends_in_a_reload_instead_of_a_step():
+    """w1 reloaded epoch 1 from w2, then its all-reduce of epoch 1 came back 72.9 % complete while w2's
+    was whole: w1 stepped on a part of its own gradient and the global models differed at epoch 2."""
+    assert partial_average(8180, 30176) is not None  # the averager fails w1's try: gathered None
+    assert settle_round(1, "cb33", None) == Settle.RETRY
+    assert decide(1, [progress(A, 2, 0)]).decision == Decision.RELOAD  # w2 stepped: w1 loads its epoch 2
+    # w2 got every part: it steps, as w1 would have had it been whole
+    both = [{"epoch": 1, "digest": "cb33"}, {"epoch": 1, "digest": "cb33"}]
+    assert settle_round(1, "cb33", both) == Settle.STEP
+
+
+def _step(epoch: int, digest: str, local: str) -> dict:
+    return {"event": "global_step", "t": float(epoch), "epoch": epoch, "outcome": "averaged", "group_size": 2,
+            "digest": digest, "local_digest": local}  # fmt: skip
+
+
+def test_the_integration_checks_see_the_rounds_past_the_last_heal_and_flag_a_difference():
+    """The event logs of the CI failure of 2026-11-28, shortened: w1 healed at epochs 0 and 2."""
+    w1 = [
+        {"event": "global_models_differ", "t": 0.5, "epoch": 0},
+        {"event": "reloaded", "t": 1.5, "epoch": 1},
+        _step(2, "e33e", "4e07"),  # the partial average: another model than w2's
+        {"event": "global_models_differ", "t": 2.5, "epoch": 2},
+        {"event": "reloaded", "t": 3.5, "epoch": 3},
+        _step(4, "0373", "38b3"),
+        _step(5, "8153", "5248"),
+    ]
+    w2 = [
+        _step(1, "cb33", "b2d8"),
+        _step(2, "801b", "6196"),
+        _step(3, "e2e7", "cdf0"),
+        _step(4, "0373", "42c5"),
+    ]
+    w2.append(_step(5, "8153", "e10f"))
+    logs = {"w1": w1, "w2": w2}
+    assert heal_epoch(logs) == 3 and agreed_rounds(logs) == [4, 5] and not round_disagreements(logs)
+    assert agreed_rounds(logs, after=4.5) == [5]
+    unhealed = {"w1": w1[:3] + w1[5:], "w2": w2}  # had w1 not found the difference at epoch 2
+    assert heal_epoch(unhealed) == 1 and agreed_rounds(unhealed) == [2, 4, 5]
+    assert round_disagreements(unhealed) == ["epoch 2: the global models differ (['801b', 'e33e'])"]
+    alone = {"w1": [_step(1, "aa", "aa")], "w2": [{**_step(1, "aa", "bb"), "group_size": 1}]}
+    assert round_disagreements(alone) == [
+        "epoch 1: group sizes [1, 2]",
+        "epoch 1: the outer step did not average",
+    ]
+    assert model_moves(w1) == w1 and heal_epoch({"w2": w2}) == -1
 
 
 def test_group_bits_separate_consecutive_epochs():
