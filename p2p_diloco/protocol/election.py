@@ -88,6 +88,7 @@ class ElectionTag(StrEnum):
     PARTIAL_READ = "partial read"  # wait: my read may miss a candidate (I just started, or one vanished)
     INCOMPLETE_READ = "incomplete read"  # wait: my read lacks a record still stored (`claim_guard`)
     UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
+    STOPPING = "stopping"  # wait: this peer is shutting down and never claims again
 
 
 LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves

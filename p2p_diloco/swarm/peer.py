@@ -117,6 +117,7 @@ class Peer:
             self.seats.append(Seat(shard, fragments, membership, role, handover, watch))
         self.handover, self.role, self.watch = self.seats[0].handover, self.seats[0].role, self.seats[0].watch
         self._electing = False  # an election round's DHT read is in flight
+        self.stopping = False  # set by `Stopping`: from then on this peer never claims a lease
 
     # ---- the entry point ---------------------------------------------------------------------------
 
@@ -249,6 +250,10 @@ class Peer:
         """Run `shard`'s election on `view`. Versions that trusted tips of live peers show count as
         verified, so a peer that missed updates knows it lags; a holder catches such fragments up before
         merging."""
+        if self.stopping:  # an election read in flight at SIGTERM returns after it: it decides nothing
+            return ElectionDecision(
+                election.WAIT, election.ElectionTag.STOPPING, "stopping: never claims again"
+            )
         seat = self.seats[shard]
         role, handover, membership = seat.role, seat.handover, seat.membership
         sync = role.sync
@@ -313,6 +318,7 @@ class Peer:
         flushes their pushes before the transport closes), then releases its lease. Deltas of rounds
         below quorum go back to their learners when the next holder is known."""
         self.may_sync = False
+        self.stopping = True
         released = False
         for seat in self.seats:
             if seat.sync is not None:

@@ -69,3 +69,18 @@ def test_every_rule_can_fail():
     result = simulate(0, Scenario(nodes=4, fault_window=20.0, faults=0, settle=1.0, quiet=0.5))
     assert result.violation is not None
     assert result.violation.rule in {Rule.REPLICAS_IDENTICAL, Rule.DELTAS_SETTLED, Rule.EVERYONE_REJOINED}
+
+
+def test_a_peer_stopping_while_its_election_read_is_in_flight_never_claims_and_exits():
+    """Regression (the wan test's learner that claimed a second after SIGTERM): with slow DHT reads
+    (2.5 s), node-2's read that would win term 1 is in flight when SIGTERM arrives at 10.5 s; before the
+    fix it came back at 12.6 s and node-2 claimed while stopping (rule no_claim_while_stopping)."""
+    faults = [Fault(Kind.DHT_SLOW, 0.0, j, length=20.0, amount=2.5) for j in range(3)]
+    faults.append(Fault(Kind.TERM, 10.5, 2, length=3.0))
+    result = simulate(
+        1, Scenario(nodes=3, fault_window=20.0, faults=0, settle=15.0, quiet=30.0), faults=faults
+    )
+    assert_held(result)
+    lines = result.trace_text.splitlines()
+    assert any("node-2 sigterm" in line for line in lines) and any("node-2 exited" in line for line in lines)
+    assert not any("node-2 claim" in line and float(line.split()[0]) < 14.0 for line in lines)

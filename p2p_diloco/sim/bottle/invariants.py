@@ -18,7 +18,9 @@ from p2p_diloco.swarm import effects as fx
 
 
 class Rule(StrEnum):
-    ONE_HOLDER_PER_TERM = "one_holder_per_term"  # no shard term held by two peers past the lease margin
+    # no shard term held by two peers that can reach each other for longer than one heartbeat period (the
+    # read that shows both leases) plus the lease margin
+    ONE_HOLDER_PER_TERM = "one_holder_per_term"
     FENCING_MONOTONE = "fencing_monotone"  # a peer's highest term seen (per shard) never goes back
     APPLIED_ONCE = "applied_once"  # no update applied twice to one replica
     VERSIONS_MONOTONE = "versions_monotone"  # no fragment's version goes back on a running replica
@@ -140,10 +142,13 @@ class Invariants:
             for seat in node.peer.seats:
                 if seat.sync is not None:
                     holders.setdefault((seat.shard, seat.sync.term), []).append(node.peer_id)
-        margin = self.manifest.timing.lease_margin
-        for key, who in holders.items():
-            if len(who) < 2:
-                self.shared_terms.pop(key, None)
+        timing = self.manifest.timing
+        margin = timing.heartbeat_period + timing.lease_margin  # one read finds the tie, then the margin
+        for key, who in list(holders.items()):
+            # holders cut apart by a partition cannot see each other's leases (availability first); the
+            # clock starts once two of them can
+            if not any(self.world.reachable(a, b) for i, a in enumerate(who) for b in who[i + 1 :]):
+                del holders[key]
                 continue
             since = self.shared_terms.setdefault(key, now)
             if now - since > margin:
