@@ -26,11 +26,13 @@ DISK_SECONDS = 0.005  # one replica or state write
 
 @dataclass
 class DhtWeather:
-    """How one node's DHT calls fare now: extra latency, and the chance a call is lost (times out)."""
+    """How one node's DHT calls fare now: extra latency, the chance a call is lost (times out), and
+    whether its reads return only its own records (a starved process whose lookups to others time out)."""
 
     latency: float = 0.02
     extra: float = 0.0
     drop: float = 0.0
+    starved_reads: bool = False
 
 
 @dataclass

@@ -22,6 +22,7 @@ class Kind(StrEnum):
     FREEZE = "freeze"  # SIGSTOP for `length` s, then SIGCONT: a frozen node's timers fire late
     DHT_SLOW = "dht_slow"  # the node's DHT calls take `amount` s more for `length` s
     DHT_DROP = "dht_drop"  # the node's DHT calls are lost (time out) with probability `amount`
+    STARVED_READS = "starved_reads"  # the node's DHT reads return only its own records for `length` s
     STARVE = "starve"  # the node's owner thread wakes up to `amount` s late (a peer starved of CPU)
     PARTITION = "partition"  # the nodes split in two groups (links and DHT) for `length` s, then heal
     NEWCOMER = "newcomer"  # the node first starts at `at` (not at 0)
@@ -79,6 +80,8 @@ def _draw(rng: random.Random, kind: Kind, node: int, at: float) -> Fault:
             )
         case Kind.TERM:
             return Fault(kind, at, node, round(rng.uniform(0.5, 30.0), 3))
+        case Kind.STARVED_READS:
+            return Fault(kind, at, node, round(rng.uniform(3.0, 20.0), 3))
         case Kind.FREEZE:  # shorter and longer than a lease (6 s): zombies
             return Fault(kind, at, node, round(rng.uniform(1.0, 20.0), 3))
         case Kind.DHT_SLOW:
@@ -128,6 +131,9 @@ def _begin(fault: Fault, world: World, nodes: Sequence[SimNode], by_index: Calla
         case Kind.DHT_DROP:
             node.dht.drop = fault.amount
             world.later(fault.length, lambda: setattr(node.dht, "drop", 0.0))
+        case Kind.STARVED_READS:
+            node.dht.starved_reads = True
+            world.later(fault.length, lambda: setattr(node.dht, "starved_reads", False))
         case Kind.STARVE:
             node.starve(fault.amount)
             world.later(fault.length, lambda: node.starve(0.0))

@@ -42,6 +42,7 @@ from p2p_diloco.sim.bottle.transport import SimTransport
 from p2p_diloco.sim.bottle.world import World
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.swarm.memory import StarvedReads
 from p2p_diloco.swarm.peer import Peer
 from p2p_diloco.wire.signing import InMemoryKeys
 
@@ -194,7 +195,9 @@ class SimNode:
         events = PeerEventLog(self.event, self.ledger, verbose=False, clock=self.clock)
         return SimDriver(
             peer,
-            kv=self.world.dht_view(self.peer_id),
+            kv=StarvedReads(
+                self.world.dht_view(self.peer_id), self.peer_id, lambda now: self.dht.starved_reads
+            ),
             transport=transport,
             clock=self.clock,
             learner=self.learner,

@@ -203,6 +203,7 @@ class Simulation:
         for node in self.nodes:
             node.thaw()
             node.dht.extra = node.dht.drop = 0.0
+            node.dht.starved_reads = False
             node.starve(0.0)
             if node.phase in (Phase.DOWN, Phase.EXITED):
                 node.start()
