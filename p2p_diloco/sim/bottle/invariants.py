@@ -86,6 +86,7 @@ class Invariants:
                     fragment=record.fragment,
                     version=record.to_version,
                     term=record.term,
+                    contributors=[f"{who}:{seq}" for (who, _), seq in zip(record.contributors, record.seqs)],
                 )
                 self._merged_once(record)
             case fx.Applied():
