@@ -3,7 +3,7 @@
 `FakeClock` and `EventLoop` give a deterministic discrete-event world; `InMemoryKeyValueStore` keeps
 hivemind's rule (per key/subkey the later expiration wins, first writer on a tie);
 `PartitionedKeyValueStore` is a store that can be split like a DHT cut in two (one replica per peer,
-merged by the same rule on heal); `StarvedReads` lets a peer read only its own records for a while;
+merged by the same rule on heal, or regrouped as DHT islands meet); `StarvedReads` lets a peer read only its own records for a while;
 `SimNetwork` routes frames between `InMemoryTransport`s with per-link
 delays (fixed, or each peer's bandwidth and latency from a `swarm.links.LinkModel`) and fault rules, delivering them as events (fetches across a dropped link fail).
 """
@@ -117,6 +117,26 @@ class PartitionedKeyValueStore:
             _merge_into(replica, [merged])
             self._replicas[p] = replica
         self._groups = None
+
+    def regroup(self, groups: list[set[str]] | list[frozenset[str]]) -> None:
+        """Set the groups (as `split`); members of one new group that were apart merge their replicas by
+        hivemind's rule, as two DHT islands do once their nodes meet."""
+        groups = [frozenset(g) for g in groups]
+        if any(a & b for i, a in enumerate(groups) for b in groups[i + 1 :]):
+            raise ValueError(f"groups overlap: {groups}")
+        for group in groups:
+            members = [p for p in sorted(group) if p in self._replicas]
+            if len({self._group_of(p) for p in members} if self._groups is not None else {0}) > 1:
+                merged = InMemoryKeyValueStore()
+                _merge_into(merged, [self._replicas[p] for p in members])
+                for p in members:
+                    self._replicas[p] = InMemoryKeyValueStore()
+                    _merge_into(self._replicas[p], [merged])
+        self._groups = groups
+
+    def forget(self, peer_id: str) -> None:
+        """Drop `peer_id`'s replica: its DHT process is gone, and a new one starts empty."""
+        self._replicas.pop(peer_id, None)
 
     def reachable(self, a: str, b: str) -> bool:
         if self._groups is None:

@@ -112,3 +112,25 @@ def test_reads_that_return_only_a_peers_own_records_never_make_two_holders():
     result = simulate(3, scenario)
     assert_held(result)
     assert any(f.kind == Kind.STARVED_READS for f in result.faults)
+
+
+@pytest.mark.parametrize("amnesia", [False, True], ids=["remembers", "amnesia"])
+def test_a_newcomer_through_a_restarted_bootstrap_joins_the_run_not_an_island(amnesia):
+    """The bootstrap node is down 30-60 s; a newcomer starting meanwhile cannot start (p2pd refuses: no
+    initial peer answers) and its supervisor retries; one starting the moment the bootstrap is back meets
+    the run through it: the bootstrap re-dials the peers it remembered, or (its memory lost) the peers'
+    re-dials reach it. The newcomer downloads the run's state instead of training from version 0."""
+    faults = [
+        Fault(Kind.BOOTSTRAP, 30.0, -1, length=30.0, amount=float(amnesia)),
+        Fault(Kind.NEWCOMER, 35.0, 3),
+    ]
+    faults.append(Fault(Kind.NEWCOMER, 60.5, 2))
+    scenario = Scenario(nodes=4, fault_window=90.0, faults=0, settle=30.0, quiet=35.0)
+    result = simulate(2, scenario, faults=faults)
+    assert_held(result)
+    lines = result.trace_text.splitlines()
+    assert any("node-3 dht_unreachable" in line for line in lines)  # it tried while the bootstrap was down
+    started = [line for line in lines if " start " in line and line.split()[1] in ("node-2", "node-3")]
+    assert len(started) == 2 and all('"versions": [0, 0, 0, 0]' in line for line in started)
+    assert "loaded: fragment" in result.trace_text  # the newcomers downloaded snapshots of the run
+    assert not any(" claim " in line and line.split()[1] in ("node-2", "node-3") for line in lines)

@@ -8,11 +8,12 @@ run heals whatever is left when its fault window closes, so a run always ends wi
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from p2p_diloco.sim.bottle.node import Phase, SimNode
+from p2p_diloco.sim.bottle.routing import BOOTSTRAP, Routing
 from p2p_diloco.sim.bottle.world import World
 
 
@@ -26,6 +27,7 @@ class Kind(StrEnum):
     STARVE = "starve"  # the node's owner thread wakes up to `amount` s late (a peer starved of CPU)
     PARTITION = "partition"  # the nodes split in two groups (links and DHT) for `length` s, then heal
     NEWCOMER = "newcomer"  # the node first starts at `at` (not at 0)
+    BOOTSTRAP = "bootstrap"  # the bootstrap node restarts for `length` s; `amount` 1: it lost its memory
 
 
 ALL_KINDS: tuple[Kind, ...] = tuple(Kind)
@@ -42,7 +44,7 @@ class Fault:
 
     def describe(self) -> str:
         extra = f" x{self.amount:.2f}" if self.amount else ""
-        side = f" {list(self.group)}" if self.group else f" node {self.node}"
+        side = f" {list(self.group)}" if self.group else (f" node {self.node}" if self.node >= 0 else "")
         return f"{self.kind}{side} at {self.at:.1f} s for {self.length:.1f} s{extra}"
 
 
@@ -82,6 +84,8 @@ def _draw(rng: random.Random, kind: Kind, node: int, at: float) -> Fault:
             return Fault(kind, at, node, round(rng.uniform(0.5, 30.0), 3))
         case Kind.STARVED_READS:
             return Fault(kind, at, node, round(rng.uniform(3.0, 20.0), 3))
+        case Kind.BOOTSTRAP:
+            return Fault(kind, at, -1, round(rng.uniform(2.0, 40.0), 3), amount=float(rng.random() < 0.5))
         case Kind.FREEZE:  # shorter and longer than a lease (6 s): zombies
             return Fault(kind, at, node, round(rng.uniform(1.0, 20.0), 3))
         case Kind.DHT_SLOW:
@@ -99,9 +103,9 @@ def _draw(rng: random.Random, kind: Kind, node: int, at: float) -> Fault:
     raise ValueError(f"no draw for {kind}")
 
 
-def apply(fault: Fault, world: World, nodes: Sequence[SimNode], by_index: Callable[[int], SimNode]) -> None:
+def apply(fault: Fault, world: World, nodes: Sequence[SimNode], routing: Routing) -> None:
     """Schedule `fault`'s start and end on the world's loop."""
-    world.loop.call_at(fault.at, lambda: _begin(fault, world, nodes, by_index))
+    world.loop.call_at(fault.at, lambda: _begin(fault, world, nodes, routing))
 
 
 def _restart(node: SimNode) -> None:
@@ -109,9 +113,9 @@ def _restart(node: SimNode) -> None:
         node.start()
 
 
-def _begin(fault: Fault, world: World, nodes: Sequence[SimNode], by_index: Callable[[int], SimNode]) -> None:
+def _begin(fault: Fault, world: World, nodes: Sequence[SimNode], routing: Routing) -> None:
     world.note("sim", "fault", fault=fault.describe())
-    node = by_index(fault.node) if fault.node >= 0 else None
+    node = nodes[fault.node] if fault.node >= 0 else None
     match fault.kind:
         case Kind.NEWCOMER:
             _restart(node)
@@ -131,6 +135,8 @@ def _begin(fault: Fault, world: World, nodes: Sequence[SimNode], by_index: Calla
         case Kind.DHT_DROP:
             node.dht.drop = fault.amount
             world.later(fault.length, lambda: setattr(node.dht, "drop", 0.0))
+        case Kind.BOOTSTRAP:
+            routing.restart_bootstrap(fault.length, amnesia=fault.amount > 0)
         case Kind.STARVED_READS:
             node.dht.starved_reads = True
             world.later(fault.length, lambda: setattr(node.dht, "starved_reads", False))
@@ -139,7 +145,7 @@ def _begin(fault: Fault, world: World, nodes: Sequence[SimNode], by_index: Calla
             world.later(fault.length, lambda: node.starve(0.0))
         case Kind.PARTITION:
             side = frozenset(nodes[i].peer_id for i in fault.group)
-            rest = frozenset(n.peer_id for n in nodes) - side
-            if world.dht.split_groups is None:
+            rest = (frozenset(n.peer_id for n in nodes) - side) | {BOOTSTRAP}
+            if world.cut is None:
                 world.split([side, rest])
                 world.later(fault.length, world.heal)

@@ -146,9 +146,9 @@ class Invariants:
         timing = self.manifest.timing
         margin = timing.heartbeat_period + timing.lease_margin  # one read finds the tie, then the margin
         for key, who in list(holders.items()):
-            # holders cut apart by a partition cannot see each other's leases (availability first); the
-            # clock starts once two of them can
-            if not any(self.world.reachable(a, b) for i, a in enumerate(who) for b in who[i + 1 :]):
+            # holders cut apart by a partition or on two DHT islands cannot see each other's leases
+            # (availability first); the clock starts once two of them can
+            if not any(self._see_each_other(a, b) for i, a in enumerate(who) for b in who[i + 1 :]):
                 del holders[key]
                 continue
             since = self.shared_terms.setdefault(key, now)
@@ -159,6 +159,9 @@ class Invariants:
                 )
         for key in [k for k in self.shared_terms if k not in holders or len(holders[k]) < 2]:
             del self.shared_terms[key]
+
+    def _see_each_other(self, a: str, b: str) -> bool:
+        return self.world.reachable(a, b) and self.world.dht.reachable(a, b)
 
     def _node_checks(self, node: SimNode, now: float) -> None:
         peer = node.peer

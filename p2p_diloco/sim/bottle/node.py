@@ -38,6 +38,7 @@ from p2p_diloco.node.state import PeerState, StateDir
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.sim.bottle.driver import DhtWeather, Freezer, SimDriver
+from p2p_diloco.sim.bottle.routing import BOOTSTRAP, Routing, address_of, peer_of
 from p2p_diloco.sim.bottle.transport import SimTransport
 from p2p_diloco.sim.bottle.world import World
 from p2p_diloco.swarm import effects as fx
@@ -49,6 +50,7 @@ from p2p_diloco.wire.signing import InMemoryKeys
 DHT_TIMEOUT = 5.0  # `NodeOptions.dht_timeout`'s default
 FETCH_TIMEOUT = 30.0  # `NodeOptions.fetch_timeout`'s default
 PERSIST_EVERY = 10.0  # seconds between replica saves (the real default is 30 s; a short run needs more)
+SUPERVISOR_RETRY = 10.0  # seconds before a supervisor starts a `join` again that could not start
 POLL_SECONDS = 0.05  # how often a stopping node looks whether the step it waits for is done
 # The most SIGTERM -> exit may take: `PeerNode.shutdown`'s bounded steps added up (role, save, I/O drain,
 # flush, teardown of transport and DHT).
@@ -102,8 +104,11 @@ Hooks = Callable[["SimNode", fx.Intent], None]
 class SimNode:
     """One node, across its incarnations (module docstring)."""
 
-    def __init__(self, world: World, spec: NodeSpec, shared: Shared, root: Path, on_intent: Hooks):
+    def __init__(
+        self, world: World, spec: NodeSpec, shared: Shared, root: Path, on_intent: Hooks, routing: Routing
+    ):
         self.world, self.spec, self.shared = world, spec, shared
+        self.routing = routing
         self.peer_id = spec.peer_id
         self.path = root / spec.peer_id
         self.clock = NodeClock(world, spec.clock_offset)
@@ -139,6 +144,10 @@ class SimNode:
         manifest, shared = self.shared.manifest, self.shared
         self.state = StateDir(self.path, manifest)
         saved = self.state.read_peer_state()
+        known = [peer_of(a) for a in saved.known_peers] if saved is not None else []
+        if not self.routing.join(self.peer_id, [BOOTSTRAP, *(p for p in known if p)]):  # `start_node_dht`
+            self._start_failed()
+            return
         replica = self.state.load_replica(shared.plan)
         restored = replica is not None
         replica = replica or GlobalReplica(shared.plan, shared.initial)
@@ -164,6 +173,16 @@ class SimNode:
             versions=list(replica.versions()),
         )
         self._catch_up(last_in_sync, incarnation)
+
+    def _start_failed(self) -> None:
+        """No initial peer answered: `join` exits (status 2) and its supervisor starts it again later."""
+        self.event("dht_unreachable")
+        self.state.close()
+        self.state = None
+        self.phase = Phase.EXITED
+        self.world.later(
+            SUPERVISOR_RETRY, lambda: self.start() if self.phase in (Phase.DOWN, Phase.EXITED) else None
+        )
 
     def _make_peer(self, replica: GlobalReplica, saved: PeerState | None) -> Peer:
         manifest, shared = self.shared.manifest, self.shared
@@ -262,6 +281,7 @@ class SimNode:
         learner = self.learner
         loss = learner.last_loss if learner.last_loss == learner.last_loss else 0.0
         fields = {"step_time": self.spec.step_time, "step": learner.step, "loss": loss}
+        fields["addresses"] = (address_of(self.peer_id),)  # what a restart of another peer dials
         self.driver.process(fx.Tick(fx.TickKind.SWARM, self.clock.now(), fields))
 
     def _sync_tick(self) -> None:
@@ -312,6 +332,7 @@ class SimNode:
         if self.driver is not None:
             self.driver.kill()
         self.world.frozen.discard(self.peer_id)
+        self.routing.leave(self.peer_id)
         self.freezer = Freezer()
         if self.ledger is not None:
             self.ledger.close()

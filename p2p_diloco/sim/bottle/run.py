@@ -26,6 +26,7 @@ from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.sim.bottle.faults import ALL_KINDS, Fault, Kind, apply, schedule
 from p2p_diloco.sim.bottle.invariants import Invariants, Violation
 from p2p_diloco.sim.bottle.node import NodeSpec, Phase, Shared, SimNode
+from p2p_diloco.sim.bottle.routing import Routing
 from p2p_diloco.sim.bottle.world import LinkSpec, World
 from p2p_diloco.wire.signing import InMemoryKeys
 
@@ -148,8 +149,12 @@ class Simulation:
         shared = _shared(self.manifest, seed, scenario.sync_poll)
         self.nodes: list[SimNode] = []
         self.invariants = Invariants(self.world, self.nodes, self.manifest)
+        self.routing = Routing(self.world)
+        self.world.network_listeners.append(self.routing.regroup)
         for spec in _specs(seed, scenario):
-            self.nodes.append(SimNode(self.world, spec, shared, root, self.invariants.on_intent))
+            self.nodes.append(
+                SimNode(self.world, spec, shared, root, self.invariants.on_intent, self.routing)
+            )
         window = (10.0, scenario.fault_window)
         drawn = (
             faults
@@ -181,7 +186,7 @@ class Simulation:
             if node.spec.index not in late:
                 self.world.loop.call_at(0.0, node.start)
         for fault in self.faults:
-            apply(fault, self.world, self.nodes, lambda i: self.nodes[i])
+            apply(fault, self.world, self.nodes, self.routing)
         window_end = self.scenario.fault_window
         if not self._until(window_end):
             return
@@ -200,6 +205,7 @@ class Simulation:
         (a stopping one once it exited)."""
         self.world.note("sim", "faults_over")
         self.world.heal()
+        self.routing.bring_back_bootstrap()
         for node in self.nodes:
             node.thaw()
             node.dht.extra = node.dht.drop = 0.0

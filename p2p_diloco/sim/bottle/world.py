@@ -2,8 +2,8 @@
 
 Everything random in a run draws from generators seeded here, in an order fixed by the event loop, so a
 seed replays the same run bit for bit. The DHT is `swarm.memory.PartitionedKeyValueStore` (hivemind's
-record rule: per key and subkey the later expiration wins, first writer on a tie; records expire), split
-and healed with the network. The trace is the run's event log: one line per fault, phase change and
+record rule: per key and subkey the later expiration wins, first writer on a tie; records expire), its
+groups set by who can find whom (`routing`) and by the network's cuts (a partition). The trace is the run's event log: one line per fault, phase change and
 protocol decision, in virtual-time order; two runs of one seed give byte-identical traces.
 """
 
@@ -62,7 +62,9 @@ class World:
         self.loop = EventLoop(self.clock)
         self.link = link or LinkSpec()
         self.rng = random.Random(f"world:{seed}")  # jitter and loss, drawn in event order
-        self.dht = PartitionedKeyValueStore()
+        self.dht = PartitionedKeyValueStore()  # grouped by `routing.Routing`: DHT islands
+        self.cut: list[frozenset[str]] | None = None  # a network partition's sides
+        self.network_listeners: list[Callable[[], None]] = []
         self.trace = Trace()
         self.handlers: dict[str, InboundHandlers] = {}  # nodes whose process is up, by peer ID
         self.frozen: set[str] = set()  # SIGSTOPped nodes: connections open, nothing answers
@@ -79,20 +81,33 @@ class World:
         """A generator of one node's own, independent of how often others draw."""
         return random.Random(f"{self.seed}:{peer_id}:{purpose}")
 
-    # ---- the DHT ------------------------------------------------------------------------------------
+    # ---- the DHT and the network's cuts --------------------------------------------------------------
 
     def dht_view(self, peer_id: str) -> PeerKeyValueView:
         return self.dht.view(peer_id)
 
     def split(self, groups: list[frozenset[str]]) -> None:
-        self.dht.split(groups)
+        """Cut the network: members of different `groups` cannot talk (members in none form one more)."""
+        self.cut = [frozenset(g) for g in groups]
+        self._network_changed()
 
     def heal(self) -> None:
-        if self.dht.split_groups is not None:
-            self.dht.heal()
+        if self.cut is not None:
+            self.cut = None
+            self._network_changed()
+
+    def _network_changed(self) -> None:
+        for listener in self.network_listeners:
+            listener()
 
     def reachable(self, a: str, b: str) -> bool:
-        return self.dht.reachable(a, b)
+        if self.cut is None:
+            return True
+        return self._side(a) == self._side(b)
+
+    def _side(self, peer: str) -> int:
+        assert self.cut is not None
+        return next((i for i, g in enumerate(self.cut) if peer in g), -1)
 
     # ---- the links ----------------------------------------------------------------------------------
 
