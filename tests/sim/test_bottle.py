@@ -138,3 +138,21 @@ def test_a_newcomer_through_a_restarted_bootstrap_joins_the_run_not_an_island(am
     assert len(started) == 2 and all('"versions": [0, 0, 0, 0]' in line for line in started)
     assert "loaded: fragment" in result.trace_text  # the newcomers downloaded snapshots of the run
     assert not any(" claim " in line and line.split()[1] in ("node-2", "node-3") for line in lines)
+
+
+def test_a_holder_stopping_releases_its_lease_exits_in_time_and_is_replaced():
+    """SIGTERM of the holder (node-0 holds term 1 from 5 s in seed 3): it merges what it can, releases its
+    lease, exits within the stop deadline (rule exits_in_time) and never claims again; the next holder claims
+    without waiting out a lease."""
+    result = simulate(3, SHORT, faults=[Fault(Kind.TERM, 15.0, 0, length=10.0)])
+    assert_held(result)
+    lines = result.trace_text.splitlines()
+    exited = next(line for line in lines if "node-0 exited" in line)
+    assert '"released_lease": true' in exited
+    claims = [(float(line.split()[0]), line.split()[1]) for line in lines if line.split()[2] == "claim"]
+    assert claims[0][1] == "node-0" and len(claims) >= 2
+    assert 15.0 <= claims[1][0] < 15.0 + SHORT_LEASE and claims[1][1] != "node-0"  # no lease waited out
+    assert not any(who == "node-0" and 15.0 <= t < 25.0 for t, who in claims)  # never while stopping
+
+
+SHORT_LEASE = 6.0  # the demo manifest's lease_ttl
