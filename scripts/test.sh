@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Runs the test suite: creates .venv if missing, installs with test extras, lints, runs pytest.
-#   scripts/test.sh            all tiers (unit, sim, integration, slow)
+#   scripts/test.sh            every tier but soak: unit, sim, slow, and the small real-process tier
+#                              (integration, wan) that proves the wiring (what CI runs)
 #   scripts/test.sh --fast     unit + sim tiers without the slow marker (under a minute)
-#   scripts/test.sh ARGS...    extra arguments go to pytest
+#   scripts/test.sh --soak     only the soak tier, on demand (about 30 min on 2 cores): the real-process
+#                              scenarios (failover, chaos, hostile peers, ...) that CI leaves to tests/sim
+#   scripts/test.sh ARGS...    extra arguments go to pytest (a later -m replaces the tier's)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/_venv.sh" test
@@ -25,10 +28,10 @@ cd "$ROOT"
 export PYTHONUNBUFFERED=1
 "$VENV/bin/ruff" check p2p_diloco tests scripts
 "$VENV/bin/ruff" format --check p2p_diloco tests scripts
-ARGS=()
-if [[ "${1:-}" == "--fast" ]]; then
-    shift
-    ARGS+=(-m "not slow and not integration")
-fi
+case "${1:-}" in
+    --fast) shift; ARGS=(-m "not slow and not integration and not soak") ;;
+    --soak) shift; ARGS=(-m "soak") ;;
+    *) ARGS=(-m "not soak") ;;
+esac
 # the slowest tests are listed at the end, so a run near its time budget shows where the time went
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${ARGS[@]}" "$@"

@@ -1,6 +1,7 @@
-"""`scripts/gpu_check.sh --cpu`: the GPU check's whole flow with --device cpu and tiny sizes, as CI runs it
-(not marked ``gpu``: it runs everywhere). With CUDA absent the CUDA tests skip with their reason, the
-figures are measured on the CPU, and the real run's two peers must end with agreeing replicas."""
+"""`scripts/gpu_check.sh --cpu`: the GPU check's whole flow with --device cpu and tiny sizes (not marked
+``gpu``: it runs everywhere; marked ``soak``: about 90 s, so `scripts/test.sh --soak` runs it, not CI's
+default run). With CUDA absent the CUDA tests skip with their reason, the figures are measured on the
+CPU, and the real run's two peers must end with agreeing replicas."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

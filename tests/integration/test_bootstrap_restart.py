@@ -32,7 +32,7 @@ from p2p_diloco.wire.keys import heartbeat_key
 from p2p_diloco.wire.records import decode_heartbeat
 from tests.support.manifests import tiny_swarm_toml
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 90.0

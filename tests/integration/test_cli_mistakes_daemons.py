@@ -13,7 +13,7 @@ import pytest
 from p2p_diloco.net.identity import write_identity
 from tests.integration.conftest import REPO_ROOT, python_cmd
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 WRONG_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a valid peer ID nobody uses
 
 

@@ -56,6 +56,7 @@ def test_a_sigkilled_peer_leaves_no_process_behind_and_restarts_on_its_state_dir
     assert second.wait(timeout=60) == 0, second.stderr_tail()
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_a_peer_whose_dht_process_died_stops_with_its_state_saved_so_a_restart_rejoins(
     spawn, cli, wait_for, tmp_path

@@ -165,6 +165,7 @@ def test_dashboard_page_in_headless_chromium_shows_peers_and_global_loss(run, tm
         )
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_dashboard_keeps_working_while_the_synchronizer_and_its_entry_peer_are_killed_and_restarted(run):
     for i in range(3):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DURATION = 70  # restarts take 20-40 s on a loaded 2-core machine; 4 learners keep one alive

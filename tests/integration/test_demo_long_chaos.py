@@ -16,7 +16,7 @@ import pytest
 
 from p2p_diloco.demo.newcomers import newcomer_lead
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -67,7 +67,7 @@ from p2p_diloco.protocol.fragments import plan_fragments
 from tests.support.manifests import tiny_swarm_toml
 from tests.support.rogue import Rogue
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 150.0  # two `join`s on a loaded 2-core machine: imports, DHT, first lease, first updates

@@ -15,7 +15,7 @@ from p2p_diloco.node.standby import READY
 from p2p_diloco.node.state import PEER_STATE_FILE, read_events
 from tests.support.processes import children_of, running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 90.0  # imports, DHT and p2pd start on a loaded 2-core machine

@@ -29,7 +29,7 @@ from p2p_diloco.node.state import read_events, read_peer_state
 from p2p_diloco.node.status import swarm_status
 from tests.support.manifests import tiny_swarm_toml
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 MANIFEST = tiny_swarm_toml("island-itest", timing={"rejoin_grace": 60.0})

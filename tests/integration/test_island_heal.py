@@ -30,7 +30,7 @@ from p2p_diloco.node.state import read_events, read_peer_state
 from p2p_diloco.protocol.reconcile import LOG_RECONCILED
 from tests.support.manifests import tiny_swarm_toml
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0

@@ -28,7 +28,7 @@ from p2p_diloco.net.transport import (
 from p2p_diloco.wire.keys import OP_DELTA, OP_FETCH_SNAPSHOT, OP_UPDATE
 from p2p_diloco.wire.replies import Reply, ReplyStatus, decode_reply
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 MANIFEST = "0123456789abcdef"
 MiB = 1 << 20

@@ -20,7 +20,13 @@ pytestmark = pytest.mark.integration
 RUN, MANIFEST = "restart-test", "0123456789abcdef"
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "stop_signal",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.soak),
+    ],
+)
 def test_bootstrap_prints_full_addresses_then_exits_0_on_signal(start_bootstrap, wait_for, stop_signal):
     node = start_bootstrap()
     assert node.peer_id.startswith("Qm")
@@ -38,6 +44,7 @@ def test_bootstrap_prints_full_addresses_then_exits_0_on_signal(start_bootstrap,
     assert "bootstrap stopped" in node.handle.stderr_tail()
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_a_bootstrap_whose_dht_process_died_exits_3_for_its_supervisor(start_bootstrap):
     node = start_bootstrap()
@@ -48,12 +55,14 @@ def test_a_bootstrap_whose_dht_process_died_exits_3_for_its_supervisor(start_boo
     assert "the DHT process died" in node.handle.stderr_tail()
 
 
+@pytest.mark.soak
 def test_bootstrap_rejects_a_bad_listen_address_with_exit_2(spawn, cli):
     handle = spawn(cli("bootstrap", "--listen", "/ip4/1.2.3/tcp/5"))
     assert handle.wait(timeout=30) == 2
     assert "invalid IPv4 address '1.2.3'" in handle.stderr_tail()
 
 
+@pytest.mark.soak
 def test_peer_keeps_its_id_across_restart_and_the_bootstrap_keeps_its_records(
     start_bootstrap, dht_peers, tmp_path
 ):

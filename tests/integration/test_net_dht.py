@@ -39,6 +39,7 @@ def test_two_peers_read_each_others_signed_records(swarm):
         assert seen[alice.peer_id].expiration == pytest.approx(now + 30)
 
 
+@pytest.mark.soak
 def test_a_later_record_replaces_the_owners_earlier_one(swarm):
     alice, bob, _ = swarm
     key = keys.lease_key(RUN, MANIFEST)
@@ -49,6 +50,7 @@ def test_a_later_record_replaces_the_owners_earlier_one(swarm):
     assert DhtKeyValueStore(bob).get(key, get_dht_time())[alice.peer_id].value == b"term 2"
 
 
+@pytest.mark.soak
 def test_a_third_peer_cannot_overwrite_another_peers_record(swarm):
     alice, bob, mallory = swarm
     key = keys.lease_key(RUN, "0123456789abcdef")
@@ -68,6 +70,7 @@ def test_a_third_peer_cannot_overwrite_another_peers_record(swarm):
         assert set(seen) == {alice.peer_id}
 
 
+@pytest.mark.soak
 def test_unsigned_subkeys_are_dropped_and_do_not_hide_signed_records(bootstrap_node, dht_peers):
     alice = dht_peers(initial_peers=bootstrap_node.addresses)
     # bob stores nothing itself; a short RPC timeout keeps the dead-alice lookup quick
@@ -85,6 +88,7 @@ def test_unsigned_subkeys_are_dropped_and_do_not_hide_signed_records(bootstrap_n
     assert reader.dropped[DROP_NO_OWNER] == 1
 
 
+@pytest.mark.soak
 def test_expired_records_are_not_returned_and_other_manifests_are_separate(swarm):
     alice, bob, _ = swarm
     key = keys.snapshot_key(RUN, MANIFEST)
@@ -96,6 +100,7 @@ def test_expired_records_are_not_returned_and_other_manifests_are_separate(swarm
     assert reader.get(keys.snapshot_key(RUN, OTHER_MANIFEST), get_dht_time()) == {}
 
 
+@pytest.mark.soak
 def test_peer_reports_its_visible_addresses(swarm):
     alice, _, _ = swarm
     addresses = alice.visible_addresses()
@@ -103,6 +108,7 @@ def test_peer_reports_its_visible_addresses(swarm):
     assert all(a.endswith(f"/p2p/{alice.peer_id}") for a in addresses)
 
 
+@pytest.mark.soak
 def test_records_of_the_largest_size_the_store_takes_never_kill_hiveminds_dht_process(swarm):
     """hivemind's DHT process dies on a call over 16384 pickled bytes when its reader sees the first of two
     writes (20 KB values killed it within 3 stores while another thread held the GIL). The store refuses

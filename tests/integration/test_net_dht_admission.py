@@ -10,7 +10,7 @@ from p2p_diloco.net.admission import DROP_EXCESS, DROP_NOT_ADMITTED, admission_f
 from p2p_diloco.net.dht_store import DhtKeyValueStore
 from p2p_diloco.wire import keys
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 
 def test_records_of_strangers_and_excess_peers_are_ignored_and_counted(dht_peers, wait_for):

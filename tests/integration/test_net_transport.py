@@ -92,12 +92,14 @@ def test_10_mib_delta_arrives_intact_with_the_sender_from_the_connection(pair, w
     assert client.counts.bytes_received > 0 and server.counts.served[OP_DELTA] >= 1
 
 
+@pytest.mark.soak
 def test_fetches_round_trip(pair):
     server, handlers, client = pair
     assert client.fetch_updates(server.peer_id, 2, 7) == [b"update 2:8", b"update 2:9", b"update 2:10"]
     assert client.fetch_snapshot(server.peer_id, 0) == handlers.snapshot
 
 
+@pytest.mark.soak
 def test_oversized_frame_is_rejected_with_a_reason_and_the_peer_keeps_serving(pair):
     server, handlers, client = pair
     before = len(handlers.deltas)
@@ -109,6 +111,7 @@ def test_oversized_frame_is_rejected_with_a_reason_and_the_peer_keeps_serving(pa
     assert str(client.send_and_wait(OP_DELTA, server.peer_id, b"small")) == "accepted"
 
 
+@pytest.mark.soak
 def test_a_raising_handler_answers_handler_error_and_the_peer_keeps_serving(pair):
     server, _, client = pair
     reason = str(client.send_and_wait(OP_UPDATE, server.peer_id, b"crash"))
@@ -117,6 +120,7 @@ def test_a_raising_handler_answers_handler_error_and_the_peer_keeps_serving(pair
     assert client.fetch_updates(server.peer_id, 0, 0)  # still serving
 
 
+@pytest.mark.soak
 def test_background_send_reports_the_reply_through_on_reply(pair):
     server, handlers, client = pair
     replies: list[Reply] = []
@@ -133,6 +137,7 @@ def test_background_send_reports_the_reply_through_on_reply(pair):
     assert handlers.deltas[-1][2] == len(b"background delta")
 
 
+@pytest.mark.soak
 def test_a_handler_may_answer_later_through_a_future_and_a_silent_one_is_answered_busy(pair):
     server, _, client = pair
     later = client.send_and_wait(OP_UPDATE, server.peer_id, b"later")
@@ -142,11 +147,13 @@ def test_a_handler_may_answer_later_through_a_future_and_a_silent_one_is_answere
     assert str(client.send_and_wait(OP_UPDATE, server.peer_id, b"update 1")) == "accepted"  # still serving
 
 
+@pytest.mark.soak
 def test_a_send_to_itself_is_delivered_locally(pair):
     _, _, client = pair
     assert str(client.send_and_wait(OP_DELTA, client.peer_id, b"to myself")) == "accepted"
 
 
+@pytest.mark.soak
 def test_unreachable_peer_raises_a_clear_error(module_dht_peers):
     lonely = module_dht_peers()
     with P2PTransport(lonely.dht, run_id=RUN, manifest_hash=MANIFEST, fetch_timeout=5) as transport:
@@ -157,6 +164,7 @@ def test_unreachable_peer_raises_a_clear_error(module_dht_peers):
         assert reason.startswith(("transport unreachable", "transport timeout")), reason
 
 
+@pytest.mark.soak
 def test_peers_off_the_allowlist_and_other_runs_are_refused(pair_peers):
     server_peer, client_peer = pair_peers
     private = dict(run_id="private-run", manifest_hash=MANIFEST, fetch_timeout=10)

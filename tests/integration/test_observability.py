@@ -20,7 +20,7 @@ from p2p_diloco.node.ledger import read_ledger, tokens_per_step
 from p2p_diloco.node.state import read_events, read_peer_state
 from tests.support.manifests import tiny_swarm_toml
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_MANIFEST = tiny_swarm_toml("obs-itest", timing={"term_rounds": None, "rejoin_grace": None})

@@ -25,7 +25,7 @@ from p2p_diloco.model.shards import index_digest
 from p2p_diloco.net.identity import write_identity
 from p2p_diloco.node.export import ExportError, load_global_replica
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0

@@ -24,7 +24,7 @@ from tests.support.real_swarm import (
     step_downs,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.soak]
 
 NAMES = ("p0", "p1", "p2", "p3", "p4", "p5")
 SHARDS = 4

@@ -28,7 +28,7 @@ from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import OP_DELTA, OP_UPDATE
 from tests.support.snapshots import fetch_fragment_state
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 MANIFEST = """
 run_id = "badinput"

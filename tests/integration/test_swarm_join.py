@@ -125,6 +125,7 @@ def test_three_peers_train_and_end_with_identical_replicas(swarm):
         assert not wrong, wrong
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     timing = swarm.manifest.timing
@@ -197,6 +198,7 @@ def test_failover_twice_rejoin_by_replay_and_late_snapshot_joiner(swarm):
     assert_no_update_applied_twice(swarm)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_crashed_holder_is_succeeded_at_once_and_a_frozen_one_is_fenced_out(swarm):
     """SIGKILL: the holder's named successor sees its connections refused and claims the next term

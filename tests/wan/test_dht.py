@@ -18,7 +18,7 @@ import pytest
 
 from p2p_diloco.wan import LinkSpec, PeerSpec, WanEmulator, nat_problem
 
-pytestmark = [pytest.mark.wan, pytest.mark.slow]
+pytestmark = [pytest.mark.wan, pytest.mark.slow, pytest.mark.soak]
 
 DHT_NODE = str(Path(__file__).resolve().parent / "dht_node.py")
 ONE_WAY_MS = 25.0

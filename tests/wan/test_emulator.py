@@ -15,7 +15,7 @@ from p2p_diloco.wan import LinkSpec, PeerSpec, nat_problem
 from p2p_diloco.wan.emulator import REGISTRY_DIR, list_namespaces, pid_alive
 from p2p_diloco.wan.probe import measure_rtt, measure_throughput
 
-pytestmark = [pytest.mark.wan, pytest.mark.slow]
+pytestmark = [pytest.mark.wan, pytest.mark.slow, pytest.mark.soak]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20
