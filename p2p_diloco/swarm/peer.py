@@ -222,6 +222,8 @@ class Peer:
         """A pushed update: `UpdateBook.accept`, then what its verdict asks for (the learner's in-flight
         deltas it merged, or the repair of a fragment it does not follow)."""
         verdict = yield from self.book.accept(frame, sender, UpdateSource.PUSHED, now)
+        if verdict.record is not None:
+            self.underway.witness(verdict.record)
         if verdict.reply.status == ReplyStatus.APPLIED and verdict.record is not None:
             self.outbox.on_merged(verdict.record)
             self.spreading.spread(verdict.record, hop=1, now=now, relayed=False)

@@ -268,6 +268,12 @@ class Repair:
                 continue
             downloaded = answer[0]
             snap = downloaded[0]
+            if self.book.tip(fragment) != mine:  # updates applied meanwhile: the decision is stale
+                self.journal.note(
+                    f"fragment {fragment} moved from {mine} to {self.book.tip(fragment)} while reconciling "
+                    f"toward {winner}: not replaced (anti-entropy decides again on fresh tips)"
+                )
+                return False
             got = BranchTip(winner.term, snap.version, snap.checksum)
             if snap.version < winner.version or (
                 snap.version == winner.version and not got.same_state(winner)

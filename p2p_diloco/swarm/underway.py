@@ -24,6 +24,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.decisions import reason_text
 from p2p_diloco.protocol.election import ElectionDecision
+from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.effects import StoreRecord
 from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.membership import SwarmView
@@ -57,19 +58,30 @@ class UnderwayGate:
     def ingest(self, stored: Mapping[str, StoredValue]) -> None:
         """Keep the best proof among those read (each checked; a bad one is counted, never believed)."""
         for _carrier, value in stored.items():
-            found = check_proof(
-                value.value,
-                run_id=self.manifest.run_id,
-                manifest_hash=self.manifest.manifest_hash,
-                check=self.check,
-                may_synchronize=self.manifest.may_synchronize,
-            )
-            if isinstance(found, str):
+            self._consider(value.value, count_bad=True)
+
+    def witness(self, record: UpdateRecord) -> None:
+        """An update record that reached this peer (pushed or relayed, applied or not) proves as much as
+        the key's proofs when its leader may synchronize and signed it: a fresh peer whose DHT reads find
+        nobody (starved, an island) still learns from the updates it is sent that the run is under way."""
+        if self.fresh and record.signature:
+            self._consider(encode_proof(record), count_bad=False)
+
+    def _consider(self, value: bytes, *, count_bad: bool) -> None:
+        found = check_proof(
+            value,
+            run_id=self.manifest.run_id,
+            manifest_hash=self.manifest.manifest_hash,
+            check=self.check,
+            may_synchronize=self.manifest.may_synchronize,
+        )
+        if isinstance(found, str):
+            if count_bad:
                 self.journal.rejections["bad underway proof"] += 1
-            elif self.best is None or found > self.best:
-                if self.best is None:
-                    self.journal.note(f"proof the run is under way: {found.describe()}")
-                self.best = found
+        elif self.best is None or found > self.best:
+            if self.best is None:
+                self.journal.note(f"proof the run is under way: {found.describe()}")
+            self.best = found
 
     def detail(self) -> str:
         assert self.best is not None
