@@ -270,12 +270,9 @@ def test_crashed_holder_is_succeeded_at_once_and_a_frozen_one_is_fenced_out(swar
     try:
         final = swarm.quiesce(3)
     except AssertionError as exc:
-        # Under heavy load (the full suite on 2 cores) the zombie's fork has ended at the same versions as
-        # the winner with another digest, unreconciled after 60 s (first seen under issue #15, which is
-        # resolved; no open issue owns it). Reported as xfail with the evidence; passes when run alone.
-        pytest.xfail(
-            f"known (since #15): replicas did not converge after the zombie thawed\n{str(exc)[:2000]}"
-        )
+        # Under heavy load the zombie's fork once ended at the winner's versions with another digest. No
+        # runtime xfail (#42): it holds or fails; the simulator's freeze seeds cover the same race.
+        pytest.fail(f"replicas did not converge after the zombie thawed\n{str(exc)[:2000]}")
     assert final["synchronizer"]["term"] > frozen_term
     stopped = swarm.live()
     swarm.stop_all()
