@@ -2,7 +2,7 @@
 # Runs the test suite: creates .venv if missing, installs with test extras, lints, runs pytest.
 #   scripts/test.sh            every tier but soak: unit, sim, slow, and the small real-process tier
 #                              (integration, wan) that proves the wiring (what CI runs)
-#   scripts/test.sh --fast     unit + sim tiers without the slow marker (under a minute)
+#   scripts/test.sh --fast     unit + sim tiers without the slow marker
 #   scripts/test.sh --soak     only the soak tier, on demand (about 30 min on 2 cores): the real-process
 #                              scenarios (failover, chaos, hostile peers, ...) that CI leaves to tests/sim
 #   scripts/test.sh ARGS...    extra arguments go to pytest (a later -m replaces the tier's)
@@ -28,10 +28,18 @@ cd "$ROOT"
 export PYTHONUNBUFFERED=1
 "$VENV/bin/ruff" check p2p_diloco tests scripts
 "$VENV/bin/ruff" format --check p2p_diloco tests scripts
+PYTEST=("$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25)
+# The in-process tiers (unit, sim) run on two workers (pytest-xdist): they are CPU-bound, one torch thread
+# each, and independent. The real-process tier runs alone after them: its peers need the cores to keep
+# their heartbeats and leases on time.
+IN_PROCESS=(-n 2 tests/unit tests/sim)
 case "${1:-}" in
-    --fast) shift; ARGS=(-m "not slow and not integration and not soak") ;;
-    --soak) shift; ARGS=(-m "soak") ;;
-    *) ARGS=(-m "not soak") ;;
+    --fast) shift; OMP_NUM_THREADS=1 exec "${PYTEST[@]}" -m "not slow and not integration and not soak" "${IN_PROCESS[@]}" "$@" ;;
+    --soak) shift; exec "${PYTEST[@]}" -m "soak" "$@" ;;
 esac
-# the slowest tests are listed at the end, so a run near its time budget shows where the time went
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${ARGS[@]}" "$@"
+if (($#)); then  # a selection of one's own: one run, soak left out unless a later -m says otherwise
+    exec "${PYTEST[@]}" -m "not soak" "$@"
+fi
+# the slowest tests are listed at the end of each run, so a run near its time budget shows where time went
+OMP_NUM_THREADS=1 "${PYTEST[@]}" -m "not soak" "${IN_PROCESS[@]}"
+exec "${PYTEST[@]}" -m "not soak" tests/integration tests/wan tests/gpu

@@ -2,7 +2,9 @@
 
 Each test plays seeds or a hand-written fault list through `simulate` and asserts that no invariant
 broke (the violation names the rule, the virtual time and the seed; `scripts/explore.py --replay SEED`
-prints the trace). The regression seeds replay races found by exploring: each failed before its fix.
+prints the trace). The regression seeds (10, 11, 13 of the default scenario, with their fault kinds
+pinned) replay races found by exploring: each failed before its fix. They are CI's fixed set of seeds;
+`scripts/explore.py --seeds A-B` runs more on demand.
 """
 
 from __future__ import annotations
@@ -42,13 +44,6 @@ def test_one_seed_replays_byte_for_byte():
     assert first.events_digest == second.events_digest  # every node's events.jsonl, byte for byte
     other = simulate(12, SHORT)
     assert other.trace_digest != first.trace_digest  # the trace depends on the seed, not only the code
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_ci_seeds_hold_every_invariant(seed):
-    result = simulate(seed, Scenario(nodes=5, fault_window=90.0, faults=7, settle=30.0, quiet=35.0))
-    assert_held(result)
-    assert result.published > 0 and sum(result.versions) > 0  # the run trained through its faults
 
 
 def test_sharded_seed_holds_every_invariant():
