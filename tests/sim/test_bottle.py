@@ -9,6 +9,8 @@ pinned) replay races found by exploring: each failed before its fix. They are CI
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from p2p_diloco.sim.bottle.faults import Fault, Kind
@@ -22,6 +24,10 @@ SHORT = Scenario(nodes=4, fault_window=40.0, faults=5, settle=25.0, quiet=35.0)
 # not change their draws
 FIRST_KINDS = tuple(
     Kind(k) for k in ("kill", "term", "freeze", "dht_slow", "dht_drop", "starve", "partition", "newcomer")
+)
+# the scenario those seeds ran (the default then), pinned whole
+FIRST_SCENARIO = Scenario(
+    nodes=5, shards=1, fault_window=120.0, faults=8, settle=40.0, quiet=40.0, kinds=FIRST_KINDS
 )
 SECOND_KINDS = tuple(
     Kind(k)
@@ -102,7 +108,7 @@ def test_seed_11_an_island_holding_a_term_nobody_accepts_steps_down():
     other side; after the heal every reader refused its lease as claimed early, yet it kept holding and
     merging its own branch, and at the end its replica differed at the swarm's versions
     (replicas_identical). Now it steps down (`ElectionTag.REFUSED_LEASE`) and follows term 2."""
-    result = simulate(11, Scenario(kinds=FIRST_KINDS))
+    result = simulate(11, FIRST_SCENARIO)
     assert_held(result)
     assert "refused lease" in result.trace_text  # the island's step-down happened, not a luckier run
 
@@ -166,7 +172,7 @@ def test_seed_10_a_newcomer_whose_reads_find_nobody_learns_from_pushed_updates_t
     the run's updates (refused: it could not read their leases) but saw no proof in the DHT, so after its
     partial-read wait it claimed term 1 at version 0 beside the live holder of term 1 (one_holder_per_term):
     a fresh start of a run under way. Now a signed update it is sent counts as the proof."""
-    result = simulate(10, Scenario(kinds=SECOND_KINDS))
+    result = simulate(10, dataclasses.replace(FIRST_SCENARIO, kinds=SECOND_KINDS))
     assert_held(result)
     assert "proof the run is under way: fragment 1 v2 term 1 signed by node-4" in result.trace_text
 
@@ -176,6 +182,6 @@ def test_seed_13_a_reconcile_overtaken_by_applied_updates_installs_nothing():
     took 30 s (a partition), meanwhile it applied the live holder's updates up to v14, and the stale
     reconcile then installed a v13 snapshot (versions_monotone: 14 -> 13). Now a reconcile whose fragment
     moved during its download gives up and anti-entropy decides again."""
-    result = simulate(13, Scenario(kinds=SECOND_KINDS))
+    result = simulate(13, dataclasses.replace(FIRST_SCENARIO, kinds=SECOND_KINDS))
     assert_held(result)
     assert "while reconciling toward" in result.trace_text

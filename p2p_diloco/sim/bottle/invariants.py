@@ -18,8 +18,9 @@ from p2p_diloco.swarm import effects as fx
 
 
 class Rule(StrEnum):
-    # no shard term held by two peers that can reach each other for longer than one heartbeat period (the
-    # read that shows both leases) plus the lease margin
+    # no shard term held by two peers for longer, once each one's DHT view holds the other's lease, than the
+    # next election read takes to show the tie (a heartbeat period, the slower one's DHT latency and owner
+    # lag) plus the lease margin
     ONE_HOLDER_PER_TERM = "one_holder_per_term"
     FENCING_MONOTONE = "fencing_monotone"  # a peer's highest term seen (per shard) never goes back
     APPLIED_ONCE = "applied_once"  # no update applied twice to one replica
@@ -135,33 +136,54 @@ class Invariants:
 
     def check(self) -> None:
         now = self.world.now()
-        holders: dict[tuple[int, int], list[str]] = {}
+        holders: dict[tuple[int, int], list[SimNode]] = {}
         for node in self.nodes:
             if not node.up or node.peer is None:
                 continue
             self._node_checks(node, now)
             for seat in node.peer.seats:
                 if seat.sync is not None:
-                    holders.setdefault((seat.shard, seat.sync.term), []).append(node.peer_id)
+                    holders.setdefault((seat.shard, seat.sync.term), []).append(node)
         timing = self.manifest.timing
-        margin = timing.heartbeat_period + timing.lease_margin  # one read finds the tie, then the margin
-        for key, who in list(holders.items()):
-            # holders cut apart by a partition or on two DHT islands cannot see each other's leases
-            # (availability first); the clock starts once two of them can
-            if not any(self._see_each_other(a, b) for i, a in enumerate(who) for b in who[i + 1 :]):
-                del holders[key]
+        seen_twice = set()
+        for (shard, term), who in holders.items():
+            pairs = [
+                (a, b) for i, a in enumerate(who) for b in who[i + 1 :] if self._see_each_other(a, b, shard)
+            ]
+            if not pairs:
                 continue
-            since = self.shared_terms.setdefault(key, now)
-            if now - since > margin:
+            seen_twice.add((shard, term))
+            since = self.shared_terms.setdefault((shard, term), now)
+            # the next election read shows the tie: a heartbeat period, the slower reader's DHT latency and
+            # owner lag, then the lease margin
+            allowed = timing.heartbeat_period + timing.lease_margin + max(self._slowness(n) for n in who)
+            if now - since > allowed:
+                names = sorted(n.peer_id for n in who)
                 self.fail(
                     Rule.ONE_HOLDER_PER_TERM,
-                    f"shard {key[0]} term {key[1]} held by {sorted(who)} for {now - since:.2f} s",
+                    f"shard {shard} term {term} held by {names} for {now - since:.2f} s after both leases were "
+                    f"readable (allowed {allowed:.2f} s)",
                 )
-        for key in [k for k in self.shared_terms if k not in holders or len(holders[k]) < 2]:
+        for key in [k for k in self.shared_terms if k not in seen_twice]:
             del self.shared_terms[key]
 
-    def _see_each_other(self, a: str, b: str) -> bool:
-        return self.world.reachable(a, b) and self.world.dht.reachable(a, b)
+    @staticmethod
+    def _slowness(node: SimNode) -> float:
+        dht, driver = node.dht, node.driver
+        return dht.latency + dht.extra + (driver.cpu_lag if driver is not None else 0.0)
+
+    def _see_each_other(self, a: SimNode, b: SimNode, shard: int) -> bool:
+        """Whether `a` and `b` can talk and each one's DHT view holds the other's lease of `shard`: holders
+        cut apart (a partition, two DHT islands) or whose leases are not stored yet cannot see the tie."""
+        if not (
+            self.world.reachable(a.peer_id, b.peer_id) and self.world.dht.reachable(a.peer_id, b.peer_id)
+        ):
+            return False
+        key = a.peer.seats[shard].membership.lease_key
+        now = self.world.now()
+        return b.peer_id in self.world.dht.get_for(
+            a.peer_id, key, now
+        ) and a.peer_id in self.world.dht.get_for(b.peer_id, key, now)
 
     def _node_checks(self, node: SimNode, now: float) -> None:
         peer = node.peer

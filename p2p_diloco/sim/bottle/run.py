@@ -37,11 +37,11 @@ class Scenario:
 
     nodes: int = 5
     shards: int = 1
-    fault_window: float = 120.0  # faults happen in [10 s, fault_window]
-    faults: int = 8
+    fault_window: float = 90.0  # faults happen in [10 s, fault_window]
+    faults: int = 7
     kinds: tuple[Kind, ...] = ALL_KINDS
-    settle: float = 40.0  # after the window: every node back, still training
-    quiet: float = 40.0  # then training stops; deltas and updates must settle within this
+    settle: float = 30.0  # after the window: every node back, still training
+    quiet: float = 35.0  # then training stops; deltas and updates must settle within this
     step_time: float = 1.0  # virtual seconds per inner step (each node draws up to 1.5x of it)
     clock_skew: float = 0.2  # each node's clock is off by up to this many seconds either way
     link: LinkSpec = field(default_factory=LinkSpec)
