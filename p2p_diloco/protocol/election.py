@@ -76,9 +76,7 @@ class ElectionTag(StrEnum):
     LOST_TIE = "lost tie"  # step_down: another live lease of my term wins the rendezvous tie-break
     LEASE_EXPIRED = "lease expired"  # step_down: too close to (or past) expiry to renew safely
     TERM_ENDED = "term ended"  # step_down: term_rounds rounds done; merge open rounds with a quorum, release
-    REFUSED_LEASE = (
-        "refused lease"  # step_down: the lease rules refuse my own lease (claimed where nobody saw)
-    )
+    REFUSED_LEASE = "refused lease"  # step_down: the lease rules refuse my own lease (an island's)
     CLAIM = "claim"  # claim: my window for term T+1 is open
     LEASE_GRACE = "lease grace"  # wait: the last lease has not yet passed expiry + lease_margin
     CLAIM_GRACE = "claim grace"  # wait: another candidate's claim window is open

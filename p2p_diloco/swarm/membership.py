@@ -77,9 +77,7 @@ class Membership:
         # (term, why) of this peer's own lease record that the last read refused (`lease_rules`): what
         # every honest reader refuses, this peer must not go on holding
         self.own_refused: tuple[int, str] | None = None
-        self.refused_terms = (
-            0  # times this peer stepped down from its own refused lease (its fence went back)
-        )
+        self.refused_terms = 0  # step-downs from its own refused lease (each one's fence went back)
         self.holder: str | None = None  # the synchronizer this peer follows (itself when it holds the lease)
         self.holder_term = 0
         self.term_seen = 0

@@ -3,7 +3,8 @@
 `FakeClock` and `EventLoop` give a deterministic discrete-event world; `InMemoryKeyValueStore` keeps
 hivemind's rule (per key/subkey the later expiration wins, first writer on a tie);
 `PartitionedKeyValueStore` is a store that can be split like a DHT cut in two (one replica per peer,
-merged by the same rule on heal, or regrouped as DHT islands meet); `StarvedReads` lets a peer read only its own records for a while;
+merged by the same rule on heal, or regrouped as DHT islands meet); `StarvedReads` lets a peer read only
+its own records for a while;
 `SimNetwork` routes frames between `InMemoryTransport`s with per-link
 delays (fixed, or each peer's bandwidth and latency from a `swarm.links.LinkModel`) and fault rules, delivering them as events (fetches across a dropped link fail).
 """

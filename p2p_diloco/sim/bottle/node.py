@@ -129,6 +129,7 @@ class SimNode:
         self.exited_at: float | None = None
         self.errors: list[str] = []
         self.steps = 0
+        self.after_exit: Callable[[], None] | None = None  # what runs once a SIGTERMed incarnation exited
 
     # ---- start ---------------------------------------------------------------------------------------
 
@@ -141,6 +142,7 @@ class SimNode:
         self.incarnation += 1
         self.freezer = Freezer()
         self.stopping_since = self.terminated_at = self.exited_at = None
+        self.after_exit = None
         manifest, shared = self.shared.manifest, self.shared
         self.state = StateDir(self.path, manifest)
         saved = self.state.read_peer_state()
@@ -378,7 +380,8 @@ class SimNode:
         def drain() -> None:
             self._wait(driver.idle_io, DHT_TIMEOUT + 1.0, incarnation, lambda: self._exit(answer))
 
-        self._wait(answer.done, DHT_TIMEOUT + 1.0, incarnation, save, then_after=then)
+        self.after_exit = then
+        self._wait(answer.done, DHT_TIMEOUT + 1.0, incarnation, save)
 
     def _mark_stopping(self) -> None:
         self.stopping_since = self.world.now()
@@ -389,11 +392,8 @@ class SimNode:
         seconds: float,
         incarnation: int,
         then: Callable[[], None],
-        then_after: Callable[[], None] | None = None,
     ) -> None:
         """Run `then` once `ready()` or after `seconds` of this incarnation (frozen time counts too)."""
-        if then_after is not None:
-            self._after_exit = then_after
         deadline = self.world.now() + seconds
 
         def check() -> None:
@@ -420,6 +420,6 @@ class SimNode:
         )
         self._gone(Phase.EXITED)
         self.exited_at = self.world.now()
-        after, self._after_exit = getattr(self, "_after_exit", None), None
+        after, self.after_exit = self.after_exit, None
         if after is not None:
             after()

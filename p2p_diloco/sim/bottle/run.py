@@ -214,7 +214,7 @@ class Simulation:
             if node.phase in (Phase.DOWN, Phase.EXITED):
                 node.start()
             elif node.phase == Phase.STOPPING:
-                node._after_exit = node.start
+                node.after_exit = node.start
 
     def versions(self) -> tuple[int, ...]:
         running = [n.peer.replica.versions() for n in self.nodes if n.peer is not None and n.up]
