@@ -22,7 +22,7 @@ from typing import Any
 
 from p2p_diloco.owner import Owner
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.driver import PeerDriver
+from p2p_diloco.swarm.driver import PeerDriver, deferred
 from p2p_diloco.swarm.seats import accepting_term
 from p2p_diloco.wire.replies import Reply
 
@@ -125,14 +125,7 @@ class ThreadedDriver(PeerDriver):
         """Run `fn` on the owner thread and return its result (for shutdown and snapshots)."""
         if threading.current_thread() is self._thread:
             return fn()
-        result: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                result.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                result.set_exception(exc)
-
+        run, result = deferred(fn)
         self._events.put(run)
         return result.result(timeout=timeout)
 

@@ -25,6 +25,19 @@ from p2p_diloco.wire.replies import Reply
 Observer = Callable[[fx.Intent], None]
 
 
+def deferred(fn: Callable[[], Any]) -> tuple[Callable[[], None], concurrent.futures.Future]:
+    """`fn` wrapped to run later (on an owner) and the future that gets its result or its exception."""
+    result: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            result.set_exception(exc)
+
+    return run, result
+
+
 def _done(value: Any) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result(value)

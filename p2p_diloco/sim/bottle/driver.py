@@ -19,7 +19,7 @@ from typing import Any
 
 from p2p_diloco.sim.bottle.world import World
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.driver import PeerDriver
+from p2p_diloco.swarm.driver import PeerDriver, deferred
 
 DISK_SECONDS = 0.005  # one replica or state write
 
@@ -162,14 +162,7 @@ class SimDriver(PeerDriver):
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the owner soon; its result in the future."""
-        result: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                result.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                result.set_exception(exc)
-
+        run, result = deferred(fn)
         self.post_call(run)
         return result
 
