@@ -111,3 +111,16 @@ def test_a_peer_publishes_its_newest_signed_record_as_a_proof_now_and_then():
     assert isinstance(first, fx.StoreRecord) and first.key == gate.key and first.subkey == "me"
     assert not isinstance(found := check(first.value), str) and found.version == 2
     assert gate.publish(log, 2, 0.5) is None  # written again only after half its lifetime
+
+
+def test_an_update_a_fresh_peer_is_sent_proves_the_run_under_way_only_when_signed():
+    """`UnderwayGate.witness` (seed 10 of the simulator): an unsigned or altered record proves nothing and
+    costs no offence count; a signed one from a peer that may synchronize holds the fresh peer back."""
+    journal = Journal("me", lambda _: None)
+    gate = UnderwayGate("me", OPEN, KEYS, journal)
+    gate.witness(record())  # no signature
+    gate.witness(replace(signed(record()), term=9))  # signed, then altered on the way
+    assert gate.best is None and journal.rejections["bad underway proof"] == 0
+    gate.witness(signed(record()))
+    assert gate.best is not None
+    assert [hb.peer_id for hb in gate.election_view(view_of("me", "other"), (0, 0)).heartbeats] == ["other"]
