@@ -91,76 +91,98 @@ def simulate_elastic_job(
       triggers a grow reconfiguration (`grow_seconds`), or joins at the end of a running one.
     With `record`, the returned run lists its compute intervals.
     """
-    run = JobRun(chips=chips, horizon=horizon)
-    rate = chips * model.chip_failure_rate
-    size = model.slice_chips
-    out: set[int] = set()  # slices not in the job: failed, in repair, waiting or joining
-    waiting: dict[int, float] = {}  # repaired slice -> its join deadline
-    joining: list[int] = []  # admitted by the running reconfiguration, active at its end
-    out_chips = 0
-    compute_start = 0.0  # the job computes from here on; a reconfiguration moves it to its end
-    events: list[tuple[float, int, int]] = [(rng.expovariate(rate), _FAIL, -1)]
+    job = _ElasticJob(JobRun(chips=chips, horizon=horizon), model, rng, record)
+    events: list[tuple[float, int, int]] = [(rng.expovariate(job.rate), _FAIL, -1)]
+    while events:
+        t, kind, s = heapq.heappop(events)
+        if t >= horizon:
+            break
+        job.admit_joining(t)
+        if kind == _FAIL:
+            job.fail(t, events)
+        elif kind == _REPAIRED:
+            job.repaired(s, t, events)
+        elif kind == _JOIN_DEADLINE and job.waiting.get(s) == t:
+            job.join_deadline(s, t)
+    job.admit_joining(horizon)
+    if horizon > job.compute_start:
+        job.end_compute(horizon, 0.0)
+    return job.run
 
-    def slice_size(s: int) -> int:
-        return min(size, chips - s * size)
 
-    def end_compute(t: float, lost_seconds: float) -> None:
-        active = chips - out_chips
-        span = t - compute_start
+class _ElasticJob:
+    """The state of one elastic job between events, and what each event does to it."""
+
+    def __init__(self, run: JobRun, model: FailureModel, rng: random.Random, record: bool) -> None:
+        self.run = run
+        self.model = model
+        self.rng = rng
+        self.record = record
+        self.rate = run.chips * model.chip_failure_rate
+        self.out: set[int] = set()  # slices not in the job: failed, in repair, waiting or joining
+        self.waiting: dict[int, float] = {}  # repaired slice -> its join deadline
+        self.joining: list[int] = []  # admitted by the running reconfiguration, active at its end
+        self.out_chips = 0
+        self.compute_start = 0.0  # the job computes from here on; a reconfiguration moves it to its end
+
+    def slice_size(self, s: int) -> int:
+        size = self.model.slice_chips
+        return min(size, self.run.chips - s * size)
+
+    def end_compute(self, t: float, lost_seconds: float) -> None:
+        """Book the compute since `compute_start` up to `t`, of which the last `lost_seconds` are lost."""
+        run = self.run
+        active = run.chips - self.out_chips
+        span = t - self.compute_start
         if active <= 0 or span <= 0:
             return
         lost = min(span, lost_seconds)
         run.compute_seconds += span
         run.useful_chip_seconds += active * (span - lost)
-        if record:
-            run.intervals.append(ComputeInterval(compute_start, t, active, active * lost))
+        if self.record:
+            run.intervals.append(ComputeInterval(self.compute_start, t, active, active * lost))
 
-    def admit_joining(t: float) -> None:
-        nonlocal out_chips, joining
-        if joining and compute_start <= t:
-            for s in joining:
-                out.discard(s)
-                out_chips -= slice_size(s)
-            joining = []
+    def admit_joining(self, t: float) -> None:
+        """Slices admitted by a reconfiguration that has ended by `t` are active again."""
+        if self.joining and self.compute_start <= t:
+            for s in self.joining:
+                self.out.discard(s)
+                self.out_chips -= self.slice_size(s)
+            self.joining = []
 
-    def reconfigure(t: float, pause: float) -> None:
-        nonlocal compute_start, joining
-        run.reconfigurations += 1
-        joining = sorted(waiting)
-        waiting.clear()
-        compute_start = t + pause
+    def reconfigure(self, t: float, pause: float) -> None:
+        """Pause for `pause` seconds; every repaired slice waiting joins at the end."""
+        self.run.reconfigurations += 1
+        self.joining = sorted(self.waiting)
+        self.waiting.clear()
+        self.compute_start = t + pause
 
-    while events:
-        t, kind, s = heapq.heappop(events)
-        if t >= horizon:
-            break
-        admit_joining(t)
-        computing = t >= compute_start
-        if kind == _FAIL:
-            run.failures += 1
-            heapq.heappush(events, (t + rng.expovariate(rate), _FAIL, -1))
-            failed = int(rng.random() * chips) // size
-            if failed in out:
-                continue
-            run.disruptive_failures += 1
-            out.add(failed)
-            heapq.heappush(events, (t + model.repair_seconds, _REPAIRED, failed))
-            if computing:
-                end_compute(t, (t - compute_start) % model.step_seconds)
-                reconfigure(t, model.shrink_seconds)
-            out_chips += slice_size(failed)
-        elif kind == _REPAIRED:
-            deadline = t + model.join_wait_seconds
-            waiting[s] = deadline
-            heapq.heappush(events, (deadline, _JOIN_DEADLINE, s))
-        elif kind == _JOIN_DEADLINE and waiting.get(s) == t:
-            if computing:
-                end_compute(t, 0.0)  # a planned reconfiguration starts at a step boundary
-                reconfigure(t, model.grow_seconds)
-            else:  # a reconfiguration is running: join at its end
-                del waiting[s]
-                joining.append(s)
-    admit_joining(horizon)
-    if horizon > compute_start:
-        end_compute(horizon, 0.0)
-    return run
+    def fail(self, t: float, events: list[tuple[float, int, int]]) -> None:
+        """A chip fails: draw the next failure, then drop its slice unless that slice is already out."""
+        run, model, rng = self.run, self.model, self.rng
+        run.failures += 1
+        heapq.heappush(events, (t + rng.expovariate(self.rate), _FAIL, -1))
+        failed = int(rng.random() * run.chips) // model.slice_chips
+        if failed in self.out:
+            return
+        run.disruptive_failures += 1
+        self.out.add(failed)
+        heapq.heappush(events, (t + model.repair_seconds, _REPAIRED, failed))
+        if t >= self.compute_start:
+            self.end_compute(t, (t - self.compute_start) % model.step_seconds)
+            self.reconfigure(t, model.shrink_seconds)
+        self.out_chips += self.slice_size(failed)
+
+    def repaired(self, s: int, t: float, events: list[tuple[float, int, int]]) -> None:
+        deadline = t + self.model.join_wait_seconds
+        self.waiting[s] = deadline
+        heapq.heappush(events, (deadline, _JOIN_DEADLINE, s))
+
+    def join_deadline(self, s: int, t: float) -> None:
+        """Slice `s` waited long enough: grow now, or join at the end of the reconfiguration running."""
+        if t >= self.compute_start:
+            self.end_compute(t, 0.0)  # a planned reconfiguration starts at a step boundary
+            self.reconfigure(t, self.model.grow_seconds)
+        else:
+            del self.waiting[s]
+            self.joining.append(s)

@@ -33,7 +33,6 @@ LONG_LEFT: dict[str, str] = {
     "node/runtime.py:start": "#39: 128 lines, not split yet",
     "node/status.py:swarm_status": "#39: 94 lines, not split yet",
     "swarm/synchronizer.py:offer_delta": "#39: 93 lines, not split yet",
-    "sim/jobs.py:simulate_elastic_job": "#39: 87 lines, not split yet",
     "baseline/diloco.py:outer_round": "#39: 82 lines, not split yet",
     "node/metrics.py:snapshot_metrics": "#39: 81 lines, not split yet",
     "dashboard/collector.py:view": "#39: 78 lines, not split yet",
