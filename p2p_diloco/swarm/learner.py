@@ -8,7 +8,8 @@ version). It talks to its peer through two queues: `take_due` hands a due fragme
 before a delta is taken). A message the peer posts while a step runs therefore takes effect as if it
 had arrived at once: no step sees half-moved parameters and nobody waits for a step.
 
-Adoption rule. The delta of fragment p is always `anchor_p - theta_p`. When an update for p is adopted:
+Adoption rule (`protocol.diloco`: `outer_delta`, `adopt`, `follow`). The delta of fragment p is always
+`anchor_p - theta_p`. When an update for p is adopted:
 - if it merged this learner's in-flight delta, theta_p becomes the new Theta_p plus the progress made
   since the delta was sent (`carry`, default), exactly the new Theta_p (`overwrite`, that progress is
   lost), or a blend `(1-alpha) theta_p + alpha Theta_p` (`blend`);
@@ -28,6 +29,7 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.model.trainer import InnerTrainer, make_trainer
+from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
@@ -175,7 +177,7 @@ class Learner:
         self.sent[p] = SentDelta(self.seq, work.tokens, work.steps, work.seconds, at_send)
         self.work[p] = FragmentWork()
         self.deltas_sent += 1
-        delta = {name: anchor[name] - theta[name] for name in anchor}
+        delta = {name: diloco.outer_delta(anchor[name], theta[name]) for name in anchor}
         return DeltaReady(fragment=p, seq=self.seq, header=header, delta=delta, now=now)
 
     # ---- messages from the peer -----------------------------------------------------------------
@@ -239,16 +241,11 @@ class Learner:
                 param = self.params[name]
                 theta = param.detach().to("cpu", torch.float32)
                 if contributed:
-                    if mode == "overwrite":
-                        new_theta = new_global[name]
-                    elif mode == "blend":
-                        alpha = self.manifest.diloco.blend_alpha
-                        new_theta = theta * (1 - alpha) + new_global[name] * alpha
-                    else:
-                        new_theta = new_global[name] + (theta - sent.theta_at_send[name])
+                    alpha = self.manifest.diloco.blend_alpha
+                    at_send = sent.theta_at_send[name]
+                    new_theta = diloco.adopt(theta, new_global[name], at_send=at_send, mode=mode, alpha=alpha)
                 else:
-                    shift = new_global[name] - old_global[name]
-                    new_theta = theta + shift
+                    new_theta, shift = diloco.follow(theta, old_global[name], new_global[name])
                     if sent is not None:
                         sent.theta_at_send[name] += shift
                     if released is not None:
@@ -273,7 +270,7 @@ class Learner:
             for name in self.plan.names(p):
                 param = self.params[name]
                 theta = param.detach().to("cpu", torch.float32)
-                new_theta = new_global[name] + (theta - released.theta_at_send[name])
+                new_theta = diloco.adopt(theta, new_global[name], at_send=released.theta_at_send[name])
                 param.copy_(new_theta.to(param.device, param.dtype))
         self.anchors[p] = (message.version, new_global)
         del self.released[p]
