@@ -30,6 +30,7 @@ from p2p_diloco.packaged import packaged_manifest, resolve_manifest
 
 # commands whose `manifest` positional comes with a `--initial-peers` that may swallow it
 MANIFEST_POSITIONAL = ("join", "status", "dashboard", "export", "baseline-worker", "model-digest", "doctor")
+OPTIONAL_MANIFEST = ("doctor",)  # checks the machine without one (a manifest swallowed is still refused)
 NEEDS_IDENTITY = ("join", "baseline-worker")
 PROBE_TIMEOUT = 3.0  # seconds a TCP connection to one initial peer may take
 _MULTIADDR_START = re.compile(r"^/(ip4|ip6|dns|dns4|dns6|dnsaddr|p2p|ipfs)/")
@@ -44,7 +45,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         if isinstance(value, str):
             setattr(args, name, resolve_manifest(value))
     if command in MANIFEST_POSITIONAL and getattr(args, "manifest", "") is None:
-        raise ConfigError(missing_manifest(command, getattr(args, "initial_peers", None) or []))
+        peers = getattr(args, "initial_peers", None) or []
+        if command not in OPTIONAL_MANIFEST or any(not_an_address(p) for p in peers):
+            raise ConfigError(missing_manifest(command, peers))
     if command in NEEDS_IDENTITY and not getattr(args, "identity", None):
         raise ConfigError(
             "--identity KEY is missing: it is the private key that fixes your peer ID. Create one once with "

@@ -8,7 +8,9 @@ model size; a custom factory's model built and probed once), host and GPU memory
 initial peers, this clock against the peers' (timed from their heartbeats: leases
 expire on their writers' clocks and tolerate `timing.lease_margin` of disagreement; `doctor.clock`), whether this machine
 has a public address or should join with ``--behind-nat`` (a heuristic from its interface addresses), and
-the state directory. Exit status 1 when a check fails.
+the state directory (free disk). Without a manifest it checks the machine alone: versions, devices, host
+memory, free disk, the clock (the time and whether NTP keeps it) and, given ``--initial-peers``, outbound
+TCP connections to them. Exit status 1 when a check fails, 0 otherwise (warnings included).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.doctor.checks import Check, Status
-from p2p_diloco.doctor.clock import measure_clock
+from p2p_diloco.doctor.clock import measure_clock, system_clock
 from p2p_diloco.errors import ConfigError
 
 GIB = 1024**3
@@ -189,7 +191,14 @@ def memory_checks(
 
 def check_manifest(path: str | None) -> tuple[list[Check], Any]:
     if not path:
-        return [Check("manifest", Status.WARN, "none given", "p2p-diloco doctor RUN.toml checks a run")], None
+        return [
+            Check(
+                "manifest",
+                Status.WARN,
+                "none given: this machine alone is checked",
+                "p2p-diloco doctor RUN.toml checks a run",
+            )
+        ], None
     from p2p_diloco.net.manifest_signature import load_run_manifest
 
     try:
@@ -237,7 +246,14 @@ def check_peers(addresses: list[str], timeout: float) -> list[Check]:
     from p2p_diloco.preflight import _connect
 
     if not addresses:
-        return [Check("initial peers", Status.WARN, "none given or in the manifest", "pass --initial-peers")]
+        return [
+            Check(
+                "initial peers",
+                Status.WARN,
+                "none given or in the manifest: outbound connections not tried",
+                "pass --initial-peers",
+            )
+        ]
     out = []
     for address in addresses:
         endpoints = tcp_endpoints([address])
@@ -287,7 +303,10 @@ def check_reachability() -> Check:
 
 def check_state_dir(path: str | None, params: int | None) -> Check:
     if not path:
-        return Check("state dir", Status.OK, "none given (join needs --state-dir)")
+        free = shutil.disk_usage(Path.cwd()).free
+        return Check(
+            "state dir", Status.OK, f"none given (join needs --state-dir); {free / GIB:.1f} GiB free here"
+        )
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         return Check("state dir", Status.FAIL, f"{path} is a file", "give a directory for --state-dir")
@@ -306,7 +325,40 @@ def check_state_dir(path: str | None, params: int | None) -> Check:
     )
 
 
+def machine_memory_check(host_free: int | None) -> Check:
+    """Host memory without a run: enough for the runtime and a small model (a run's needs: its manifest)."""
+    if host_free is None:
+        return Check("host memory", Status.WARN, "cannot read /proc/meminfo", "check free memory yourself")
+    ok = host_free >= 2 * RUNTIME_BYTES
+    return Check(
+        "host memory",
+        Status.OK if ok else Status.WARN,
+        f"{host_free / GIB:.1f} GiB available (a run's model needs more: doctor RUN.toml compares)",
+        "" if ok else "free memory: a peer alone takes about 0.5 GiB before its model",
+    )
+
+
+def run_checks(
+    manifest: Any, args: argparse.Namespace, gpu_free: int | None
+) -> tuple[list[Check], int | None]:
+    """The manifest's model: its size, a custom factory's contract, memory against what it needs."""
+    from p2p_diloco.config import InnerOptimizer, ModelKind
+
+    try:
+        params = count_parameters(manifest)
+    except ConfigError as exc:
+        return [Check("model", Status.FAIL, str(exc), "fix [model] as the message says")], None
+    checks = [Check("model", Status.OK, f"{manifest.model.kind}, {params / 1e6:.1f}M parameters")]
+    if manifest.model.kind == ModelKind.CUSTOM:
+        checks.append(check_contract(manifest))
+    eight_bit = manifest.train.optimizer == InnerOptimizer.ADAMW_8BIT
+    use_gpu = gpu_free if (args.device or "cuda").startswith("cuda") else None
+    checks += memory_checks(params, host_free=host_memory_available(), gpu_free=use_gpu, eight_bit=eight_bit)
+    return checks, params
+
+
 def diagnose(args: argparse.Namespace) -> list[Check]:
+    """The machine's checks, and with a manifest the run's: without one, doctor checks the machine alone."""
     checks = check_versions()
     device_checks, gpu_free = check_devices(args.device)
     checks += device_checks
@@ -314,25 +366,15 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     checks += manifest_checks
     params = None
     if manifest is not None:
-        try:
-            params = count_parameters(manifest)
-        except ConfigError as exc:
-            checks.append(Check("model", Status.FAIL, str(exc), "fix [model] as the message says"))
-        else:
-            from p2p_diloco.config import InnerOptimizer, ModelKind
-
-            checks.append(Check("model", Status.OK, f"{manifest.model.kind}, {params / 1e6:.1f}M parameters"))
-            if manifest.model.kind == ModelKind.CUSTOM:
-                checks.append(check_contract(manifest))
-            eight_bit = manifest.train.optimizer == InnerOptimizer.ADAMW_8BIT
-            use_gpu = gpu_free if (args.device or "cuda").startswith("cuda") else None
-            checks += memory_checks(
-                params, host_free=host_memory_available(), gpu_free=use_gpu, eight_bit=eight_bit
-            )
+        model_checks, params = run_checks(manifest, args, gpu_free)
+        checks += model_checks
+    else:
+        checks.append(machine_memory_check(host_memory_available()))
     peers = list(args.initial_peers or (manifest.bootstrap if manifest is not None else ()))
     peer_checks = check_peers(peers, args.timeout)
     answered = any(c.status == Status.OK for c in peer_checks)
-    checks += [*peer_checks, measure_clock(manifest, peers, answered, args.timeout)]
+    clock = measure_clock(manifest, peers, answered, args.timeout) if manifest is not None else system_clock()
+    checks += [*peer_checks, clock]
     checks.append(check_reachability())
     checks.append(check_state_dir(args.state_dir, params))
     return checks

@@ -7,7 +7,10 @@ says why when nothing could be compared (no manifest, no answering peer, no hear
 
 from __future__ import annotations
 
+import subprocess
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from p2p_diloco.doctor.checks import Check, Status
@@ -75,3 +78,37 @@ def measure_clock(manifest: Any, peers: list[str], answered: bool, timeout: floa
     finally:
         dht_peer.shutdown()
     return check_clock(estimate_offset(reads, timing.heartbeat_ttl, timing.heartbeat_period), timing, window)
+
+
+def ntp_synchronized() -> bool | None:
+    """Whether systemd says NTP keeps this clock (None: it cannot say, e.g. no systemd here)."""
+    if Path("/run/systemd/timesync/synchronized").exists():
+        return True
+    try:
+        answer = subprocess.run(
+            ["timedatectl", "show", "--property=NTPSynchronized", "--value"],
+            capture_output=True,
+            text=True,
+            timeout=2,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {"yes": True, "no": False}.get(answer.stdout.strip()) if answer.returncode == 0 else None
+
+
+def system_clock(synced: bool | None = None) -> Check:
+    """The clock without a run (no peers' heartbeats to compare with): the time and whether NTP keeps it."""
+    synced = ntp_synchronized() if synced is None else synced
+    now = f"reads {datetime.now(UTC).isoformat(timespec='seconds')}"
+    compare = "p2p-diloco doctor RUN.toml --initial-peers ... compares it with the peers'"
+    if synced:
+        return Check("clock", Status.OK, f"{now}, kept by NTP")
+    if synced is False:
+        return Check(
+            "clock",
+            Status.WARN,
+            f"{now}, not kept by NTP",
+            f"timedatectl set-ntp true (or chrony); {compare}",
+        )
+    return Check("clock", Status.WARN, f"{now}; whether NTP keeps it is unknown (no timedatectl)", compare)

@@ -41,7 +41,6 @@ LONG_LEFT: dict[str, str] = {
     "protocol/election.py:_decide_as_holder": "#39: 77 lines, not split yet",
     "baseline/diloco.py:start": "#39: 75 lines, not split yet",
     "demo/report.py:plot_all": "#39: 75 lines, not split yet",
-    "sim/goodput.py:run_simulation": "#39: 73 lines, not split yet",
     "protocol/election.py:decide": "#39: 72 lines, not split yet",
     "node/join.py:cli_join": "#39: 70 lines, not split yet",
     "demo/report.py:summarize_record": "#39: 69 lines, not split yet",
