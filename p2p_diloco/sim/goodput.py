@@ -15,9 +15,9 @@ import random
 from typing import Any
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.sim.decoupled import simulate_decoupled, split_chips
+from p2p_diloco.sim.decoupled import DecoupledRun, simulate_decoupled, split_chips
 from p2p_diloco.sim.failure_model import CALIBRATED, PAPER_CHIPS, PAPER_GOODPUT, FailureModel
-from p2p_diloco.sim.jobs import simulate_elastic_job, simulate_restart_job
+from p2p_diloco.sim.jobs import JobRun, simulate_elastic_job, simulate_restart_job
 
 TARGET_FAILURES = 20_000  # default horizon: about this many chip failures in the cluster
 MIN_HOURS, MAX_HOURS = 24.0, 2_000.0
@@ -68,14 +68,8 @@ def run_simulation(
     """
     validate(learners, chips, mtbf_years, hours)
     model = dataclasses.replace(model, mtbf_years=float(mtbf_years))
-    hours = default_hours(chips, model) if hours is None else float(hours)
+    hours = checked_hours(chips, hours, model)
     horizon = hours * 3600.0
-    expected_failures = chips * model.chip_failure_rate * horizon
-    if expected_failures > MAX_FAILURES:
-        raise ConfigError(
-            f"{chips} chips over {hours:g} h means about {expected_failures:,.0f} failures; "
-            f"use --hours <= {hours * MAX_FAILURES / expected_failures:.4g} (or leave it out)"
-        )
     send_seconds = max(model.send_seconds, learners * horizon / MAX_DELTAS)
     model = dataclasses.replace(model, send_seconds=send_seconds)
 
@@ -84,32 +78,9 @@ def run_simulation(
     decoupled = simulate_decoupled(learners, chips, horizon, model, seed)
     sizes = split_chips(chips, learners)
     result: dict[str, Any] = {
-        "dp": {
-            "goodput": dp.goodput,
-            "uptime": dp.uptime,
-            "failures": dp.failures,
-            "restarts": dp.disruptive_failures,
-        },
-        "elastic_dp": {
-            "goodput": elastic.goodput,
-            "uptime": elastic.uptime,
-            "failures": elastic.failures,
-            "reconfigurations": elastic.reconfigurations,
-        },
-        "decoupled": {
-            "goodput": decoupled.goodput,
-            "uptime": decoupled.uptime,
-            "failures": sum(r.failures for r in decoupled.learners),
-            "reconfigurations": sum(r.reconfigurations for r in decoupled.learners),
-            "learner_goodput_min": min(r.goodput for r in decoupled.learners),
-            "deltas_sent": decoupled.deltas_sent,
-            "deltas_rejected": decoupled.deltas_rejected,
-            "reject_reasons": dict(sorted(decoupled.reject_reasons.items())),
-            "rounds_merged": decoupled.rounds_merged,
-            "mean_contributors_per_round": decoupled.contributors_per_round,
-            "lost_fraction": decoupled.lost_chip_seconds / (chips * horizon),
-            "in_flight_fraction": decoupled.in_flight_chip_seconds / (chips * horizon),
-        },
+        "dp": dp_summary(dp),
+        "elastic_dp": elastic_summary(elastic),
+        "decoupled": decoupled_summary(decoupled),
         "params": {
             "learners": learners,
             "chips": chips,
@@ -124,6 +95,56 @@ def run_simulation(
     if paper:
         result["paper"] = paper
     return result
+
+
+def checked_hours(chips: int, hours: float | None, model: FailureModel) -> float:
+    """The horizon in hours (`default_hours` when None); `ConfigError` if it means over `MAX_FAILURES`."""
+    hours = default_hours(chips, model) if hours is None else float(hours)
+    horizon = hours * 3600.0
+    expected_failures = chips * model.chip_failure_rate * horizon
+    if expected_failures > MAX_FAILURES:
+        raise ConfigError(
+            f"{chips} chips over {hours:g} h means about {expected_failures:,.0f} failures; "
+            f"use --hours <= {hours * MAX_FAILURES / expected_failures:.4g} (or leave it out)"
+        )
+    return hours
+
+
+def dp_summary(dp: JobRun) -> dict[str, Any]:
+    return {
+        "goodput": dp.goodput,
+        "uptime": dp.uptime,
+        "failures": dp.failures,
+        "restarts": dp.disruptive_failures,
+    }
+
+
+def elastic_summary(elastic: JobRun) -> dict[str, Any]:
+    return {
+        "goodput": elastic.goodput,
+        "uptime": elastic.uptime,
+        "failures": elastic.failures,
+        "reconfigurations": elastic.reconfigurations,
+    }
+
+
+def decoupled_summary(decoupled: DecoupledRun) -> dict[str, Any]:
+    """The decoupled run's fractions and counters, its failures summed over the learners."""
+    cluster_seconds = decoupled.chips * decoupled.horizon
+    return {
+        "goodput": decoupled.goodput,
+        "uptime": decoupled.uptime,
+        "failures": sum(r.failures for r in decoupled.learners),
+        "reconfigurations": sum(r.reconfigurations for r in decoupled.learners),
+        "learner_goodput_min": min(r.goodput for r in decoupled.learners),
+        "deltas_sent": decoupled.deltas_sent,
+        "deltas_rejected": decoupled.deltas_rejected,
+        "reject_reasons": dict(sorted(decoupled.reject_reasons.items())),
+        "rounds_merged": decoupled.rounds_merged,
+        "mean_contributors_per_round": decoupled.contributors_per_round,
+        "lost_fraction": decoupled.lost_chip_seconds / cluster_seconds,
+        "in_flight_fraction": decoupled.in_flight_chip_seconds / cluster_seconds,
+    }
 
 
 def paper_reference(learners: int, chips: int, mtbf_years: float) -> dict[str, float]:
