@@ -5,7 +5,8 @@
 them into `view()`: the JSON the page and scripts read. Things the DHT only knows *now* (fragment
 versions, the synchronizer and its term, the live peers' summed tokens/s and mean training loss) are kept
 as a bounded time series here, with a mark at each change of synchronizer (``failover`` when the old lease
-was not released, ``rotation`` when it was).
+was not released, ``rotation`` when it was). While no peer is live the versions and the term keep their
+last known values (each sample says how many peers were live), rather than dropping to 0.
 The eval history is merged into the collector's own copy, so the curve stays on the page even while
 no evaluator's record can be read. Records that fail their schema check are counted, never shown.
 """
@@ -136,13 +137,16 @@ class Collector:
     def _sample(self, status: dict[str, Any], now: float) -> None:
         sync = status["synchronizer"]
         holder = (sync["peer_id"], sync["term"]) if sync else None
-        versions = [f["version"] for f in status["fragments"]]
+        versions, term = [f["version"] for f in status["fragments"]], status["highest_term"]
+        if not status["peers"] and self.samples:  # nobody reports versions now: not a drop to 0
+            versions, term = self.samples[-1]["versions"], max(term, self.samples[-1]["term"])
         training = [p["loss"] for p in status["peers"] if p["loss"] > 0 and math.isfinite(p["loss"])]
         self.samples.append(
             {
                 "t": now,
                 "versions": versions,
-                "term": status["highest_term"],
+                "term": term,
+                "live_peers": len(status["peers"]),  # 0: versions and term are the last known
                 "holder": holder[0] if holder else None,
                 # the live peers' own reports: their summed tokens/s and mean training loss
                 "tokens_per_s": sum(p["tokens_per_s"] for p in status["peers"]),
@@ -166,6 +170,12 @@ class Collector:
             )
         if holder is not None:
             self._holder = holder
+
+    def _fragments(self, status: dict[str, Any]) -> list[dict[str, Any]]:
+        """The fragments' versions; while no peer is live, the last known (a live peer's report)."""
+        if status["peers"] or not self.samples:
+            return status["fragments"]
+        return [{"index": i, "version": v} for i, v in enumerate(self.samples[-1]["versions"])]
 
     def known_addresses(self) -> list[str]:
         with self._lock:
@@ -214,7 +224,7 @@ class Collector:
                 "synchronizer": status["synchronizer"],
                 "highest_term": status["highest_term"],
                 "shards": status.get("shards", []),  # each synchronizer shard's fragments, holder and term
-                "fragments": status["fragments"],
+                "fragments": self._fragments(status),
                 "peers": peers,
                 "eval": [p.as_dict() for p in self.history],
                 "versions": {"samples": list(self.samples), "marks": list(self.marks)},

@@ -7,15 +7,21 @@ on an in-process DHT peer.
 With ``--state-dir DIR`` it adds the contribution ledger of that peer (`node.ledger`: accepted tokens,
 merge weight and share per contributing peer, over every update that peer applied; key ``ledger`` in
 ``--json``). ``--ledger`` prints only that ledger, from the local files, without joining the DHT.
+
+It never pretends: without a peer to ask (no ``--initial-peers``, none in the manifest) it refuses (exit
+2), and when it saw no live peer it prints what it read and exits 1 with the reason. Raw unix times in
+the peers' decision lines are printed as UTC clock times with their distance from now.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -218,9 +224,29 @@ def screen_read(
     )
 
 
+_UNIX_TIME = re.compile(r"(?<![\w.])(1\d{9}(?:\.\d+)?)(?![\w.])")  # a unix time of 2001-2033 in a line
+
+
+def human_time(t: float, now: float) -> str:
+    """A unix time as a volunteer reads it: the UTC clock time and how far from `now` ("in 12 s")."""
+    delta = t - now
+    size = f"{abs(delta):.0f} s" if abs(delta) < 120 else f"{abs(delta) / 60:.0f} min"
+    when = f"in {size}" if delta >= 0 else f"{size} ago"
+    return f"{datetime.fromtimestamp(t, UTC).strftime('%H:%M:%S')} UTC ({when})"
+
+
+def humanize_times(line: str, now: float) -> str:
+    """`line` with each raw unix time in it (the peers' decision lines) written by `human_time`."""
+    return _UNIX_TIME.sub(lambda m: human_time(float(m.group(1)), now), line)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def format_status(status: dict[str, Any]) -> str:
     lines = [
-        f"run {status['run_id']} (manifest {status['manifest_hash']}): {len(status['peers'])} live peers, "
+        f"run {status['run_id']} (manifest {status['manifest_hash']}): {plural(len(status['peers']), 'live peer')}, "
         f"{sum(p['listed'] for p in status['peers'])} that may synchronize (the others' rows are their claims)"
     ]
     sync = status["synchronizer"]
@@ -237,7 +263,10 @@ def format_status(status: dict[str, Any]) -> str:
             f"{holder['peer_id']} term {holder['term']}" if holder else f"none (term {row['highest_term']})"
         )
         lines.append(f"shard {row['shard']} (fragments {fragments}): {held}")
-    lines.append("fragments: " + "  ".join(f"{f['index']}:v{f['version']}" for f in status["fragments"]))
+    if status["peers"]:
+        lines.append("fragments: " + "  ".join(f"{f['index']}:v{f['version']}" for f in status["fragments"]))
+    else:
+        lines.append("fragments: unknown (no live peer reports its versions)")
     ev = status.get("eval")
     if ev is not None:
         lines.append(
@@ -267,7 +296,7 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  from {sender[:16]}: {tag}: {n}")
     for p in status["peers"]:
         for line in p["decisions"][-3:]:
-            lines.append(f"{p['peer_id'][:16]}: {line}")
+            lines.append(f"{p['peer_id'][:16]}: {humanize_times(line, status['time'])}")
     for refused in status.get("refused_leases", []):
         lines.append(f"refused lease: {refused['peer_id']} term {refused['term']}: {refused['reason']}")
     if status["ignored"]:
@@ -297,25 +326,40 @@ def cli_status(args: argparse.Namespace) -> int:
         print(json.dumps(ledger) if args.json else format_ledger(ledger), flush=True)
         return 0
     initial = list(args.initial_peers or manifest.bootstrap)
+    if not initial:
+        raise ConfigError(
+            f"no peer to ask: {args.manifest} names no bootstrap node; pass --initial-peers ADDR (the whole "
+            "`bootstrap address:` line the run's bootstrap node printed, /ip4/HOST/tcp/PORT/p2p/Qm...)"
+        )
     try:
-        dht_peer = create_dht(initial_peers=initial, client_mode=True)
-    except ConnectionError as exc:
+        status = read_status(manifest, initial, args)
+    except (ConnectionError, TimeoutError) as exc:
         print(f"p2p-diloco status: {exc}", file=sys.stderr)
         return 1
+    if ledger is not None:
+        status["ledger"] = ledger
+    print(json.dumps(status) if args.json else format_status(status), flush=True)
+    if not status["peers"]:
+        print(
+            f"p2p-diloco status: no live peer of run {manifest.run_id} seen through {plural(len(initial), 'initial peer')} "
+            f"within --wait {args.wait:g} s: nobody trains this run now, or the address is another run's "
+            "(check the manifest and --initial-peers; a peer that just joined shows within a heartbeat, try --wait 30)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def read_status(manifest: RunManifest, initial: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """`swarm_status` read through a passive DHT client, retried while no peer is seen until --wait."""
+    dht_peer = create_dht(initial_peers=initial, client_mode=True)
     try:
         kv = DhtKeyValueStore(dht_peer, timeout=args.timeout)
         deadline = time.monotonic() + args.wait
         while True:  # right after joining the DHT a lookup can come back empty: retry until --wait
             status = swarm_status(kv, manifest, get_dht_time())
             if status["peers"] or time.monotonic() >= deadline:
-                break
+                return status
             time.sleep(0.5)
-    except TimeoutError as exc:
-        print(f"p2p-diloco status: {exc}", file=sys.stderr)
-        return 1
     finally:
         dht_peer.shutdown()
-    if ledger is not None:
-        status["ledger"] = ledger
-    print(json.dumps(status) if args.json else format_status(status), flush=True)
-    return 0

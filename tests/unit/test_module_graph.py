@@ -34,7 +34,6 @@ LONG_LEFT: dict[str, str] = {
     "node/status.py:swarm_status": "#39: 94 lines, not split yet",
     "swarm/synchronizer.py:offer_delta": "#39: 93 lines, not split yet",
     "baseline/diloco.py:outer_round": "#39: 82 lines, not split yet",
-    "node/metrics.py:snapshot_metrics": "#39: 81 lines, not split yet",
     "dashboard/collector.py:view": "#39: 78 lines, not split yet",
     "demo/checks.py:versions_went_back": "#39: 78 lines, not split yet",
     "swarm/membership.py:ingest": "#39: 78 lines, not split yet",
