@@ -62,6 +62,22 @@ def resident_bytes() -> int | None:
 
 def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
     """The metric families of one snapshot (module docstring lists them)."""
+    yield from _training_metrics(s)
+    yield from _synchronizer_metrics(s)
+    yield from _traffic_metrics(s)
+    yield from _exchange_metrics(s)
+    yield _labelled(
+        CounterMetricFamily,
+        "tick_errors",
+        "failed swarm or sync ticks, by exception type",
+        ["error"],
+        sorted(([error], n) for error, n in s.tick_errors.items()),
+    )
+    yield from _ledger_metrics(s)
+
+
+def _training_metrics(s: NodeSnapshot) -> Iterator[Metric]:
+    """What this process trained, how fast, to what loss, in how much memory."""
     yield _counter("steps", "inner steps trained by this process", s.step)
     yield _counter("tokens", "tokens trained by this process", s.tokens)
     yield _gauge("loss", "training loss of the last inner step (NaN before the first)", s.loss)
@@ -72,6 +88,10 @@ def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
     if rss is not None:
         yield _gauge("process_resident_bytes", "resident memory of this process (Linux)", rss)
     yield _gauge("training", "1 while this peer trains, 0 once it only serves", float(s.training))
+
+
+def _synchronizer_metrics(s: NodeSnapshot) -> Iterator[Metric]:
+    """This peer's role, the synchronizer and term it sees, its replica's versions, the live peers."""
     yield _labelled(
         GaugeMetricFamily,
         "role",
@@ -91,6 +111,10 @@ def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
         [([str(p)], v) for p, v in enumerate(s.versions)],
     )
     yield _gauge("live_peers", "peers with a live heartbeat, this one included", s.live_peers)
+
+
+def _traffic_metrics(s: NodeSnapshot) -> Iterator[Metric]:
+    """Bytes moved over the transport, and the inputs refused (by reason, and by sender and reason)."""
     yield _counter("bytes_sent", "transport payload bytes sent, pushed and served", s.bytes_sent)
     yield _counter("bytes_received", "transport payload bytes received and fetched", s.bytes_received)
     yield _labelled(
@@ -107,6 +131,10 @@ def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
         ["sender", "reason"],
         sorted(([sender, tag], n) for (sender, tag), n in s.rejections_by_sender.items()),
     )
+
+
+def _exchange_metrics(s: NodeSnapshot) -> Iterator[Metric]:
+    """The outer exchange as this peer took part: deltas, updates, failovers, rounds merged."""
     yield _counter("deltas_sent", "fragment deltas this peer sent", s.deltas_sent)
     yield _counter("deltas_rejected", "deltas of this peer the synchronizer refused", s.deltas_rejected)
     yield _counter("deltas_accepted", "remote deltas this peer accepted as synchronizer", s.deltas_accepted)
@@ -122,13 +150,10 @@ def snapshot_metrics(s: NodeSnapshot) -> Iterator[Metric]:
     yield _gauge(
         "rounds_merged", "rounds merged in the current term while this peer synchronizes", s.rounds_merged
     )
-    yield _labelled(
-        CounterMetricFamily,
-        "tick_errors",
-        "failed swarm or sync ticks, by exception type",
-        ["error"],
-        sorted(([error], n) for error, n in s.tick_errors.items()),
-    )
+
+
+def _ledger_metrics(s: NodeSnapshot) -> Iterator[Metric]:
+    """Each peer's share of the updates this peer applied: tokens, merge weight, updates."""
     for field, doc in (
         ("tokens", "tokens of each peer merged into updates this peer applied (ledger)"),
         ("weight", "merge weight of each peer in updates this peer applied (ledger)"),
