@@ -58,6 +58,7 @@ from p2p_diloco.model.trainer import make_trainer
 from p2p_diloco.net.dht_store import create_dht
 from p2p_diloco.net.identity import signing_key
 from p2p_diloco.node.state import StateDir
+from p2p_diloco.protocol import diloco
 
 MODE = "diloco"
 RELOAD_BACKOFF = 3.0  # seconds between two tries to load a peer's state
@@ -97,7 +98,7 @@ class DilocoWorker(BaselineWorker):
     # ---- start -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        opts, manifest, settings = self.options, self.manifest, self.settings
+        opts, manifest = self.options, self.manifest
         torch.set_num_threads(opts.threads)
         self.state = StateDir(opts.state_dir, manifest)
         self.dht_peer = create_dht(
@@ -105,6 +106,17 @@ class DilocoWorker(BaselineWorker):
         )
         peer_id, dht = self.dht_peer.peer_id, self.dht_peer.dht
         self.me = dht.peer_id.to_bytes()
+        restored = self._build_models(peer_id)
+        self._join_tracker(dht)
+        self._join_averager(dht)
+        self._announce_start(peer_id, restored)
+        if self.tracker.global_epoch > self.epoch:
+            self._reload()
+
+    def _build_models(self, peer_id: str) -> int | None:
+        """θ, Θ, momentum, AdamW (restored from ``baseline.pt`` if there is one), θ ← Θ, the data and the
+        inner step; the restored epoch."""
+        manifest = self.manifest
         corpus = load_corpus(manifest.data)
         self.model = build_model(manifest.model)
         self.global_model = build_model(manifest.model).requires_grad_(False)
@@ -117,7 +129,11 @@ class DilocoWorker(BaselineWorker):
         salt = int.from_bytes(hashlib.blake2b(f"{peer_id}:{time.time_ns()}".encode(), digest_size=7).digest())
         self.sampler = make_sampler(manifest, peer_id, corpus, salt=salt)
         self.trainer = make_trainer(manifest, self.model, self.inner, self.sampler)
-        elastic = opts.elastic
+        return restored
+
+    def _join_tracker(self, dht: Any) -> None:
+        """The progress records of this run's peers (`RoundTracker`), this peer's first one published."""
+        elastic = self.options.elastic
         self.tracker = RoundTracker(
             dht=dht,
             prefix=elastic.run_id,
@@ -126,10 +142,15 @@ class DilocoWorker(BaselineWorker):
             max_refresh_period=1.0,
             default_refresh_period=1.0,
             metadata_expiration=elastic.peer_expiration,
-            private_key=signing_key(opts.identity),
+            private_key=signing_key(self.options.identity),
             start=True,
         )
         self.tracker.report_local_progress(self.epoch, samples_accumulated=0)
+
+    def _join_averager(self, dht: Any) -> None:
+        """The all-reduce of outer gradients and the state served to peers (`OuterAverager`)."""
+        assert self.global_model is not None and self.model is not None
+        elastic = self.options.elastic
         shapes = [p.shape for p in self.global_model.parameters()]
         dtype = EXACT_DTYPE if elastic.compression == "fp32" else torch.float32  # see outer_averager
         self.averager = OuterAverager(
@@ -137,7 +158,7 @@ class DilocoWorker(BaselineWorker):
             dht,
             state=self._shared_state,
             prefix=f"{elastic.run_id}_outer",
-            target_group_size=settings.group_size,
+            target_group_size=self.settings.group_size,
             min_matchmaking_time=elastic.matchmaking_time,
             request_timeout=elastic.matchmaking_time / 2,
             allreduce_timeout=elastic.averaging_timeout,
@@ -149,13 +170,19 @@ class DilocoWorker(BaselineWorker):
         n_params = sum(p.numel() for p in self.model.parameters())
         self._gradient_bytes = n_params * (dtype.itemsize if elastic.compression == "fp32" else 2)
         self._state_bytes = 2 * n_params * 4  # Θ and momentum, float32
+
+    def _announce_start(self, peer_id: str, restored: int | None) -> None:
+        """The ``start`` event and the lines a person reads."""
+        assert self.model is not None and self.dht_peer is not None
+        elastic, settings = self.options.elastic, self.settings
+        n_params = sum(p.numel() for p in self.model.parameters())
         addresses = self.dht_peer.visible_addresses()
         self.event(
             "start",
             role=MODE,
             peer_id=peer_id,
-            run_id=manifest.run_id,
-            manifest_hash=manifest.manifest_hash,
+            run_id=self.manifest.run_id,
+            manifest_hash=self.manifest.manifest_hash,
             hivemind_run_id=elastic.run_id,
             restored_epoch=restored,
             inner_steps=settings.inner_steps,
@@ -169,8 +196,6 @@ class DilocoWorker(BaselineWorker):
             f"diloco worker joined {elastic.run_id}: {n_params} parameters, H = {settings.inner_steps}, "
             f"{'restored epoch ' + str(restored) if restored is not None else 'fresh state'}"
         )
-        if self.tracker.global_epoch > self.epoch:
-            self._reload()
 
     def _restore(self) -> int | None:
         """Θ, momentum, AdamW state and epoch from ``baseline.pt`` if it is one of this mode; its epoch."""
@@ -200,7 +225,7 @@ class DilocoWorker(BaselineWorker):
         """θ ← Θ: a new round starts from the global model."""
         assert self.model is not None and self.global_model is not None
         for local, glob in zip(self.model.parameters(), self.global_model.parameters(), strict=True):
-            local.copy_(glob)
+            local.copy_(diloco.adopt(local, glob, mode="overwrite"))
         self.round_steps = 0
 
     def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -229,69 +254,22 @@ class DilocoWorker(BaselineWorker):
             self.outer_round()
 
     def outer_round(self) -> None:
-        assert self.tracker is not None and self.averager is not None and self.global_model is not None
-        elastic = self.options.elastic
+        """Wait for the round's peers, all-reduce the outer gradients Θ − θ (or step alone), take the outer
+        step and start the next round from Θ (θ ← Θ); blocked time throughout (`ledger`)."""
+        assert self.global_model is not None and self.tracker is not None and self.averager is not None
         began = time.perf_counter()
         self.ledger.blocking_started(began)
-        names = [name for name, _ in self.global_model.named_parameters()]
         local = outer_gradients(list(self.global_model.parameters()), list(self.model.parameters()))
-        digest = outer_state_digest(self.global_model, self.momentum)
-        outcome, grads, group, attempts, stepped = None, local, 1, 0, 0.0
-        lost_at: float | None = None  # when this round's all-reduce showed this state is not canonical
+        stepped = 0.0
         try:
-            while outcome is None and not self.stop.is_set():
-                view = decide_round(
-                    self.me,
-                    self.epoch,
-                    self.tracker.fetch_peers(),
-                    target_samples=self._round_samples(),
-                    now=get_dht_time(),
-                    grace=self._grace(),
-                    waited=time.perf_counter() - began,
-                    wait_limit=self.settings.wait_limit,
-                    expected_peers=self.settings.group_size,
-                    lost_for=None if lost_at is None else time.perf_counter() - lost_at,
-                )
-                if view.decision == Decision.WAIT:
-                    self.stop.wait(0.1)
-                elif view.decision == Decision.RELOAD:
-                    if time.monotonic() >= self._next_reload and self._reload():
-                        return
-                    self.stop.wait(0.5)
-                elif view.decision == Decision.ALONE:
-                    outcome = ALONE
-                else:
-                    attempts += 1
-                    result = self.averager.average(
-                        local, epoch=self.epoch, digest=digest, timeout=elastic.averaging_timeout
-                    )
-                    gathered, averaged = (None, None) if isinstance(result, str) else result
-                    settle = settle_round(self.epoch, digest, gathered, lost=lost_at is not None)
-                    if settle == Settle.RETRY:
-                        reason = result if isinstance(result, str) else f"gathered {gathered}"
-                        self.event("round_failed", epoch=self.epoch, attempt=attempts, reason=reason[:300])
-                    elif settle == Settle.RELOAD:  # another member's state is the round's (rounds, rule 3)
-                        self.event(
-                            "global_models_differ", epoch=self.epoch, gathered=gathered, action="reload"
-                        )
-                        lost_at = time.perf_counter()  # wait a grace for a member that stepped
-                        self._next_reload = time.monotonic()
-                    else:
-                        outcome, grads, group = AVERAGED, averaged, len(gathered)
-            if outcome is None:
-                return  # stopped while waiting: the round's work stays pending (never merged)
+            settled = self._settle_round(local, began)
+            if settled is None:
+                return  # reloaded from a peer ahead, or stopped while waiting (the work stays pending)
+            outcome, grads, group, attempts, peers_seen = settled
+            names = [name for name, _ in self.global_model.named_parameters()]
             local_digest = self._alone_digest(names, local) if group > 1 else None
             t0 = time.perf_counter()
-            with self._lock:
-                outer_step(
-                    list(self.global_model.parameters()),
-                    self.momentum,
-                    grads,
-                    lr=self.manifest.diloco.outer_lr,
-                    mu=self.manifest.diloco.outer_momentum,
-                )
-                self.epoch += 1
-            self._adopt_global()
+            self._step_global(grads)
             stepped = time.perf_counter() - t0
         finally:
             self.ledger.blocking_ended(time.perf_counter() - began - stepped)
@@ -305,11 +283,73 @@ class DilocoWorker(BaselineWorker):
             epoch=self.epoch,
             outcome=outcome,
             group_size=group,
-            peers_seen=view.peers_at_epoch,
+            peers_seen=peers_seen,
             attempts=attempts,
             digest=parameter_digest(self.global_model),
             local_digest=local_digest,
         )
+
+    def _settle_round(
+        self, local: list[torch.Tensor], began: float
+    ) -> tuple[str, list[torch.Tensor], int, int, int] | None:
+        """(outcome, outer gradients to step with, group size, all-reduce attempts, peers seen at this epoch)
+        once the round is averaged or stepped alone (`rounds.decide_round`, `rounds.settle_round`); None if
+        this peer reloaded a peer's state instead, or was stopped."""
+        assert self.tracker is not None and self.averager is not None and self.global_model is not None
+        digest = outer_state_digest(self.global_model, self.momentum)
+        attempts = 0
+        lost_at: float | None = None  # when this round's all-reduce showed this state is not canonical
+        while not self.stop.is_set():
+            view = decide_round(
+                self.me,
+                self.epoch,
+                self.tracker.fetch_peers(),
+                target_samples=self._round_samples(),
+                now=get_dht_time(),
+                grace=self._grace(),
+                waited=time.perf_counter() - began,
+                wait_limit=self.settings.wait_limit,
+                expected_peers=self.settings.group_size,
+                lost_for=None if lost_at is None else time.perf_counter() - lost_at,
+            )
+            if view.decision == Decision.WAIT:
+                self.stop.wait(0.1)
+            elif view.decision == Decision.RELOAD:
+                if time.monotonic() >= self._next_reload and self._reload():
+                    return None
+                self.stop.wait(0.5)
+            elif view.decision == Decision.ALONE:
+                return ALONE, local, 1, attempts, view.peers_at_epoch
+            else:
+                attempts += 1
+                timeout = self.options.elastic.averaging_timeout
+                result = self.averager.average(local, epoch=self.epoch, digest=digest, timeout=timeout)
+                gathered, averaged = (None, None) if isinstance(result, str) else result
+                settle = settle_round(self.epoch, digest, gathered, lost=lost_at is not None)
+                if settle == Settle.RETRY:
+                    reason = result if isinstance(result, str) else f"gathered {gathered}"
+                    self.event("round_failed", epoch=self.epoch, attempt=attempts, reason=reason[:300])
+                elif settle == Settle.RELOAD:  # another member's state is the round's (rounds, rule 3)
+                    self.event("global_models_differ", epoch=self.epoch, gathered=gathered, action="reload")
+                    lost_at = time.perf_counter()  # wait a grace for a member that stepped
+                    self._next_reload = time.monotonic()
+                else:
+                    return AVERAGED, averaged, len(gathered), attempts, view.peers_at_epoch
+        return None  # stopped while waiting: the round's work stays pending (never merged)
+
+    def _step_global(self, grads: list[torch.Tensor]) -> None:
+        """The outer step on Θ and its momentum (`diloco.outer_step`), then θ ← Θ."""
+        assert self.global_model is not None
+        with self._lock:
+            outer_step(
+                list(self.global_model.parameters()),
+                self.momentum,
+                grads,
+                lr=self.manifest.diloco.outer_lr,
+                mu=self.manifest.diloco.outer_momentum,
+            )
+            self.epoch += 1
+        self._adopt_global()
 
     def _grace(self) -> float:
         """Seconds past its expected finish a silent peer of this epoch is still waited for."""

@@ -53,7 +53,7 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-from p2p_diloco.protocol.outer_step import nesterov_step
+from p2p_diloco.protocol import diloco
 
 GROUP_BITS = 16  # epochs modulo 2**16 name the matchmaking key: rounds that far apart never overlap
 
@@ -199,10 +199,11 @@ def epoch_group_bits(epoch: int) -> str:
 
 @torch.no_grad()
 def outer_gradients(global_params: Sequence[Tensor], local_params: Sequence[Tensor]) -> list[Tensor]:
-    """Θ − θ per tensor (float32): points against the local progress, like a gradient."""
+    """Θ − θ per tensor (float32, `diloco.outer_delta`): points against the local progress, like a gradient."""
     if len(global_params) != len(local_params):
         raise ValueError(f"{len(global_params)} global tensors but {len(local_params)} local ones")
-    return [g.detach().float() - p.detach().float() for g, p in zip(global_params, local_params, strict=True)]
+    pairs = zip(global_params, local_params, strict=True)
+    return [diloco.outer_delta(g.detach().float(), p.detach().float()) for g, p in pairs]
 
 
 @torch.no_grad()
@@ -214,8 +215,8 @@ def outer_step(
     lr: float,
     mu: float,
 ) -> None:
-    """Θ and the momentum buffers in place: Nesterov SGD with the outer gradients `grads`."""
+    """Θ and the momentum buffers in place: the core's outer Nesterov step with the outer gradients `grads`."""
     for param, buf, grad in zip(global_params, momentum, grads, strict=True):
-        new_param, new_buf = nesterov_step(param.detach().float(), buf, grad.float(), lr=lr, momentum=mu)
+        new_param, new_buf = diloco.outer_step(param.detach().float(), buf, grad.float(), lr=lr, momentum=mu)
         param.copy_(new_param)
         buf.copy_(new_buf)

@@ -122,7 +122,12 @@ def outer_step_into(
 
 
 def adopt(
-    theta: Tensor, new_global: Tensor, *, at_send: Tensor, mode: str = "carry", alpha: float = 0.5
+    theta: Tensor,
+    new_global: Tensor,
+    *,
+    at_send: Tensor | None = None,
+    mode: str = "carry",
+    alpha: float = 0.5,
 ) -> Tensor:
     """θ after an update that merged this learner's own delta, sent when θ was `at_send`: "carry" keeps the
     progress made since (Θ' + (θ − θ_at_send)), "overwrite" drops it (Θ'), "blend" is (1−α)·θ + α·Θ'."""
@@ -130,6 +135,8 @@ def adopt(
         return new_global
     if mode == "blend":
         return theta * (1 - alpha) + new_global * alpha
+    if mode != "carry" or at_send is None:
+        raise ValueError(f"adoption {mode!r} needs one of carry, overwrite, blend (carry: θ at send)")
     return new_global + (theta - at_send)
 
 

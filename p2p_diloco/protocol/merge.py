@@ -1,10 +1,11 @@
 """Validating learners' outer deltas and merging them into one outer gradient per fragment.
 
-Owns the merge weight (tokens x tokens-per-step), the checks every incoming delta must pass before it
-can reach the global state, and the two merge rules: RDA (weighted mean of norms times the direction
-of the weighted mean of unit vectors, per tensor; plain weighted mean for embeddings) and the plain
-weighted mean. Only the synchronizer merges; replicas apply the published (quantized) result, so the
-merge must be deterministic for given inputs but need not be bit-reproducible across machines.
+Owns the checks every incoming delta must pass before it can reach the global state, and the two merge
+rules: RDA (weighted mean of norms times the direction of the weighted mean of unit vectors, per tensor;
+plain weighted mean for embeddings) and the plain weighted mean. The merge weight (tokens x
+tokens-per-step) and the weighted mean are the core's (`protocol.diloco`: `merge_weight`, `merge`).
+Only the synchronizer merges; replicas apply the published (quantized) result, so the merge must be
+deterministic for given inputs but need not be bit-reproducible across machines.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
+from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.kernels import CHUNK, Scratch, all_finite, fresh, norm64, scratch
 
@@ -48,17 +50,7 @@ _GRAM_CANCELLATION = 1e-8
 
 DELTA_DTYPE = torch.float32
 
-
-def merge_weight(tokens: int, steps: int) -> float:
-    """A learner's merge weight: tokens x (tokens / steps), both counted since it last adopted the fragment.
-
-    Favours learners that trained on more data and with larger batches (more tokens per step).
-    """
-    if steps <= 0:
-        raise ValueError(f"steps must be > 0 to weigh a delta, got {steps}")
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
-    return float(tokens) * (float(tokens) / float(steps))
+merge_weight = diloco.merge_weight  # tokens x tokens/steps: the core's
 
 
 def check_tensors(
@@ -167,27 +159,10 @@ def merge_deltas(
                     f"{name}: delta {index} has shape {tuple(part.shape)}, delta 0 {tuple(shape)}"
                 )
         if rule == "mean" or name in embeddings:
-            merged[name] = _weighted_mean(parts, ws, total)
+            merged[name] = diloco.merge(parts, ws)  # sum w*v / fsum(w), float64
         else:
             merged[name] = _rda(parts, ws, total)
     return merged
-
-
-def _weighted_mean(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:
-    flats = [part.detach().cpu().reshape(-1) for part in parts]
-    out = fresh(parts[0].shape)
-    flat_out, n = out.view(-1), flats[0].numel()
-    with scratch() as buffers:
-        acc, term = (buffers.get(name, min(n, CHUNK), torch.float64) for name in ("mean.acc", "mean.term"))
-        for start in range(0, n, CHUNK):  # one cache-sized chunk at a time, accumulated in float64
-            stop = min(start + CHUNK, n)
-            a, t = acc[: stop - start], term[: stop - start]
-            a.copy_(flats[0][start:stop]).mul_(weights[0])
-            for flat, w in zip(flats[1:], weights[1:]):
-                t.copy_(flat[start:stop]).mul_(w)
-                a.add_(t)
-            flat_out[start:stop].copy_(a.div_(total))
-    return out
 
 
 def _rda(parts: Sequence[Tensor], weights: Sequence[float], total: float) -> Tensor:

@@ -1,6 +1,7 @@
 """One outer step on one fragment: outer Nesterov SGD on the (dequantized) merged gradient, computed into
 fresh tensors and hashed on the way (`PendingUpdate`), so that every replica reaches the same Θ', m' and
-checksum bit for bit. `GlobalReplica` applies it; the element-wise kernels live in `protocol.kernels`.
+checksum bit for bit. `GlobalReplica` applies it; the step is the core's (`protocol.diloco.outer_step`),
+whose element-wise kernels live in `protocol.kernels`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from p2p_diloco.protocol import kernels
+from p2p_diloco.protocol import diloco, kernels
 from p2p_diloco.protocol.checksum import FragmentHasher
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.merge import ACCEPT, MergeTag, check_tensors
@@ -19,25 +20,8 @@ from p2p_diloco.protocol.merge import ACCEPT, MergeTag, check_tensors
 REFUSE = Action.REFUSE
 
 
-def nesterov_step(
-    param: Tensor, momentum_buf: Tensor, grad: Tensor, *, lr: float, momentum: float
-) -> tuple[Tensor, Tensor]:
-    """One outer Nesterov SGD step on float32 tensors, returning (new param, new momentum); no mutation.
-
-    m' = mu*m + g;  Θ' = Θ - lr*(g + mu*m').  g is the outer gradient (anchor - θ), so it points
-    against progress like a gradient. Every operation is a separate element-wise float32 kernel with
-    its own rounding, because replicas on different CPUs must agree bit for bit: a fused multiply-add
-    (torch's `add(alpha=)`, `addcmul`, `lerp`, or one expression compiled into an FMA) rounds once
-    instead of twice, and whether a kernel uses FMA depends on the CPU and build. Plain `+`/`-` are
-    safe: torch may run them as fma(b, ±1, a), but multiplying by ±1 is exact, so the single rounding is
-    that of the plain sum. lr and momentum are rounded to float32 once, the same on every peer.
-    The kernels run a cache-sized chunk at a time (`kernels.nesterov_into`), which changes no element's
-    operations.
-    """
-    new_param, new_momentum = torch.empty(param.shape), torch.empty(param.shape)
-    mu, rate = kernels.float32_scalar(momentum), kernels.float32_scalar(lr)
-    kernels.nesterov_into(param, momentum_buf, grad, new_param, new_momentum, mu=mu, rate=rate)
-    return new_param, new_momentum
+# One step on one tensor: the core's (m' = mu*m + g; Θ' = Θ - lr*(g + mu*m'), no FMA; see its docstring).
+nesterov_step = diloco.outer_step
 
 
 @dataclass(frozen=True)
@@ -90,13 +74,8 @@ def outer_step(
     hasher = FragmentHasher(to_version)
     for name, (param, moment) in state.items():  # plan order: the checksum's order
         new_params[name], new_momentum[name] = kernels.fresh(param.shape), kernels.fresh(param.shape)
-        step = (
-            kernels.nesterov_quantized_into
-            if isinstance(outer_grad[name], kernels.QuantizedTensor)
-            else kernels.nesterov_into
-        )
         hasher.begin(name, tuple(param.shape))
-        finite = step(
+        finite = diloco.outer_step_into(
             param,
             moment,
             outer_grad[name],

@@ -7,7 +7,9 @@ re-sparsified or left in a residual:
    whose norm exceeds the round's median norm is scaled down to it (the lower median: of an even count,
    the smaller middle norm, as `torch.median`; one contribution is never clipped).
 2. At every index some contribution sent, the merged value is the weighted mean of the (clipped) values
-   sent there, weights the contributions' token counts; everywhere else it is zero.
+   sent there, weights the contributions' token counts; everywhere else it is zero. That is the core's
+   token-weighted mean (`protocol.diloco.merge`) taken index by index over the deltas that sent the index;
+   it is computed here on the union of the sent indices (a dense copy of each delta would cost memory).
 
 Every replica computes this itself from the same deltas, so the result must be bit-identical whatever the
 machine and whatever order the contributions arrive in: contributions are taken in the order of

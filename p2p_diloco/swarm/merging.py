@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.merge import merge_deltas
@@ -70,10 +71,8 @@ class Merger:
             embedding_names=self.embedding_names,
         )
         contributions[:] = [dataclasses.replace(c, payload=None) for c in contributions]
-        if self.manifest.diloco.outer_scaling == "contributors" and len(contributions) < live:
-            scale = torch.tensor(len(contributions) / live, dtype=torch.float32)
-            for t in merged.values():  # merge_deltas returns fresh tensors: scaled in place, no copy
-                t.mul_(scale)
+        if self.manifest.diloco.outer_scaling == "contributors":  # merge_deltas' tensors are fresh: in place
+            diloco.scale_to_live(list(merged.values()), len(contributions), live)
         wire = self.manifest.wire
         payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
         del merged  # the update is its encoding from here on
