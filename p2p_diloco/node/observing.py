@@ -86,19 +86,10 @@ class Observing:
         """Register the periodic jobs on `driver` (before `driver.start`)."""
         self.driver, self.ledger = driver, ledger
         opts = self.options.evaluation
-
-        def publish_stats() -> None:  # owner thread; the store on the I/O thread
-            now, c = self.clock.now(), counts()
-            sent, received = (c.bytes_sent, c.bytes_received) if c is not None else (0, 0)
-            value = PeerStats(self.started_at, device[:32], sent, received).to_bytes()
-            key = stats_key(self.manifest.run_id, self.manifest.manifest_hash)
-            expiration = now + 3 * self.options.stats_seconds
-            driver.run_io(lambda: driver.kv.store(key, self.peer_id, value, expiration), None)
-
-        driver.every(self.options.stats_seconds, publish_stats)
+        driver.every(self.options.stats_seconds, lambda: self._publish_stats(driver, device, counts))
         if opts.mode is EvalMode.NEVER and not self.sinks:
             return
-        evaluator = self.evaluator = GlobalEvaluator(
+        self.evaluator = GlobalEvaluator(
             self.manifest,
             opts,
             peer_id=self.peer_id,
@@ -110,6 +101,22 @@ class Observing:
         self.worker = EvalWorker(
             self.manifest, opts, lambda: build_model(self.manifest.model).to(device), eval_data
         )
+        self._schedule_evaluation(driver, self.evaluator, peer)
+
+    def _publish_stats(
+        self, driver: ThreadedDriver, device: str, counts: Callable[[], TransportCounts | None]
+    ) -> None:
+        """On the owner thread: this peer's `PeerStats`, stored on the I/O thread (expires after 3 periods)."""
+        now, c = self.clock.now(), counts()
+        sent, received = (c.bytes_sent, c.bytes_received) if c is not None else (0, 0)
+        value = PeerStats(self.started_at, device[:32], sent, received).to_bytes()
+        key = stats_key(self.manifest.run_id, self.manifest.manifest_hash)
+        expiration = now + 3 * self.options.stats_seconds
+        driver.run_io(lambda: driver.kv.store(key, self.peer_id, value, expiration), None)
+
+    def _schedule_evaluation(self, driver: ThreadedDriver, evaluator: GlobalEvaluator, peer: Peer) -> None:
+        """Follow the eval history while it matters to us and, unless never evaluating, ask if one is due."""
+        opts = self.options.evaluation
 
         def frozen() -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
             # the replica's own tensors (never changed in place: they keep this version's values), no copy
@@ -128,9 +135,7 @@ class Observing:
             if request is not None:
                 self._requests.put(request)
 
-        def follow() -> (
-            bool
-        ):  # owner thread: read the history while it matters to us (we log it, or may evaluate)
+        def follow() -> bool:  # owner thread: read the history while we log it or may evaluate
             return bool(self.sinks) or evaluator.wants_to_evaluate(self.clock.now(), peer.sync is not None)
 
         driver.every(

@@ -44,7 +44,6 @@ LONG_LEFT: dict[str, str] = {
     "protocol/lease_rules.py:screen_leases": "#39: 69 lines, not split yet",
     "net/dht_store.py:start_dht": "#39: 68 lines, not split yet",
     "protocol/election.py:_decide_claim": "#39: 68 lines, not split yet",
-    "node/observing.py:attach": "#39: 67 lines, not split yet",
     "swarm/membership.py:decide": "#39: 67 lines, not split yet",
     "swarm/peer.py:__init__": "#39: 66 lines, not split yet",
     "demo/checks.py:newcomer_check": "#39: 64 lines, not split yet",
