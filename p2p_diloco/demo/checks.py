@@ -59,25 +59,39 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
     (an ``applied`` event: pushed to it, checked, applied). An update a holder published that nobody
     else applied (refused as not validly leased, or lost with its publisher) is not global state.
     """
-    problems: list[dict[str, Any]] = []
-    replicated = _update_rows(events_by_peer, "applied")
-    first_replicated: dict[tuple[int, int, tuple], float] = {}
-    for t, fragment, version, update, _peer in replicated:
+    first_replicated: dict[tuple[int, int, tuple], float] = {}  # (fragment, version, update) -> first t
+    for t, fragment, version, update, _peer in _update_rows(events_by_peer, "applied"):
         first_replicated.setdefault((fragment, version, update), t)
+    problems = _forked(first_replicated) + _republished(events_by_peer, first_replicated)
+    replicated_updates = set(first_replicated)
+    for peer, events in events_by_peer.items():
+        problems += _replica_went_back(peer, events, replicated_updates)
+    return sorted(problems, key=lambda p: float(p.get("t") or 0.0))
+
+
+def _forked(first_replicated: Mapping[tuple[int, int, tuple], float]) -> list[dict[str, Any]]:
+    """Versions of a fragment that two different updates made, both replicated."""
     by_version: dict[tuple[int, int], set] = defaultdict(set)
     for fragment, version, update in first_replicated:
         by_version[(fragment, version)].add(update)
-    for (fragment, version), updates in sorted(by_version.items()):
-        if len(updates) > 1:
-            problems.append(
-                {
-                    "t": max(first_replicated[(fragment, version, u)] for u in updates),
-                    "kind": "forked",
-                    "fragment": fragment,
-                    "version": version,
-                    "updates": sorted(map(list, updates), key=str),
-                }
-            )
+    return [
+        {
+            "t": max(first_replicated[(fragment, version, u)] for u in updates),
+            "kind": "forked",
+            "fragment": fragment,
+            "version": version,
+            "updates": sorted(map(list, updates), key=str),
+        }
+        for (fragment, version), updates in sorted(by_version.items())
+        if len(updates) > 1
+    ]
+
+
+def _republished(
+    events_by_peer: Mapping[str, Sequence[Event]], first_replicated: Mapping[tuple[int, int, tuple], float]
+) -> list[dict[str, Any]]:
+    """Replicated updates published at or below a version another update had already replicated."""
+    problems = []
     for t, fragment, version, update, peer in _update_rows(events_by_peer, "published"):
         if (fragment, version, update) not in first_replicated:
             continue  # nobody else applied it (fenced off, e.g. a holder cut off from the DHT): not global
@@ -100,36 +114,40 @@ def versions_went_back(events_by_peer: Mapping[str, Sequence[Event]]) -> list[di
                     "after_term": u[0],
                 }
             )
-    replicated_updates = set(first_replicated)
-    for peer, events in events_by_peer.items():
-        current: tuple[int, ...] | None = None
-        made_by: dict[tuple[int, int], tuple] = {}  # (fragment, version) -> the update that made it here
-        for e in events:
-            kind = e.get("event")
-            if kind in ("published", "applied") and all(k in e for k in ("fragment", "version")):
-                made_by[(int(e["fragment"]), int(e["version"]))] = (e.get("term"), e.get("leader"))
-            if kind == "start":
-                current = _versions(e.get("versions"))
-            elif kind == "progress" and (seen := _versions(e.get("versions"))) is not None:
-                if current is not None and len(current) == len(seen):
-                    back = [
-                        p
-                        for p, (a, b) in enumerate(zip(current, seen, strict=True))
-                        if b < a and _dropped_global(made_by, replicated_updates, p, range(b + 1, a + 1))
-                    ]
-                    if back:
-                        problems.append(
-                            {
-                                "t": e.get("t"),
-                                "kind": "replica went back",
-                                "peer": peer,
-                                "fragments": back,
-                                "from": list(current),
-                                "to": list(seen),
-                            }
-                        )
-                current = seen
-    return sorted(problems, key=lambda p: float(p.get("t") or 0.0))
+    return problems
+
+
+def _replica_went_back(peer: str, events: Sequence[Event], replicated: set) -> list[dict[str, Any]]:
+    """Within one process lifetime (from a ``start``), `peer`'s versions decreasing past global state."""
+    problems = []
+    current: tuple[int, ...] | None = None
+    made_by: dict[tuple[int, int], tuple] = {}  # (fragment, version) -> the update that made it here
+    for e in events:
+        kind = e.get("event")
+        if kind in ("published", "applied") and all(k in e for k in ("fragment", "version")):
+            made_by[(int(e["fragment"]), int(e["version"]))] = (e.get("term"), e.get("leader"))
+        if kind == "start":
+            current = _versions(e.get("versions"))
+        elif kind == "progress" and (seen := _versions(e.get("versions"))) is not None:
+            if current is not None and len(current) == len(seen):
+                back = [
+                    p
+                    for p, (a, b) in enumerate(zip(current, seen, strict=True))
+                    if b < a and _dropped_global(made_by, replicated, p, range(b + 1, a + 1))
+                ]
+                if back:
+                    problems.append(
+                        {
+                            "t": e.get("t"),
+                            "kind": "replica went back",
+                            "peer": peer,
+                            "fragments": back,
+                            "from": list(current),
+                            "to": list(seen),
+                        }
+                    )
+            current = seen
+    return problems
 
 
 def digest_agreement(peers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

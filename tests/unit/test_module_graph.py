@@ -34,7 +34,6 @@ LONG_LEFT: dict[str, str] = {
     "node/status.py:swarm_status": "#39: 94 lines, not split yet",
     "swarm/synchronizer.py:offer_delta": "#39: 93 lines, not split yet",
     "dashboard/collector.py:view": "#39: 78 lines, not split yet",
-    "demo/checks.py:versions_went_back": "#39: 78 lines, not split yet",
     "swarm/membership.py:ingest": "#39: 78 lines, not split yet",
     "protocol/election.py:_decide_as_holder": "#39: 77 lines, not split yet",
     "demo/report.py:plot_all": "#39: 75 lines, not split yet",
