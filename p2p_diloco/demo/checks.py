@@ -259,19 +259,47 @@ def newcomer_check(
         return {**row, "ok": False, "why": "it never started"}
     t0 = float(start["t"])
     row["started"] = t0
-    target = _elementwise_max(
+    target = row["swarm_at_start"] = _swarm_versions_at(swarm, t0)
+    reached = _first_reaching(newcomer[newcomer.index(start) :], target) if target is not None else None
+    if reached is not None:
+        e, mine = reached
+        row["reached_after"] = round(float(e.get("t", t0)) - t0, 2)
+        row["reached_versions"] = mine
+    bound = 2 * heartbeat_period
+    row["bound"] = bound
+    in_time = row["reached_after"] is not None and row["reached_after"] <= bound
+    row["ok"] = in_time and not from_zero
+    if not row["ok"]:
+        row["why"] = (
+            f"published {len(from_zero)} version(s) of its own branch from 0"
+            if from_zero
+            else f"reached the swarm's versions after {row['reached_after']} s (bound {bound} s)"
+        )
+    return row
+
+
+def _swarm_versions_at(swarm: Mapping[str, Sequence[Event]], t: float) -> list[int] | None:
+    """The element-wise max of the versions the swarm's ``progress`` events reported up to `t`."""
+    return _elementwise_max(
         [
             v
             for events in swarm.values()
             for e in events
             if e.get("event") == "progress"
-            and float(e.get("t", 0)) <= t0
+            and float(e.get("t", 0)) <= t
             and (v := _versions(e.get("versions")))
         ]
     )
-    row["swarm_at_start"] = target
+
+
+def _first_reaching(events: Sequence[Event], target: Sequence[int]) -> tuple[Event, list[int]] | None:
+    """The first event after which the peer's versions are all at least `target`, and those versions.
+
+    Its versions are what it reports (``start``, ``progress``, ``catch_up`` ``after``), raised by each
+    update it applied, replayed or published in between (when it applied it, not at its next progress).
+    """
     mine: list[int] | None = None
-    for e in newcomer[newcomer.index(start) :] if target is not None else ():
+    for e in events:
         kind = e.get("event")
         fragment, version = e.get("fragment"), e.get("version")
         if kind in ("start", "catch_up", "progress"):
@@ -284,7 +312,7 @@ def newcomer_check(
             and isinstance(version, int)
             and 0 <= fragment < len(mine)
         ):
-            mine[fragment] = max(mine[fragment], version)  # when it applied it, not at its next progress
+            mine[fragment] = max(mine[fragment], version)
         else:
             continue
         if (
@@ -292,17 +320,5 @@ def newcomer_check(
             and len(mine) == len(target)
             and all(m >= n for m, n in zip(mine, target, strict=True))
         ):
-            row["reached_after"] = round(float(e.get("t", t0)) - t0, 2)
-            row["reached_versions"] = list(mine)
-            break
-    bound = 2 * heartbeat_period
-    row["bound"] = bound
-    in_time = row["reached_after"] is not None and row["reached_after"] <= bound
-    row["ok"] = in_time and not from_zero
-    if not row["ok"]:
-        row["why"] = (
-            f"published {len(from_zero)} version(s) of its own branch from 0"
-            if from_zero
-            else f"reached the swarm's versions after {row['reached_after']} s (bound {bound} s)"
-        )
-    return row
+            return e, list(mine)
+    return None
