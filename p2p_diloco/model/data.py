@@ -67,7 +67,27 @@ def _read_text_file(path: Path) -> str:
         ) from exc
     if not raw:
         raise ConfigError(f"data file {path} is empty; give a non-empty text file or {fix}")
+    why = binary_reason(raw)
+    if why:
+        raise ConfigError(f"data file {path} is not text ({why}); give UTF-8 text files or {fix}")
     return raw.decode("utf-8", errors="replace")
+
+
+BINARY_SAMPLE = 1 << 16  # bytes looked at
+MAX_UNDECODABLE = 0.05  # share of replaced or control characters a text file may have
+
+
+def binary_reason(raw: bytes) -> str | None:
+    """Why `raw` is not text (a NUL byte, or many bytes that are not UTF-8 or are control codes), or None."""
+    sample = raw[:BINARY_SAMPLE]
+    nul = sample.find(b"\x00")
+    if nul >= 0:
+        return f"a NUL byte at offset {nul}: a binary file such as an executable or archive"
+    text = sample.decode("utf-8", errors="replace")
+    bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\t\n\r\f"))
+    if text and bad / len(text) > MAX_UNDECODABLE:
+        return f"{bad / len(text):.0%} of its first {len(sample):,} bytes are not UTF-8 text"
+    return None
 
 
 def split_train_eval(data: Tensor, eval_fraction: float) -> tuple[Tensor, Tensor]:
@@ -94,7 +114,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     """Load the text named by `cfg` as bytes and split it; deterministic, no network access.
 
     "builtin": Python's bundled `pydoc_data.topics` (~465 KB of English), joined in sorted key order.
-    "files": `cfg.paths` in the given order, decoded as UTF-8 with errors replaced, joined by a blank line.
+    "files": `cfg.paths` in the given order (relative ones from the manifest's folder, `DataConfig.path`),
+    decoded as UTF-8 with errors replaced, joined by a blank line; a binary file is refused.
     "shards": the prepared token shards `cfg.shards` (memory-mapped, checked against `cfg.digest`).
     Raises `ConfigError` naming the path for a missing, unreadable or empty file.
     """
@@ -113,7 +134,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     elif cfg.source == "files":
         if not cfg.paths:
             raise ConfigError("data.source = 'files' needs data.paths = ['corpus.txt', ...]")
-        text = FILE_SEPARATOR.join(_read_text_file(Path(p)) for p in cfg.paths)
+        text = FILE_SEPARATOR.join(_read_text_file(cfg.path(p)) for p in cfg.paths)
         name = "files:" + ",".join(cfg.paths)
     else:
         raise ConfigError(f"data.source must be 'builtin' or 'files', got {cfg.source!r}")

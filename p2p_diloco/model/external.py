@@ -30,9 +30,11 @@ forward is probed once before a peer joins and by ``model-digest`` (`model.contr
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -111,12 +113,55 @@ def _table_config(cfg: ModelConfig) -> Any:
         raise ConfigError(
             'model.config needs model_type (e.g. "llama", "gpt2", "qwen2") to pick the transformers class'
         )
+    check_model_type(model_type)
     try:
         config = AutoConfig.for_model(model_type, **raw)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model.config: transformers refused it: {exc}") from exc
+    except Exception as exc:  # huggingface_hub's strict dataclass checks: a value of the wrong type
+        raise ConfigError(typed_value_message(raw, exc)) from exc
     check_hf_config(cfg.resolved_config, config)  # unknown keys, heads that do not fit (model/hf_check.py)
+    check_token_ids(cfg.resolved_config, config)
     return config
+
+
+def check_model_type(model_type: str) -> None:
+    """`ConfigError` naming the few closest known types when transformers has no `model_type`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if model_type in known:
+        return
+    close = difflib.get_close_matches(str(model_type), known, n=5, cutoff=0.5)
+    hint = f"the closest: {', '.join(close)}" if close else 'e.g. "llama", "gpt2", "qwen2", "mistral"'
+    raise ConfigError(
+        f"model.config.model_type = {model_type!r} is not a model type of this transformers; {hint}"
+    )
+
+
+def typed_value_message(raw: Mapping[str, Any], exc: Exception) -> str:
+    """A strict config field's refusal (huggingface_hub's `StrictDataclassFieldValidationError`, which
+    names the field) as the `[model.config]` key, its value and the fix."""
+    match = re.search(r"field '(\w+)'", str(exc))
+    key = match.group(1) if match else None
+    detail = str(exc).strip().splitlines()[-1].strip()
+    if key is None or key not in raw:
+        return f"model.config: transformers refused it: {detail}"
+    return f"model.config.{key} = {raw[key]!r} has the wrong type ({detail}): write a whole number such as 2"
+
+
+def check_token_ids(table: Mapping[str, Any], config: Any) -> None:
+    """`ConfigError` when the padding token is outside the vocabulary (transformers' embedding asserts on
+    it: Phi-3's default pad_token_id 32000 with a 4096-token vocabulary)."""
+    vocab = getattr(config, "vocab_size", None)
+    pad = getattr(config, "pad_token_id", None)
+    if not isinstance(vocab, int) or not isinstance(pad, int) or 0 <= pad < vocab:
+        return
+    source = "set in [model.config]" if "pad_token_id" in table else f"the {config.model_type} default"
+    raise ConfigError(
+        f"model.config.pad_token_id = {pad} ({source}) is outside the vocabulary of vocab_size = {vocab}: "
+        f"set pad_token_id under [model.config] to a token id below {vocab} (e.g. 0), or raise vocab_size"
+    )
 
 
 def _pretrained_config(folder: Path) -> Any:
@@ -152,7 +197,7 @@ def _build_hf(cfg: ModelConfig) -> nn.Module:
     if not cfg.pretrained:
         try:
             model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, AssertionError) as exc:
             raise ConfigError(f"model.config: transformers cannot build a causal LM from it: {exc}") from exc
         return HFCausalLM(model)
     folder = pretrained_folder(cfg)

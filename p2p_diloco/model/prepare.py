@@ -79,7 +79,20 @@ def iter_documents(
             for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
                 yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
         else:
-            yield path.read_bytes().decode("utf-8", errors="replace")
+            yield read_text(path)
+
+
+def read_text(path: Path) -> str:
+    """A whole text file; `ConfigError` for a binary one (an executable would tokenize into noise)."""
+    from p2p_diloco.model.data import binary_reason
+
+    raw = path.read_bytes()
+    why = binary_reason(raw)
+    if why:
+        raise ConfigError(
+            f"input {path} is not text ({why}): give UTF-8 text (.txt/.md), .jsonl or .parquet files"
+        )
+    return raw.decode("utf-8", errors="replace")
 
 
 def tokenizer_file(spec: str) -> Path:
