@@ -195,8 +195,9 @@ def _build_hf(cfg: ModelConfig) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if not cfg.pretrained:
+        config = hf_config(cfg)  # its ConfigError says what is wrong by itself
         try:
-            model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except (ValueError, TypeError, AssertionError) as exc:
             raise ConfigError(f"model.config: transformers cannot build a causal LM from it: {exc}") from exc
         return HFCausalLM(model)
