@@ -11,13 +11,21 @@ Per system the report has ``stalls`` (one row per synchronizer kill, `demo.stall
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.demo import accounting, stalls
 from p2p_diloco.demo.orchestrator import RunRecord
 from p2p_diloco.demo.workers import BASELINE, DECOUPLED, DILOCO
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+Event = Mapping[str, Any]
 
 SYSTEMS = (DECOUPLED, BASELINE, DILOCO)  # report.json sections, in the order they are shown
 
@@ -42,30 +50,8 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
         a - record.start for a in accounting.version_advances(all_events) if record.start <= a <= record.end
     ]
     names = {peer_id: name for name, peer_id in record.peer_ids.items()}
-    changes = [
-        {
-            **c,
-            "t": c["t"] - record.start,
-            "from": names.get(c["from"], c["from"]),
-            "to": names.get(c["to"], c["to"]),
-        }
-        for c in accounting.failovers(all_events)
-        if record.start <= c["t"] <= record.end
-    ]
-    wall = record.end - record.start
-    accepts = [
-        {**a, "t": a["t"] - record.start, "peer": names.get(a["peer"], a["peer"])}
-        for a in stalls.first_accepts(record.events)
-    ]
-    published = [{**e, "t": e["t"] - record.start} for e in all_events if e.get("event") == "published"]
-    shard_count = manifest.diloco.synchronizer_shards
-    kills = [
-        {**k, "shards": stalls.held_shards(published, k["peer_id"], float(k["t"]), shard_count)}
-        if "peer_id" in k and "t" in k
-        else k
-        for k in record.kills
-    ]
-    stall_rows = stalls.sync_kill_stalls(kills, advances, accepts, end=wall)
+    changes = _failover_log(record, all_events, names)
+    stall_rows = _sync_kill_stalls(record, all_events, advances, names, manifest.diloco.synchronizer_shards)
     return {
         "goodput": books["goodput"],
         "uptime": accounting.uptime(advances, start=0.0, end=record.end - record.start, period=period),
@@ -91,6 +77,39 @@ def summarize_record(record: RunRecord, manifest: RunManifest, period: float | N
         "stall_summary": stalls.stall_summary(stall_rows),
         **({"checks": record.checks} if record.checks is not None else {}),
     }
+
+
+def _failover_log(record: RunRecord, all_events: list[Event], names: dict[str, str]) -> list[dict[str, Any]]:
+    """The failovers within the run, in seconds since its start, peers by learner name."""
+    return [
+        {
+            **c,
+            "t": c["t"] - record.start,
+            "from": names.get(c["from"], c["from"]),
+            "to": names.get(c["to"], c["to"]),
+        }
+        for c in accounting.failovers(all_events)
+        if record.start <= c["t"] <= record.end
+    ]
+
+
+def _sync_kill_stalls(
+    record: RunRecord, all_events: list[Event], advances: list[float], names: dict[str, str], shard_count: int
+) -> list[dict[str, Any]]:
+    """One row per synchronizer kill (`stalls.sync_kill_stalls`), each kill with the shards it held."""
+    wall = record.end - record.start
+    accepts = [
+        {**a, "t": a["t"] - record.start, "peer": names.get(a["peer"], a["peer"])}
+        for a in stalls.first_accepts(record.events)
+    ]
+    published = [{**e, "t": e["t"] - record.start} for e in all_events if e.get("event") == "published"]
+    kills = [
+        {**k, "shards": stalls.held_shards(published, k["peer_id"], float(k["t"]), shard_count)}
+        if "peer_id" in k and "t" in k
+        else k
+        for k in record.kills
+    ]
+    return stalls.sync_kill_stalls(kills, advances, accepts, end=wall)
 
 
 def print_summary(report: dict[str, Any], out: Path) -> None:
@@ -201,12 +220,26 @@ def newcomer_line(row: dict[str, Any]) -> str:
 
 
 def plot_all(report: dict[str, Any], out: Path) -> None:
+    """``eval_loss.png``, ``versions.png`` and ``timeline.png`` in `out` (module docstring)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     systems = [s for s in SYSTEMS if report.get(s)]
+    for plot, name in (
+        (plot_eval_loss, "eval_loss"),
+        (plot_versions, "versions"),
+        (plot_timeline, "timeline"),
+    ):
+        fig = plot(plt, report, systems)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+
+def plot_eval_loss(plt: ModuleType, report: dict[str, Any], systems: list[str]) -> Figure:
+    """The global model's eval loss vs seconds (kills dotted) and vs tokens, one line per system."""
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4))
     for system in systems:
         curve = report[system]["eval_curve"]
@@ -222,29 +255,16 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
     for ax in (by_time, by_tokens):
         ax.set_ylabel("global model eval loss")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "eval_loss.png", dpi=100)
-    plt.close(fig)
+    return fig
 
+
+def plot_versions(plt: ModuleType, report: dict[str, Any], systems: list[str]) -> Figure:
+    """Global updates over time per system, with its kills, failovers and synchronizer stalls marked."""
     fig, ax = plt.subplots(figsize=(11, 3.5))
     for system in systems:
         advances = report[system]["advances"]
         ax.step(advances, range(1, len(advances) + 1), where="post", label=f"{system} global advances")
-        for kill in report[system]["kills"]:
-            if "skipped" not in kill:
-                color = "red" if stalls.is_sync_kill(kill) else "black"
-                ax.axvline(kill["t"], color=color, alpha=0.5, linestyle=":")
-                what = {"stop_learner": "stop", "kill_bootstrap": "kill"}.get(kill.get("action", ""), "kill")
-                ax.text(kill["t"], 0, f" {what} {kill['learner']}", fontsize=7, rotation=90, color=color)
-        for change in report[system]["failover_log"]:
-            ax.axvline(change["t"], color="green", alpha=0.4)
-        for row in report[system].get("stalls", []):
-            lo = row["last_before"] if row["last_before"] is not None else 0.0
-            hi = row["first_after"] if row["first_after"] is not None else report[system]["wall_seconds"]
-            ax.axvspan(lo, hi, color="red", alpha=0.12)
-            ax.text(lo, len(advances) * 0.9, f" {row['stall']:.1f} s", fontsize=7, color="red")
-            if row.get("first_accept") is not None:
-                ax.axvline(row["first_accept"], color="purple", alpha=0.6, linestyle="--")
+        _mark_kills_and_stalls(ax, report[system], len(advances))
     ax.set_xlabel(
         "seconds (red: synchronizer killed, shaded: its stall, purple: first delta the new holder accepted, "
         "black: learner killed, green: new synchronizer)",
@@ -252,10 +272,30 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
     )
     ax.set_ylabel("global updates")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "versions.png", dpi=100)
-    plt.close(fig)
+    return fig
 
+
+def _mark_kills_and_stalls(ax: Axes, r: dict[str, Any], updates: int) -> None:
+    """One system's kills (red: the synchronizer's), new synchronizers, stalls and first accepts."""
+    for kill in r["kills"]:
+        if "skipped" not in kill:
+            color = "red" if stalls.is_sync_kill(kill) else "black"
+            ax.axvline(kill["t"], color=color, alpha=0.5, linestyle=":")
+            what = {"stop_learner": "stop", "kill_bootstrap": "kill"}.get(kill.get("action", ""), "kill")
+            ax.text(kill["t"], 0, f" {what} {kill['learner']}", fontsize=7, rotation=90, color=color)
+    for change in r["failover_log"]:
+        ax.axvline(change["t"], color="green", alpha=0.4)
+    for row in r.get("stalls", []):
+        lo = row["last_before"] if row["last_before"] is not None else 0.0
+        hi = row["first_after"] if row["first_after"] is not None else r["wall_seconds"]
+        ax.axvspan(lo, hi, color="red", alpha=0.12)
+        ax.text(lo, updates * 0.9, f" {row['stall']:.1f} s", fontsize=7, color="red")
+        if row.get("first_accept") is not None:
+            ax.axvline(row["first_accept"], color="purple", alpha=0.6, linestyle="--")
+
+
+def plot_timeline(plt: ModuleType, report: dict[str, Any], systems: list[str]) -> Figure:
+    """Per system, per learner: busy, starting or catching up, down, stopped over the run."""
     fig, axes = plt.subplots(
         len(systems), 1, figsize=(11, 1 + 0.5 * report[systems[0]]["learners"] * len(systems))
     )
@@ -272,9 +312,7 @@ def plot_all(report: dict[str, Any], out: Path) -> None:
             f"{system}: green busy, orange starting/catching up, red down, purple stopped", fontsize=9
         )
     axes[-1].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(out / "timeline.png", dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _segments(marks: list[tuple[float, str]], wall: float) -> list[tuple[float, float, str]]:
