@@ -95,32 +95,22 @@ def screen_leases(
     in earlier reads (a renewal replaces its predecessor in the DHT, but when the term lapsed as first
     seen is what rule 4 needs)."""
     history = list(history)
+    reported = terms_reported or {}
     refused: list[tuple[LeaseRecord, str, str]] = []
     candidates: list[SeenLease] = []
     for item in seen:
-        lease = item.lease
-        if not may_synchronize(lease.holder):
-            refused.append(
-                (lease, LeaseTag.NOT_SYNCHRONIZER, f"{lease.holder} is not a synchronizer of this run")
-            )
-        elif lease.expires_at > item.first_seen + timing.lease_ttl + timing.lease_margin:
-            ahead = lease.expires_at - item.first_seen
-            detail = f"term {lease.term} expires {ahead:.1f}s after it was first seen, more than lease_ttl"
-            refused.append((lease, LeaseTag.TOO_LONG, f"{detail} {timing.lease_ttl}s"))
-        else:
+        problem = _holder_or_expiry_problem(item, timing, may_synchronize)
+        if problem is None:
             candidates.append(item)
+        else:
+            refused.append((item.lease, *problem))
     floor = term_floor
     if floor == 0 and candidates:
-        # Trust on first use: a peer that has trusted no term yet starts below the highest term in view
-        # (the live ones if any). From then on terms must climb one at a time.
-        live = [x.lease.term for x in candidates if not x.lease.released and x.lease.live(x.first_seen)]
-        floor = max(live or [x.lease.term for x in candidates]) - 1
+        floor = _first_use_floor(candidates)
     valid: list[SeenLease] = []
     for item in sorted(candidates, key=lambda x: x.lease.term):
         lease = item.lease
-        if lease.term > floor + 1 and not _reported_by_others(
-            lease, terms_reported or {}, MIN_PEERS_FOR_JUMP
-        ):
+        if lease.term > floor + 1 and not _reported_by_others(lease, reported, MIN_PEERS_FOR_JUMP):
             refused.append(
                 (
                     lease,
@@ -129,26 +119,55 @@ def screen_leases(
                 )
             )
             continue
-        # Only records of the previous term seen before this one: a late renewal of the old term (a zombie
-        # holder) must not turn its successor's valid claim into an early one.
-        previous = [
-            v.lease
-            for v in [*history, *valid]
-            if v.lease.term == lease.term - 1 and v.first_seen <= item.first_seen
-        ]
-        base = _claim_base(previous, timing)
-        early = base is not None and write_time(lease, timing) < base - timing.lease_margin
-        if early and named_next(previous, lease.holder):
-            early = False  # succession: the holder named this claimant to take over if it dies
-        if early and not _reported_by_others(lease, terms_reported or {}, MIN_PEERS_FOR_EARLY_CLAIM):
-            written = f"term {lease.term} was written at {write_time(lease, timing):.2f}"
-            refused.append(
-                (lease, LeaseTag.EARLY_CLAIM, f"{written}, before term {lease.term - 1} lapsed at {base:.2f}")
-            )
+        early = _early_claim(item, [*history, *valid], timing, reported)
+        if early is not None:
+            refused.append((lease, LeaseTag.EARLY_CLAIM, early))
             continue
         valid.append(item)
         floor = max(floor, lease.term)
     return Screened(valid, refused)
+
+
+def _holder_or_expiry_problem(
+    item: SeenLease, timing: SwarmTiming, may_synchronize: Callable[[str], bool]
+) -> tuple[str, str] | None:
+    """Rules 1 and 2, which need no other record: (tag, detail) of the first broken, or None."""
+    lease = item.lease
+    if not may_synchronize(lease.holder):
+        return LeaseTag.NOT_SYNCHRONIZER, f"{lease.holder} is not a synchronizer of this run"
+    if lease.expires_at > item.first_seen + timing.lease_ttl + timing.lease_margin:
+        ahead = lease.expires_at - item.first_seen
+        detail = f"term {lease.term} expires {ahead:.1f}s after it was first seen, more than lease_ttl"
+        return LeaseTag.TOO_LONG, f"{detail} {timing.lease_ttl}s"
+    return None
+
+
+def _first_use_floor(candidates: list[SeenLease]) -> int:
+    """Trust on first use: a peer that has trusted no term yet starts below the highest term in view
+    (the live ones if any). From then on terms must climb one at a time."""
+    live = [x.lease.term for x in candidates if not x.lease.released and x.lease.live(x.first_seen)]
+    return max(live or [x.lease.term for x in candidates]) - 1
+
+
+def _early_claim(
+    item: SeenLease, counted: list[SeenLease], timing: SwarmTiming, reported: Mapping[str, int]
+) -> str | None:
+    """Rule 4: why `item` was claimed before the previous term lapsed, or None if it was not (or may be:
+    the previous holder named it, or enough other peers report its term). `counted`: records that count."""
+    lease = item.lease
+    # Only records of the previous term seen before this one: a late renewal of the old term (a zombie
+    # holder) must not turn its successor's valid claim into an early one.
+    previous = [
+        v.lease for v in counted if v.lease.term == lease.term - 1 and v.first_seen <= item.first_seen
+    ]
+    base = _claim_base(previous, timing)
+    early = base is not None and write_time(lease, timing) < base - timing.lease_margin
+    if early and named_next(previous, lease.holder):
+        early = False  # succession: the holder named this claimant to take over if it dies
+    if early and not _reported_by_others(lease, reported, MIN_PEERS_FOR_EARLY_CLAIM):
+        written = f"term {lease.term} was written at {write_time(lease, timing):.2f}"
+        return f"{written}, before term {lease.term - 1} lapsed at {base:.2f}"
+    return None
 
 
 def named_next(previous: list[LeaseRecord], claimant: str) -> bool:
