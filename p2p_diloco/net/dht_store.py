@@ -204,20 +204,7 @@ def start_dht(
     initial = parse_peer_addresses(initial_peers, what="--initial-peers")
     hosts = parse_listen_addresses(host_maddrs, what="--listen")
     announce = parse_listen_addresses(announce_maddrs, what="--announce")
-    tempdir = None
-    if identity_path is None:
-        tempdir = tempfile.TemporaryDirectory(prefix="p2p-diloco-id-")
-        key_file = Path(tempdir.name) / "ephemeral.key"
-        write_identity(key_file)
-    else:
-        key_file = Path(identity_path)
-    try:
-        expected_peer_id = peer_id_of(key_file)  # ConfigError for a missing or corrupt file
-        signer = RSASignatureValidator(signing_key(key_file))
-    except BaseException:
-        if tempdir is not None:
-            tempdir.cleanup()
-        raise
+    key_file, tempdir, expected_peer_id, signer = _dht_identity(identity_path)
     validators: list[RecordValidatorBase] = [signer, *extra_validators]
     dht = hivemind.DHT(
         initial_peers=initial or None,
@@ -248,6 +235,28 @@ def start_dht(
         pending.abort()
         raise
     return pending
+
+
+def _dht_identity(
+    identity_path: str | Path | None,
+) -> tuple[Path, tempfile.TemporaryDirectory | None, str, RSASignatureValidator]:
+    """(key file, the temp dir holding it, its peer id, a signer with it): a fresh ephemeral key in a temp
+    dir when `identity_path` is None. `ConfigError` for a missing or corrupt file (the temp dir removed)."""
+    tempdir = None
+    if identity_path is None:
+        tempdir = tempfile.TemporaryDirectory(prefix="p2p-diloco-id-")
+        key_file = Path(tempdir.name) / "ephemeral.key"
+        write_identity(key_file)
+    else:
+        key_file = Path(identity_path)
+    try:
+        expected_peer_id = peer_id_of(key_file)
+        signer = RSASignatureValidator(signing_key(key_file))
+    except BaseException:
+        if tempdir is not None:
+            tempdir.cleanup()
+        raise
+    return key_file, tempdir, expected_peer_id, signer
 
 
 def prepare_dht_process_state() -> None:

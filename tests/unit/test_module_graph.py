@@ -38,7 +38,6 @@ LONG_LEFT: dict[str, str] = {
     "protocol/election.py:_decide_as_holder": "#39: 77 lines, not split yet",
     "protocol/election.py:decide": "#39: 72 lines, not split yet",
     "node/join.py:cli_join": "#39: 70 lines, not split yet",
-    "net/dht_store.py:start_dht": "#39: 68 lines, not split yet",
     "protocol/election.py:_decide_claim": "#39: 68 lines, not split yet",
     "swarm/membership.py:decide": "#39: 67 lines, not split yet",
     "swarm/peer.py:__init__": "#39: 66 lines, not split yet",
