@@ -14,6 +14,8 @@ valid (versions are per fragment; the swarm brings the old ones up to date).
 Reading (`load_replica`): every file is opened memory-mapped (`safetensors.safe_open`) and checked against
 its checksum before it enters the replica; the peak is the replica plus one fragment. A missing, truncated,
 foreign or bit-rotten file is refused with a `ReplicaFileError` naming the file and the problem.
+`load_replica_salvaging` keeps the good fragments of a folder where some files are damaged: each damaged
+fragment starts again from the initial weights at version 0, so the swarm brings only it up to date.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -29,8 +31,11 @@ from safetensors import safe_open
 from torch import Tensor
 
 from p2p_diloco.files import atomic_file
+from p2p_diloco.protocol.checksum import fragment_checksum
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica
+
+Fresh = Callable[[int], tuple[Mapping[str, Tensor], Mapping[str, Tensor]]]  # fragment -> (Θ, m) at v0
 
 FILE_FORMAT = "p2p_diloco.replica.fragment"
 FILE_FORMAT_VERSION = "2"
@@ -175,6 +180,12 @@ class ReplicaStore:
         self.saved = {p: replica.checksum(p) for p in range(replica.num_fragments)}
         return replica
 
+    def salvage(self, plan: FragmentPlan, fresh: Fresh, bad: Mapping[int, str]) -> GlobalReplica:
+        """`load_replica_salvaging`; the fragments of `bad` are rewritten at the next save."""
+        replica = load_replica_salvaging(self.directory, plan, fresh, bad)
+        self.saved = {p: replica.checksum(p) for p in range(replica.num_fragments) if p not in bad}
+        return replica
+
 
 def save_replica(replica: GlobalReplica, directory: str | os.PathLike[str]) -> int:
     """Write the replica's fragments to `directory` (only those whose file differs); returns the count."""
@@ -206,3 +217,32 @@ def load_replica(directory: str | os.PathLike[str], plan: FragmentPlan) -> Globa
         raise
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ReplicaFileError(f"{directory}: a fragment is corrupt: {exc}") from exc
+
+
+def damaged_fragments(directory: str | os.PathLike[str], plan: FragmentPlan) -> dict[int, str]:
+    """Each fragment whose file fails its own checks (`read_fragment`, then `GlobalReplica.from_fragments`
+    on that fragment alone), with the reason."""
+    bad = {}
+    for p in range(plan.num_fragments):
+        alone = FragmentPlan((plan.names(p),), (plan.numels[p],) if plan.numels else ())
+        try:
+            state = read_fragment(fragment_file(directory, p), p, plan.names(p))
+            GlobalReplica.from_fragments(alone, lambda _, state=state: state)
+        except (ValueError, TypeError, RuntimeError) as exc:  # ReplicaFileError is a ValueError
+            bad[p] = str(exc).replace("fragment 0", f"fragment {p}")
+    return bad
+
+
+def load_replica_salvaging(
+    directory: str | os.PathLike[str], plan: FragmentPlan, fresh: Fresh, bad: Mapping[int, str]
+) -> GlobalReplica:
+    """The replica of `directory` with each fragment of `bad` taken from `fresh` at version 0 instead of
+    its damaged file (the good fragments keep their versions)."""
+
+    def state(p: int) -> tuple[int, Mapping[str, Tensor], Mapping[str, Tensor], str]:
+        if p not in bad:
+            return read_fragment(fragment_file(directory, p), p, plan.names(p))
+        params, momentum = fresh(p)
+        return 0, params, momentum, fragment_checksum(plan.names(p), params, momentum, 0)
+
+    return GlobalReplica.from_fragments(plan, state)

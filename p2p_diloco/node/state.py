@@ -21,16 +21,20 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+from torch import Tensor
+
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.files import write_atomic
-from p2p_diloco.node.replica_store import ReplicaFileError, ReplicaStore
+from p2p_diloco.node.replica_store import Fresh, ReplicaFileError, ReplicaStore, damaged_fragments
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.replica import GlobalReplica
 
@@ -119,15 +123,53 @@ class StateDir:
             )
         return state
 
-    def load_replica(self, plan: FragmentPlan) -> GlobalReplica | None:
-        """The persisted replica, or None if there is none or it is unusable (noted in the event log)."""
+    def load_replica(
+        self, plan: FragmentPlan, *, now: float | None = None, fresh: Fresh | None = None
+    ) -> GlobalReplica | None:
+        """The persisted replica, or None if there is none or none of it is usable. A fragment whose file
+        alone is damaged restarts from the initial weights at version 0 (`fresh`, default: the manifest's
+        model built again), so catch-up fetches only it; each refusal is said on stderr and logged."""
         if not self.store.exists():
             return None
+        t = time.time() if now is None else now  # DHT time is wall time (hivemind's get_dht_time)
         try:
             return self.store.load(plan)
         except ReplicaFileError as exc:
-            self.event("replica_unusable", reason=str(exc))
+            bad = damaged_fragments(self.replica_path, plan)
+            if not bad or len(bad) == plan.num_fragments:  # the folder as a whole (or all of it) is unusable
+                self.event("replica_unusable", t=t, reason=str(exc))
+                self.say(
+                    f"replica in {self.replica_path} unusable ({exc}); fetching all of it from the swarm"
+                )
+                return None
+        for p, reason in bad.items():
+            self.event("replica_unusable", t=t, reason=reason, fragment=p)
+            self.say(f"replica fragment {p} damaged ({reason}); fetching only it from the swarm")
+        try:
+            return self.store.salvage(plan, fresh or self._initial_fragments(plan), bad)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            self.event("replica_unusable", t=t, reason=f"salvage failed: {exc}")
+            self.say(f"replica unusable ({exc}); fetching all of it from the swarm")
             return None
+
+    def _initial_fragments(self, plan: FragmentPlan) -> Fresh:
+        """Fragments of the run's initial model (built once, as every peer builds it), zero momentum."""
+        initial: dict[str, Tensor] = {}
+
+        def fragment(p: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+            if not initial:
+                from p2p_diloco.model.gpt import build_model
+
+                for name, param in build_model(self.manifest.model).named_parameters():
+                    initial[name] = param.detach().to("cpu", torch.float32)
+            theta = {n: initial[n].clone() for n in plan.names(p)}
+            return theta, {n: torch.zeros_like(x) for n, x in theta.items()}
+
+        return fragment
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(f"p2p-diloco: {line}", file=sys.stderr, flush=True)
 
     def save(
         self,
