@@ -31,6 +31,7 @@ from typing import Any
 from p2p_diloco.doctor.checks import Check, Status
 from p2p_diloco.doctor.clock import measure_clock, system_clock
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.node.options import CUDA_TORCH
 
 GIB = 1024**3
 RUNTIME_BYTES = int(0.51 * GIB)  # python, torch, the DHT child and p2pd (docs/model_size.md, bench_scale)
@@ -41,9 +42,6 @@ BEYOND_BYTES_PER_PARAM = 19.1
 DISK_BYTES_PER_PARAM = 8.0  # the replica on disk: Θ and outer momentum, fp32
 # fixes that name what a volunteer has (commands and URLs, not the repository's files)
 REINSTALL = "install p2p_diloco again with its dependencies: pip install p2p_diloco (or the wheel you got)"
-CUDA_TORCH = (
-    "pip install torch --index-url https://download.pytorch.org/whl/cu124, the CUDA version of your driver"
-)
 
 
 def _version(dist: str) -> str | None:

@@ -57,7 +57,7 @@ from p2p_diloco.model.data import BatchSampler, load_corpus
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
 from p2p_diloco.model.shards import TokenData
 from p2p_diloco.model.trainer import make_trainer
-from p2p_diloco.node.options import NodeOptions
+from p2p_diloco.node.options import CUDA_TORCH, NodeOptions
 from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,29 @@ def island_env(environ: Mapping[str, str] = os.environ) -> IslandEnv | None:
     return env if env.world_size > 1 else None
 
 
-def rank_device(device: str, env: IslandEnv) -> str:
-    """The device of this rank: `cuda` means cuda:LOCAL_RANK; a fixed cuda:N would put ranks on one GPU."""
+def check_island_gpus(ranks: int, device_count: int | None = None) -> None:
+    """`ConfigError` with the fix unless this machine has a CUDA device for each of `ranks` local ranks
+    (rank r takes cuda:r; NCCL refuses two ranks on one device). `device_count`: injected by tests."""
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if ranks <= count:
+        return
+    if count == 0:
+        raise ConfigError(
+            f"--device cuda with {ranks} ranks, but torch sees no CUDA device here: install a CUDA build "
+            f"of torch ({CUDA_TORCH}), or run the island on the CPU with --device cpu"
+        )
+    raise ConfigError(
+        f"--device cuda with {ranks} ranks per machine: rank r takes cuda:r, but this machine has {count} "
+        f"CUDA device{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1}); use --nproc {count} (one rank "
+        "per GPU), or --device cpu for an island on the CPU"
+    )
+
+
+def rank_device(device: str, env: IslandEnv, device_count: int | None = None) -> str:
+    """The device of this rank: `cuda` means cuda:LOCAL_RANK, which must exist (`check_island_gpus`); a
+    fixed cuda:N would put ranks on one GPU."""
     if device == "cuda":
+        check_island_gpus(env.local_rank + 1, device_count)
         return f"cuda:{env.local_rank}"
     if device.startswith("cuda:"):
         raise ConfigError(f"--device {device} in an island: use --device cuda (rank r takes cuda:LOCAL_RANK)")

@@ -30,7 +30,13 @@ from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.census import write_census
 from p2p_diloco.node.evaluation import EvalMode, EvalOptions
 from p2p_diloco.node.heap import bound_heap
-from p2p_diloco.node.island import island_env, prepare_island, run_follower, torchrun_argv
+from p2p_diloco.node.island import (
+    check_island_gpus,
+    island_env,
+    prepare_island,
+    run_follower,
+    torchrun_argv,
+)
 from p2p_diloco.node.logsinks import missing_package, parse_log_to
 from p2p_diloco.node.observing import ObserveOptions
 from p2p_diloco.node.options import NodeOptions, check_device
@@ -121,6 +127,8 @@ def cli_join(args: argparse.Namespace) -> int:
     if nproc > 1 and env is None:  # checked the arguments above: now run them on nproc torchrun ranks
         if "join" not in sys.argv[1:]:
             raise ConfigError("--nproc needs the `join` command line in sys.argv; run torchrun yourself")
+        if options.device == "cuda":
+            check_island_gpus(nproc)  # before torchrun starts ranks that would die on a missing cuda:N
         argv = torchrun_argv(nproc, sys.argv[1:])
         sys.stdout.flush()
         os.execv(argv[0], argv)

@@ -11,6 +11,11 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 
+# the install line for a CUDA build of torch (doctor's fix, and join's for --device cuda without CUDA)
+CUDA_TORCH = (
+    "pip install torch --index-url https://download.pytorch.org/whl/cu124, the CUDA version of your driver"
+)
+
 
 @dataclass(frozen=True)
 class NodeOptions:
@@ -55,7 +60,8 @@ def check_device(device: str) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"--device {device}: no CUDA device is available to this torch {torch.__version__} "
-                f"(built with CUDA {torch.version.cuda or 'none'}); use --device cpu"
+                f"(built with CUDA {torch.version.cuda or 'none'}): install a CUDA build of torch "
+                f"({CUDA_TORCH}), or train on the CPU with --device cpu"
             )
         index = device.partition(":")[2]
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):

@@ -58,7 +58,7 @@ def test_island_env_from_torchrun_variables():
 
 def test_rank_device_and_backend():
     env = IslandEnv(rank=1, world_size=2, local_rank=1)
-    assert rank_device("cuda", env) == "cuda:1" and rank_device("cpu", env) == "cpu"
+    assert rank_device("cuda", env, device_count=2) == "cuda:1" and rank_device("cpu", env) == "cpu"
     with pytest.raises(ConfigError, match="--device cuda"):
         rank_device("cuda:0", env)
     with pytest.raises(ConfigError, match="mps"):
