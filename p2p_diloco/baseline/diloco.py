@@ -110,6 +110,7 @@ class DilocoWorker(BaselineWorker):
         self._join_tracker(dht)
         self._join_averager(dht)
         self._announce_start(peer_id, restored)
+        assert self.tracker is not None
         if self.tracker.global_epoch > self.epoch:
             self._reload()
 

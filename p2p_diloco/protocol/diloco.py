@@ -40,13 +40,14 @@ def outer_delta(anchor: Tensor, theta: Tensor) -> Tensor:
 def merge_weight(tokens: int, steps: int) -> float:
     """A learner's merge weight: tokens x (tokens / steps), both counted since it last adopted the fragment.
 
-    Favours learners that trained on more data and with larger batches (more tokens per step).
+    Favours learners that trained on more data and with larger batches (more tokens per step). Integer
+    counts: tokens² is exact and the quotient rounded once.
     """
     if steps <= 0:
         raise ValueError(f"steps must be > 0 to weigh a delta, got {steps}")
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
-    return float(tokens) * (float(tokens) / float(steps))
+    return float(tokens * tokens / steps)
 
 
 def merge(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:

@@ -63,7 +63,7 @@ class Merger:
         if self.manifest.wire.codec.sparse:
             return self.merge_union(p, contributions, live=live, term=term)
         contributions.sort(key=lambda c: c.sender)
-        weights = [c.weight * self.ramp(c.sender) for c in contributions]
+        weights = [diloco.merge_weight(c.tokens, c.steps) * self.ramp(c.sender) for c in contributions]
         merged = merge_deltas(
             [c.payload for c in contributions],
             weights,
