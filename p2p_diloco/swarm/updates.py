@@ -28,7 +28,7 @@ from torch import Tensor
 from p2p_diloco.config import LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import kernels, lease_rules, reconcile
-from p2p_diloco.protocol.decisions import Action, AdmissionTag
+from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.outer_step import PendingUpdate
@@ -333,34 +333,70 @@ class UpdateBook:
         gradient it came from), installed as is: the holder runs the outer step once."""
         p = record.fragment
         old = self.replica.params_view(p)
-        sparse = self.manifest.wire.codec.sparse  # union rounds: merged here from the listed signed deltas
         if computed is not None:
-            pending, grad = computed
-            values = self.checks.value_check(p, grad)
-            bad = self.checks.check_contributors(record) or values.problem
-            if bad:
-                return Reply.refused(*bad)
-            decision = self.replica.commit(pending, expected_checksum=record.checksum)
+            outcome = self._install_computed(record, *computed)
         else:
-            bad = self.checks.check_contributors(record) if sparse else self.checks.check_payload(record)
-            grad = bad or outer_grad_of(record, self.keys.check, self.manifest, self.replica.shapes(p))
-            if isinstance(grad, tuple):  # e.g. a listed delta that does not check: refused, nothing changes
-                return self.journal.reject(source, grad[0], f"update of fragment {p}: {grad[1]}")
-            values = self.checks.value_check(p, grad)
-            if values.problem:
-                tag, detail = values.problem
-                return self.journal.reject(source, tag, f"update of fragment {p}: {detail}")
-            cfg = self.manifest.diloco
-            decision = self.replica.apply(
-                p,
-                record.from_version,
-                grad,
-                lr=cfg.outer_lr,
-                momentum=cfg.outer_momentum,
-                expected_checksum=record.checksum,
-            )
+            outcome = self._step_received(record, source)
+        if isinstance(outcome, Reply):
+            return outcome
+        decision, grad, values = outcome
         if decision.action != Action.APPLY:
             return Reply.of(ReplyStatus.REFUSED, decision)
+        self._note_applied(record, grad, values, source=source, how=how, now=now)
+        if self.has_learner:
+            self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
+        self._emit(Applied(record, source, how))
+        return Reply.of(ReplyStatus.APPLIED, decision)
+
+    def _install_computed(
+        self, record: UpdateRecord, pending: PendingUpdate, grad: Mapping[str, Tensor | QuantizedTensor]
+    ) -> tuple[Decision, Mapping[str, Tensor | QuantizedTensor], ValueCheck] | Reply:
+        """The synchronizer's own update, checked as any other, its computed result committed as is."""
+        values = self.checks.value_check(record.fragment, grad)
+        bad = self.checks.check_contributors(record) or values.problem
+        if bad:
+            return Reply.refused(*bad)
+        return self.replica.commit(pending, expected_checksum=record.checksum), grad, values
+
+    def _step_received(
+        self, record: UpdateRecord, source: str
+    ) -> tuple[Decision, Mapping[str, Tensor | QuantizedTensor], ValueCheck] | Reply:
+        """A received update: its outer gradient (a sparse round's merged here from the signed deltas it
+        lists), checked, then the outer step taken on the replica."""
+        p = record.fragment
+        sparse = self.manifest.wire.codec.sparse  # union rounds: merged here from the listed signed deltas
+        bad = self.checks.check_contributors(record) if sparse else self.checks.check_payload(record)
+        grad = bad or outer_grad_of(record, self.keys.check, self.manifest, self.replica.shapes(p))
+        if isinstance(grad, tuple):  # e.g. a listed delta that does not check: refused, nothing changes
+            return self.journal.reject(source, grad[0], f"update of fragment {p}: {grad[1]}")
+        values = self.checks.value_check(p, grad)
+        if values.problem:
+            tag, detail = values.problem
+            return self.journal.reject(source, tag, f"update of fragment {p}: {detail}")
+        cfg = self.manifest.diloco
+        decision = self.replica.apply(
+            p,
+            record.from_version,
+            grad,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            expected_checksum=record.checksum,
+        )
+        return decision, grad, values
+
+    def _note_applied(
+        self,
+        record: UpdateRecord,
+        grad: Mapping[str, Tensor | QuantizedTensor],
+        values: ValueCheck,
+        *,
+        source: str,
+        how: UpdateSource,
+        now: float,
+    ) -> None:
+        """What an applied update changes besides the replica: the robust reference, standings, vouchers,
+        the branch tip term, merged seqs, the log and, for a received one, the sources verified lately."""
+        p = record.fragment
         self.robust.observe_update(p, grad, norm=values.norm)
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
         self.vouchers.vouch(record)
@@ -375,10 +411,6 @@ class UpdateBook:
             self.verified_sources[source] = None
             if len(self.verified_sources) > MAX_VERIFIED_SOURCES:
                 del self.verified_sources[next(iter(self.verified_sources))]
-        if self.has_learner:
-            self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
-        self._emit(Applied(record, source, how))
-        return Reply.of(ReplyStatus.APPLIED, decision)
 
     def merged_already(self, sender: str, fragment: int, carries_since: int) -> int | None:
         """The seq of `sender`'s delta of `fragment` already merged that a delta carrying work since
