@@ -1,5 +1,8 @@
 """The module graph of `p2p_diloco/` (read with `ast`, nothing imported): no cycles, short functions, no packing.
 
+The graph, the cycle finder and the function measure live in `tests/support/modules.py`
+(scripts/code_shape.py reports with them too); this file holds the rules and their allowlists.
+
 A module's length is not capped (a cap decided where code split, not the concept: issue #39); a function
 is, at `MAX_FUNCTION_LINES`, except the declarative tables in `TABLES` (argument parsers).
 
@@ -14,16 +17,18 @@ that is no longer needed fails the test too, so the lists only shrink: remove yo
 
 from __future__ import annotations
 
-import ast
 import re
-from pathlib import Path
 
-from tests.support.modules import PACKAGE, Import, imports, package_files
-
-MAX_FUNCTION_LINES = 60
-
-# Functions that are declarative tables, read as a list rather than as logic (path:function).
-TABLES = {"cli.py:build_parser", "node/join_command.py:add_join_command"}
+from tests.support.modules import (
+    MAX_FUNCTION_LINES,
+    cycles,
+    long_functions,
+    module_graph,
+    package_files,
+    package_sources,
+    relative,
+    short,
+)
 
 # Cycles not broken yet (each a strongly connected set of modules, names below `p2p_diloco.`).
 CYCLES_LEFT: dict[frozenset[str], str] = {}
@@ -49,78 +54,6 @@ PACKED_LEFT: dict[str, str] = {}
 FMT_SKIP = re.compile(r"#\s*fmt:\s*skip")
 
 
-def short(module: str) -> str:
-    return module.removeprefix(PACKAGE + ".")
-
-
-def targets(found: Import, modules: set[str]) -> list[str]:
-    """The package modules one import statement points at."""
-    if found.base not in modules:
-        return []
-    named = [f"{found.base}.{name}" for name in found.names if f"{found.base}.{name}" in modules]
-    return named if named and len(named) == len(found.names) else [*named, found.base]
-
-
-def module_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
-    """module -> the modules it imports, from {module: (source, is_package)}."""
-    modules = set(sources)
-    graph: dict[str, set[str]] = {}
-    for module, (source, is_package) in sources.items():
-        found = imports(ast.parse(source), module, is_package, type_checking=True)
-        graph[module] = {target for item in found for target in targets(item, modules) if target != module}
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
-    """The strongly connected sets of more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[frozenset[str]] = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                members = set()
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    members.add(member)
-                    if member == node:
-                        break
-                if len(members) > 1:
-                    found.append(frozenset(members))
-    return found
-
-
-def package_sources() -> dict[str, tuple[str, bool]]:
-    return {module: (path.read_text(), path.name == "__init__.py") for module, path in package_files()}
-
-
-def relative(path: Path) -> str:
-    return path.as_posix().split(f"/{PACKAGE}/", 1)[1]
-
-
 def check_allowlist(name: str, found: dict[str, str], allowed: dict) -> list[str]:  # noqa: ANN001
     """Problems: what `found` has beyond `allowed`, and entries of `allowed` no longer found (stale)."""
     new = [f"{name}: {key} ({detail})" for key, detail in found.items() if key not in allowed]
@@ -142,17 +75,6 @@ def test_no_cycle_between_modules():
     assert not problems, "module cycles (move the shared piece down or merge the pair):\n" + "\n".join(
         problems
     )
-
-
-def long_functions(source: str, path: str) -> dict[str, str]:
-    """`path:name` -> its length, for every function (or method) over `MAX_FUNCTION_LINES` lines."""
-    found = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            lines = node.end_lineno - node.lineno + 1
-            if lines > MAX_FUNCTION_LINES and f"{path}:{node.name}" not in TABLES:
-                found[f"{path}:{node.name}"] = f"{lines} lines"
-    return found
 
 
 def test_no_function_over_60_lines():
