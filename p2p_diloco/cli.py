@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from p2p_diloco.cli_peers import MANIFEST_HELP, add_peer_commands
+from p2p_diloco.cli_peers import MANIFEST_HELP, add_peer_commands, add_run_tools
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.preflight import check_arguments
 
@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # --help lists the commands in this order: a volunteer's first, then the lab's and the organizer's
+    add_peer_commands(sub, _lazy)  # join, status
+    add_doctor(sub, _lazy)
+    add_keygen(sub, _lazy)
+    add_bootstrap(sub, _lazy)
 
     p = sub.add_parser("simulate", help="paper-scale discrete-event goodput simulation (no training)")
     p.add_argument("--learners", "-M", type=int, required=True, help="number of DiLoCo learners M")
@@ -106,11 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_lazy("p2p_diloco.demo:cli_demo"))
 
-    p = sub.add_parser("keygen", help="write a private key file; prints the peer ID it gives")
-    p.add_argument("--out", required=True, help="path of the key file to write (mode 0600)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing key file")
-    p.set_defaults(func=_lazy("p2p_diloco.net.identity:cli_keygen"))
-
     p = sub.add_parser("manifest", help="sign a run manifest as its organizer, or verify a signed one")
     actions = p.add_subparsers(dest="manifest_command", required=True, metavar="ACTION")
     a = actions.add_parser("sign", help="write MANIFEST.sig: the authority's signature of the manifest")
@@ -123,35 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser("verify", help="check MANIFEST.sig against the manifest's [trust] authority")
     a.add_argument("manifest", help="run manifest TOML")
     a.set_defaults(func=_lazy("p2p_diloco.net.manifest_signature:cli_manifest"))
-
-    p = sub.add_parser("bootstrap", help="run a DHT-only bootstrap node (trains nothing)")
-    p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
-    p.add_argument(
-        "--manifest",
-        default=None,
-        help="a run manifest to check before starting (a public run's signature, as join checks it)",
-    )
-    p.add_argument(
-        "--listen",
-        action="append",
-        default=None,
-        metavar="MULTIADDR",
-        help="address to listen on (repeatable); default /ip4/0.0.0.0/tcp/31337",
-    )
-    p.add_argument(
-        "--announce",
-        action="append",
-        default=[],
-        metavar="MULTIADDR",
-        help="public address to announce (repeatable)",
-    )
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help="with --manifest: remember the run's peers and the proof it is under way across restarts",
-    )
-    p.set_defaults(func=_lazy("p2p_diloco.net.bootstrap:cli_bootstrap"))
 
     p = sub.add_parser("data", help="prepare token shards (and train a tokenizer) from local text")
     actions = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -186,9 +157,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("manifest", nargs="?", metavar="MANIFEST", help=MANIFEST_HELP)
     p.set_defaults(func=_lazy("p2p_diloco.model.gpt:cli_model_digest"))
 
-    add_peer_commands(sub, _lazy)
-    add_doctor(sub, _lazy)
+    add_run_tools(sub, _lazy)  # dashboard, export, baseline-worker
     return parser
+
+
+def add_keygen(sub: argparse._SubParsersAction, lazy) -> None:
+    p = sub.add_parser("keygen", help="write a private key file; prints the peer ID it gives")
+    p.add_argument("--out", required=True, help="path of the key file to write (mode 0600)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing key file")
+    p.set_defaults(func=lazy("p2p_diloco.net.identity:cli_keygen"))
+
+
+def add_bootstrap(sub: argparse._SubParsersAction, lazy) -> None:
+    p = sub.add_parser("bootstrap", help="run a DHT-only bootstrap node (trains nothing)")
+    p.add_argument("--identity", default=None, help="key file from `p2p-diloco keygen` (stable peer ID)")
+    p.add_argument(
+        "--manifest",
+        default=None,
+        help="a run manifest to check before starting (a public run's signature, as join checks it)",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=None,
+        metavar="MULTIADDR",
+        help="address to listen on (repeatable); default /ip4/0.0.0.0/tcp/31337",
+    )
+    p.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="public address to announce (repeatable)",
+    )
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="with --manifest: remember the run's peers and the proof it is under way across restarts",
+    )
+    p.set_defaults(func=lazy("p2p_diloco.net.bootstrap:cli_bootstrap"))
 
 
 def version_line() -> str:

@@ -33,6 +33,9 @@ def add_peer_commands(sub: argparse._SubParsersAction, lazy: Callable[[str], Cal
     )
     p.set_defaults(func=lazy("p2p_diloco.node.status:cli_status"))
 
+
+def add_run_tools(sub: argparse._SubParsersAction, lazy: Callable[[str], Callable]) -> None:
+    """`dashboard`, `export` and `baseline-worker`: after the volunteer's commands in `--help`."""
     p = sub.add_parser("dashboard", help="serve a live web page of a run: eval curve, versions, peers")
     p.add_argument("manifest", nargs="?", metavar="MANIFEST", help=MANIFEST_HELP)
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")

@@ -18,15 +18,18 @@ import argparse
 import concurrent.futures
 import dataclasses
 import errno
+import os
 import re
 import socket
+import sys
+import tomllib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import tcp_endpoints
-from p2p_diloco.packaged import packaged_manifest, resolve_manifest
+from p2p_diloco.packaged import PEERS_DIR, packaged_manifest, resolve_manifest
 
 # commands whose `manifest` positional comes with a `--initial-peers` that may swallow it
 MANIFEST_POSITIONAL = ("join", "status", "dashboard", "export", "baseline-worker", "model-digest", "doctor")
@@ -44,6 +47,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str):
             setattr(args, name, resolve_manifest(value))
+            note_packaged_example(getattr(args, name))
     if command in MANIFEST_POSITIONAL and getattr(args, "manifest", "") is None:
         peers = getattr(args, "initial_peers", None) or []
         if command not in OPTIONAL_MANIFEST or any(not_an_address(p) for p in peers):
@@ -66,6 +70,27 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port, what=f"--port {args.port}", flag="--port")
     if command in ("status", "dashboard", "bootstrap") and getattr(args, "initial_peers", None):
         check_reachable(args.initial_peers)  # `join` checks in `node.join` (its manifest's list too)
+
+
+def note_packaged_example(path: str) -> None:
+    """One line for an unsigned packaged example (``demo``), instead of the organizer's warning that
+    `load_run_manifest` prints for unsigned manifests, which tells how to sign the file (here, inside
+    site-packages: nothing for a volunteer to do)."""
+    from p2p_diloco.net import manifest_signature
+
+    resolved = Path(path).resolve()
+    if resolved.parent != PEERS_DIR or resolved in manifest_signature._warned or not resolved.is_file():
+        return
+    if tomllib.loads(resolved.read_text()).get("trust", {}).get("authority"):
+        return  # a signed example is verified, not warned about
+    manifest_signature._warned.add(resolved)  # load_run_manifest's own warning: once per process and file
+    if os.environ.get("RANK", "0") == "0":  # island ranks other than 0: their rank 0 says it
+        print(
+            f"note: {resolved.stem} is a packaged example manifest, unsigned: fine for trying p2p-diloco, "
+            "not for a run open to strangers (those use a signed manifest from their organizer)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def not_an_address(word: str) -> bool:

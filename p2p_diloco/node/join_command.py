@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -136,8 +138,17 @@ def supervised_argv(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco", *(a for a in argv if a != "--hot-spare")]
 
 
+def restore_sigint() -> None:
+    """Python's own SIGINT handler (KeyboardInterrupt until the peer installs its stop handler). A shell
+    script's background job (`p2p-diloco join ... &`) starts with SIGINT ignored, and Python keeps an
+    inherited "ignore": Ctrl-C and `kill -INT` would then never stop the peer."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def cli_join_entry(args: argparse.Namespace) -> int:
     """`p2p-diloco join`: the supervisor for ``--hot-spare`` (without importing torch), else the peer."""
+    restore_sigint()
     if getattr(args, "hot_spare", False):
         if getattr(args, "standby", False):
             raise ConfigError("--hot-spare and --standby exclude each other: the supervisor starts the spare")
