@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,24 @@ def histogram(values: list[int], width: int) -> list[dict[str, int]]:
     return [{"lo": i * width, "hi": (i + 1) * width, "count": n} for i, n in enumerate(counts)]
 
 
+def source_version() -> dict[str, Any]:
+    """The commit measured, and whether `p2p_diloco/` differed from it (None outside a git checkout)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", PACKAGE],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "package_modified": None}
+    return {"commit": commit.stdout.strip(), "package_modified": bool(dirty.stdout.strip())}
+
+
 def measure() -> dict[str, Any]:
     """Everything `code_shape.json` holds."""
     graph = module_graph(package_sources())
@@ -73,6 +92,7 @@ def measure() -> dict[str, Any]:
     module_lines = sorted(lengths.values())
     return {
         "package": PACKAGE,
+        **source_version(),
         "modules": len(lengths),
         "import_edges": sum(map(len, graph.values())),
         "cycles": {"count": len(found_cycles), "members": found_cycles},
