@@ -6,7 +6,8 @@ JSON inside a ``<script type="application/json">`` with ``<`` escaped. Every val
 with `textContent`, never as markup: peer IDs, reasons and devices come from other peers' records.
 Numbers that tests and people look for are in tables (peers, the last evaluations), not only in charts.
 Charts are drawn at their element's width (again when it changes), so labels keep their size on a phone,
-where tables show short peer IDs; series colours are inline styles (a class rule's ``fill`` would override
+where tables show short peer IDs and scroll sideways (with a hint when columns lie beyond the edge), and the
+synchronizer change marks get short labels placed by their measured width (never over another); series colours are inline styles (a class rule's ``fill`` would override
 an attribute).
 """
 
@@ -23,7 +24,8 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
 .sub{color:#666;margin-bottom:10px;overflow-wrap:anywhere}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(520px,100%),1fr));gap:12px}
 .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px;min-width:0;overflow-x:auto}
-@media (max-width:600px){body{margin:8px} .card{padding:6px} .kpi{margin-right:12px}}
+@media (max-width:600px){body{margin:8px} .card{padding:6px} .kpi{margin-right:12px} td,th{padding:3px 4px}}
+.scroll{overflow-x:auto;max-width:100%;-webkit-overflow-scrolling:touch} .more{color:#888;font-size:11px;text-align:right}
 .kpi{display:inline-block;margin-right:22px} .kpi b{font-size:18px;display:block}
 table{border-collapse:collapse;width:100%;font-size:12px} td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
 td:first-child,th:first-child{text-align:left;font-family:monospace} th{color:#555;font-weight:600}
@@ -73,13 +75,17 @@ function chart(id, series, opts) {
   const rows = [[], [], []];  // a mark's label goes right of its line (left near the edge), on the first free row
   for (const m of opts.marks || []) {
     if (m.x < x0 || m.x > x1) continue;
-    const x = sx(m.x), w = 5.2 * m.label.length;
+    const x = sx(m.x);
     svg.appendChild(el("svg:line", {x1: x, y1: T, x2: x, y2: H - B, class: "mark"}));
+    // the label as drawn (its measured width), short on a narrow chart: "rotation → term 5" or "→ t5"
+    const text = el("svg:text", {x: 0, y: 0, class: "lbl", style: "fill:#d33"}, W < 560 ? m.short : m.label);
+    svg.appendChild(text);
+    const w = (text.getComputedTextLength && text.getComputedTextLength()) || 6 * text.textContent.length;
     const span = x + 3 + w <= W - R ? [x + 3, x + 3 + w] : x - 3 - w >= L ? [x - 3 - w, x - 3] : null;
     const row = span ? rows.findIndex(r => r.every(([a, b]) => span[1] + 4 < a || span[0] > b + 4)) : -1;
-    if (row < 0) continue;  // no room: the line stays, the synchronizer changes table names it
+    if (row < 0) { svg.removeChild(text); continue; }  // no room: the line stays, the changes table names it
     rows[row].push(span);
-    svg.appendChild(el("svg:text", {x: span[0], y: T + 10 + 11 * row, class: "lbl", style: "fill:#d33"}, m.label));
+    text.setAttribute("x", span[0]); text.setAttribute("y", T + 10 + 11 * row);
   }
   let lx = L + 6;
   series.forEach((s, i) => {
@@ -97,6 +103,8 @@ function table(id, head, rows) {
   const tr = el("tr"); head.forEach(h => tr.appendChild(el("th", {}, h))); t.appendChild(tr);
   for (const r of rows) { const row = el("tr"); r.forEach(c => row.appendChild(el("td", {}, c))); t.appendChild(row); }
   if (!rows.length) { const row = el("tr"); row.appendChild(el("td", {colspan: head.length}, "none")); t.appendChild(row); }
+  const box = t.parentNode, more = box.nextElementSibling;  // a hint when columns lie beyond the edge
+  if (more && more.classList.contains("more")) more.textContent = box.scrollWidth > box.clientWidth + 1 ? "scroll sideways for more columns →" : "";
 }
 function render(v) {
   const ev = v.eval, last = ev.length ? ev[ev.length - 1] : null, sync = v.synchronizer;
@@ -114,7 +122,7 @@ function render(v) {
   const st = document.getElementById("health");
   st.textContent = `updated ${clock(v.time)} · ${h.polls} polls, ${h.errors} failed, ${h.reconnects} DHT reconnects` + (h.last_error ? ` (last: ${h.last_error})` : "") + (stale ? ` · DHT unreachable for ${h.last_poll_age.toFixed(0)} s, showing the last view` : "");
   st.className = stale ? "sub stale" : "sub";
-  const marks = v.versions.marks.map(m => ({x: m.t, label: `${m.kind} → term ${m.term}`}));
+  const marks = v.versions.marks.map(m => ({x: m.t, label: `${m.kind} → term ${m.term}`, short: `→ t${m.term}`}));
   chart("c-loss-time", [{name: "eval loss", points: ev.map(p => [p.t, p.loss]), dots: true}], {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});
   chart("c-loss-tokens", [{name: "eval loss", points: ev.map(p => [p.tokens, p.loss]), dots: true, color: "#2ca02c"}], {xfmt: human, yfmt: y => y.toFixed(2), xlabel: "merged tokens"});
   const S = v.versions.samples, n = v.fragments.length;
@@ -164,13 +172,13 @@ _BODY = """
 <div class="card"><h2>Training loss over time (mean of the live peers')</h2><svg id="c-train-loss"></svg></div>
 <div class="card"><h2>Synchronizer term</h2><svg id="c-terms"></svg></div>
 </div>
-<div class="card"><h2>Peers</h2><table id="t-peers"></table><div class="sub" id="bytes"></div></div>
-<div class="card"><h2>Last global evaluations</h2><table id="t-eval"></table></div>
+<div class="card"><h2>Peers</h2><div class="scroll"><table id="t-peers"></table></div><div class="more"></div><div class="sub" id="bytes"></div></div>
+<div class="card"><h2>Last global evaluations</h2><div class="scroll"><table id="t-eval"></table></div><div class="more"></div></div>
 <div class="grid">
-<div class="card"><h2>Contributions (merged tokens per peer)</h2><table id="t-contrib"></table></div>
-<div class="card"><h2>Rejections by reason</h2><table id="t-reasons"></table></div>
-<div class="card"><h2>Rejections by sender</h2><table id="t-senders"></table></div>
-<div class="card"><h2>Synchronizer changes</h2><table id="t-failovers"></table></div>
+<div class="card"><h2>Contributions (merged tokens per peer)</h2><div class="scroll"><table id="t-contrib"></table></div><div class="more"></div></div>
+<div class="card"><h2>Rejections by reason</h2><div class="scroll"><table id="t-reasons"></table></div><div class="more"></div></div>
+<div class="card"><h2>Rejections by sender</h2><div class="scroll"><table id="t-senders"></table></div><div class="more"></div></div>
+<div class="card"><h2>Synchronizer changes</h2><div class="scroll"><table id="t-failovers"></table></div><div class="more"></div></div>
 </div>
 """
 

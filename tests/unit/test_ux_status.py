@@ -9,6 +9,7 @@ import pytest
 
 from p2p_diloco.cli import main
 from p2p_diloco.dashboard.collector import Collector
+from p2p_diloco.dashboard.page import render_page
 from p2p_diloco.node import status as status_module
 from p2p_diloco.node.status import format_status, swarm_status
 from p2p_diloco.swarm.memory import InMemoryKeyValueStore
@@ -73,3 +74,12 @@ def test_dashboard_keeps_versions_and_term_while_no_peer_is_live(empty_polls):
     assert [s["versions"] for s in samples] == [[4, 5]] * (1 + empty_polls)
     assert samples[-1]["live_peers"] == 0
     assert [f["version"] for f in view["fragments"]] == [4, 5]
+
+
+def test_the_page_at_420_px_scrolls_tables_and_places_mark_labels_by_their_width():
+    page = render_page(Collector(MANIFEST).view(NOW))
+    for table in ("t-peers", "t-eval", "t-contrib", "t-failovers"):
+        assert f'<div class="scroll"><table id="{table}"></table></div><div class="more"></div>' in page
+    assert ".scroll{overflow-x:auto" in page and "scroll sideways for more columns" in page
+    assert "getComputedTextLength()" in page and "W < 560 ? m.short : m.label" in page
+    assert "short: `→ t${m.term}`" in page
