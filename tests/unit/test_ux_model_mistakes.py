@@ -22,7 +22,9 @@ def digest_error(tmp_path: Path, table: str, capsys) -> str:
     path.write_text(f'run_id = "t"\n{HF}{table}')
     assert main(["model-digest", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err
+    # one message, last, and no exception of ours (transformers' own warnings may come before it)
+    assert err.splitlines()[-1].startswith("p2p-diloco model-digest: model.config."), err
+    assert "AssertionError" not in err and "StrictDataclass" not in err
     return err
 
 
