@@ -61,7 +61,7 @@ from p2p_diloco.node.reporting import (
 )
 from p2p_diloco.node.standby import Takeover
 from p2p_diloco.node.state import StateDir
-from p2p_diloco.node.threads import SYNC_POLL_SECONDS, ThreadedDriver
+from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.node.training import TrainingLoop, TrainingView
 from p2p_diloco.node.upkeep import Upkeep
 from p2p_diloco.owner import Owner
@@ -204,7 +204,6 @@ class PeerNode:
             say=self.say,
         )
         driver.every(manifest.timing.heartbeat_period, self._swarm_tick)
-        driver.every(SYNC_POLL_SECONDS, driver.sync_tick, when=lambda: self.peer.sync is not None)
         redial = Redialer(self.dht_peer.dht, opts.initial_peers, peer_id)  # a restarted bootstrap (#31)
         driver.every(FIRST_BACKOFF, lambda: redial.tick(time.monotonic()))
         self.saver = ReplicaSaver(self.state, self.peer, driver, self.clock, last_in_sync, self.event)

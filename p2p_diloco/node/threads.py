@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
 import time
@@ -22,13 +23,9 @@ from typing import Any
 
 from p2p_diloco.owner import Owner
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.driver import PeerDriver, deferred
-from p2p_diloco.swarm.seats import accepting_term
-from p2p_diloco.wire.replies import Reply
+from p2p_diloco.swarm.driver import MIN_SYNC_GAP, PeerDriver, deferred
 
 log = logging.getLogger(__name__)
-
-SYNC_POLL_SECONDS = 0.02  # how often the synchronizer's rounds are polled
 
 
 class DeltaAccepts:
@@ -86,6 +83,9 @@ class ThreadedDriver(PeerDriver):
         self._stopped = threading.Event()
         self._on_error = on_error or (lambda what, exc: None)
         self.sync_seconds = 0.0
+        self._sync_job = _Job(math.inf, self.sync_tick)  # due when the peer's last `SyncDue` says
+        self._jobs.append(self._sync_job)
+        self._published = 0  # updates this peer published (`Published` intents), for `sync_seconds`
 
     def every(
         self, seconds: float, run: Callable[[], None], *, when: Callable[[], bool] | None = None
@@ -107,19 +107,6 @@ class ThreadedDriver(PeerDriver):
     def process(self, event: fx.Event) -> None:
         self.owner.check("the peer")
         super().process(event)
-        if isinstance(event, fx.DeltaArrived):  # answered within `handle` (a `Respond`)
-            self._note_accept(event)
-
-    def _note_accept(self, event: fx.DeltaArrived) -> None:
-        """Count an accepted delta under its shard and the term this peer synchronizes there."""
-        answer = event.answer
-        if not answer.done() or answer.cancelled() or answer.exception() is not None:
-            return
-        reply = answer.result()
-        if isinstance(reply, Reply) and reply.ok:
-            max_bytes = self.peer.manifest.wire.max_message_bytes
-            shard, term = accepting_term(self.peer.seats, event.frame, max_bytes)
-            self.accepts.note(term, self.clock.now(), shard)
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run `fn` on the owner thread and return its result (for shutdown and snapshots)."""
@@ -161,7 +148,7 @@ class ThreadedDriver(PeerDriver):
                 job.due = max(job.due + job.every, now)
                 if job.when():
                     self._guarded(job.run.__name__, job.run)
-            wait = min((job.due for job in self._jobs), default=now + 1.0) - time.monotonic()
+            wait = min([now + 1.0, *(job.due for job in self._jobs)]) - time.monotonic()
             try:
                 item = self._events.get(timeout=max(0.0, wait))
             except queue.Empty:
@@ -192,12 +179,22 @@ class ThreadedDriver(PeerDriver):
     def swarm_tick(self, heartbeat_fields: dict[str, Any]) -> None:
         self.process(fx.Tick(fx.TickKind.SWARM, self.clock.now(), heartbeat_fields))
 
+    def sync_due(self, at: float | None) -> None:
+        due = math.inf
+        if at is not None:
+            due = time.monotonic() + max(at - self.clock.now(), MIN_SYNC_GAP)
+        self._sync_job.due = due
+
+    def perform(self, intent: fx.Intent) -> None:
+        if isinstance(intent, fx.Published):
+            self._published += 1
+        elif isinstance(intent, fx.DeltaAccepted):  # counted under its shard and term
+            self.accepts.note(intent.term, self.clock.now(), intent.shard)
+        super().perform(intent)
+
     def sync_tick(self) -> None:
-        if self.peer.sync is None:
-            return
-        started = time.monotonic()
-        before = self.peer.updates_applied
+        """Close the rounds that are due; `sync_seconds` is the time per update merged and pushed."""
+        started, before = time.monotonic(), self._published
         self.process(fx.Tick(fx.TickKind.SYNC, self.clock.now(), sync_seconds=self.sync_seconds))
-        merged = self.peer.updates_applied - before
-        if merged:
+        if merged := self._published - before:
             self.sync_seconds = (time.monotonic() - started) / merged

@@ -6,7 +6,7 @@ starved process whose RPCs time out, a slow or frozen node), and a peer that cla
 claim a term that a peer it did not see claims too. But a record, once read, stays stored until its DHT
 expiration (a later write to its subkey only replaces it with a later expiration; nothing deletes it): a
 read that lacks a record this peer read before, while that record must still be stored, is provably
-partial. `covered` finds such *gaps*, and a plain claim made on a read with gaps waits (`hold_claim`,
+partial. `covered` finds such *gaps*, and a plain claim made on a read with gaps waits (`gate`,
 `ElectionTag.INCOMPLETE_READ`) until a read returns the record again or its expiration passes. The wait
 is bounded: a record counts only until its DHT expiration, capped at what an honest write sets
 (`record_life`: a heartbeat lives `heartbeat_ttl`, a lease `lease_ttl` past an expiry that is itself at
@@ -162,16 +162,6 @@ def _waiting(decision: ElectionDecision, tag: ElectionTag, detail: str) -> Elect
     return replace(decision, action=WAIT, tag=tag, detail=detail, holder=None, expires_at=None, successor="")
 
 
-def hold_claim(decision: ElectionDecision, gaps: ReadGaps) -> ElectionDecision:
-    """A plain claim (`ElectionTag.CLAIM`) made on a read with gaps waits instead; every other decision
-    stands, a succession claim included (the holder is seen down and named this peer: that needs no more
-    than the holder's lease)."""
-    if decision.action != CLAIM or decision.tag != ElectionTag.CLAIM or not gaps:
-        return decision
-    detail = f"would claim term {decision.term} ({decision.detail}); my read {gaps}"
-    return _waiting(decision, ElectionTag.INCOMPLETE_READ, detail)
-
-
 def hold_lagging_claim(
     decision: ElectionDecision,
     self_id: str,
@@ -186,3 +176,52 @@ def hold_lagging_claim(
         return decision
     why = why_not_eligible(self_id, heartbeats, now, 0, verified_newest)
     return _waiting(decision, ElectionTag.NOT_ELIGIBLE, f"{why}; my window for term {decision.term} passes")
+
+
+@dataclass(frozen=True)
+class ClaimChecks:
+    """What a claim is checked against before a seat makes it (`gate`). Each field is None (or empty)
+    when its guard has nothing to say; otherwise it says why the claim waits."""
+
+    stopping: bool = False  # the peer is shutting down (`swarm.phase.Phase.STOPPING`)
+    stepping_down: str | None = None  # this seat released its term; a read has not shown the end yet
+    warm_up: str | None = None  # this peer has not read the swarm for a heartbeat TTL yet
+    gaps: ReadGaps = NO_GAPS  # the read lacks a record still stored (`covered`)
+    under_way: str | None = None  # a signed record shows the run under way; this replica is at 0
+
+
+NO_CHECKS = ClaimChecks()
+
+
+def gate(decision: ElectionDecision, checks: ClaimChecks) -> ElectionDecision:
+    """Every guard on claiming, in order; the first that applies turns the claim into a wait with its
+    tag. Only claims are gated: renewing, holding and following never wait here.
+
+    1. stopping (`STOPPING`): a stopping peer never claims again.
+    2. stepping down (`STEPPING_DOWN`): a holder that released its term claims nothing until a read shows
+       that term over (its released record, or another holder).
+    3. warm-up (`PARTIAL_READ`): not before reading the swarm for a heartbeat TTL (a succession claim is
+       exact and never waits: the caller leaves `warm_up` None for it).
+    4. an incomplete read (`INCOMPLETE_READ`): a plain claim waits while the read has gaps.
+    5. a run under way (`UNDER_WAY`): a replica at version 0 never starts a run others have published.
+
+    Two checks come earlier, in the ranking itself: a candidate holding its share of the other shards
+    steps aside (`busy` in `swarm.membership.Membership.decide`), and a claim window is used only by a
+    strictly up-to-date peer (`hold_lagging_claim`)."""
+    if decision.action != CLAIM:
+        return decision
+    term = decision.term
+    if checks.stopping:
+        return _waiting(decision, ElectionTag.STOPPING, "stopping: never claims again")
+    if checks.stepping_down is not None:
+        return _waiting(
+            decision, ElectionTag.STEPPING_DOWN, f"would claim term {term}; {checks.stepping_down}"
+        )
+    if checks.warm_up is not None:
+        return _waiting(decision, ElectionTag.PARTIAL_READ, f"would claim term {term}; {checks.warm_up}")
+    if checks.gaps and decision.tag == ElectionTag.CLAIM:
+        detail = f"would claim term {term} ({decision.detail}); my read {checks.gaps}"
+        return _waiting(decision, ElectionTag.INCOMPLETE_READ, detail)
+    if checks.under_way is not None:
+        return _waiting(decision, ElectionTag.UNDER_WAY, checks.under_way)
+    return decision

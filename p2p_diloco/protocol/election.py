@@ -87,6 +87,7 @@ class ElectionTag(StrEnum):
     INCOMPLETE_READ = "incomplete read"  # wait: my read lacks a record still stored (`claim_guard`)
     UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
     STOPPING = "stopping"  # wait: this peer is shutting down and never claims again
+    STEPPING_DOWN = "stepping down"  # wait: I released my term; no read has shown its end yet
 
 
 LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves

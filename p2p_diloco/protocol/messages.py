@@ -95,6 +95,12 @@ class UpdateRecord:
             return None
         return next((seq for (who, _), seq in zip(self.contributors, self.seqs) if who == peer), None)
 
+    def merged_delta(self, peer: str, seq: int) -> bool:
+        """Whether this update merged `peer`'s delta `seq` (any delta of `peer`, when seqs are not recorded):
+        the one "is this my delta" rule, for the owner's record of deltas in flight (`Outbox.on_merged`)
+        and the learner's (`Learner` adoption)."""
+        return any(who == peer for who, _ in self.contributors) and self.seq_of(peer) in (None, seq)
+
     @property
     def to_version(self) -> int:
         return self.from_version + 1

@@ -343,6 +343,23 @@ class SynchronizerRounds:
             decisions.append((fragment, self._rounds[fragment].poll(now, live_learners, grace, cap)))
         return decisions
 
+    def next_deadline(
+        self, now: float, live_learners: frozenset[str], cap: float | None = None
+    ) -> dict[int, float]:
+        """By fragment, when each open round may close without a new delta: `now` when it may close now,
+        its grace window's end once it has its quorum; rounds short of a quorum wait for deltas (none)."""
+        if cap is None:
+            cap = self.timings.round_time(self.tau)
+        window = min(max(0.0, self.grace()), max(0.0, cap))
+        deadlines = {}
+        for fragment, decision in self.ready(now, live_learners, cap):
+            quorum_at = self._rounds[fragment].quorum_at
+            if decision.action == CLOSE:
+                deadlines[fragment] = now
+            elif quorum_at is not None and fragment not in self._merging:
+                deadlines[fragment] = quorum_at + window
+        return deadlines
+
     def close(self, fragment: int, now: float) -> list[Contribution]:
         """Take the fragment's round for merging; records its time-to-quorum. Raises if none can close."""
         self._known(fragment)

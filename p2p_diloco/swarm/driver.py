@@ -24,6 +24,8 @@ from p2p_diloco.wire.replies import Reply
 
 Observer = Callable[[fx.Intent], None]
 
+MIN_SYNC_GAP = 0.02  # at least this long between two sync ticks (a deadline already passed: soon, not now)
+
 
 def deferred(fn: Callable[[], Any]) -> tuple[Callable[[], None], concurrent.futures.Future]:
     """`fn` wrapped to run later (on an owner) and the future that gets its result or its exception."""
@@ -85,8 +87,8 @@ class PeerDriver:
         match intent:
             case fx.StoreRecord():
                 self._store_latest(intent)
-            case fx.Perform(request=fx.ReadSwarm()):
-                self.run_io(self._read_swarm, intent.task)
+            case fx.Perform(request=fx.ReadSwarm() as read):
+                self.run_io(lambda: self.read_swarm(read), intent.task)
             case fx.Perform(request=fx.Probe() as probe):
                 self._when_done([self.transport.probe(probe.peer, probe.addresses)], intent.task, single=True)
             case fx.Perform(request=fx.OfferUpdate() as offer):
@@ -125,21 +127,23 @@ class PeerDriver:
             case fx.ToLearner():
                 if self.learner is not None:
                     self.learner.inbox.put(intent.message)
+            case fx.SyncDue():
+                self.sync_due(intent.at)
             case _:
                 self.observer(intent)
 
-    def _read_swarm(self) -> fx.SwarmRecords:
+    def sync_due(self, at: float | None) -> None:
+        """Move the one sync-tick timer to `at` (peer clock; None: none due). The inline driver has no
+        timers: its caller (the in-process swarm, a test) sends `Tick(SYNC)` on its own schedule."""
+
+    def read_swarm(self, read: fx.ReadSwarm) -> fx.SwarmRecords:
         """Every record a swarm tick reads, all lookups in one round trip where the store can (`get_many`)."""
-        now = self.clock.now()
-        membership = self.peer.membership
-        reading_underway = self.peer.underway.reading
-        keys = [membership.hb_key, membership.lease_key, *(m.lease_key for m in membership.shards[1:])]
-        found = get_many(self.kv, [*keys, self.peer.underway.key] if reading_underway else keys, now)
-        heartbeats, leases = found[0], found[1]
-        shard_leases = tuple(found[2 : len(keys)])
-        underway = found[-1] if reading_underway else {}
+        keys = [read.heartbeats, *read.leases] + ([read.underway] if read.underway is not None else [])
+        found = get_many(self.kv, keys, self.clock.now())
+        underway = found[-1] if read.underway is not None else {}
+        shard_leases = tuple(found[2 : 1 + len(read.leases)])
         return fx.SwarmRecords(
-            heartbeats, leases, self.clock.now(), underway, shard_leases
+            found[0], found[1], self.clock.now(), underway, shard_leases
         )  # as of the read end
 
     def _store_latest(self, record: fx.StoreRecord) -> None:

@@ -84,7 +84,7 @@ class Answer(Protocol):
 
 class TickKind(StrEnum):
     SWARM = "swarm"  # every heartbeat period: heartbeat, election, repair
-    SYNC = "sync"  # often, while synchronizer: close the rounds that are ready
+    SYNC = "sync"  # at the time the peer's last `SyncDue` named, while it holds a lease: close ready rounds
 
 
 # ---- events --------------------------------------------------------------------------------------
@@ -202,7 +202,12 @@ Event = (
 
 @dataclass(frozen=True)
 class ReadSwarm:
-    """Read the heartbeat and lease records; the result is `SwarmRecords`."""
+    """Read the heartbeat key and every shard's lease key (`Membership.read_swarm`), and the run-under-way
+    key when `underway` names it; the result is `SwarmRecords`."""
+
+    heartbeats: str
+    leases: tuple[str, ...]  # shard 0's first
+    underway: str | None = None
 
 
 @dataclass(frozen=True)
@@ -357,9 +362,27 @@ class Claimed:
 
 
 @dataclass(frozen=True)
+class DeltaAccepted:
+    """Telemetry: this peer, as synchronizer, accepted another peer's delta into a round of `shard`'s
+    `term` (the highest term seen there, if it holds none by the time it answers)."""
+
+    shard: int
+    term: int
+
+
+@dataclass(frozen=True)
 class LeaseReleased:
     term: int
     rounds: int
+
+
+@dataclass(frozen=True)
+class SyncDue:
+    """When this peer next needs a `Tick(SYNC)`: a round's grace window ends, a hold on a fragment lifts
+    (`Seat.wake_at`). The driver keeps one timer and moves it here; `at` None: no tick is due until an
+    event says otherwise. Sent whenever it changes, and after every sync tick."""
+
+    at: float | None
 
 
 Intent = (
@@ -375,6 +398,8 @@ Intent = (
     | Note
     | Claimed
     | LeaseReleased
+    | DeltaAccepted
+    | SyncDue
 )
 
 

@@ -126,6 +126,25 @@ class Handover:
                 )
         return frozenset(self.behind)
 
+    def holds(self, now: float) -> frozenset[int]:
+        """What `held(now)` answers, without its bookkeeping (no note, nothing forgotten)."""
+        if self.waiting and now < self.deadline:
+            return frozenset(range(self.repair.plan.num_fragments))
+        limit = self.manifest.timing.lease_ttl
+        return frozenset(
+            p
+            for p, (version, since) in self.behind.items()
+            if self.repair.replica.version(p) < version and now - since < limit
+        )
+
+    def hold_ends(self) -> float | None:
+        """When the holds of `held` lift at the latest (an answer or a catch-up can lift them earlier:
+        those arrive as events); None when nothing is held."""
+        ends = [since + self.manifest.timing.lease_ttl for _, since in self.behind.values()]
+        if self.waiting:
+            ends.append(self.deadline)
+        return min(ends, default=None)
+
     def holding(self, now: float) -> bool:
         """Whether the term's rounds still wait for the check (at most `timing.heartbeat_period`)."""
         if not self.waiting:

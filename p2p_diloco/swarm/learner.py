@@ -229,9 +229,8 @@ class Learner:
         record, old_global, new_global = message.record, message.old_global, message.new_global
         p = record.fragment
         sent, released = self.sent.get(p), self.released.get(p)
-        mine = any(peer == self.peer_id for peer, _ in record.contributors)
         seq = record.seq_of(self.peer_id)  # None: not mine, or a record without seqs
-        contributed = sent is not None and mine and seq in (None, sent.seq)
+        contributed = sent is not None and record.merged_delta(self.peer_id, sent.seq)
         if not contributed and released is not None and seq is not None and seq == released.seq:
             self._adopt_released(message, released)
             return

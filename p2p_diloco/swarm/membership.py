@@ -105,6 +105,10 @@ class Membership:
         expiration = election.dht_expiration(lease, self.manifest.timing)
         return StoreRecord(self.lease_key, self.peer_id, encode_lease(lease), expiration, what=what)
 
+    def read_swarm(self, underway: str | None = None) -> ReadSwarm:
+        """The read of a swarm tick: the heartbeats and every shard's lease records (and `underway`)."""
+        return ReadSwarm(self.hb_key, tuple(m.lease_key for m in self.shards), underway)
+
     def for_fragment(self, fragment: int) -> Membership:
         """The membership of `fragment`'s shard (whose leases its updates are checked against)."""
         return self.shards[shards.shard_of(fragment, len(self.shards))]
@@ -232,19 +236,13 @@ class Membership:
         if past_terms and term < self.term_seen and self.manifest.may_synchronize(leader):
             return True
         if now - self.last_read >= self.manifest.timing.heartbeat_period:
-            self.ingest((yield ReadSwarm()))
+            self.ingest((yield self.read_swarm()))
         return self.held_lease(leader, term)
 
     def saw_term(self, term: int) -> None:
         """A term this peer verified (a checked update of it, its own claim, or its saved state at a
         restart): the floor of its elections."""
         self.term_seen = max(self.term_seen, term)
-
-    def held_back(self, decision: ElectionDecision, term_seen: int) -> None:
-        """`decide` made a claim this peer holds back (`swarm.underway`): the wait replaces it, and the term
-        it would have claimed was not seen (`term_seen` is the value before `decide`)."""
-        self.term_seen = term_seen
-        self.last_election_tag = decision.tag
 
     def lease_live_at(self, leader: str, term: int, now: float) -> bool:
         """Whether `leader`'s valid lease of `term` is live at `now` (an update pushed now was published
@@ -275,10 +273,13 @@ class Membership:
         verified_newest: int | None = None,
         own_versions: tuple[int, ...] | None = None,
         busy: frozenset[str] = frozenset(),
+        checks: claim_guard.ClaimChecks = claim_guard.NO_CHECKS,
     ) -> ElectionDecision:
         """The election on `view`; `own_versions` (this peer's replica now) stand in for the versions of
         its own heartbeat, which are up to a heartbeat period old. `busy`: candidates that hold their share
-        of the other shards (`protocol.shards.at_cap`); they step aside while another candidate is up."""
+        of the other shards (`protocol.shards.at_cap`); they step aside while another candidate is up.
+        A claim then passes `claim_guard.gate` with the seat's `checks`, this peer's warm-up and the read's
+        gaps."""
         heartbeats = self._with_recent_candidates(view, now)
         if any(hb.may_sync and hb.live(now) and hb.peer_id not in busy for hb in heartbeats):
             heartbeats = [replace(hb, may_sync=False) if hb.peer_id in busy else hb for hb in heartbeats]
@@ -310,7 +311,8 @@ class Membership:
             decision = claim_guard.hold_lagging_claim(
                 elect(max_lag=window_lag), self.peer_id, heartbeats, now, verified_newest
             )
-        decision = claim_guard.hold_claim(self._warming_up(decision, view, now), view.gaps)
+        checks = replace(checks, warm_up=self._warm_up_left(decision, view, now), gaps=view.gaps)
+        decision = claim_guard.gate(decision, checks)
         if decision.tag == election.ElectionTag.NOT_ELIGIBLE and self.peer_id in busy:
             detail = f"I hold my share of the other shards; {decision.holder} may claim term {decision.term}"
             decision = replace(decision, detail=detail)
@@ -374,24 +376,18 @@ class Membership:
         ]
         return [*view.heartbeats, *missing]
 
-    def _warming_up(self, decision: ElectionDecision, view: SwarmView, now: float) -> ElectionDecision:
-        """A claim waits until this peer has read the swarm for `heartbeat_ttl` (every live peer's heartbeat
+    def _warm_up_left(self, decision: ElectionDecision, view: SwarmView, now: float) -> str | None:
+        """Why a claim still waits to have read the swarm for `heartbeat_ttl` (every live peer's heartbeat
         was written meanwhile): at a run's start two peers that each read only themselves both claimed
         term 1. A succession claim (the holder is down and named me) is exact and never waits."""
         if self._reading_since is None:
             self._reading_since = now
-        waited = now - self._reading_since
+        waited, ttl = now - self._reading_since, self.manifest.timing.heartbeat_ttl
         down = self.seen_down(now)
         succession = any(x.successor == self.peer_id and x.holder in down for x in view.leases if x.live(now))
-        if decision.action != election.CLAIM or succession or waited >= self.manifest.timing.heartbeat_ttl:
-            return decision
-        return ElectionDecision(
-            election.WAIT,
-            election.ElectionTag.PARTIAL_READ,
-            f"would claim term {decision.term}; reading the swarm for "
-            f"{waited:.1f}s of {self.manifest.timing.heartbeat_ttl:.1f}s first",
-            term=decision.term,
-        )
+        if decision.action != election.CLAIM or succession or waited >= ttl:
+            return None
+        return f"reading the swarm for {waited:.1f}s of {ttl:.1f}s first"
 
     def mark_down(self, peer: str, now: float) -> None:
         """`peer`'s address refused a connection at `now` (its process is gone)."""

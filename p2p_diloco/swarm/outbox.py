@@ -177,9 +177,7 @@ class Outbox:
     def on_merged(self, record: UpdateRecord) -> None:
         """An applied update merged this peer's delta of its fragment: no longer in flight."""
         sent = self.in_flight.get(record.fragment)
-        seq = record.seq_of(self.peer_id)
-        mine = any(peer == self.peer_id for peer, _ in record.contributors)
-        if sent is not None and mine and seq in (None, sent.seq):
+        if sent is not None and record.merged_delta(self.peer_id, sent.seq):
             del self.in_flight[record.fragment]
 
     def expire(self, now: float) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.protocol import election, shards
+from p2p_diloco.protocol import shards
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import UpdateRecord
@@ -35,6 +35,7 @@ from p2p_diloco.swarm.handover import Handover
 from p2p_diloco.swarm.journal import Journal, PeerContext
 from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.outbox import Outbox
+from p2p_diloco.swarm.phase import Phase
 from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.swarm.seats import Seat, busy, seat_of_delta
@@ -45,6 +46,7 @@ from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
 from p2p_diloco.swarm.tasks import Tasks
 from p2p_diloco.swarm.underway import UnderwayGate
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.wire.frames import InboundDelta
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import PeerKeys
@@ -108,16 +110,18 @@ class Peer:
                 self.book,
                 self.outbox,
                 membership,
-                handover.held,
+                handover,
                 self.relay,
             )
             elect = functools.partial(self.elect, shard=shard)
             watch = HolderWatch(peer_id, membership, self.journal, self.spawn, elect)
             fragments = frozenset(shards.fragments_of(shard, count, plan.num_fragments))
-            self.seats.append(Seat(shard, fragments, membership, role, handover, watch))
+            seat = Seat(shard, fragments, membership, role, handover, watch, emit, manifest.timing)
+            self.seats.append(seat)
         self.handover, self.role, self.watch = self.seats[0].handover, self.seats[0].role, self.seats[0].watch
         self._electing = False  # an election round's DHT read is in flight
-        self.stopping = False  # set by `Stopping`: from then on this peer never claims a lease
+        self._now = float("-inf")  # the latest time an event brought (tasks' results carry none)
+        self._sync_due: float | None = None  # the last `SyncDue` sent
 
     # ---- the entry point ---------------------------------------------------------------------------
 
@@ -128,7 +132,9 @@ class Peer:
             case fx.Tick(kind=fx.TickKind.SYNC):
                 self.sync_tick(event.now, sync_seconds=event.sync_seconds)
             case fx.DeltaArrived():
-                self._emit(fx.Respond(event.answer, self._handle_delta(event.sender, event.frame, event.now)))
+                self._emit(
+                    fx.Respond(event.answer, self._delta_arrived(event.sender, event.frame, event.now))
+                )
             case fx.UpdateArrived():
                 self.spawn(
                     self._receive_update(event.sender, event.frame, event.now), self._respond(event.answer)
@@ -159,7 +165,17 @@ class Peer:
                     self._emit(fx.Respond(event.answer, released))
             case _:
                 raise TypeError(f"not a peer event: {event!r}")
+        self._now = max(self._now, getattr(event, "now", self._now))
+        self._schedule_sync(force=isinstance(event, fx.Tick) and event.kind == fx.TickKind.SYNC)
         return self.flush()
+
+    def _schedule_sync(self, *, force: bool) -> None:
+        """Tell the driver when the next sync tick is due (`SyncDue`), when that changed or a tick was
+        just spent: the peer is woken at its next deadline rather than polled."""
+        due = min((at for seat in self.seats if (at := seat.wake_at(self._now)) is not None), default=None)
+        if force or due != self._sync_due:
+            self._sync_due = due
+            self._emit(fx.SyncDue(due))
 
     def flush(self) -> list[fx.Intent]:
         """The intents produced since the last call (`handle` returns them; after `spawn` outside it)."""
@@ -201,7 +217,7 @@ class Peer:
     def _election_round(self, now: float) -> fx.Task:
         self._electing = True
         try:
-            records = yield fx.ReadSwarm()
+            records = yield self.membership.read_swarm(self.underway.key if self.underway.reading else None)
         finally:
             self._electing = False
         views = self.membership.ingest_all(records)
@@ -249,55 +265,27 @@ class Peer:
         self._repair(fx.RepairNeeded(fx.RepairKind.CATCH_UP, fragment, tuple(sources), target=target))
 
     def elect(self, view, now: float, shard: int = 0) -> ElectionDecision:
-        """Run `shard`'s election on `view`. Versions that trusted tips of live peers show count as
-        verified, so a peer that missed updates knows it lags; a holder catches such fragments up before
-        merging."""
-        if self.stopping:  # an election read in flight at SIGTERM returns after it: it decides nothing
-            return ElectionDecision(
-                election.WAIT, election.ElectionTag.STOPPING, "stopping: never claims again"
-            )
+        """Run `shard`'s election on `view` and move its seat (`Seat.elected`). Versions that trusted tips
+        of live peers show count as verified, so a peer that missed updates knows it lags; a holder
+        catches such fragments up before merging."""
         seat = self.seats[shard]
+        seat.read(view, now)
         role, handover, membership = seat.role, seat.handover, seat.membership
-        sync = role.sync
-        rounds = sync.rounds_done if sync else 0
+        rounds = role.sync.rounds_done if role.sync else 0
         ceiling = tuple(membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments))
         ahead = self.book.trusted_ahead(membership.live_peers, self.peer_id, ceiling)
-        term_seen = membership.term_seen
+        view = self.underway.election_view(view, self.replica.versions())  # no fresh start of a run under way
         decision = membership.decide(
-            self.underway.election_view(view, self.replica.versions()),  # no fresh start of a run under way
+            view,
             now,
             rounds,
             verified_newest=self.book.verified_newest({p: a.winner.version for p, a in ahead.items()}),
             own_versions=self.replica.versions(),
             busy=busy(self.seats, seat, view, now),
+            checks=seat.checks(self.underway.claim_wait()),
         )
-        if (held := self.underway.hold_back(decision)) is not None:
-            membership.held_back(held, term_seen)
-            decision = held
-        if decision.action in (election.CLAIM, election.RENEW):
-            lease = decision.lease_to_write()
-            assert lease is not None
-            if decision.action == election.CLAIM or sync is None:
-                role.take(lease.term)
-                handover.begin(lease.term, now)
-            if decision.action == election.CLAIM:
-                self._emit(fx.Claimed(lease.term, decision.reason, shard))
-            self._emit(membership.lease_record(lease, "lease"))
-            membership.my_lease = lease
-            membership.follow(self.peer_id, lease.term)
-        elif decision.action == election.STEP_DOWN:
-            if membership.my_lease is not None and decision.tag == election.ElectionTag.TERM_ENDED:
-                role.finish_open_rounds(now)
-                self._release_lease(now, rounds, seat)
-            role.sync, membership.my_lease = None, None
-            membership.follow(None, 0)
-        elif decision.action == election.FOLLOW:
-            membership.follow(decision.holder, decision.term)
-            role.sync, membership.my_lease = None, None
-        elif decision.action == election.HOLD and sync is not None:
-            membership.follow(self.peer_id, sync.term)
-        else:
-            membership.follow(None, 0)
+        if seat.elected(decision, now, self.may_sync).after == Phase.STOPPING:
+            return decision
         holder = membership.holder
         self.outbox.follow((holder, membership.holder_term) if holder is not None else None, seat.fragments)
         if role.sync is not None:  # never publish from behind: those rounds wait for the catch-up
@@ -306,30 +294,26 @@ class Peer:
                     self._catch_up(fragment, found.winner.version, found.sources, why="trusted tips")
         return decision
 
-    def _release_lease(self, now: float, rounds: int, seat: Seat) -> bool:
-        lease = seat.membership.my_lease
-        if lease is None:
-            return False
-        released = election.release_lease(lease, now, self.manifest.timing, rounds)
-        self._emit(seat.membership.lease_record(released, "released lease"))
-        self._emit(fx.LeaseReleased(lease.term, rounds))
-        return True
-
     def _stop(self, now: float) -> bool:
-        """Shutdown: never claim again; a holder merges its open rounds that have a quorum (the driver
-        flushes their pushes before the transport closes), then releases its lease. Deltas of rounds
-        below quorum go back to their learners when the next holder is known."""
+        """Shutdown: every seat moves to `Phase.STOPPING` (`Seat.stop`): a holder merges its open rounds
+        that have a quorum (the driver flushes their pushes before the transport closes), then releases its
+        lease; no seat claims again. Deltas of rounds below quorum go back to their learners when the next
+        holder is known."""
         self.may_sync = False
-        self.stopping = True
         released = False
         for seat in self.seats:
-            if seat.sync is not None:
-                seat.role.finish_open_rounds(now)
-                released = self._release_lease(now, seat.sync.rounds_done, seat) or released
-            seat.role.sync, seat.membership.my_lease = None, None
-            seat.membership.follow(None, 0)
+            released = seat.stop(now) or released
             self.outbox.follow(None, seat.fragments)
         return released
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `Stopping` arrived: every seat is then in `Phase.STOPPING`."""
+        return all(seat.phase == Phase.STOPPING for seat in self.seats)
+
+    def phases(self) -> tuple[Phase, ...]:
+        """Each seat's phase, shard 0's first."""
+        return tuple(seat.phase for seat in self.seats)
 
     def sync_tick(
         self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None
@@ -339,9 +323,22 @@ class Peer:
             published += seat.role.tick(now, sync_seconds=sync_seconds, cap=cap)
         return published
 
-    def _handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
-        seat = seat_of_delta(self.seats, frame, self.manifest.wire.max_message_bytes)
-        reply = seat.role.handle_delta(sender, frame, now)
+    def _delta_arrived(self, sender: str, frame: bytes, now: float) -> Reply:
+        """A delta from another peer; an accepted one is counted under its shard and term (`DeltaAccepted`)."""
+        reply, seat = self._handle_delta(sender, frame, now)
+        if reply.ok:
+            sync = seat.sync
+            self._emit(
+                fx.DeltaAccepted(seat.shard, sync.term if sync is not None else seat.membership.term_seen)
+            )
+        return reply
+
+    def _handle_delta(self, sender: str, frame: bytes, now: float) -> tuple[Reply, Seat]:
+        """The one place a delta frame is decoded (`InboundDelta`); the seat of its fragment's shard
+        checks and offers the decoded delta."""
+        delta = InboundDelta.decode(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        seat = seat_of_delta(self.seats, delta)
+        reply = seat.role.handle_delta(sender, delta, now)
         sync = seat.sync
         if sync is not None and sync.ahead_hints:
             # one learner's word: caught up from it (every record checked), but no round waits for it
@@ -350,7 +347,7 @@ class Peer:
                     fragment, self.replica.version(fragment) + 1, [learner], why="a delta anchored ahead"
                 )
             sync.ahead_hints.clear()
-        return reply
+        return reply, seat
 
     # ---- learner side ------------------------------------------------------------------------------
 
@@ -360,7 +357,7 @@ class Peer:
             return
         send = self.outbox.send_intent(ready.fragment, frame)
         if send.to == self.peer_id:  # the synchronizer's own work: no network
-            reply = self._handle_delta(self.peer_id, frame, ready.now)
+            reply, _ = self._handle_delta(self.peer_id, frame, ready.now)
             self.outbox.on_reply(
                 fx.DeltaReplied(send.to, send.term, send.fragment, send.seq, reply, ready.now)
             )

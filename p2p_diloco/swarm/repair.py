@@ -29,7 +29,6 @@ from p2p_diloco.protocol.replica import ReplicaTag
 from p2p_diloco.swarm.effects import (
     FetchUpdateLogs,
     FetchUpdates,
-    ReadSwarm,
     Reload,
     RepairKind,
     RepairNeeded,
@@ -344,7 +343,10 @@ class Repair:
             self.busy -= held
 
     def _catch_up(self, now: float, *, replay: bool) -> Task:
-        views, read_at = self.membership.ingest_all((yield ReadSwarm())), self.membership.last_read
+        views, read_at = (
+            self.membership.ingest_all((yield self.membership.read_swarm())),
+            self.membership.last_read,
+        )
         holders = [
             max((x for x in v.leases if x.live(read_at)), key=lambda x: x.term, default=None) for v in views
         ]

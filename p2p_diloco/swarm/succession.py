@@ -78,6 +78,6 @@ class HolderWatch:
         self._spawn(self._elect_now(holder))
 
     def _elect_now(self, holder: str) -> fx.Task:
-        records = yield fx.ReadSwarm()
+        records = yield self.membership.read_swarm()
         self.membership.mark_down(holder, records.now)
         self._elect(self.membership.ingest(records), records.now)

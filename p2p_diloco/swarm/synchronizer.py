@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
+
+from torch import Tensor
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import AdmissionTag, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.merge import validate_delta
-from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
+from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.protocol.robust import ACCEPT, CLIP, RobustGuard, Screened
+from p2p_diloco.protocol.robust import ACCEPT, CLIP, CounterCheck, RobustGuard, Screened
 from p2p_diloco.protocol.robust_config import RobustTag
 from p2p_diloco.protocol.sync_round import Contribution, RoundTag, SynchronizerRounds
 from p2p_diloco.swarm import effects as fx
@@ -40,10 +43,13 @@ from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.sparse_rounds import intake_problem
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.codec import decode_tensors
-from p2p_diloco.wire.frames import decode_delta, encode_update
+from p2p_diloco.wire.frames import InboundDelta, encode_update
 from p2p_diloco.wire.relay_frames import UpdateId
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import SignatureCheck
+
+if TYPE_CHECKING:
+    from p2p_diloco.swarm.handover import Handover
 
 
 class SynchronizerRole:
@@ -56,7 +62,7 @@ class SynchronizerRole:
         book: UpdateBook,
         outbox: Outbox,
         membership: Membership,
-        held: Callable[[float], frozenset[int]] = lambda now: frozenset(),
+        handover: Handover | None = None,
         relay: Relay | None = None,
     ):
         self.peer_id, self.manifest, self.plan, self.replica = (
@@ -72,7 +78,7 @@ class SynchronizerRole:
         self.book = book
         self.outbox = outbox
         self.membership = membership
-        self._held = held  # `Handover.held`: fragments whose rounds wait (never publish from behind)
+        self.handover = handover  # fragments whose rounds wait (never publish from behind), and until when
         self.relay = relay or Relay.for_run(ctx.peer_id, ctx.manifest)
         self._fence_noted: float | None = None  # the lease expiry a fence was last noted for
         self.sync: Synchronizer | None = None
@@ -99,7 +105,8 @@ class SynchronizerRole:
         if self.sync is None or self._fenced(now):
             return []
         published = []
-        for outcome in self.sync.poll(now, self.membership.live_learners(now), cap, hold=self._held(now)):
+        held = self.handover.held(now) if self.handover is not None else frozenset()
+        for outcome in self.sync.poll(now, self.membership.live_learners(now), cap, hold=held):
             record = self.book.sign(outcome.record)
             reply = self.book.apply(
                 record,
@@ -121,6 +128,19 @@ class SynchronizerRole:
             published.append(record)
             self._emit(fx.Published(record))
         return published
+
+    def wake_at(self, now: float) -> float | None:
+        """When this term next needs a sync tick (`Synchronizer.wake_at`, or when held rounds are let go);
+        None while it holds no term, is fenced, or waits only for events."""
+        lease, margin = self.membership.my_lease, self.manifest.timing.lease_margin
+        if self.sync is None or (lease is not None and now >= lease.expires_at - margin):
+            return None  # fenced: only the election changes that
+        handover = self.handover
+        held = handover.holds(now) if handover is not None else frozenset()
+        wakes = [self.sync.wake_at(now, self.membership.live_learners(now), held)]
+        if held and handover is not None:
+            wakes.append(handover.hold_ends())
+        return min((at for at in wakes if at is not None), default=None)
 
     def _fenced(self, now: float) -> bool:
         """Past my lease's last written expiry (less the margin) I merge nothing, whether or not the
@@ -151,7 +171,7 @@ class SynchronizerRole:
                 f"term ended: merged the open rounds of fragments {merged}, dropped {dropped} (no quorum)"
             )
 
-    def handle_delta(self, sender: str, frame: bytes, now: float) -> Reply:
+    def handle_delta(self, sender: str, delta: InboundDelta, now: float) -> Reply:
         """A delta addressed to this peer: the one admission check (`RunManifest.may_learn`: the allowlist
         and `[trust] learners`), then the term's `Synchronizer`, or a refusal if this peer holds none."""
         if not self.manifest.may_learn(sender):
@@ -159,14 +179,12 @@ class SynchronizerRole:
                 sender, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist"
             )
         if self.sync is None:
-            try:
-                decode_delta(frame, max_bytes=self.manifest.wire.max_message_bytes)
-            except DecodeError as exc:
-                return self.journal.reject(sender, exc.reason, exc.detail)
+            if delta.error is not None:
+                return self.journal.reject(sender, delta.error.reason, delta.error.detail)
             return self.journal.reject(
                 sender, UpdateTag.NOT_SYNCHRONIZER, f"{self.peer_id} does not hold the lease"
             )
-        return self.sync.offer_delta(sender, frame, now)
+        return self.sync.offer_delta(sender, delta, now)
 
 
 class Synchronizer:
@@ -228,49 +246,67 @@ class Synchronizer:
     def _refuse(self, sender: str, decision: Decision, now: float) -> Reply:
         return self._reject(sender, decision.tag, decision.detail, now)
 
-    def offer_delta(self, sender: str, frame: bytes, now: float) -> Reply:
-        """Validate and offer one delta frame of an admitted sender (`SynchronizerRole.handle_delta`);
-        returns the reply for the sender. Never raises on bad input."""
+    def offer_delta(self, sender: str, delta: InboundDelta | bytes, now: float) -> Reply:
+        """Check and offer one delta of an admitted sender (`SynchronizerRole.handle_delta`; the raw frame
+        is decoded here, for callers that have one); returns the reply for the sender. Never raises on bad
+        input. In order: the sender's cool-down, the frame (`_header_problem`), the tensors and claims
+        (`_screen`), then the fragment's round."""
+        if isinstance(delta, bytes):
+            delta = InboundDelta.decode(delta, max_bytes=self.manifest.wire.max_message_bytes)
         admitted = self.guard.admit(sender, now)
         if admitted.action != ACCEPT and sender != self.peer_id:
             return self._reject(
                 sender, admitted.tag, admitted.detail, now, self.guard.cool_down_left(sender, now)
             )
-        wire = self.manifest.wire
-        try:
-            header, payload = decode_delta(frame, max_bytes=wire.max_message_bytes)
-        except DecodeError as exc:
-            return self._reject(sender, exc.reason, exc.detail, now)
+        problem = self._header_problem(sender, delta)
+        if problem is not None:
+            return self._reject(sender, *problem, now)
+        header = delta.header
+        assert header is not None  # a header problem otherwise
+        screened = self._screen(sender, header, delta.payload, now)
+        if isinstance(screened, Reply):
+            return screened
+        return self._join_round(sender, delta, *screened, now)
+
+    def _header_problem(self, sender: str, delta: InboundDelta) -> tuple[str, str] | None:
+        """(tag, detail) refusing the frame itself: it does not decode, or names another run, manifest or
+        no fragment of this one, lacks its signature where union rounds need one, or resends merged work."""
+        if delta.error is not None:
+            return delta.error.reason, delta.error.detail
+        header = delta.header
+        assert header is not None
         if header.run_id != self.manifest.run_id:
-            return self._reject(
-                sender, AdmissionTag.WRONG_RUN, f"{header.run_id!r} != {self.manifest.run_id!r}", now
-            )
+            return AdmissionTag.WRONG_RUN, f"{header.run_id!r} != {self.manifest.run_id!r}"
         if header.manifest_hash != self.manifest.manifest_hash:
-            return self._reject(
-                sender, AdmissionTag.WRONG_MANIFEST, "peer runs a different manifest; update it", now
-            )
+            return AdmissionTag.WRONG_MANIFEST, "peer runs a different manifest; update it"
         p = header.fragment
         if not 0 <= p < self.plan.num_fragments:
-            return self._reject(
-                sender, AdmissionTag.UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})", now
-            )
-        if wire.codec.sparse:  # union rounds list this delta: every replica will check its signature
-            unsigned = intake_problem(self.check, sender, header, payload)
+            return AdmissionTag.UNKNOWN_FRAGMENT, f"{p} not in [0, {self.plan.num_fragments})"
+        if (
+            self.manifest.wire.codec.sparse
+        ):  # union rounds list this delta: every replica checks its signature
+            unsigned = intake_problem(self.check, sender, header, delta.payload)
             if unsigned is not None:
-                return self._reject(sender, *unsigned, now)
+                return unsigned
         merged = self.merged_already(sender, p, header.carries_since)
         if merged is not None and header.seq <= merged:  # this very delta was merged: resent as is
-            return self._reject(
-                sender, RobustTag.REPLAY, f"delta {header.seq} of fragment {p} was merged already", now
-            )
+            return RobustTag.REPLAY, f"delta {header.seq} of fragment {p} was merged already"
         if merged is not None:
             # a delta released at a term change that the old holder merged after all: its work is in the
             # model; the learner adopts that update and resends only what came after
-            detail = (
+            return AdmissionTag.ALREADY_MERGED, (
                 f"fragment {p}: delta {header.seq} carries work since delta {header.carries_since}, and "
                 f"delta {merged} was merged already; adopt that update and resend the rest"
             )
-            return self._reject(sender, AdmissionTag.ALREADY_MERGED, detail, now)
+        return None
+
+    def _screen(
+        self, sender: str, header: DeltaHeader, payload: bytes, now: float
+    ) -> Reply | tuple[CounterCheck, Screened, Mapping[str, Tensor]]:
+        """Decode the tensors once and screen them (shapes and norm bound, claimed counters, replay, the
+        robust screens); the counters as weighed, the screens' verdict and what the round keeps, or the
+        refusal."""
+        p, wire = header.fragment, self.manifest.wire
         try:
             kept = decode_tensors(
                 payload, expected_shapes=self.expected[p], max_bytes=wire.max_message_bytes, lazy=True
@@ -296,17 +332,32 @@ class Synchronizer:
             screened = self.guard.screen(p, tensors, header.steps, sender)
         if screened.decision.action not in (ACCEPT, CLIP):
             return self._refuse(sender, screened.decision, now)
+        # a clipped delta is new values; an accepted one waits for its round in int8 (a quarter of float32:
+        # with rounds open on several fragments, the synchronizer's largest holding)
+        return counters, screened, kept if screened.decision.action == ACCEPT else screened.tensors
+
+    def _join_round(
+        self,
+        sender: str,
+        delta: InboundDelta,
+        counters: CounterCheck,
+        screened: Screened,
+        payload: Mapping[str, Tensor],
+        now: float,
+    ) -> Reply:
+        """Offer the screened delta to its fragment's round; accepted, it counts for the sender's standing."""
+        header = delta.header
+        assert header is not None
+        p = header.fragment
         contribution = Contribution(
             sender=sender,
             anchor_version=header.anchor_version,
             tokens=counters.tokens,
             steps=counters.steps,
             received_at=now,
-            # a clipped delta is new values; an accepted one waits for its round in int8 (a quarter of
-            # float32: with rounds open on several fragments, the synchronizer's largest holding)
-            payload=kept if screened.decision.action == ACCEPT else screened.tensors,
+            payload=payload,
             seq=header.seq,
-            frame=frame if wire.codec.sparse else b"",  # a union round bundles the signed frame
+            frame=delta.frame if self.manifest.wire.codec.sparse else b"",  # a union round bundles the frame
         )
         self._follow_replica(now)
         decision = self.rounds.offer(p, contribution, now)
@@ -353,6 +404,20 @@ class Synchronizer:
             )
             outcomes.append(MergeOutcome(record, decision, pending, grad))
         return outcomes
+
+    def wake_at(self, now: float, live_learners: frozenset[str], hold: Collection[int]) -> float | None:
+        """When `poll` may next close a round with no new event: a round's grace end (or `now`), a round
+        gathering its first three deltas at `warmup_wait`; None when only a delta can close one. Held
+        fragments (`hold`) are left to the caller."""
+        awaited = live_learners - self.guard.cooling(now)
+        wakes = []
+        for p, at in self.rounds.next_deadline(now, awaited).items():
+            current = self.rounds.round(p)
+            if self._gathering(p, now, awaited) and current is not None:
+                at = max(at, current.opened_at + self.guard.config.warmup_wait)
+            if p not in hold:
+                wakes.append(at)
+        return min(wakes, default=None)
 
     def _follow_replica(self, now: float) -> None:
         """Rounds move to the replica's version after a catch-up or reconciliation changed it under them;

@@ -23,7 +23,6 @@ from dataclasses import replace
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.decisions import reason_text
-from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.effects import StoreRecord
 from p2p_diloco.swarm.journal import Journal
@@ -106,14 +105,11 @@ class UnderwayGate:
             return view
         return replace(view, heartbeats=[hb for hb in view.heartbeats if hb.peer_id != self.peer_id])
 
-    def hold_back(self, decision: ElectionDecision) -> ElectionDecision | None:
-        """The wait that replaces a claim the election still made from version 0 of a run under way (a
-        candidate it remembered from an earlier read may be this peer itself)."""
-        if decision.action != election.CLAIM or self.waiting is None:
-            return None
-        return ElectionDecision(
-            election.WAIT, election.ElectionTag.UNDER_WAY, self.detail(), term=decision.term
-        )
+    def claim_wait(self) -> str | None:
+        """Why a claim waits (`protocol.claim_guard.gate`, `UNDER_WAY`): the election still ranks this peer
+        first from version 0 of a run under way when it remembers itself from an earlier read; None when
+        this gate has nothing to say."""
+        return None if self.waiting is None else self.detail()
 
     def publish(self, log: UpdateLog, num_fragments: int, now: float) -> StoreRecord | None:
         """This peer's proof (the newest signed record in its log) when it is due to be written again."""

@@ -249,12 +249,31 @@ def decode_delta(frame: bytes, *, max_bytes: int) -> tuple[DeltaHeader, bytes]:
     return DeltaHeader(**header, sender="", signature=signature), payload
 
 
-def decode_delta_header(frame: bytes, *, max_bytes: int) -> DeltaHeader:
-    """`decode_delta`'s header alone, with the same checks, without copying the payload (routing a delta
-    to its shard reads only the fragment)."""
-    header, _, _, _ = _decode_parts(frame, DELTA_MAGIC, DELTA_SCHEMA, max_bytes, SIGNED_DELTA_SCHEMA)
-    signature = bytes.fromhex(header.pop("signature", ""))
-    return DeltaHeader(**header, sender="", signature=signature)
+@dataclass(frozen=True)
+class InboundDelta:
+    """A delta frame as it entered a peer, decoded once (`decode`): its header and codec payload, or the
+    `DecodeError` that says why it does not decode. Every check after that reads these fields; none
+    decodes the frame again (the tensors in `payload` are decoded once, by the synchronizer that screens
+    them)."""
+
+    frame: bytes
+    header: DeltaHeader | None
+    payload: bytes = b""
+    error: DecodeError | None = None
+
+    @classmethod
+    def decode(cls, frame: bytes, *, max_bytes: int) -> InboundDelta:
+        try:
+            header, payload = decode_delta(frame, max_bytes=max_bytes)
+        except DecodeError as exc:
+            return cls(frame, None, error=exc)
+        return cls(frame, header, payload)
+
+    @property
+    def fragment(self) -> int | None:
+        """The fragment the header names (None if it does not decode or names none)."""
+        fragment = self.header.fragment if self.header is not None else None
+        return fragment if isinstance(fragment, int) and fragment >= 0 else None
 
 
 def _update_schema(record: UpdateRecord) -> dict[str, Check]:

@@ -21,7 +21,8 @@ from p2p_diloco.swarm.effects import Published
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.wire.frames import update_signing_bytes
+from p2p_diloco.swarm.seats import accepted, seat_of_delta
+from p2p_diloco.wire.frames import InboundDelta, update_signing_bytes
 from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import InMemoryKeys, PeerKeys
@@ -48,8 +49,14 @@ class AnsweringPeer:
         self.seats[0].sync = value
 
     def handle(self, event: fx.Event) -> list[fx.Intent]:
+        """The reply queued next; an accepted one counted as `Peer` counts it (the seat of the frame's
+        fragment, `seats.accepted`)."""
         reply = self.replies.pop(0) if self.replies else Reply(ReplyStatus.ACCEPTED, "accepted")
-        return [fx.Respond(event.answer, reply)]
+        intents: list[fx.Intent] = [fx.Respond(event.answer, reply)]
+        if reply.ok:
+            delta = InboundDelta.decode(event.frame, max_bytes=self.manifest.wire.max_message_bytes)
+            intents.append(accepted(seat_of_delta(self.seats, delta)))
+        return intents
 
 
 def settled(value) -> concurrent.futures.Future:  # noqa: ANN001
@@ -124,12 +131,16 @@ class PeerHarness(InlineDriver):
         assert isinstance(reply, Reply)
         return str(reply)
 
-    def read_swarm(self, now: float):  # noqa: ANN201
-        return self.peer.membership.ingest(self._read_swarm())
+    def read_view(self, now: float):  # noqa: ANN201
+        return self.peer.membership.ingest(self.read_all())
+
+    def read_all(self):  # noqa: ANN201
+        """What an election round reads (`Membership.read_swarm`), read now."""
+        return self.read_swarm(self.peer.membership.read_swarm())
 
     def election_tick(self, now: float):  # noqa: ANN201
         """Read the swarm and run the election once (what a swarm tick does, without the heartbeat)."""
-        decision = self.peer.elect(self.read_swarm(now), now)
+        decision = self.peer.elect(self.read_view(now), now)
         for intent in self.peer.flush():
             self.perform(intent)
         return decision

@@ -12,7 +12,7 @@ from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol import claim_guard as guard
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.candidates import PeerHeartbeat, rendezvous_rank
-from p2p_diloco.protocol.claim_guard import ReadCover, RecordKind, RecordSlot
+from p2p_diloco.protocol.claim_guard import ClaimChecks, ReadCover, RecordKind, RecordSlot
 from p2p_diloco.protocol.election import ElectionDecision, ElectionTag, LeaseRecord
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.protocol.timing import SwarmTiming
@@ -46,13 +46,13 @@ def test_a_read_that_lacks_a_record_still_stored_holds_a_claim_back_until_it_exp
     assert not gaps
     cover, gaps = guard.covered(cover, {RecordSlot(HB, A): 105.0}, A, 101.0, T)  # B's record: still stored
     assert set(gaps.missing) == {RecordSlot(HB, B)}
-    held = guard.hold_claim(claim(), gaps)
+    held = guard.gate(claim(), ClaimChecks(gaps=gaps))
     assert (held.action, held.tag, held.holder) == (election.WAIT, ElectionTag.INCOMPLETE_READ, None)
     assert f"the {HB} of {B}" in held.detail and held.lease_to_write() is None
     # B's record expires at 104 (less the clock margin): from then on its absence proves nothing
     cover, gaps = guard.covered(cover, {RecordSlot(HB, A): 107.5, RecordSlot(HB, C): 107.0}, A, 103.5, T)
     assert not gaps
-    assert guard.hold_claim(claim(), gaps) == claim()
+    assert guard.gate(claim(), ClaimChecks(gaps=gaps)) == claim()
 
 
 def test_a_forged_far_future_expiration_holds_claims_back_no_longer_than_an_honest_record():
@@ -72,7 +72,7 @@ def test_a_read_of_only_my_own_records_waits_a_bounded_time_then_a_peer_alone_cl
     later = 100.0 + 2 * guard.record_life(RecordKind.LEASE, T)  # every record B wrote has expired long ago
     _, gaps = guard.covered(cover, alone, A, later - 0.1, T)
     assert gaps and gaps.others_seen == 100.0 and not gaps.missing
-    assert guard.hold_claim(claim(), gaps).tag == ElectionTag.INCOMPLETE_READ
+    assert guard.gate(claim(), ClaimChecks(gaps=gaps)).tag == ElectionTag.INCOMPLETE_READ
     _, gaps = guard.covered(cover, alone, A, later, T)
     assert not gaps  # alone that long: it claims
     # a peer that never read another (a new run) does not wait at all
@@ -84,9 +84,9 @@ def test_only_a_plain_claim_waits_a_succession_claim_and_other_decisions_stand()
     _, gaps = guard.covered(ReadCover(others_seen=99.0), {}, A, 100.0, T)
     assert gaps
     succession = claim(tag=ElectionTag.SUCCESSION)
-    assert guard.hold_claim(succession, gaps) == succession
+    assert guard.gate(succession, ClaimChecks(gaps=gaps)) == succession
     follow = ElectionDecision(election.FOLLOW, ElectionTag.HELD_BY, "", term=1, holder=B)
-    assert guard.hold_claim(follow, gaps) == follow
+    assert guard.gate(follow, ClaimChecks(gaps=gaps)) == follow
 
 
 def test_a_lagging_claimant_lets_its_window_pass():

@@ -85,18 +85,25 @@ def test_delta_round_trip_drops_the_sender(run, manifest, fragment, anchor, toke
     assert decoded == DeltaHeader(run, manifest, fragment, anchor, tokens, steps, seq=anchor // 2, sender="")
     assert got_payload == payload
     assert with_sender(decoded, "QmReal").sender == "QmReal"
-    assert frames.decode_delta_header(encode_delta(header, payload), max_bytes=LIMIT) == decoded
+    inbound = frames.InboundDelta.decode(encode_delta(header, payload), max_bytes=LIMIT)
+    assert (inbound.header, inbound.payload, inbound.error, inbound.fragment) == (
+        decoded,
+        payload,
+        None,
+        fragment,
+    )
 
 
-def test_a_delta_header_alone_is_checked_like_the_whole_frame():
-    """What routes a delta to its shard (`decode_delta_header`) refuses what `decode_delta` refuses."""
+def test_an_inbound_delta_keeps_why_it_does_not_decode():
+    """A peer decodes a delta once where it enters (`InboundDelta`); a frame that does not decode keeps
+    `decode_delta`'s reason for the checks that refuse it later, and names no fragment."""
     frame = encode_delta(DELTA, b"payload")
     for bad in (frame + b"!", frame[:-1], frame[:4] + b"\x02" + frame[5:]):
         with pytest.raises(DecodeError) as whole:
             decode_delta(bad, max_bytes=LIMIT)
-        with pytest.raises(DecodeError) as header_only:
-            frames.decode_delta_header(bad, max_bytes=LIMIT)
-        assert header_only.value.reason == whole.value.reason
+        inbound = frames.InboundDelta.decode(bad, max_bytes=LIMIT)
+        assert inbound.header is None and inbound.fragment is None and inbound.frame == bad
+        assert inbound.error is not None and inbound.error.reason == whole.value.reason
 
 
 @FAST

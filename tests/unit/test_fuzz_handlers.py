@@ -216,7 +216,7 @@ def test_allowlist_is_enforced_at_every_handler_and_on_records():
         encode_lease(LeaseRecord("mallory", 7, expires_at=1e9)),
         1e9,
     )
-    peer.read_swarm(now)
+    peer.read_view(now)
     assert set(peer.peer.live_peers) == {"leader"}
     assert 7 not in peer.peer.membership.lease_holders and peer.peer.membership.lease_holders[1] == {"leader"}
 
@@ -323,7 +323,7 @@ def test_a_heartbeat_claiming_the_synchronizer_role_does_not_admit_its_updates()
     peer = fuzz_peer()
     claim = HeartbeatInfo(role="synchronizer", may_sync=True, reachable=True, versions=(0, 0), term_seen=5)
     peer.kv.store(peer.peer.membership.hb_key, "mallory", claim.to_bytes(), 100.0)
-    peer.read_swarm(10.0)
+    peer.read_view(10.0)
     replica = GlobalReplica(PLAN, INITIAL)
     payload = encode_tensors({n: torch.full(s, 50.0) for n, s in replica.shapes(0).items()})
     pending = replica.compute_update(0, decode_tensors(payload), lr=0.7, momentum=0.9)

@@ -37,7 +37,6 @@ CYCLES_LEFT: dict[frozenset[str], str] = {}
 LONG_LEFT: dict[str, str] = {
     "node/runtime.py:start": "#39: 128 lines, not split yet",
     "node/status.py:swarm_status": "#39: 94 lines, not split yet",
-    "swarm/synchronizer.py:offer_delta": "#39: 93 lines, not split yet",
     "dashboard/collector.py:view": "#39: 78 lines, not split yet",
     "swarm/membership.py:ingest": "#39: 78 lines, not split yet",
     "protocol/election.py:_decide_as_holder": "#39: 77 lines, not split yet",

@@ -20,7 +20,7 @@ def test_a_failing_task_ends_with_a_note_and_answers_none():
     done: list = []
 
     def broken():
-        yield fx.ReadSwarm()
+        yield peer.membership.read_swarm()
         raise RuntimeError("bug in a task")
 
     peer.spawn(broken(), done.append)

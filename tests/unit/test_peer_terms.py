@@ -111,7 +111,7 @@ def test_a_holder_whose_term_ends_merges_its_open_rounds_before_releasing():
     versions = me.replica.versions()
 
     clock.advance_to(clock.now() + 0.5)
-    decision = me.peer.elect(me.read_swarm(clock.now()), clock.now())  # 1 of 1 rounds done: the term ends
+    decision = me.peer.elect(me.read_view(clock.now()), clock.now())  # 1 of 1 rounds done: the term ends
     intents = me.peer.flush()
     # one unit, in order: the open round's merge goes out before the released lease is stored, and once
     # the lease is given up no delta can reach a round (no thread can slip in between any more)

@@ -105,7 +105,7 @@ def lease(kv: InMemoryKeyValueStore, shard: int, record: LeaseRecord) -> None:
 def elect_all(harness, now: float) -> list:
     """One election round of every shard (what a swarm tick does after its read)."""
     peer = harness.peer
-    views = peer.membership.ingest_all(harness._read_swarm())
+    views = peer.membership.ingest_all(harness.read_all())
     decisions = [peer.elect(view, now, shard=seat.shard) for seat, view in zip(peer.seats, views)]
     for intent in peer.flush():
         harness.perform(intent)

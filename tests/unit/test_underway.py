@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from p2p_diloco.protocol import election
+from p2p_diloco.protocol.claim_guard import ClaimChecks
+from p2p_diloco.protocol.claim_guard import gate as gate_claim
 from p2p_diloco.protocol.election import ElectionDecision, PeerHeartbeat
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm import effects as fx
@@ -76,7 +78,7 @@ def test_a_fresh_peer_is_no_candidate_of_a_run_under_way_and_a_stranger_cannot_m
     journal = Journal("me", lambda _: None)
     gate = UnderwayGate("me", OPEN, KEYS, journal)
     assert gate.election_view(view_of("me"), (0, 0)) == view_of("me")  # a new run: start as today
-    assert gate.hold_back(claim()) is None
+    assert gate.claim_wait() is None
     gate.ingest({"junk": StoredValue(b"{}", 1.0), "forged": StoredValue(encode_proof(record()), 1.0)})
     assert gate.best is None and journal.rejections["bad underway proof"] == 2
     gate.ingest({"carrier": StoredValue(encode_proof(signed(record())), 1.0)})
@@ -91,12 +93,13 @@ def test_a_fresh_peer_is_no_candidate_of_a_run_under_way_and_a_stranger_cannot_m
         journal.note("election: wait: no candidates")
     gate.election_view(view_of("me"), (0, 0))
     assert "run under way" in journal.decisions[-1]  # but kept among the lines `status` shows
-    held = gate.hold_back(claim(4))  # a claim the election still made (a remembered candidate: me)
-    assert held is not None and held.action == election.WAIT and held.reason == gate.waiting
+    checks = ClaimChecks(under_way=gate.claim_wait())
+    held = gate_claim(claim(4), checks)  # a claim the election still made (a remembered candidate: me)
+    assert held.action == election.WAIT and held.reason == gate.waiting
     follow = ElectionDecision(election.FOLLOW, "held by: sync term 3", term=3, holder="sync")
-    assert gate.hold_back(follow) is None  # following a live holder is never held back
+    assert gate_claim(follow, checks) == follow  # following a live holder is never held back
     assert gate.election_view(view_of("me"), (0, 6)) == view_of("me")  # applied updates: not a fresh start
-    assert gate.waiting is None and gate.hold_back(claim(4)) is None and not gate.reading
+    assert gate.waiting is None and gate.claim_wait() is None and not gate.reading
 
 
 def test_a_peer_publishes_its_newest_signed_record_as_a_proof_now_and_then():

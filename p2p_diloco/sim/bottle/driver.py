@@ -11,6 +11,7 @@ the owner meets is recorded: the peer must never raise.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 
 from p2p_diloco.sim.bottle.world import World
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.driver import PeerDriver, deferred
+from p2p_diloco.swarm.driver import MIN_SYNC_GAP, PeerDriver, deferred
 
 DISK_SECONDS = 0.005  # one replica or state write
 
@@ -89,6 +90,7 @@ class SimDriver(PeerDriver):
         self.cpu_lag = 0.0  # a starved owner wakes up to this many seconds late
         self._queue: deque[fx.Event | Callable[[], None]] = deque()
         self._jobs: list[_Job] = []
+        self._sync_job: _Job | None = None
         self._wake_at: float | None = None
         self._wake_token = 0
         self._io: deque[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None], bool]] = deque()
@@ -111,6 +113,20 @@ class SimDriver(PeerDriver):
     ) -> None:
         name = getattr(run, "__name__", "job")
         self._jobs.append(_Job(seconds, run, when or (lambda: True), self.world.now() + seconds, name))
+
+    def on_sync_due(self, run: Callable[[], None]) -> None:
+        """`run` is the sync tick: due when the peer's last `SyncDue` says (as `ThreadedDriver`)."""
+        self._sync_job = _Job(math.inf, run, lambda: True, math.inf, "sync_tick")
+        self._jobs.append(self._sync_job)
+
+    def sync_due(self, at: float | None) -> None:
+        if self._sync_job is None:
+            return
+        if at is None:
+            self._sync_job.due = math.inf
+            return
+        self._sync_job.due = self.world.now() + max(at - self.clock.now(), MIN_SYNC_GAP)
+        self._wake(self._sync_job.due)
 
     def start(self) -> None:
         self._wake(min(job.due for job in self._jobs) if self._jobs else self.world.now())

@@ -76,7 +76,6 @@ class Shared:
     initial: dict[str, torch.Tensor]
     embeddings: frozenset[str]
     keys: InMemoryKeys
-    sync_poll: float  # seconds between sync ticks while holding (the real node: 0.02)
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ class SimNode:
         self.saver = ReplicaSaver(self.state, peer, driver, self.clock, last_in_sync, self.event)
         period = manifest.timing.heartbeat_period
         driver.every(period, self._swarm_tick)
-        driver.every(shared.sync_poll, self._sync_tick, when=lambda: peer.sync is not None)
+        driver.on_sync_due(self._sync_tick)
         driver.every(PERSIST_EVERY, self.saver.save)
         driver.start()
         self.phase = Phase.STARTING

@@ -45,7 +45,6 @@ class Scenario:
     step_time: float = 1.0  # virtual seconds per inner step (each node draws up to 1.5x of it)
     clock_skew: float = 0.2  # each node's clock is off by up to this many seconds either way
     link: LinkSpec = field(default_factory=LinkSpec)
-    sync_poll: float = 0.1
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -101,7 +100,7 @@ def _corpus(manifest: RunManifest) -> Corpus:
     return _CORPORA[key]
 
 
-def _shared(manifest: RunManifest, seed: int, sync_poll: float) -> Shared:
+def _shared(manifest: RunManifest, seed: int) -> Shared:
     torch.manual_seed(0)  # initial weights: the same for every seed (the run's, not the faults')
     template = build_model(manifest.model)
     shapes = {name: tuple(p.shape) for name, p in template.named_parameters()}
@@ -114,7 +113,6 @@ def _shared(manifest: RunManifest, seed: int, sync_poll: float) -> Shared:
         initial={name: p.detach().clone() for name, p in template.named_parameters()},
         embeddings=frozenset(embedding_parameter_names(template)),
         keys=InMemoryKeys(seed=f"bottle:{seed}"),
-        sync_poll=sync_poll,
     )
 
 
@@ -146,7 +144,7 @@ class Simulation:
         self.seed, self.scenario = seed, scenario
         self.manifest = manifest or sim_manifest(scenario.shards)
         self.world = World(seed, scenario.link)
-        shared = _shared(self.manifest, seed, scenario.sync_poll)
+        shared = _shared(self.manifest, seed)
         self.nodes: list[SimNode] = []
         self.invariants = Invariants(self.world, self.nodes, self.manifest)
         self.routing = Routing(self.world)
