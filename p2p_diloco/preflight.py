@@ -79,11 +79,11 @@ def note_packaged_example(path: str) -> None:
     from p2p_diloco.net import manifest_signature
 
     resolved = Path(path).resolve()
-    if resolved.parent != PEERS_DIR or resolved in manifest_signature._warned or not resolved.is_file():
+    if resolved.parent != PEERS_DIR or manifest_signature.has_warned(resolved) or not resolved.is_file():
         return
     if tomllib.loads(resolved.read_text()).get("trust", {}).get("authority"):
         return  # a signed example is verified, not warned about
-    manifest_signature._warned.add(resolved)  # load_run_manifest's own warning: once per process and file
+    manifest_signature.mark_warned(resolved)  # load_run_manifest's own warning: once per process and file
     if os.environ.get("RANK", "0") == "0":  # island ranks other than 0: their rank 0 says it
         print(
             f"note: {resolved.stem} is a packaged example manifest, unsigned: fine for trying p2p-diloco, "

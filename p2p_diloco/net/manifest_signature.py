@@ -341,6 +341,17 @@ def _check_files(manifest_path: Path, manifest: RunManifest, sig: Path, record: 
 _warned: set[Path] = set()
 
 
+def has_warned(manifest_path: str | Path) -> bool:
+    """Whether this process already said something about the unsigned manifest at `manifest_path`."""
+    return Path(manifest_path).resolve() in _warned
+
+
+def mark_warned(manifest_path: str | Path) -> None:
+    """Record that this process said its line about `manifest_path` (this module's warning or a caller's own,
+    such as preflight's note on a packaged example), so `load_run_manifest` does not warn about it again."""
+    _warned.add(Path(manifest_path).resolve())
+
+
 def untrusted_warning(manifest_path: Path, manifest: RunManifest) -> str:
     """The one warning for a manifest without an authority (private experiments)."""
     who = (
@@ -366,8 +377,8 @@ def load_run_manifest(path: str | Path, *, err: TextIO | None = None, warn: bool
     blob, manifest = read_manifest(path)
     if manifest.trust.public:
         _verify(path, blob, manifest)
-    elif warn and path.resolve() not in _warned:
-        _warned.add(path.resolve())
+    elif warn and not has_warned(path):
+        mark_warned(path)
         print(untrusted_warning(path, manifest), file=err or sys.stderr, flush=True)
     return manifest
 
