@@ -40,6 +40,7 @@ from p2p_diloco.net.limits import run_transport_options
 from p2p_diloco.net.redial import FIRST_BACKOFF, Redialer
 from p2p_diloco.net.transport import P2PTransport
 from p2p_diloco.node.assembly import (
+    BuiltModel,
     build_training,
     catch_up_at_start,
     make_learner,
@@ -60,7 +61,7 @@ from p2p_diloco.node.reporting import (
     seconds_since_launch,
 )
 from p2p_diloco.node.standby import Takeover
-from p2p_diloco.node.state import StateDir
+from p2p_diloco.node.state import PeerState, StateDir
 from p2p_diloco.node.threads import ThreadedDriver
 from p2p_diloco.node.training import TrainingLoop, TrainingView
 from p2p_diloco.node.upkeep import Upkeep
@@ -120,18 +121,41 @@ class PeerNode:
     # ---- start -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        opts, manifest = self.options, self.manifest
+        """Open the state, build while the DHT starts, assemble and schedule the peer, announce it, catch up."""
         # restart costs, in the `start` event; a hot spare's imports and build came before its takeover
         startup = {"imports": self._since_launch(), "hot_spare": self.takeover is not None}
+        saved = self._open_state(startup)
+        built_model = self._build_while_dht_starts(saved, startup)
+        joined = time.monotonic()
+        last_in_sync = saved.last_in_sync if saved is not None and built_model.restored else 0.0
+        self._assemble_peer(built_model, saved)
+        self._schedule_jobs(built_model, last_in_sync)
+        # the named successor probes them (`swarm.succession.HolderWatch`) to see this process gone
+        self.addresses = tuple(self.dht_peer.visible_addresses())
+        self.driver.start()
+        startup["assemble"] = round(time.monotonic() - joined, 2)
+        self._announce_start(built_model, startup)
+        self._catch_up(self.clock.now(), last_in_sync)
+
+    def _open_state(self, startup: dict) -> PeerState | None:
+        """Check the device, lock the state directory (a hot spare waits for its predecessor's helpers) and
+        read what it saved; opens the contribution ledger. Times it into `startup`."""
+        opts = self.options
         check_device(opts.device)
         torch.set_num_threads(opts.threads)
         # a hot spare waits for the lock its dead predecessor's exiting helpers may still hold
         lock_wait = HOT_SPARE_LOCK_SECONDS if self.takeover is not None else 0.0
         opened = time.monotonic()
-        self.state = StateDir(opts.state_dir, manifest, lock_wait=lock_wait)
+        self.state = StateDir(opts.state_dir, self.manifest, lock_wait=lock_wait)
         saved = self.state.read_peer_state()
-        self.ledger = ContributionLedger(self.state.path, manifest)
+        self.ledger = ContributionLedger(self.state.path, self.manifest)
         startup["state_dir"] = round(time.monotonic() - opened, 2)
+        return saved
+
+    def _build_while_dht_starts(self, saved: PeerState | None, startup: dict) -> BuiltModel:
+        """Fork the DHT node, build model, plan, replica and optimizer while p2pd starts, then wait for the
+        DHT node (`self.dht_peer`). Times each part into `startup`."""
+        opts = self.options
         # hivemind forks its DHT process here: before corpus and model exist, the child inherits (and
         # copies on write) less; measured 190 -> 138 MiB PSS for the DHT child of a tiny-model peer.
         # The child also inherits the state directory's lock, so while it lives no successor starts.
@@ -145,17 +169,18 @@ class PeerNode:
         startup["dht_start"] = round(began - forking, 2)
         try:  # the CPU work (torch imports its compiler stack for the optimizer) overlaps p2pd's start
             prepared = self.takeover.prepared if self.takeover is not None else None
-            built_model = build_training(manifest, opts.device, self.state, prepared)
+            built_model = build_training(self.manifest, opts.device, self.state, prepared)
         except BaseException:
             pending.abort()
             raise
         built = time.monotonic()
         self.dht_peer = pending.wait()
         startup["build"], startup["dht_wait"] = round(built - began, 2), round(time.monotonic() - built, 2)
-        joined = time.monotonic()
-        restored, replica, plan = built_model.restored, built_model.replica, built_model.plan
-        last_in_sync = saved.last_in_sync if saved is not None and restored else 0.0
+        return built_model
 
+    def _assemble_peer(self, built_model: BuiltModel, saved: PeerState | None) -> None:
+        """The transport, learner, `Peer` (with the terms it trusted before a restart) and its driver."""
+        opts, manifest = self.options, self.manifest
         peer_id = self.dht_peer.peer_id
         self.p2p = P2PTransport(
             self.dht_peer.dht,
@@ -163,7 +188,7 @@ class PeerNode:
             manifest_hash=manifest.manifest_hash,
             handlers=self.guard,
             owner=self.guard.owner,
-            **run_transport_options(manifest, plan, built_model.shapes),
+            **run_transport_options(manifest, built_model.plan, built_model.shapes),
             fetch_timeout=opts.fetch_timeout,
             send_timeout=opts.fetch_timeout,
         )
@@ -188,7 +213,12 @@ class PeerNode:
             owner=self.owner,
         )
         self.guard.attach(self.driver)
-        driver = self.driver
+
+    def _schedule_jobs(self, built_model: BuiltModel, last_in_sync: float) -> None:
+        """The training loop, and the driver's periodic jobs: swarm ticks, redials, replica saves, progress,
+        the observability jobs; binds the owner thread's reports to the peer."""
+        opts, manifest, driver = self.options, self.manifest, self.driver
+        peer_id = self.dht_peer.peer_id
         self.observing = Observing(self.observe, manifest, peer_id, self.clock)
         self.training = TrainingLoop(
             opts,
@@ -221,17 +251,19 @@ class PeerNode:
             ledger=self.ledger,
             observing=self.observing,
         )
-        # the named successor probes them (`swarm.succession.HolderWatch`) to see this process gone
-        self.addresses = tuple(self.dht_peer.visible_addresses())
-        driver.start()
-        startup["assemble"] = round(time.monotonic() - joined, 2)
+
+    def _announce_start(self, built_model: BuiltModel, startup: dict) -> None:
+        """The `start` event (with the restart costs), the peer's id and addresses, the metrics server, and
+        the line that says the peer joined."""
+        opts, manifest = self.options, self.manifest
+        peer_id = self.dht_peer.peer_id
         self.event(
             "start",
             peer_id=peer_id,
             run_id=manifest.run_id,
             manifest_hash=manifest.manifest_hash,
-            restored=restored,
-            versions=list(replica.versions()),
+            restored=built_model.restored,
+            versions=list(built_model.replica.versions()),
             addresses=list(self.addresses),
             startup={**startup, "total": self._since_launch()},
         )
@@ -241,11 +273,11 @@ class PeerNode:
         if opts.metrics_port:
             self.metrics = MetricsServer(make_registry(self.snapshot), opts.metrics_host, opts.metrics_port)
             self.say(f"metrics: {self.metrics.url}")
+        plan = built_model.plan
         self.say(
             f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), {plan.num_fragments} fragments, "
             f"{sum(plan.sizes())} parameters, device {opts.device}"
         )
-        self._catch_up(self.clock.now(), last_in_sync)
 
     def _since_launch(self) -> float | None:
         """Seconds since this process started, or since it took over as a hot spare."""
