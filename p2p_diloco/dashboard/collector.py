@@ -187,36 +187,6 @@ class Collector:
         """The JSON every endpoint serves a part of (`/api/summary` serves all of it)."""
         with self._lock:
             status = self.status or {"peers": [], "synchronizer": None, "fragments": [], "highest_term": 0}
-            top = [f["version"] for f in status["fragments"]]
-            peers = []
-            for p in status["peers"]:
-                stats = self.stats.get(p["peer_id"], {})
-                extra = self.extra.get(p["peer_id"], {})
-                lag = sum(max(0, t - v) for t, v in zip(top, p["versions"])) if p["versions"] else None
-                peers.append(
-                    {
-                        "peer_id": p["peer_id"],
-                        "listed": p["listed"],  # false: the row is the peer's own claims
-                        "role": p["role"],
-                        "tokens_per_s": p["tokens_per_s"],
-                        "uptime": now - stats["started_at"] if "started_at" in stats else None,
-                        "link": "direct" if extra.get("reachable", True) else "relayed",
-                        "version_lag": lag,
-                        "versions": p["versions"],
-                        "device": stats.get("device"),
-                        "loss": p["loss"],
-                        "step": p["step"],
-                        "bytes_sent": stats.get("bytes_sent"),
-                        "bytes_received": stats.get("bytes_received"),
-                    }
-                )
-            reasons: Counter[str] = Counter()
-            senders: Counter[tuple[str, str]] = Counter()
-            for p in status["peers"]:
-                reasons.update(p["rejections"])
-                for sender, tag, n in p["rejections_by_sender"]:
-                    senders[(sender, tag)] += n
-            live = {p["peer_id"] for p in status["peers"]}
             return {
                 "run_id": self.manifest.run_id,
                 "manifest_hash": self.manifest.manifest_hash,
@@ -225,39 +195,85 @@ class Collector:
                 "highest_term": status["highest_term"],
                 "shards": status.get("shards", []),  # each synchronizer shard's fragments, holder and term
                 "fragments": self._fragments(status),
-                "peers": peers,
+                "peers": self._peer_rows(status, now),
                 "eval": [p.as_dict() for p in self.history],
                 "versions": {"samples": list(self.samples), "marks": list(self.marks)},
                 "contributions": [
                     {"peer_id": peer, "tokens": tokens, "updates": updates}
                     for peer, tokens, updates in self.contributions
                 ],
-                "rejections": {
-                    "by_reason": [{"reason": r, "count": n} for r, n in reasons.most_common()],
-                    "by_sender": [
-                        {"sender": s, "reason": r, "count": n} for (s, r), n in senders.most_common()
-                    ],
-                },
-                "bytes": {
-                    "peers": [
-                        {
-                            "peer_id": peer,
-                            "sent": s["bytes_sent"],
-                            "received": s["bytes_received"],
-                            "live": peer in live,
-                        }
-                        for peer, s in sorted(self.stats.items())
-                    ],
-                    "sent": sum(s["bytes_sent"] for s in self.stats.values()),
-                    "received": sum(s["bytes_received"] for s in self.stats.values()),
-                },
-                "health": {
-                    "polls": self.polls,
-                    "errors": self.errors,
-                    "reconnects": self.reconnects,
-                    "last_error": self.last_error,
-                    "last_poll_age": now - self.last_poll if self.last_poll else None,
-                    # the collector counts eval records over all polls, the status of the last poll
-                    "ignored": dict(status.get("ignored", {})) | dict(self.ignored),
-                },
+                "rejections": self._rejections(status),
+                "bytes": self._bytes(status),
+                "health": self._health(status, now),
             }
+
+    def _peer_rows(self, status: dict[str, Any], now: float) -> list[dict[str, Any]]:
+        """One row per live peer: its heartbeat's fields with its stats record's (uptime, device, bytes), its
+        link, and how many versions it lags behind the fragments' (summed over fragments)."""
+        top = [f["version"] for f in status["fragments"]]
+        peers = []
+        for p in status["peers"]:
+            stats = self.stats.get(p["peer_id"], {})
+            extra = self.extra.get(p["peer_id"], {})
+            lag = sum(max(0, t - v) for t, v in zip(top, p["versions"])) if p["versions"] else None
+            peers.append(
+                {
+                    "peer_id": p["peer_id"],
+                    "listed": p["listed"],  # false: the row is the peer's own claims
+                    "role": p["role"],
+                    "tokens_per_s": p["tokens_per_s"],
+                    "uptime": now - stats["started_at"] if "started_at" in stats else None,
+                    "link": "direct" if extra.get("reachable", True) else "relayed",
+                    "version_lag": lag,
+                    "versions": p["versions"],
+                    "device": stats.get("device"),
+                    "loss": p["loss"],
+                    "step": p["step"],
+                    "bytes_sent": stats.get("bytes_sent"),
+                    "bytes_received": stats.get("bytes_received"),
+                }
+            )
+        return peers
+
+    @staticmethod
+    def _rejections(status: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+        """The live peers' rejected inputs, summed by reason and by (sender, reason), most frequent first."""
+        reasons: Counter[str] = Counter()
+        senders: Counter[tuple[str, str]] = Counter()
+        for p in status["peers"]:
+            reasons.update(p["rejections"])
+            for sender, tag, n in p["rejections_by_sender"]:
+                senders[(sender, tag)] += n
+        return {
+            "by_reason": [{"reason": r, "count": n} for r, n in reasons.most_common()],
+            "by_sender": [{"sender": s, "reason": r, "count": n} for (s, r), n in senders.most_common()],
+        }
+
+    def _bytes(self, status: dict[str, Any]) -> dict[str, Any]:
+        """Bytes sent and received per peer that sent a stats record (live or not), and their sums."""
+        live = {p["peer_id"] for p in status["peers"]}
+        return {
+            "peers": [
+                {
+                    "peer_id": peer,
+                    "sent": s["bytes_sent"],
+                    "received": s["bytes_received"],
+                    "live": peer in live,
+                }
+                for peer, s in sorted(self.stats.items())
+            ],
+            "sent": sum(s["bytes_sent"] for s in self.stats.values()),
+            "received": sum(s["bytes_received"] for s in self.stats.values()),
+        }
+
+    def _health(self, status: dict[str, Any], now: float) -> dict[str, Any]:
+        """The poller's own counts: polls, errors, reconnects, the last error and poll, records ignored."""
+        return {
+            "polls": self.polls,
+            "errors": self.errors,
+            "reconnects": self.reconnects,
+            "last_error": self.last_error,
+            "last_poll_age": now - self.last_poll if self.last_poll else None,
+            # the collector counts eval records over all polls, the status of the last poll
+            "ignored": dict(status.get("ignored", {})) | dict(self.ignored),
+        }

@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresses
@@ -31,6 +32,7 @@ from p2p_diloco.node.census import write_census
 from p2p_diloco.node.evaluation import EvalMode, EvalOptions
 from p2p_diloco.node.heap import bound_heap
 from p2p_diloco.node.island import (
+    Island,
     check_island_gpus,
     island_env,
     prepare_island,
@@ -125,13 +127,7 @@ def cli_join(args: argparse.Namespace) -> int:
     nproc = getattr(args, "nproc", 1)
     env = island_env()
     if nproc > 1 and env is None:  # checked the arguments above: now run them on nproc torchrun ranks
-        if "join" not in sys.argv[1:]:
-            raise ConfigError("--nproc needs the `join` command line in sys.argv; run torchrun yourself")
-        if options.device == "cuda":
-            check_island_gpus(nproc)  # before torchrun starts ranks that would die on a missing cuda:N
-        argv = torchrun_argv(nproc, sys.argv[1:])
-        sys.stdout.flush()
-        os.execv(argv[0], argv)
+        _exec_torchrun(options, nproc)
     if env is not None and nproc not in (1, env.world_size):
         raise ConfigError(f"--nproc {nproc} but torchrun started {env.world_size} ranks")
     standby = getattr(args, "standby", False)
@@ -140,22 +136,8 @@ def cli_join(args: argparse.Namespace) -> int:
     bound_heap()  # freed fragment-sized tensors go back to the system (node/heap.py)
     options, island = prepare_island(options)
     if island is not None and island.rank != 0:
-        code = run_follower(options, island)  # its digest is written and the process group closed
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Skip the interpreter's teardown: native threads of the torch.distributed (gloo) backend can
-        # abort it (SIGABRT) after a clean STOP, and torchrun then reports the whole island as failed.
-        os._exit(code)
-    # A first start refuses unreachable initial peers and daemon start failures with exit status 2 (a
-    # mistake to fix); a restart on a used state directory keeps exit status 1, for its supervisor to retry.
-    first_start = not standby and not (options.state_dir / PEER_STATE_FILE).exists()
-    if first_start and options.initial_peers:
-        check_reachable(options.initial_peers)
-    if not options.initial_peers:
-        print(
-            "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
-            file=sys.stderr,
-        )
+        _exit_as_follower(options, island)
+    first_start = _check_first_start(options, standby)
     takeover = None
     if standby:  # a hot spare: prepare, then wait for the takeover line (node/standby.py)
         takeover = stand_by(options, sys.stdin, sys.stdout)
@@ -170,6 +152,58 @@ def cli_join(args: argparse.Namespace) -> int:
         observe=observe,
         takeover=takeover,
     )
+    _install_usr_signals(node, options, previous)
+    try:
+        return node.run()
+    except ConnectionError as exc:
+        print(f"p2p-diloco join: {explain_start_failure(exc, options.identity)}", file=sys.stderr)
+        return 2 if first_start or identity_taken(exc) else 1
+    finally:
+        restore_handlers(previous)
+        if island is not None:
+            island.close()
+
+
+def _exec_torchrun(options: NodeOptions, nproc: int) -> NoReturn:
+    """Replace this process by torchrun running this same `join` command line on `nproc` ranks."""
+    if "join" not in sys.argv[1:]:
+        raise ConfigError("--nproc needs the `join` command line in sys.argv; run torchrun yourself")
+    if options.device == "cuda":
+        check_island_gpus(nproc)  # before torchrun starts ranks that would die on a missing cuda:N
+    argv = torchrun_argv(nproc, sys.argv[1:])
+    sys.stdout.flush()
+    os.execv(argv[0], argv)
+
+
+def _exit_as_follower(options: NodeOptions, island: Island) -> NoReturn:
+    """An island rank other than 0: run the inner loop only (`run_follower`), then exit at once."""
+    code = run_follower(options, island)  # its digest is written and the process group closed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: native threads of the torch.distributed (gloo) backend can
+    # abort it (SIGABRT) after a clean STOP, and torchrun then reports the whole island as failed.
+    os._exit(code)
+
+
+def _check_first_start(options: NodeOptions, standby: bool) -> bool:
+    """Whether this is the first start on its state directory (then unreachable initial peers are refused
+    here); warns when there is no peer to join."""
+    # A first start refuses unreachable initial peers and daemon start failures with exit status 2 (a
+    # mistake to fix); a restart on a used state directory keeps exit status 1, for its supervisor to retry.
+    first_start = not standby and not (options.state_dir / PEER_STATE_FILE).exists()
+    if first_start and options.initial_peers:
+        check_reachable(options.initial_peers)
+    if not options.initial_peers:
+        print(
+            "warning: no --initial-peers and no bootstrap in the manifest: starting a new swarm alone",
+            file=sys.stderr,
+        )
+    return first_start
+
+
+def _install_usr_signals(node: PeerNode, options: NodeOptions, previous: dict) -> None:
+    """SIGUSR1 ends training (the peer keeps serving), SIGUSR2 writes a memory census; the handlers they
+    replace go into `previous`, for `restore_handlers`."""
     main_pid = os.getpid()
 
     def on_usr1(signum: int, _frame: FrameType | None) -> None:
@@ -182,12 +216,3 @@ def cli_join(args: argparse.Namespace) -> int:
 
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, on_usr2)
-    try:
-        return node.run()
-    except ConnectionError as exc:
-        print(f"p2p-diloco join: {explain_start_failure(exc, options.identity)}", file=sys.stderr)
-        return 2 if first_start or identity_taken(exc) else 1
-    finally:
-        restore_handlers(previous)
-        if island is not None:
-            island.close()

@@ -42,7 +42,7 @@ from p2p_diloco.wire.observe import (
     decode_eval_history,
     merge_records,
 )
-from p2p_diloco.wire.records import RecordError, decode_heartbeat, decode_lease
+from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease
 
 
 def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[str, Any]:
@@ -57,54 +57,13 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
     term; the top-level ``synchronizer``, ``highest_term`` and ``leases`` are shard 0's (with S = 1, the
     run's).
     """
-    num_fragments = manifest.diloco.fragments
     ignored: Counter[str] = Counter()
-    peers = []
-    for peer_id, stored in sorted(
-        kv.get(heartbeat_key(manifest.run_id, manifest.manifest_hash), now).items()
-    ):
-        try:
-            info = decode_heartbeat(stored.value, num_fragments)
-        except RecordError:
-            ignored["bad heartbeat"] += 1
-            continue
-        peers.append(
-            {
-                "peer_id": peer_id,
-                "listed": manifest.may_synchronize(peer_id),  # else every field below is an unbacked claim
-                "role": info.role,
-                "may_sync": info.may_sync,
-                "ranks": info.ranks,
-                "digest": info.digest,
-                "versions": list(info.versions),
-                "tips": [list(tip) for tip in info.tips],  # per fragment: [term, checksum prefix]
-                "step": info.step,
-                "loss": info.loss,
-                "tokens": info.tokens,
-                "tokens_per_s": info.tokens_per_s,
-                "step_time": info.step_time,
-                "updates_applied": info.updates_applied,
-                "term_seen": info.term_seen,
-                "shard_terms": list(info.shard_terms),  # the terms seen of shards 1..S-1 (none when S = 1)
-                "last_contribution_age": now - info.last_contribution if info.last_contribution > 0 else None,
-                "rejections": dict(info.rejections),
-                "rejections_by_sender": [list(row) for row in info.rejections_by_sender],
-                "decisions": list(info.decisions),
-                "expires_in": stored.expiration - now,
-            }
-        )
+    peers = read_heartbeats(kv, manifest, now, ignored)
     count = manifest.diloco.synchronizer_shards
     read = [read_shard(kv, manifest, peers, shard, now, ignored) for shard in range(count)]
     leases, screened, valid, current = read[0]
     evaluation, eval_ignored = last_eval(kv, manifest, now)
     ignored.update(eval_ignored)
-    # A fragment's version as the run's trust chain backs it: the highest a peer that may synchronize
-    # reports (in a public run the listed synchronizers; in an open run every peer). What other keys
-    # report stays in their rows, marked `listed: false`, as claims.
-    versions = [
-        max((p["versions"][i] for p in peers if p["versions"] and p["listed"]), default=0)
-        for i in range(num_fragments)
-    ]
     return {
         "run_id": manifest.run_id,
         "manifest_hash": manifest.manifest_hash,
@@ -113,32 +72,99 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
         "highest_term": election.highest_term(valid),
         # the newest global evaluation: t, tokens, versions, updates, loss, perplexity, evaluator, term
         "eval": evaluation,
-        "fragments": [{"index": i, "version": v} for i, v in enumerate(versions)],
+        "fragments": [{"index": i, "version": v} for i, v in enumerate(backed_versions(manifest, peers))],
         "peers": peers,
-        "leases": [
-            {
-                "peer_id": lease.holder,
-                "term": lease.term,
-                "expires_in": lease.expires_at - now,
-                "rounds_done": lease.rounds_done,
-                "released": lease.released,
-            }
-            for lease in sorted(leases, key=lambda x: (x.term, x.holder))
-        ],
+        "leases": lease_rows(leases, now),
         "refused_leases": [
             {"peer_id": lease.holder, "term": lease.term, "reason": tag} for lease, tag, _ in screened.refused
         ],
-        "shards": [
-            {
-                "shard": shard,
-                "fragments": list(shards.fragments_of(shard, count, num_fragments)),
-                "synchronizer": holder_row(holder, now),
-                "highest_term": election.highest_term(shard_valid),
-            }
-            for shard, (_, _, shard_valid, holder) in enumerate(read)
-        ],
+        "shards": shard_rows(manifest, read, now),
         "ignored": dict(ignored),
     }
+
+
+def read_heartbeats(
+    kv: KeyValueStore, manifest: RunManifest, now: float, ignored: Counter[str]
+) -> list[dict]:
+    """One row per live peer's heartbeat (`heartbeat_row`), by peer ID; counts the undecodable in `ignored`."""
+    peers = []
+    for peer_id, stored in sorted(
+        kv.get(heartbeat_key(manifest.run_id, manifest.manifest_hash), now).items()
+    ):
+        try:
+            info = decode_heartbeat(stored.value, manifest.diloco.fragments)
+        except RecordError:
+            ignored["bad heartbeat"] += 1
+            continue
+        peers.append(heartbeat_row(manifest, peer_id, info, stored.expiration, now))
+    return peers
+
+
+def heartbeat_row(
+    manifest: RunManifest, peer_id: str, info: HeartbeatInfo, expiration: float, now: float
+) -> dict[str, Any]:
+    """A peer's heartbeat as a status row; ``listed`` says whether its fields are backed or its own claims."""
+    return {
+        "peer_id": peer_id,
+        "listed": manifest.may_synchronize(peer_id),  # else every field below is an unbacked claim
+        "role": info.role,
+        "may_sync": info.may_sync,
+        "ranks": info.ranks,
+        "digest": info.digest,
+        "versions": list(info.versions),
+        "tips": [list(tip) for tip in info.tips],  # per fragment: [term, checksum prefix]
+        "step": info.step,
+        "loss": info.loss,
+        "tokens": info.tokens,
+        "tokens_per_s": info.tokens_per_s,
+        "step_time": info.step_time,
+        "updates_applied": info.updates_applied,
+        "term_seen": info.term_seen,
+        "shard_terms": list(info.shard_terms),  # the terms seen of shards 1..S-1 (none when S = 1)
+        "last_contribution_age": now - info.last_contribution if info.last_contribution > 0 else None,
+        "rejections": dict(info.rejections),
+        "rejections_by_sender": [list(row) for row in info.rejections_by_sender],
+        "decisions": list(info.decisions),
+        "expires_in": expiration - now,
+    }
+
+
+def backed_versions(manifest: RunManifest, peers: list[dict[str, Any]]) -> list[int]:
+    """Each fragment's version as the run's trust chain backs it: the highest a peer that may synchronize
+    reports (in a public run the listed synchronizers; in an open run every peer). What other keys report
+    stays in their rows, marked `listed: false`, as claims."""
+    return [
+        max((p["versions"][i] for p in peers if p["versions"] and p["listed"]), default=0)
+        for i in range(manifest.diloco.fragments)
+    ]
+
+
+def lease_rows(leases: list[election.LeaseRecord], now: float) -> list[dict[str, Any]]:
+    """The leases as read, by term then holder."""
+    return [
+        {
+            "peer_id": lease.holder,
+            "term": lease.term,
+            "expires_in": lease.expires_at - now,
+            "rounds_done": lease.rounds_done,
+            "released": lease.released,
+        }
+        for lease in sorted(leases, key=lambda x: (x.term, x.holder))
+    ]
+
+
+def shard_rows(manifest: RunManifest, read: list[tuple], now: float) -> list[dict[str, Any]]:
+    """Per synchronizer shard (`read_shard`'s results, by shard): its fragments, live holder, highest term."""
+    count, num_fragments = manifest.diloco.synchronizer_shards, manifest.diloco.fragments
+    return [
+        {
+            "shard": shard,
+            "fragments": list(shards.fragments_of(shard, count, num_fragments)),
+            "synchronizer": holder_row(holder, now),
+            "highest_term": election.highest_term(shard_valid),
+        }
+        for shard, (_, _, shard_valid, holder) in enumerate(read)
+    ]
 
 
 def holder_row(current: election.LeaseRecord | None, now: float) -> dict[str, Any] | None:
