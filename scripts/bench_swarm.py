@@ -8,6 +8,7 @@
         --real-upto 0 --out docs/results/swarm-scaled        # also S grown with the swarm (S = M / 16)
     .venv/bin/python scripts/bench_swarm.py --tabulate --out DIR      # measures and figures again from DIR
     .venv/bin/python scripts/bench_swarm.py --inprocess 1 --tabulate --out DIR   # the same, in-process
+    .venv/bin/python scripts/bench_swarm.py --sim-peers 16,64,256 --sim-profile 64 --out docs/results/scale
 
 Once relaying has landed, add `--set diloco.fanout=3` to the real-process command (the figures then take
 that fan-out as the target and read the peers' relay counters). The real grid takes about 12 minutes on a
@@ -27,6 +28,13 @@ before shards exist) is recorded as skipped with the reason. No per-peer rate li
 (scripts/wan_emulator.py) needs root and network namespaces; loopback is unlimited here.
 
 In-process (`--inprocess`): see `sim.dissemination` for what it runs and why (module docstring there).
+
+Simulated peers (`--sim-peers`, issue #40 item 3): per size M a clean run of M whole nodes (real `Peer`,
+`Learner`, `StateDir`) in the swarm in a bottle with S = max(1, M // 16) shards and the default link model,
+`--sim-warmup` + `--sim-window` (measured) + `--sim-quiet` virtual seconds; OUT/sim_peers.json and
+OUT/sim_peers.png (`sim.bottle.scale`, whose docstring defines each field). `--sim-wall-budget` stops a
+size that takes longer (its cost per virtual second is still recorded); `--sim-profile M` writes
+OUT/profile_M.txt (cProfile, top 15 by cumulative and own time).
 
 Writes OUT/swarm.json and OUT/swarm.png (real processes), OUT/inprocess.json and OUT/inprocess.png.
 The done-means ratios of issue #29 are printed and stored under "figures" (each: value, target, met).
@@ -354,6 +362,13 @@ def main() -> int:
     )
     parser.add_argument("--real-seconds", type=float, default=20.0, help="fake seconds of that run")
     parser.add_argument("--tabulate", action="store_true", help="figures and plots again from OUT, no runs")
+    parser.add_argument("--sim-peers", type=int_list, default=None, metavar="PEERS,...")
+    parser.add_argument("--sim-warmup", type=float, default=10.0, help="--sim-peers: virtual s, >= 10")
+    parser.add_argument("--sim-window", type=float, default=20.0, help="--sim-peers: measured virtual s")
+    parser.add_argument("--sim-quiet", type=float, default=30.0, help="--sim-peers: virtual s to settle")
+    parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--sim-wall-budget", type=float, default=None, help="--sim-peers: wall s per size")
+    parser.add_argument("--sim-profile", type=int, default=None, metavar="M", help="cProfile the size M")
     args = parser.parse_args()
     if args.peers_per_shard is not None and args.peers_per_shard < 1:
         parser.error(f"--peers-per-shard {args.peers_per_shard}: give the learners per shard, 1 or more")
@@ -364,6 +379,21 @@ def main() -> int:
             parser.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
         args.overrides[key.strip()] = parse_value(value.strip())
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.sim_peers is not None:
+        from p2p_diloco.sim.bottle.scale import sim_peers_main
+
+        sim_peers_main(
+            args.sim_peers,
+            args.out,
+            warmup=args.sim_warmup,
+            window=args.sim_window,
+            quiet=args.sim_quiet,
+            seed=args.sim_seed,
+            wall_budget=args.sim_wall_budget,
+            profile_at=args.sim_profile,
+            say=lambda line: print(line, flush=True),
+        )
+        return 0
     if args.inprocess is not None:
         from bench_swarm_inprocess import inprocess_main  # scripts/: the in-process half
 

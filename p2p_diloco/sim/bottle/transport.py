@@ -6,12 +6,19 @@ when its owner gets to them: a frozen node answers after its thaw, or never with
 timeout. A node whose process is gone refuses the connection (`LinkTag.PEER_DOWN`); a lost frame or a
 silent receiver ends in the sender's timeout, as the real transport's (`net.outbound`). Replies to an
 incarnation that has since died go nowhere.
+
+Every frame and answer that a link carries is counted in the world's `Traffic` (`traffic(world)`): bytes
+sent and received per node, by kind (`delta`, `update`, `relay`, `updates`, `snapshot`, `chunk`, each
+answer as `KIND.reply`), for measurements (`sim.bottle.scale`); nothing in a run reads them.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from p2p_diloco.sim.bottle.world import World
@@ -21,6 +28,48 @@ from p2p_diloco.wire.replies import LinkTag, Reply
 REPLY_TIMEOUT = "transport timeout"  # the tag `net.outbound` gives an unanswered frame
 REQUEST_BYTES = 128  # a request or a reply without payload, on the wire
 PROBE_SECONDS = 1.0  # a probe that reaches nobody says UNKNOWN after this long
+
+
+@dataclass
+class Traffic:
+    """Bytes the links carried, per node and per (node, kind): counted when a frame leaves its sender
+    (`sent`) and when it reaches its receiver (`received`); a frame the link loses (a cut, the loss
+    rate) counts in neither."""
+
+    sent: Counter = field(default_factory=Counter)  # peer -> bytes
+    received: Counter = field(default_factory=Counter)
+    sent_kind: Counter = field(default_factory=Counter)  # (peer, kind) -> bytes
+    received_kind: Counter = field(default_factory=Counter)
+    frames: Counter = field(default_factory=Counter)  # kind -> frames delivered
+
+    def add_sent(self, peer: str, kind: str, size: int) -> None:
+        self.sent[peer] += size
+        self.sent_kind[(peer, kind)] += size
+
+    def add_received(self, peer: str, kind: str, size: int) -> None:
+        self.received[peer] += size
+        self.received_kind[(peer, kind)] += size
+        self.frames[kind] += 1
+
+    def snapshot(self) -> Traffic:
+        return Traffic(
+            Counter(self.sent),
+            Counter(self.received),
+            Counter(self.sent_kind),
+            Counter(self.received_kind),
+            Counter(self.frames),
+        )
+
+
+_TRAFFIC: weakref.WeakKeyDictionary[World, Traffic] = weakref.WeakKeyDictionary()
+
+
+def traffic(world: World) -> Traffic:
+    """The byte counters of `world`'s links (module docstring)."""
+    counted = _TRAFFIC.get(world)
+    if counted is None:
+        counted = _TRAFFIC[world] = Traffic()
+    return counted
 
 
 def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
@@ -100,6 +149,7 @@ class SimTransport:
             lambda handlers: getattr(handlers, f"handle_{kind}")(self.peer_id, frame),
             on_value=reply,
             on_error=lambda exc: reply(self._refusal(to, exc)),
+            kind=kind,
         )
 
     @staticmethod
@@ -108,7 +158,7 @@ class SimTransport:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    def _request(self, peer: str, ask: Callable[[InboundHandlers], Any]) -> Future:
+    def _request(self, peer: str, ask: Callable[[InboundHandlers], Any], kind: str = "request") -> Future:
         future: Future = Future()
         timeout = TimeoutError(f"no answer from {peer} within {self.fetch_timeout:.1f} s")
         self.world.later(self.fetch_timeout, lambda: _settle(future, error=timeout))
@@ -118,14 +168,17 @@ class SimTransport:
             ask,
             on_value=lambda value: _settle(future, value),
             on_error=lambda exc: _settle(future, error=ConnectionError(f"{peer}: {exc}")),
+            kind=kind,
         )
         return future
 
     def request_updates(self, from_peer: str, fragment: int, after_version: int) -> Future[list[bytes]]:
-        return self._request(from_peer, lambda h: h.serve_updates(self.peer_id, fragment, after_version))
+        return self._request(
+            from_peer, lambda h: h.serve_updates(self.peer_id, fragment, after_version), "updates"
+        )
 
     def request_snapshot(self, from_peer: str, fragment: int) -> Future[bytes]:
-        return self._request(from_peer, lambda h: h.serve_snapshot(self.peer_id, fragment))
+        return self._request(from_peer, lambda h: h.serve_snapshot(self.peer_id, fragment), "snapshot")
 
     def request_chunk(
         self, from_peer: str, fragment: int, chunk: int, checksum: str, nbytes: int
@@ -136,7 +189,7 @@ class SimTransport:
                 raise ConnectionError(f"answered chunk {chunk} with {len(data)} bytes, limit {nbytes}")
             return data
 
-        return self._request(from_peer, ask)
+        return self._request(from_peer, ask, "chunk")
 
     def probe(self, peer: str, addresses: Sequence[str] = ()) -> Future[Liveness]:
         """DOWN where the process is gone; UNKNOWN behind a cut link or from a frozen process."""
@@ -159,20 +212,36 @@ class SimTransport:
         *,
         on_value: Callable[[Any], None],
         on_error: Callable[[BaseException], None],
+        kind: str = "request",
     ) -> None:
         """Carry a frame of `size` bytes to `to`, have its handlers answer it (`ask`), and carry the
-        answer back; a lost frame or answer is never answered (the caller's timeout ends it)."""
+        answer back; a lost frame or answer is never answered (the caller's timeout ends it). Both count
+        in the world's `Traffic` as `kind` and `kind.reply`."""
+        counted = traffic(self.world)
         delay = self.world.link_delay(self.peer_id, to, size)
         if delay is None:
             return
+        counted.add_sent(self.peer_id, kind, size)
+        reply_kind = f"{kind}.reply"
 
         def back(value: Any = None, error: BaseException | None = None) -> None:
-            returning = self.world.link_delay(to, self.peer_id, _size(value))
+            returned = _size(value)
+            returning = self.world.link_delay(to, self.peer_id, returned)
             if returning is None:
                 return
-            self.world.later(returning, lambda: on_error(error) if error is not None else on_value(value))
+            counted.add_sent(to, reply_kind, returned)
+
+            def land() -> None:
+                counted.add_received(self.peer_id, reply_kind, returned)
+                if error is not None:
+                    on_error(error)
+                else:
+                    on_value(value)
+
+            self.world.later(returning, land)
 
         def arrive() -> None:
+            counted.add_received(to, kind, size)
             handlers = self.world.handlers.get(to)
             if handlers is None:
                 back(error=ConnectionRefusedError(f"{to} is not running"))

@@ -1,0 +1,509 @@
+"""Per-peer cost at swarm scale, measured on the real peer code in the swarm in a bottle (issue #40 item 3).
+
+`measure_size(ScaleRun(peers=M))` plays one clean run (no faults) of M whole simulated nodes, each the
+real `Peer`, `Learner` and `StateDir` (`sim.bottle.node`), with S = max(1, M // 16) synchronizer shards
+(`sim_manifest(S)`: `[diloco] synchronizer_shards = S`, `fragments = max(4, S)`) over the world's link
+model (`LinkSpec`), on virtual time:
+
+* `[0, warmup)`: every node starts, catches up (from nobody) and trains;
+* `[warmup, warmup + window)`: the measured window, still training: link bytes (the transport's
+  `Traffic`), updates published, DHT records read;
+* then training stops and `quiet` virtual seconds let deltas and updates settle; the end state is
+  checked as `Invariants.final` does (every replica at the same versions, bit-identical).
+
+Every invariant of `sim.bottle.invariants` is checked after every event, as in `simulate`; its wall time
+is measured apart and left out of the per-peer cost (it is the simulator's, not the peer's). What the
+result holds (`SizeResult.row()`, one row of `sim_peers.json`):
+
+* `wall_seconds_per_virtual_second_per_peer`: the event loop's wall time less the checks', over the
+  virtual seconds played and the peers (training, the peers' owners and I/O, the simulated DHT and links);
+* `busiest_peer_bytes_per_round`: the most bytes one peer sent plus received in the window, over the
+  window's rounds, a round being one update of every fragment (updates published / fragments);
+* `holder_inbound_bytes_per_round`: the most bytes a synchronizer received in the window over the rounds
+  it merged there (its updates published / fragments per shard);
+* `propagation_p50_s`, `propagation_p99_s`: virtual seconds from an update's `Published` at its
+  synchronizer to its `Applied` at each other replica, over every update of the run;
+* `terms_held_twice`: shard terms that two peers held at once while each one's DHT view held the
+  other's lease (`Invariants.check`'s notion: the (shard, term) pairs it ever timed);
+* `replicas_equal`: after the quiet period every running replica has the same versions and digest.
+
+A wall budget stops a run early (`completed` false; the cost is then measured over what was played and
+the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the command line.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import math
+import pstats
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_diloco.sim.bottle.node import Phase, SimNode
+from p2p_diloco.sim.bottle.run import Scenario, Simulation, sim_manifest
+from p2p_diloco.sim.bottle.transport import Traffic, traffic
+from p2p_diloco.sim.bottle.world import LinkSpec
+from p2p_diloco.swarm import effects as fx
+
+PEERS_PER_SHARD = 16  # S = M / 16 (issue #40)
+
+
+def shards_for(peers: int) -> int:
+    return max(1, peers // PEERS_PER_SHARD)
+
+
+@dataclass(frozen=True)
+class ScaleRun:
+    """One size's clean run (module docstring); virtual seconds for the phases."""
+
+    peers: int
+    shards: int | None = None  # None: `shards_for(peers)`
+    warmup: float = 10.0
+    window: float = 20.0
+    quiet: float = 30.0
+    seed: int = 0
+    step_time: float = 1.0
+    link: LinkSpec = field(default_factory=LinkSpec)
+    wall_budget: float | None = None  # wall seconds for the loop; None: no limit
+
+    @property
+    def s(self) -> int:
+        return self.shards if self.shards is not None else shards_for(self.peers)
+
+    def scenario(self) -> Scenario:
+        return Scenario(
+            nodes=self.peers,
+            shards=self.s,
+            fault_window=max(self.warmup, 10.0),
+            faults=0,
+            settle=self.window,
+            quiet=self.quiet,
+            step_time=self.step_time,
+            link=self.link,
+        )
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, math.ceil(q / 100.0 * len(ordered)) - 1)
+    return ordered[rank]
+
+
+def _minus(after: Counter, before: Counter) -> Counter:
+    return Counter({k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)})
+
+
+class MeasuredSimulation(Simulation):
+    """A clean `Simulation` with the measurements of the module docstring taken along the way."""
+
+    def __init__(self, run: ScaleRun, root: Path):
+        super().__init__(run.seed, run.scenario(), root, sim_manifest(run.s), faults=[])
+        self.spec = run
+        self.deadline = math.inf
+        self.out_of_time = False
+        self.check_wall = 0.0
+        self.loop_wall = 0.0
+        self.held_twice: set[tuple[int, int]] = set()
+        self.claimers: dict[tuple[int, int], set[str]] = {}
+        self.published_at: dict[tuple[int, int, int, str], float] = {}
+        self.delays: list[float] = []
+        self.in_window = False
+        self.window_published: Counter = Counter()  # synchronizer -> updates published in the window
+        self.dht_reads: Counter = Counter()  # reader -> records its DHT reads returned
+        self.marks: dict[str, Any] = {}
+        self.checking = False
+        for node in self.nodes:
+            node.on_intent = self._on_intent
+        store = self.world.dht
+        get_for = store.get_for
+
+        def counted_get(reader: str, key: str, now: float) -> dict:
+            found = get_for(reader, key, now)
+            if not self.checking:  # the invariants' own reads are not the peer's
+                self.dht_reads[reader] += len(found)
+            return found
+
+        store.get_for = counted_get  # the simulated DHT's reads, counted (instance attribute, this run only)
+
+    # ---- measurements --------------------------------------------------------------------------------
+
+    def _on_intent(self, node: SimNode, intent: fx.Intent) -> None:
+        self.invariants.on_intent(node, intent)
+        now = self.world.now()
+        match intent:
+            case fx.Claimed():
+                self.claimers.setdefault((intent.shard, intent.term), set()).add(node.peer_id)
+            case fx.Published():
+                r = intent.record
+                self.published_at.setdefault((r.fragment, r.from_version, r.term, r.leader), now)
+                if self.in_window:
+                    self.window_published[node.peer_id] += 1
+            case fx.Applied():
+                r = intent.record
+                at = self.published_at.get((r.fragment, r.from_version, r.term, r.leader))
+                if at is not None and intent.how != "own" and node.peer_id != r.leader:
+                    self.delays.append(now - at)
+
+    def _stopped(self) -> bool:
+        started = time.perf_counter()
+        self.checking = True
+        stop = super()._stopped()
+        self.checking = False
+        self.held_twice.update(self.invariants.shared_terms)
+        ended = time.perf_counter()
+        self.check_wall += ended - started
+        if ended > self.deadline:
+            self.out_of_time = True
+        return stop or self.out_of_time
+
+    def _until(self, t: float) -> bool:
+        started = time.perf_counter()
+        ok = super()._until(t)
+        self.loop_wall += time.perf_counter() - started
+        return ok and not self.out_of_time
+
+    def _mark(self, name: str) -> None:
+        self.marks[name] = {
+            "t": self.world.now(),
+            "traffic": traffic(self.world).snapshot(),
+            "dht_reads": Counter(self.dht_reads),
+            "loop_wall": self.loop_wall,
+            "check_wall": self.check_wall,
+        }
+
+    # ---- the run -------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Start everyone, warm up, measure the window, stop training, settle, check the end state."""
+        spec = self.spec
+        if spec.wall_budget is not None:
+            self.deadline = time.perf_counter() + spec.wall_budget
+        for node in self.nodes:
+            self.world.note("sim", "node", peer=node.peer_id, step_time=node.spec.step_time)
+            self.world.loop.call_at(0.0, node.start)
+        warmup_end = self.scenario.fault_window
+        window_end = warmup_end + spec.window
+        if not self._until(warmup_end):
+            return
+        self._mark("window_start")
+        self.in_window = True
+        if not self._until(window_end):
+            return
+        self.in_window = False
+        self._mark("window_end")
+        self.world.note("sim", "stop_training")
+        for node in self.nodes:
+            node.training = False
+        if not self._until(window_end + spec.quiet):
+            return
+        self.invariants.final()
+        self._mark("end")
+
+
+@dataclass
+class SizeResult:
+    peers: int
+    shards: int
+    fragments: int
+    completed: bool
+    violation: str | None
+    virtual_seconds: float
+    wall_seconds: float  # the loop, checks included
+    check_wall_seconds: float
+    build_wall_seconds: float
+    window_rounds: float | None
+    busiest_peer: str | None
+    busiest_peer_bytes_per_round: float | None
+    busiest_peer_kinds: dict[str, int]
+    holder: str | None
+    holder_inbound_bytes_per_round: float | None
+    holder_inbound_delta_bytes_per_round: float | None
+    propagation: list[float]
+    terms_held_twice: int
+    terms_claimed_twice: int
+    replicas_equal: bool | None
+    versions: list[int]
+    dht_records_read_per_peer_per_second: float | None
+    run: dict[str, Any]
+
+    @property
+    def wall_per_virtual_per_peer(self) -> float:
+        played = max(self.virtual_seconds, 1e-9)
+        return (self.wall_seconds - self.check_wall_seconds) / played / self.peers
+
+    def row(self) -> dict[str, Any]:
+        """One size's entry of `sim_peers.json` (module docstring)."""
+        return {
+            "peers": self.peers,
+            "shards": self.shards,
+            "fragments": self.fragments,
+            "completed": self.completed,
+            "violation": self.violation,
+            "wall_seconds_per_virtual_second_per_peer": _round(self.wall_per_virtual_per_peer, 5),
+            "busiest_peer_bytes_per_round": _round(self.busiest_peer_bytes_per_round, 0),
+            "holder_inbound_bytes_per_round": _round(self.holder_inbound_bytes_per_round, 0),
+            "propagation_p50_s": _round(_percentile(self.propagation, 50), 3),
+            "propagation_p99_s": _round(_percentile(self.propagation, 99), 3),
+            "terms_held_twice": self.terms_held_twice,
+            "replicas_equal": self.replicas_equal,
+            "detail": {
+                "virtual_seconds": round(self.virtual_seconds, 3),
+                "loop_wall_seconds": round(self.wall_seconds, 2),
+                "invariant_check_wall_seconds": round(self.check_wall_seconds, 2),
+                "build_wall_seconds": round(self.build_wall_seconds, 2),
+                "window_rounds": _round(self.window_rounds, 2),
+                "busiest_peer": self.busiest_peer,
+                "busiest_peer_bytes_by_kind": self.busiest_peer_kinds,
+                "holder": self.holder,
+                "holder_inbound_delta_bytes_per_round": _round(self.holder_inbound_delta_bytes_per_round, 0),
+                "propagation_samples": len(self.propagation),
+                "terms_claimed_twice": self.terms_claimed_twice,
+                "versions": self.versions,
+                "dht_records_read_per_peer_per_second": _round(self.dht_records_read_per_peer_per_second, 1),
+                "run": self.run,
+            },
+        }
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    if value is None:
+        return None
+    return round(value, digits) if digits else float(round(value))
+
+
+def _window_figures(sim: MeasuredSimulation) -> dict[str, Any]:
+    """Bytes per round of the busiest peer and of the busiest synchronizer, over the measured window."""
+    start, end = sim.marks.get("window_start"), sim.marks.get("window_end")
+    fragments = sim.manifest.diloco.fragments
+    none = {
+        "window_rounds": None,
+        "busiest_peer": None,
+        "busiest_peer_bytes_per_round": None,
+        "busiest_peer_kinds": {},
+        "holder": None,
+        "holder_inbound_bytes_per_round": None,
+        "holder_inbound_delta_bytes_per_round": None,
+        "dht_records_read_per_peer_per_second": None,
+    }
+    if start is None or end is None:
+        return none
+    a: Traffic = start["traffic"]
+    b: Traffic = end["traffic"]
+    sent, received = _minus(b.sent, a.sent), _minus(b.received, a.received)
+    kinds = _minus(b.sent_kind, a.sent_kind) + _minus(b.received_kind, a.received_kind)
+    received_kind = _minus(b.received_kind, a.received_kind)
+    seconds = end["t"] - start["t"]
+    reads = _minus(end["dht_reads"], start["dht_reads"])
+    out = dict(none)
+    out["dht_records_read_per_peer_per_second"] = sum(reads.values()) / sim.scenario.nodes / seconds
+    rounds = sum(sim.window_published.values()) / fragments
+    out["window_rounds"] = rounds
+    if rounds <= 0:
+        return out
+    total = sent + received
+    busiest = max(sorted(total), key=lambda p: total[p]) if total else None
+    if busiest is not None:
+        out["busiest_peer"] = busiest
+        out["busiest_peer_bytes_per_round"] = total[busiest] / rounds
+        out["busiest_peer_kinds"] = {k: v for (p, k), v in sorted(kinds.items()) if p == busiest}
+    per_shard = fragments / sim.manifest.diloco.synchronizer_shards
+    holders = {p: n / per_shard for p, n in sim.window_published.items() if n}
+    if holders:
+        holder = max(sorted(holders), key=lambda p: received[p] / holders[p])
+        out["holder"] = holder
+        out["holder_inbound_bytes_per_round"] = received[holder] / holders[holder]
+        deltas = received_kind.get((holder, "delta"), 0) + received_kind.get((holder, "relay"), 0)
+        out["holder_inbound_delta_bytes_per_round"] = deltas / holders[holder]
+    return out
+
+
+def measure_size(run: ScaleRun, workdir: Path | None = None, profile: Path | None = None) -> SizeResult:
+    """Play `run` (module docstring); with `profile`, the loop runs under cProfile and the top 15 functions
+    by cumulative and by own time are written there."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix=f"scale-{run.peers}-") as tmp:
+        root = Path(workdir) if workdir is not None else Path(tmp)
+        built = time.perf_counter()
+        sim = MeasuredSimulation(run, root)
+        build_wall = time.perf_counter() - built
+        profiler = cProfile.Profile() if profile is not None else None
+        try:
+            if profiler is not None:
+                profiler.enable()
+            sim.run()
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            running = [n for n in sim.nodes if n.phase == Phase.RUNNING and n.peer is not None]
+            versions = {tuple(n.peer.replica.versions()) for n in running}
+            digests = {n.peer.replica.digest() for n in running}
+            for node in sim.nodes:
+                if node.up:
+                    node.kill()
+    if profiler is not None:
+        _write_profile(profiler, profile, run, sim)
+    completed = not sim.out_of_time and "end" in sim.marks
+    window = _window_figures(sim)
+    violation = sim.invariants.violation
+    return SizeResult(
+        peers=run.peers,
+        shards=run.s,
+        fragments=sim.manifest.diloco.fragments,
+        completed=completed,
+        violation=str(violation) if violation is not None else None,
+        virtual_seconds=sim.world.now(),
+        wall_seconds=sim.loop_wall,
+        check_wall_seconds=sim.check_wall,
+        build_wall_seconds=build_wall,
+        propagation=sim.delays,
+        terms_held_twice=len(sim.held_twice),
+        terms_claimed_twice=sum(1 for who in sim.claimers.values() if len(who) > 1),
+        replicas_equal=(len(running) == run.peers and len(versions) == 1 and len(digests) == 1)
+        if completed
+        else None,
+        versions=list(max(versions, key=sum)) if versions else [],
+        run={**asdict(run), "link": asdict(run.link)},
+        **window,
+    )
+
+
+def _write_profile(profiler: cProfile.Profile, path: Path, run: ScaleRun, sim: MeasuredSimulation) -> None:
+    text = io.StringIO()
+    text.write(
+        f"cProfile of the {run.peers}-peer clean run (S = {run.s}), {sim.world.now():.1f} virtual s, "
+        f"loop {sim.loop_wall:.1f} s wall (invariant checks {sim.check_wall:.1f} s)\n\n"
+    )
+    for order in ("cumulative", "tottime"):
+        text.write(f"==== top 15 by {order} ====\n")
+        stats = pstats.Stats(profiler, stream=text)
+        stats.strip_dirs().sort_stats(order).print_stats(15)
+    path.write_text(text.getvalue())
+
+
+# ---- the figures over sizes ---------------------------------------------------------------------------
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue #40's done-means: the largest size's cost and busiest-peer bytes each <= 2x the smallest's."""
+    done = [r for r in rows if r.get("completed")]
+    measured = [r for r in rows if r.get("wall_seconds_per_virtual_second_per_peer") is not None]
+    out: dict[str, Any] = {}
+    for key, pool in (
+        ("wall_seconds_per_virtual_second_per_peer", measured),
+        ("busiest_peer_bytes_per_round", done),
+    ):
+        have = [r for r in pool if r.get(key)]
+        if len(have) < 2:
+            continue
+        small, large = min(have, key=lambda r: r["peers"]), max(have, key=lambda r: r["peers"])
+        ratio = large[key] / small[key]
+        out[key] = {
+            "from_peers": small["peers"],
+            "to_peers": large["peers"],
+            "ratio": round(ratio, 2),
+            "target": 2.0,
+            "met": ratio <= 2.0,
+        }
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers = [r["peers"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+
+    def series(ax: Any, key: str, label: str, scale: float = 1.0, marker: str = "o") -> None:
+        xs = [p for p, r in zip(peers, rows) if r.get(key) is not None]
+        ys = [r[key] / scale for r in rows if r.get(key) is not None]
+        if xs:
+            ax.plot(xs, ys, marker=marker, label=label)
+
+    ax = axes[0]
+    series(ax, "wall_seconds_per_virtual_second_per_peer", "measured")
+    if rows and rows[0].get("wall_seconds_per_virtual_second_per_peer"):
+        base = rows[0]["wall_seconds_per_virtual_second_per_peer"]
+        ax.plot(peers, [2 * base] * len(peers), "k--", lw=0.8, label="2x smallest (#40 target)")
+    ax.set_title("wall s per virtual s per peer")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("peers M (S = M / 16)")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    series(ax, "busiest_peer_bytes_per_round", "busiest peer (sent + received)", 1e3)
+    series(ax, "holder_inbound_bytes_per_round", "synchronizer inbound", 1e3, "s")
+    ax.set_title("kB per round (one update of every fragment)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("peers M (S = M / 16)")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    series(ax, "propagation_p50_s", "p50")
+    series(ax, "propagation_p99_s", "p99", marker="s")
+    ax.set_title("publish -> applied at each replica (virtual s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("peers M (S = M / 16)")
+    ax.legend(fontsize=8)
+    notes = ", ".join(
+        f"M={r['peers']}: twice={r['terms_held_twice']} equal={r['replicas_equal']}"
+        + ("" if r.get("completed") else " (stopped at the wall budget)")
+        for r in rows
+    )
+    fig.suptitle(f"Swarm in a bottle, clean runs, real Peer code. {notes}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sim_peers_main(
+    sizes: Sequence[int],
+    out: Path,
+    *,
+    warmup: float = 10.0,
+    window: float = 20.0,
+    quiet: float = 30.0,
+    seed: int = 0,
+    wall_budget: float | None = None,
+    profile_at: int | None = None,
+    link: LinkSpec | None = None,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for peers in sizes:
+        run = ScaleRun(
+            peers=peers,
+            warmup=warmup,
+            window=window,
+            quiet=quiet,
+            seed=seed,
+            link=link or LinkSpec(),
+            wall_budget=wall_budget,
+        )
+        say(f"M={peers} S={run.s}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
+        profile = out / f"profile_{peers}.txt" if profile_at == peers else None
+        result = measure_size(run, profile=profile)
+        row = result.row()
+        rows.append(row)
+        say(json.dumps({k: v for k, v in row.items() if k != "detail"}))
+        report = {"sizes": rows, "figures": ratios(rows)}
+        (out / "sim_peers.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, out / "sim_peers.png")
+    return report
