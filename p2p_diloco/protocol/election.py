@@ -42,9 +42,10 @@ Record conventions (the swarm layer writes these; `ElectionDecision.lease_to_wri
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from functools import partial
 
 from p2p_diloco.protocol.candidates import (
     PeerHeartbeat,
@@ -213,38 +214,52 @@ def decide(
         return _naming(decision, successor(decision.term + 1)) if decision.action == RENEW else decision
 
     if holder is not None and holder.term >= term_seen:
-        if holder.holder == self_id:  # my own lease from before a restart: let it lapse, do not resume
-            return ElectionDecision(
-                WAIT,
-                ElectionTag.LEASE_GRACE,
-                f"my own term {holder.term} lease from before a restart, live until {holder.expires_at:.2f}",
-                term=holder.term,
-                holder=self_id,
-                expires_at=holder.expires_at,
-            )
         eligible = {hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)}
-        if holder.holder in down and holder.successor == self_id and self_id in eligible:
-            claim = ElectionDecision(
-                CLAIM,
-                ElectionTag.SUCCESSION,
-                f"{holder.holder} (term {holder.term}) is down and named me its successor",
-                term=holder.term + 1,
-                holder=self_id,
-                expires_at=now + timing.lease_ttl,
-            )
-            return _naming(claim, successor(holder.term + 2))
-        return ElectionDecision(
-            FOLLOW,
-            ElectionTag.HELD_BY,
-            f"{holder.holder} term {holder.term} until {holder.expires_at:.2f}",
-            term=holder.term,
-            holder=holder.holder,
-            expires_at=holder.expires_at,
-        )
+        return _decide_under_holder(self_id, holder, self_id in eligible, down, now, timing, successor)
     decision = _decide_claim(
         self_id, run_id, heartbeats, leases, term_seen, now, timing, max_lag, verified_newest
     )
     return _naming(decision, successor(decision.term + 1)) if decision.action == CLAIM else decision
+
+
+def _decide_under_holder(
+    self_id: str,
+    holder: LeaseRecord,
+    eligible: bool,
+    down: Collection[str],
+    now: float,
+    timing: SwarmTiming,
+    successor: Callable[[int], str],
+) -> ElectionDecision:
+    """Another live lease of the highest term: follow it, or succeed its holder at once if it is down and
+    named this (eligible) peer; this peer's own lease from before a restart is left to lapse."""
+    if holder.holder == self_id:  # my own lease from before a restart: let it lapse, do not resume
+        return ElectionDecision(
+            WAIT,
+            ElectionTag.LEASE_GRACE,
+            f"my own term {holder.term} lease from before a restart, live until {holder.expires_at:.2f}",
+            term=holder.term,
+            holder=self_id,
+            expires_at=holder.expires_at,
+        )
+    if holder.holder in down and holder.successor == self_id and eligible:
+        claim = ElectionDecision(
+            CLAIM,
+            ElectionTag.SUCCESSION,
+            f"{holder.holder} (term {holder.term}) is down and named me its successor",
+            term=holder.term + 1,
+            holder=self_id,
+            expires_at=now + timing.lease_ttl,
+        )
+        return _naming(claim, successor(holder.term + 2))
+    return ElectionDecision(
+        FOLLOW,
+        ElectionTag.HELD_BY,
+        f"{holder.holder} term {holder.term} until {holder.expires_at:.2f}",
+        term=holder.term,
+        holder=holder.holder,
+        expires_at=holder.expires_at,
+    )
 
 
 def _naming(decision: ElectionDecision, successor: str) -> ElectionDecision:
@@ -263,6 +278,49 @@ def _decide_as_holder(
     timing: SwarmTiming,
     rounds_done: int,
 ) -> ElectionDecision:
+    """A holder's decision: step down when outranked (`_outranked`) or its lease runs out, end its term after
+    `term_rounds` rounds, renew once `lease_renew_fraction` of the TTL passed, otherwise hold."""
+    outranked = _outranked(mine, holder, term_seen)
+    if outranked is not None:
+        return outranked
+    term = mine.term
+    # Others fence me on what they read: if my renewal is not visible yet, the older expiry is the one
+    # that counts.
+    visible = [x.expires_at for x in leases if x.holder == mine.holder and x.term == term and not x.released]
+    expires_at = min([mine.expires_at, *visible])
+    mine_until = partial(ElectionDecision, term=term, holder=mine.holder, expires_at=expires_at)
+    if now >= expires_at - timing.lease_margin:
+        return mine_until(
+            STEP_DOWN,
+            ElectionTag.LEASE_EXPIRED,
+            f"term {term} lease expires at {expires_at:.2f}; stop merging by "
+            f"{expires_at - timing.lease_margin:.2f} (margin {timing.lease_margin}s)",
+        )
+    if rounds_done >= timing.term_rounds:
+        return mine_until(
+            STEP_DOWN,
+            ElectionTag.TERM_ENDED,
+            f"{rounds_done} of {timing.term_rounds} rounds done in term {term}; "
+            "merge the open rounds that have a quorum, then release",
+            rounds_done=rounds_done,
+        )
+    written_at = expires_at - timing.lease_ttl
+    if now - written_at >= timing.lease_renew_fraction * timing.lease_ttl:
+        return ElectionDecision(
+            RENEW,
+            ElectionTag.RENEW,
+            f"term {term}, {now - written_at:.2f}s of {timing.lease_ttl}s elapsed",
+            term=term,
+            holder=mine.holder,
+            expires_at=now + timing.lease_ttl,
+            rounds_done=rounds_done,
+        )
+    holding = f"term {term} until {expires_at:.2f}, {rounds_done} rounds done"
+    return mine_until(HOLD, ElectionTag.HOLDING, holding, rounds_done=rounds_done)
+
+
+def _outranked(mine: LeaseRecord, holder: LeaseRecord | None, term_seen: int) -> ElectionDecision | None:
+    """The step-down of a holder that a higher term, or a tie of its own term it loses, outranks."""
     term = mine.term
     if holder is not None and holder.term > term:
         return ElectionDecision(
@@ -286,51 +344,7 @@ def _decide_as_holder(
             holder=holder.holder,
             expires_at=holder.expires_at,
         )
-    # Others fence me on what they read: if my renewal is not visible yet, the older expiry is the one
-    # that counts.
-    visible = [x.expires_at for x in leases if x.holder == mine.holder and x.term == term and not x.released]
-    expires_at = min([mine.expires_at, *visible])
-    if now >= expires_at - timing.lease_margin:
-        return ElectionDecision(
-            STEP_DOWN,
-            ElectionTag.LEASE_EXPIRED,
-            f"term {term} lease expires at {expires_at:.2f}; stop merging by "
-            f"{expires_at - timing.lease_margin:.2f} (margin {timing.lease_margin}s)",
-            term=term,
-            holder=mine.holder,
-            expires_at=expires_at,
-        )
-    if rounds_done >= timing.term_rounds:
-        return ElectionDecision(
-            STEP_DOWN,
-            ElectionTag.TERM_ENDED,
-            f"{rounds_done} of {timing.term_rounds} rounds done in term {term}; "
-            "merge the open rounds that have a quorum, then release",
-            term=term,
-            holder=mine.holder,
-            expires_at=expires_at,
-            rounds_done=rounds_done,
-        )
-    written_at = expires_at - timing.lease_ttl
-    if now - written_at >= timing.lease_renew_fraction * timing.lease_ttl:
-        return ElectionDecision(
-            RENEW,
-            ElectionTag.RENEW,
-            f"term {term}, {now - written_at:.2f}s of {timing.lease_ttl}s elapsed",
-            term=term,
-            holder=mine.holder,
-            expires_at=now + timing.lease_ttl,
-            rounds_done=rounds_done,
-        )
-    return ElectionDecision(
-        HOLD,
-        ElectionTag.HOLDING,
-        f"term {term} until {expires_at:.2f}, {rounds_done} rounds done",
-        term=term,
-        holder=mine.holder,
-        expires_at=expires_at,
-        rounds_done=rounds_done,
-    )
+    return None
 
 
 def _decide_claim(
@@ -370,9 +384,8 @@ def _decide_claim(
     if any(c not in rotated_out for c in candidates):
         candidates = [c for c in candidates if c not in rotated_out]
     ranking = rendezvous_rank(run_id, next_term, candidates)
-    window = math.floor((now - base) / timing.claim_grace)
-    turn = ranking[window % len(ranking)]
     if self_id not in ranking:
+        turn = ranking[math.floor((now - base) / timing.claim_grace) % len(ranking)]
         why = "previous holder, rotating out" if self_id in rotated_out else None
         why = why or why_not_eligible(self_id, heartbeats, now, max_lag, verified_newest)
         return ElectionDecision(
@@ -382,6 +395,16 @@ def _decide_claim(
             term=next_term,
             holder=turn,
         )
+    return _claim_window(self_id, ranking, next_term, base, now, timing)
+
+
+def _claim_window(
+    self_id: str, ranking: Sequence[str], next_term: int, base: float, now: float, timing: SwarmTiming
+) -> ElectionDecision:
+    """Claim windows of `claim_grace` seconds from `base`, one per ranked candidate in turn: claim in mine,
+    otherwise wait and say when mine opens."""
+    window = math.floor((now - base) / timing.claim_grace)
+    turn = ranking[window % len(ranking)]
     if turn == self_id:
         return ElectionDecision(
             CLAIM,

@@ -119,7 +119,26 @@ class Membership:
 
     def ingest(self, records: SwarmRecords) -> SwarmView:
         """Decode what was read from the DHT; remembers live peers and every lease holder seen."""
-        heartbeats, leases = [], []
+        live, heartbeats = self._heartbeats(records)
+        seen = self._leases(records)
+        leases = self._screen(seen, live, records.now)
+        leases += self._remembered(records.now, {item.lease.holder for item in seen})
+        self._forget_old(records.now, {item.lease for item in seen})
+        self.live_peers = live
+        # A heartbeat starts the newcomer grace of a listed peer only: an unlisted key is awaited from its
+        # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
+        self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
+        self.last_read = records.now
+        sync = [x.lease.holder for x in seen if self.manifest.may_synchronize(x.lease.holder)]
+        read = claim_guard.read_of(heartbeats, {h: records.leases_of(self.shard)[h].expiration for h in sync})
+        timing = self.manifest.timing
+        self._cover, gaps = claim_guard.covered(self._cover, read, self.peer_id, records.now, timing)
+        return SwarmView(heartbeats, leases, gaps)
+
+    def _heartbeats(self, records: SwarmRecords) -> tuple[dict[str, HeartbeatInfo], list[PeerHeartbeat]]:
+        """The live peers' heartbeats that decode (a bad one is counted), and the election's records of the
+        peers that may synchronize (and this peer itself)."""
+        heartbeats: list[PeerHeartbeat] = []
         live: dict[str, HeartbeatInfo] = {}
         for peer, stored in records.heartbeats.items():
             if not self.allowed(peer):
@@ -140,6 +159,10 @@ class Membership:
             if record.may_sync and not self.manifest.may_synchronize(peer):
                 record = replace(record, may_sync=False)
             heartbeats.append(record)
+        return live, heartbeats
+
+    def _leases(self, records: SwarmRecords) -> list[SeenLease]:
+        """This shard's lease records that decode (a bad one is counted), each with when it was first read."""
         seen = []
         for holder, stored in records.leases_of(self.shard).items():
             if not self.allowed(holder):
@@ -151,6 +174,11 @@ class Membership:
                 self.journal.note(f"ignored lease of {holder}: {exc}")
                 continue
             seen.append(SeenLease(lease, self.first_seen.setdefault(lease, records.now)))
+        return seen
+
+    def _screen(self, seen: list[SeenLease], live: dict[str, HeartbeatInfo], now: float) -> list[LeaseRecord]:
+        """The leases `protocol.lease_rules` accepts (refused ones counted once, and this peer's own noted);
+        valid ones join the lease history and the holders of their terms."""
         screened = lease_rules.screen_leases(
             seen,
             term_floor=self.term_seen,
@@ -165,36 +193,26 @@ class Membership:
         )
         self.own_refused = None
         for lease, tag, detail in screened.refused:
-            if self.first_seen.get(lease) == records.now:  # count each refused record once
+            if self.first_seen.get(lease) == now:  # count each refused record once
                 self.journal.reject(lease.holder, tag, detail)
             if lease.holder == self.peer_id:
                 self.own_refused = (lease.term, f"{tag}: {detail}")
-        leases = []
         for item in screened.valid:
-            leases.append(item.lease)
-            kept = self.lease_history.setdefault(item.lease.term, [])
-            if item not in kept:
-                kept[:] = [*kept, item][-RECORDS_PER_TERM:]
-            if lease_rules.counts_as_held(item):
-                self.lease_holders.setdefault(item.lease.term, set()).add(item.lease.holder)
-                key = (item.lease.holder, item.lease.term)
-                if (
-                    key not in self.valid_leases
-                    or item.lease.expires_at >= self.valid_leases[key].lease.expires_at
-                ):
-                    self.valid_leases[key] = item
-        leases += self._remembered(records.now, {item.lease.holder for item in seen})
-        self._forget_old(records.now, {item.lease for item in seen})
-        self.live_peers = live
-        # A heartbeat starts the newcomer grace of a listed peer only: an unlisted key is awaited from its
-        # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
-        self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
-        self.last_read = records.now
-        sync = [x.lease.holder for x in seen if self.manifest.may_synchronize(x.lease.holder)]
-        read = claim_guard.read_of(heartbeats, {h: records.leases_of(self.shard)[h].expiration for h in sync})
-        timing = self.manifest.timing
-        self._cover, gaps = claim_guard.covered(self._cover, read, self.peer_id, records.now, timing)
-        return SwarmView(heartbeats, leases, gaps)
+            self._remember(item)
+        return [item.lease for item in screened.valid]
+
+    def _remember(self, item: SeenLease) -> None:
+        kept = self.lease_history.setdefault(item.lease.term, [])
+        if item not in kept:
+            kept[:] = [*kept, item][-RECORDS_PER_TERM:]
+        if lease_rules.counts_as_held(item):
+            self.lease_holders.setdefault(item.lease.term, set()).add(item.lease.holder)
+            key = (item.lease.holder, item.lease.term)
+            if (
+                key not in self.valid_leases
+                or item.lease.expires_at >= self.valid_leases[key].lease.expires_at
+            ):
+                self.valid_leases[key] = item
 
     def _remembered(self, now: float, read: set[str]) -> list[LeaseRecord]:
         """Valid leases this peer saw, still live, whose holder's record this read did not return: a
@@ -280,13 +298,7 @@ class Membership:
         of the other shards (`protocol.shards.at_cap`); they step aside while another candidate is up.
         A claim then passes `claim_guard.gate` with the seat's `checks`, this peer's warm-up and the read's
         gaps."""
-        heartbeats = self._with_recent_candidates(view, now)
-        if any(hb.may_sync and hb.live(now) and hb.peer_id not in busy for hb in heartbeats):
-            heartbeats = [replace(hb, may_sync=False) if hb.peer_id in busy else hb for hb in heartbeats]
-        if own_versions is not None:
-            heartbeats = [
-                replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats
-            ]
+        heartbeats = self._ranked_heartbeats(view, now, own_versions, busy)
         sample = (now, sum(own_versions) if own_versions is not None else 0)
         self._own_sums, (lag, window_lag) = claim_guard.lags(
             self._own_sums, sample, self.manifest.timing, self.num_fragments
@@ -316,6 +328,23 @@ class Membership:
         if decision.tag == election.ElectionTag.NOT_ELIGIBLE and self.peer_id in busy:
             detail = f"I hold my share of the other shards; {decision.holder} may claim term {decision.term}"
             decision = replace(decision, detail=detail)
+        return self._account(decision, view)
+
+    def _ranked_heartbeats(
+        self, view: SwarmView, now: float, own_versions: tuple[int, ...] | None, busy: frozenset[str]
+    ) -> list[PeerHeartbeat]:
+        """The heartbeats the election ranks: recent candidates a read missed added, `busy` candidates
+        stepped aside while another is up, and this peer's own versions as they are now."""
+        heartbeats = self._with_recent_candidates(view, now)
+        if any(hb.may_sync and hb.live(now) and hb.peer_id not in busy for hb in heartbeats):
+            heartbeats = [replace(hb, may_sync=False) if hb.peer_id in busy else hb for hb in heartbeats]
+        if own_versions is None:
+            return heartbeats
+        return [replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats]
+
+    def _account(self, decision: ElectionDecision, view: SwarmView) -> ElectionDecision:
+        """Keep what a decision teaches: the lease followed, the highest term seen (the fence), a holder's
+        step-down from its own refused lease; note the decision when it changed."""
         self.followed = None
         if decision.action == election.FOLLOW:
             self.followed = next(

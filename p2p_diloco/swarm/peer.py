@@ -96,32 +96,33 @@ class Peer:
         self.spreading = Spreading(
             ctx, self.book, self.membership, self.outbox, self.relay, self.spawn, self._repair
         )
-        count = manifest.diloco.synchronizer_shards
-        self.seats: list[Seat] = []  # one per synchronizer shard (`swarm.seats`)
-        for shard in range(count):
-            first = self.membership
-            membership = first if shard == 0 else Membership(*first_args, shard=shard, first=first)
-            handover = Handover(ctx, membership, self.repair, self.spawn)
-            role = SynchronizerRole(
-                ctx,
-                shapes,
-                self.embedding_names,
-                self.robust,
-                self.book,
-                self.outbox,
-                membership,
-                handover,
-                self.relay,
-            )
-            elect = functools.partial(self.elect, shard=shard)
-            watch = HolderWatch(peer_id, membership, self.journal, self.spawn, elect)
-            fragments = frozenset(shards.fragments_of(shard, count, plan.num_fragments))
-            seat = Seat(shard, fragments, membership, role, handover, watch, emit, manifest.timing)
-            self.seats.append(seat)
+        self.seats = [self._seat(shard, first_args) for shard in range(manifest.diloco.synchronizer_shards)]
         self.handover, self.role, self.watch = self.seats[0].handover, self.seats[0].role, self.seats[0].watch
         self._electing = False  # an election round's DHT read is in flight
         self._now = float("-inf")  # the latest time an event brought (tasks' results carry none)
         self._sync_due: float | None = None  # the last `SyncDue` sent
+
+    def _seat(self, shard: int, first_args: tuple) -> Seat:
+        """Shard `shard`'s seat (`swarm.seats`): its membership (shard 0's is the peer's own), handover,
+        synchronizer role and successor's watch."""
+        first, ctx, count = self.membership, self.context, self.manifest.diloco.synchronizer_shards
+        membership = first if shard == 0 else Membership(*first_args, shard=shard, first=first)
+        handover = Handover(ctx, membership, self.repair, self.spawn)
+        role = SynchronizerRole(
+            ctx,
+            self.shapes,
+            self.embedding_names,
+            self.robust,
+            self.book,
+            self.outbox,
+            membership,
+            handover,
+            self.relay,
+        )
+        elect = functools.partial(self.elect, shard=shard)
+        watch = HolderWatch(self.peer_id, membership, self.journal, self.spawn, elect)
+        fragments = frozenset(shards.fragments_of(shard, count, self.plan.num_fragments))
+        return Seat(shard, fragments, membership, role, handover, watch, ctx.emit, self.manifest.timing)
 
     # ---- the entry point ---------------------------------------------------------------------------
 

@@ -35,12 +35,6 @@ CYCLES_LEFT: dict[frozenset[str], str] = {}
 
 # Functions over MAX_FUNCTION_LINES lines, not split yet (path below `p2p_diloco/`:function).
 LONG_LEFT: dict[str, str] = {
-    "swarm/membership.py:ingest": "#39: 78 lines, not split yet",
-    "protocol/election.py:_decide_as_holder": "#39: 77 lines, not split yet",
-    "protocol/election.py:decide": "#39: 72 lines, not split yet",
-    "protocol/election.py:_decide_claim": "#39: 68 lines, not split yet",
-    "swarm/membership.py:decide": "#39: 67 lines, not split yet",
-    "swarm/peer.py:__init__": "#39: 66 lines, not split yet",
 }
 
 # Modules with `# fmt: skip` lines packed by hand, not unpacked yet.
