@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.wire.codec import decode_sparse, decode_tensors, encode_tensors
-from p2p_diloco.wire.feedback import ErrorFeedback
+from p2p_diloco.wire.codecs.codec import decode_sparse, decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback
 
 
 def _best_seconds(fn, repeats: int) -> tuple[float, object]:

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_feedback_dtype.py --out DIR [--learners 4] [--tokens N]
 
 Runs `bench_quality`'s `decoupled` variant (int8 deltas and updates, learners of unequal speed, the same
-tokens) three times, changing only how `wire.feedback.ErrorFeedback` keeps its residuals:
+tokens) three times, changing only how `wire.codecs.feedback.ErrorFeedback` keeps its residuals:
 
   float32          the residuals in float32 (as before issue #14)
   float32_probe    float32, each stored residual scaled by (1 + 1e-6) after every delta: a change far
@@ -33,7 +33,7 @@ import bench_quality  # noqa: E402
 
 from p2p_diloco.config import RunManifest  # noqa: E402
 from p2p_diloco.model.data import load_corpus  # noqa: E402
-from p2p_diloco.wire.feedback import ErrorFeedback  # noqa: E402
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback  # noqa: E402
 
 PROBE_SCALE = 1 + 1e-6
 

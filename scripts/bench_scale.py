@@ -53,7 +53,7 @@ from p2p_diloco.protocol.merge import merge_deltas  # noqa: E402
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum  # noqa: E402
 from p2p_diloco.protocol.robust import RobustGuard  # noqa: E402
 from p2p_diloco.swarm.updates import UpdateChecks  # noqa: E402
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors  # noqa: E402
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors  # noqa: E402
 
 FRAGMENTS = 4
 TRAINING_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq

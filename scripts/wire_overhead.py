@@ -21,11 +21,11 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.model.gpt import build_model
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader
-from p2p_diloco.wire import chunked
-from p2p_diloco.wire.bitpack import packed12_size, packed_codes_size
-from p2p_diloco.wire.codec import frame_size
+from p2p_diloco.wire.codecs import chunked
+from p2p_diloco.wire.codecs.bitpack import packed12_size, packed_codes_size
+from p2p_diloco.wire.codecs.codec import frame_size
+from p2p_diloco.wire.codecs.sparse import chunk_keep
 from p2p_diloco.wire.frames import encode_delta
-from p2p_diloco.wire.sparse import chunk_keep
 
 HEAD = 10  # magic, version, codec id, tensor count
 

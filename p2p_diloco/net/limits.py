@@ -35,7 +35,7 @@ from p2p_diloco.net.admission import stream_admission
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.swarm.updates import UPDATE_LOG_LENGTH
 from p2p_diloco.wire import keys
-from p2p_diloco.wire.codec import frame_size
+from p2p_diloco.wire.codecs.codec import frame_size
 from p2p_diloco.wire.delta_bundle import bundle_bound
 from p2p_diloco.wire.frames import delta_frame_bound, snapshot_frame_bound, update_frame_bound
 from p2p_diloco.wire.relay_frames import MAX_OFFER_BYTES, RELAY_HEAD_BYTES

@@ -3,7 +3,7 @@
 Only a refused connection proves the process is gone (nobody listens on its port); a frozen process's
 kernel still accepts connections and a lost link times out, so neither is "down". The probe does not go
 through libp2p: after one failed dial libp2p answers "dial backoff" for a while, whatever the cause.
-`swarm.succession` acts on the result.
+`swarm.election.succession` acts on the result.
 """
 
 from __future__ import annotations

@@ -112,7 +112,9 @@ class NodeSnapshot:
     deltas_accepted: int = 0  # remote deltas this process accepted as synchronizer
     # (term, DHT time of its first accepted delta, synchronizer shard)
     first_accepts: tuple[tuple[int, float, int], ...] = ()
-    waiting: str = ""  # why this peer claims no term (`swarm.underway`: a run under way, replica at 0)
+    waiting: str = (
+        ""  # why this peer claims no term (`swarm.election.underway`: a run under way, replica at 0)
+    )
     step_time: float = 0.0  # seconds of the last inner step (0 before the first)
     eval_loss: float = math.nan  # the newest global eval loss this peer ran or read (NaN: none yet)
 

@@ -130,7 +130,7 @@ class PeerNode:
         last_in_sync = saved.last_in_sync if saved is not None and built_model.restored else 0.0
         self._assemble_peer(built_model, saved)
         self._schedule_jobs(built_model, last_in_sync)
-        # the named successor probes them (`swarm.succession.HolderWatch`) to see this process gone
+        # the named successor probes them (`swarm.election.succession.HolderWatch`) to see this process gone
         self.addresses = tuple(self.dht_peer.visible_addresses())
         self.driver.start()
         startup["assemble"] = round(time.monotonic() - joined, 2)

@@ -183,7 +183,7 @@ class ClaimChecks:
     """What a claim is checked against before a seat makes it (`gate`). Each field is None (or empty)
     when its guard has nothing to say; otherwise it says why the claim waits."""
 
-    stopping: bool = False  # the peer is shutting down (`swarm.phase.Phase.STOPPING`)
+    stopping: bool = False  # the peer is shutting down (`swarm.election.phase.Phase.STOPPING`)
     stepping_down: str | None = None  # this seat released its term; a read has not shown the end yet
     warm_up: str | None = None  # this peer has not read the swarm for a heartbeat TTL yet
     gaps: ReadGaps = NO_GAPS  # the read lacks a record still stored (`covered`)
@@ -206,7 +206,7 @@ def gate(decision: ElectionDecision, checks: ClaimChecks) -> ElectionDecision:
     5. a run under way (`UNDER_WAY`): a replica at version 0 never starts a run others have published.
 
     Two checks come earlier, in the ranking itself: a candidate holding its share of the other shards
-    steps aside (`busy` in `swarm.membership.Membership.decide`), and a claim window is used only by a
+    steps aside (`busy` in `swarm.election.membership.Membership.decide`), and a claim window is used only by a
     strictly up-to-date peer (`hold_lagging_claim`)."""
     if decision.action != CLAIM:
         return decision

@@ -11,7 +11,7 @@ The rule, in short:
   leases of one term go to the holder ranked first by `rendezvous_rank(LEASE_TIE_SALT, term, holders)`;
 - T = the highest term of a valid visible lease or the caller's `term_floor` (the highest valid term this
   peer has seen, so a term survives its lease record disappearing from the DHT). Heartbeats never raise T:
-  their `term_seen` is a self-report any peer can forge (`swarm.membership` screens leases, see
+  their `term_seen` is a self-report any peer can forge (`swarm.election.membership` screens leases, see
   `protocol.lease_rules`). A holder of a term below T steps down;
 - with no live lease of term >= T, the up-to-date eligible peers are ranked for term T+1 by a rendezvous
   hash of (run, T+1, peer ID). From a base time, claim windows of `claim_grace` seconds go to the ranked
@@ -23,7 +23,7 @@ The rule, in short:
 - succession: every claim and renewal names a successor, the eligible peer (not the holder) ranked first
   for the next term (`candidates.named_successor`, eligible within `successor_lag` versions: heartbeats
   are up to a period old). A follower named so that sees the holder down (`down`: its addresses refused
-  connections, see `swarm.succession`) and is itself up to date claims the next term at once
+  connections, see `swarm.election.succession`) and is itself up to date claims the next term at once
   (`ElectionTag.SUCCESSION`) instead of waiting for the lease to lapse; readers accept that claim
   (`protocol.lease_rules`);
 - fencing: a holder stops merging once `now >= expires_at - lease_margin` (it steps down instead of renewing

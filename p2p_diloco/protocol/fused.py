@@ -3,8 +3,8 @@
 This module owns the optional compiled library behind the throughput goal of issue #14 item 5 (outer step,
 int8 encode and decode at >= 1 GB/s of fp32 parameters per core). Each kernel makes one pass over its
 tensors instead of several torch kernels, and does per element exactly the float32 operations, in the
-same order, of the torch path it replaces (`kernels.nesterov_into`, `wire.blockwise.quantize_blockwise_cpu`,
-`wire.codec`'s decoder): the library is built with -O3 -ffp-contract=off and without -ffast-math
+same order, of the torch path it replaces (`kernels.nesterov_into`, `wire.codecs.blockwise.quantize_blockwise_cpu`,
+`wire.codecs.codec`'s decoder): the library is built with -O3 -ffp-contract=off and without -ffast-math
 (setup.py), so no multiply-add becomes an FMA and nothing is reassociated. Results are the same bit for
 bit either way (tests/unit/test_scale_kernels.py runs both paths); replicas with and without the library
 agree. (Only the payload bits of a NaN may differ, in outputs nobody uses: a NaN makes the outer step
@@ -12,7 +12,7 @@ refuse the update and the encoder mark the whole tensor non-finite.)
 
 Kernels: `nesterov` (the outer step, with an exact finiteness test of Θ' by its exponent bits),
 `dequantize_nesterov` (the same step on a gradient still in int8 form, decoded value by value: the gradient
-is never written out), `quantize` (blockwise absmax and the code search of `wire.blockwise`) and
+is never written out), `quantize` (blockwise absmax and the code search of `wire.codecs.blockwise`) and
 `dequantize` (code table lookup and one multiply per value). The two steps can hand Θ' to a callback a
 PIECE at a time, right after computing it, so the replica hashes it while it is in cache.
 
@@ -208,7 +208,7 @@ def quantize(
     absmax: Tensor,
 ) -> None:
     """Blockwise absmax quantization of `flat` (float32) into `codes` (uint8, same size) and `absmax` (one
-    per block, the last block may be short), the code of each value found by `wire.blockwise`'s 16-bit
+    per block, the last block may be short), the code of each value found by `wire.codecs.blockwise`'s 16-bit
     prefix table: `counts` (uint8, 65536 entries) and `padded` (the bounds then +inf, float32)."""
     n = flat.numel()
     if block_size <= 0:

@@ -214,7 +214,7 @@ def scale_blocks(values: Tensor, absmax: Tensor, block_size: int) -> Tensor:
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A float32 tensor still in int8 blockwise form: value i is `table[codes[i]] * absmax[i // block_size]`,
-    one float32 multiply (the decoding of `wire.codec`). `wire.codec.decode_tensors(..., lazy=True)` returns
+    one float32 multiply (the decoding of `wire.codecs.codec`). `wire.codecs.codec.decode_tensors(..., lazy=True)` returns
     these for int8 frames after the same checks as decoding (block absmax finite and >= 0), so every value is
     finite. `codes` may be a view of the frame: the frame must not change while this is in use."""
 

@@ -60,7 +60,7 @@ class ListedDelta:
 
     learner: str
     seq: int
-    digest: bytes  # BLAKE2b-256 of the delta's `wire.codec` frame
+    digest: bytes  # BLAKE2b-256 of the delta's `wire.codecs.codec` frame
     weight: int  # the tokens the learner signed
 
 
@@ -68,7 +68,7 @@ class ListedDelta:
 class UpdateRecord:
     """One outer update of one fragment, version `from_version` -> `from_version + 1`.
 
-    `payload` is the merged outer gradient as a `wire.codec` frame (the manifest's codec: int8 by default,
+    `payload` is the merged outer gradient as a `wire.codecs.codec` frame (the manifest's codec: int8 by default,
     or sparse top-k); every replica decodes it, applies the Nesterov step itself and compares the result
     with `checksum`.
     """

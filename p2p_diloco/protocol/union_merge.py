@@ -17,7 +17,7 @@ machine and whatever order the contributions arrive in: contributions are taken 
 (`tree_sum`: element-wise IEEE additions only, no BLAS reduction whose order depends on the CPU); numerators
 and weights accumulate in float64 element-wise, in that order, and the quotient is rounded once to float32.
 
-`SparseTensor` is how decoders hand a sparse tensor over (`wire.codec.decode_sparse`).
+`SparseTensor` is how decoders hand a sparse tensor over (`wire.codecs.codec.decode_sparse`).
 """
 
 from __future__ import annotations

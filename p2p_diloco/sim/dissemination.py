@@ -40,7 +40,7 @@ from p2p_diloco.model.gpt import build_model
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.swarm.links import LinkModel, LinkSpec
 from p2p_diloco.swarm.memory import EventLoop, FakeClock, SimNetwork
-from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire.codecs.codec import encode_tensors
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 
 HEAD = struct.Struct(">BHI")  # kind, fragment, round

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta, encode_delta
 from p2p_diloco.wire.interfaces import Transport
 from p2p_diloco.wire.replies import Reply

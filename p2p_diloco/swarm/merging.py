@@ -22,7 +22,7 @@ from p2p_diloco.protocol.outer_step import PendingUpdate
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.sync_round import Contribution
 from p2p_diloco.swarm.sparse_rounds import entry_of, merge_signed
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.delta_bundle import encode_bundle
 
 

@@ -34,8 +34,8 @@ from p2p_diloco.swarm.effects import (
     ToLearner,
 )
 from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback
 from p2p_diloco.wire.delta_signature import SignedDelta, payload_digest, sign_delta
-from p2p_diloco.wire.feedback import ErrorFeedback
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import RecordSigner

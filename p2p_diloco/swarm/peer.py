@@ -10,7 +10,7 @@ Its parts: `Membership` (heartbeats, leases, the election), `UpdateBook` (checki
 the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `Outbox` (the learner's
 deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast succession) and `Handover`
 (a new holder's check for updates it lacks); the membership and the last three once per synchronizer
-shard (`swarm.seats`; with S = 1 one seat, the unsharded peer). A refused update or a lagging fragment
+shard (`swarm.election.seats`; with S = 1 one seat, the unsharded peer). A refused update or a lagging fragment
 becomes a `RepairNeeded`, which the peer runs as one task per fragment. `Spreading` relays applied
 updates onward, as `swarm.relay` decides.
 """
@@ -31,20 +31,20 @@ from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.handover import Handover
+from p2p_diloco.swarm.election.handover import Handover
+from p2p_diloco.swarm.election.membership import Membership
+from p2p_diloco.swarm.election.phase import Phase
+from p2p_diloco.swarm.election.seats import Seat, busy, seat_of_delta
+from p2p_diloco.swarm.election.succession import HolderWatch
+from p2p_diloco.swarm.election.underway import UnderwayGate
 from p2p_diloco.swarm.journal import Journal, PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.outbox import Outbox
-from p2p_diloco.swarm.phase import Phase
 from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.repair import Repair
-from p2p_diloco.swarm.seats import Seat, busy, seat_of_delta
 from p2p_diloco.swarm.serving import Serving
 from p2p_diloco.swarm.spreading import Spreading
-from p2p_diloco.swarm.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
 from p2p_diloco.swarm.tasks import Tasks
-from p2p_diloco.swarm.underway import UnderwayGate
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import InboundDelta
 from p2p_diloco.wire.records import HeartbeatInfo
@@ -103,7 +103,7 @@ class Peer:
         self._sync_due: float | None = None  # the last `SyncDue` sent
 
     def _seat(self, shard: int, first_args: tuple) -> Seat:
-        """Shard `shard`'s seat (`swarm.seats`): its membership (shard 0's is the peer's own), handover,
+        """Shard `shard`'s seat (`swarm.election.seats`): its membership (shard 0's is the peer's own), handover,
         synchronizer role and successor's watch."""
         first, ctx, count = self.membership, self.context, self.manifest.diloco.synchronizer_shards
         membership = first if shard == 0 else Membership(*first_args, shard=shard, first=first)

@@ -36,8 +36,8 @@ from p2p_diloco.swarm.effects import (
     Together,
     ToLearner,
 )
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.serving import Serving
 from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader, download_windows
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource

@@ -7,8 +7,8 @@ in the journal and answered with nothing a requester could use.
 from __future__ import annotations
 
 from p2p_diloco.protocol.decisions import AdmissionTag
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.snapshots import SnapshotServer
 from p2p_diloco.swarm.updates import UpdateBook
 

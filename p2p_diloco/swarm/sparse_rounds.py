@@ -31,7 +31,7 @@ from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.messages import DeltaHeader, ListedDelta, UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.protocol.union_merge import SparseContribution, union_merge
-from p2p_diloco.wire.codec import decode_sparse, decode_tensors
+from p2p_diloco.wire.codecs.codec import decode_sparse, decode_tensors
 from p2p_diloco.wire.delta_bundle import decode_bundle
 from p2p_diloco.wire.delta_signature import (
     DeltaRefusal,

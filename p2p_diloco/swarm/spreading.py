@@ -14,8 +14,8 @@ from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import AdmissionTag
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource

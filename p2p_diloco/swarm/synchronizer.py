@@ -35,21 +35,21 @@ from p2p_diloco.protocol.robust import ACCEPT, CLIP, CounterCheck, RobustGuard, 
 from p2p_diloco.protocol.robust_config import RobustTag
 from p2p_diloco.protocol.sync_round import Contribution, RoundTag, SynchronizerRounds
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.merging import MergeOutcome, Merger, dense
 from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.sparse_rounds import intake_problem
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
-from p2p_diloco.wire.codec import decode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors
 from p2p_diloco.wire.frames import InboundDelta, encode_update
 from p2p_diloco.wire.relay_frames import UpdateId
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from p2p_diloco.wire.signing import SignatureCheck
 
 if TYPE_CHECKING:
-    from p2p_diloco.swarm.handover import Handover
+    from p2p_diloco.swarm.election.handover import Handover
 
 
 class SynchronizerRole:

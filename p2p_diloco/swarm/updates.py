@@ -36,12 +36,12 @@ from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import ReplicaTag
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm.effects import Adopt, Applied, RepairKind, RepairNeeded, Task, ToLearner
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.sparse_rounds import open_record, outer_grad_of
 from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.swarm.vouching import Ahead, Vouchers, reported_tips, trusted_ahead
-from p2p_diloco.wire.codec import frame_codec
+from p2p_diloco.wire.codecs.codec import frame_codec
 from p2p_diloco.wire.frames import decode_update, encode_update, update_signing_bytes
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus

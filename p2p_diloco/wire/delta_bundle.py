@@ -19,7 +19,13 @@ import struct
 from collections.abc import Sequence
 
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.wire.blockwise import BAD_HEADER, TRAILING_BYTES, UNSUPPORTED_VERSION, ByteReader, byte_view
+from p2p_diloco.wire.codecs.blockwise import (
+    BAD_HEADER,
+    TRAILING_BYTES,
+    UNSUPPORTED_VERSION,
+    ByteReader,
+    byte_view,
+)
 
 MAGIC = b"PDdb"
 VERSION = 1

@@ -9,7 +9,7 @@ over these bytes, all integers little-endian::
 
     magic b"PDds" | version u8 | run_id (u8 length, ASCII) | manifest_hash (u8 length, ASCII) |
     learner (u8 length, ASCII) | fragment u16 | anchor_version u64 | seq u64 | tokens u64 |
-    payload digest (32 bytes: BLAKE2b-256 of the `wire.codec` frame)
+    payload digest (32 bytes: BLAKE2b-256 of the `wire.codecs.codec` frame)
 
 The learner's own ID is inside, so a signature cannot be replayed under another name, and so are its
 tokens: the record's weight for the delta must equal them. The run and manifest hash keep a delta from
@@ -28,8 +28,14 @@ from enum import StrEnum
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.messages import ListedDelta
-from p2p_diloco.wire.blockwise import BAD_HEADER, TRAILING_BYTES, UNSUPPORTED_VERSION, ByteReader, byte_view
 from p2p_diloco.wire.bounds import MAX_COUNTER, MAX_FRAGMENT, MAX_ID_CHARS, MAX_SIGNATURE_BYTES
+from p2p_diloco.wire.codecs.blockwise import (
+    BAD_HEADER,
+    TRAILING_BYTES,
+    UNSUPPORTED_VERSION,
+    ByteReader,
+    byte_view,
+)
 from p2p_diloco.wire.signing import RecordSigner, SignatureCheck
 
 MAGIC = b"PDds"
@@ -49,7 +55,7 @@ class DeltaRefusal(StrEnum):
 
 
 def payload_digest(payload: bytes) -> bytes:
-    """BLAKE2b-256 of a delta's `wire.codec` frame, as `update_signing_bytes` digests payloads."""
+    """BLAKE2b-256 of a delta's `wire.codecs.codec` frame, as `update_signing_bytes` digests payloads."""
     return hashlib.blake2b(byte_view(payload), digest_size=DIGEST_BYTES).digest()
 
 

@@ -3,11 +3,11 @@
 Every frame, integers little-endian::
 
     magic (4 bytes, one per record kind) | version u8 | header length u32 | payload length u64 |
-    header (UTF-8 JSON object) | payload (opaque bytes: `wire.codec` frames)
+    header (UTF-8 JSON object) | payload (opaque bytes: `wire.codecs.codec` frames)
 
 The JSON header is schema-checked on both sides: exact key set, exact types (bool is not an int),
 integer ranges, string lengths and characters, no NaN/inf, no duplicate keys. Decoders raise only
-`DecodeError` with the reason tags of `wire.codec`. Distinct magics mean a frame of one kind fed to
+`DecodeError` with the reason tags of `wire.codecs.codec`. Distinct magics mean a frame of one kind fed to
 another kind's decoder fails with "bad magic". A delta's `sender` never comes from the wire: the
 receiver fills it in from the authenticated connection.
 """
@@ -37,7 +37,7 @@ from p2p_diloco.wire.bounds import (
     one_of,
     seq_list,
 )
-from p2p_diloco.wire.codec import (
+from p2p_diloco.wire.codecs.codec import (
     BAD_HEADER,
     OVERSIZED,
     TRAILING_BYTES,
@@ -70,7 +70,7 @@ _KIND_BY_MAGIC = {
 
 @dataclass(frozen=True)
 class FragmentSnapshot:
-    """Global state of one fragment at `version`: `params` and `momentum` are fp32 `wire.codec` frames;
+    """Global state of one fragment at `version`: `params` and `momentum` are fp32 `wire.codecs.codec` frames;
     `checksum` is the published checksum of the parameters at that version."""
 
     run_id: str
@@ -233,7 +233,7 @@ def _decode_parts(
 
 # --- records -----------------------------------------------------------------------------------------
 def encode_delta(header: DeltaHeader, payload: bytes) -> bytes:
-    """`payload` is the sender's `wire.codec` frame; `header.sender` is not sent, `header.signature` only
+    """`payload` is the sender's `wire.codecs.codec` frame; `header.sender` is not sent, `header.signature` only
     when there is one (sparse codecs)."""
     schema = SIGNED_DELTA_SCHEMA if header.signature else DELTA_SCHEMA
     fields = {key: getattr(header, key) for key in schema}
@@ -367,7 +367,7 @@ def _header_bytes(magic: bytes, header: dict[str, Any], schema: dict[str, Check]
 
 def delta_frame_bound(run_id: str, manifest_hash: str, payload_bytes: int, *, signed: bool = False) -> int:
     """The largest `encode_delta` frame of this run with a payload of `payload_bytes`: every counter at
-    its maximum, so no valid delta header is longer (`wire.codec.frame_size` gives the payload's size);
+    its maximum, so no valid delta header is longer (`wire.codecs.codec.frame_size` gives the payload's size);
     `signed`: with the longest signature (sparse codecs)."""
     schema = SIGNED_DELTA_SCHEMA if signed else DELTA_SCHEMA
     fields: dict[str, Any] = {key: MAX_COUNTER for key in schema}

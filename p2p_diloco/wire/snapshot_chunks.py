@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.wire.bounds import identifier, integer
-from p2p_diloco.wire.codec import BAD_HEADER
+from p2p_diloco.wire.codecs.codec import BAD_HEADER
 from p2p_diloco.wire.frames import (  # the frame format and schema checks are shared with wire.frames
     _COUNTER,
     _IDS,

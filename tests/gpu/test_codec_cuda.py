@@ -1,4 +1,4 @@
-"""The int8 codec on CUDA (wire/codec.py: bitsandbytes' `quantize_blockwise`, one call for all tensors)
+"""The int8 codec on CUDA (wire/codecs/codec.py: bitsandbytes' `quantize_blockwise`, one call for all tensors)
 against the CPU codec (`quantize_blockwise_cpu`) for the same tensors.
 
 The frames must be equal byte for byte. The one difference this test tolerates (docs/gpu.md) is a value
@@ -16,8 +16,8 @@ import torch
 
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.wire.blockwise import CODE_TABLE
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.blockwise import CODE_TABLE
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 
 pytestmark = pytest.mark.gpu
 

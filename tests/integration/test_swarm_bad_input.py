@@ -23,7 +23,7 @@ from p2p_diloco.node.status import swarm_status
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import OP_DELTA, OP_UPDATE
 from tests.support.snapshots import fetch_fragment_state

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire.codecs.codec import encode_tensors
 
 _TENSORS = {"a": torch.randn(3, 40, generator=torch.Generator().manual_seed(0)), "b.bias": torch.randn(7)}
 

@@ -18,10 +18,10 @@ from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.driver import InlineDriver
 from p2p_diloco.swarm.effects import Published
+from p2p_diloco.swarm.election.seats import accepted, seat_of_delta
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.peer import Peer
-from p2p_diloco.swarm.seats import accepted, seat_of_delta
 from p2p_diloco.wire.frames import InboundDelta, update_signing_bytes
 from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.replies import Reply, ReplyStatus

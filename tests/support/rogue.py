@@ -2,7 +2,7 @@
 per attack of issue #12 ("Public runs that survive strangers").
 
 It is built only from the project's public pieces (`write_identity`, `DhtKeyValueStore`, `P2PTransport`,
-`RsaRecordSigner`, `wire.keys`, `wire.records`, `wire.frames`, `wire.codec`, `net.streams`), so it can do
+`RsaRecordSigner`, `wire.keys`, `wire.records`, `wire.frames`, `wire.codecs.codec`, `net.streams`), so it can do
 exactly what a stranger on the internet can: write records under its *own* peer ID (DHT records are
 owner-signed; it cannot write under an honest peer's ID), sign update records with its own key, open
 streams to honest peers, answer their requests with whatever it likes, and read everything that is
@@ -46,7 +46,7 @@ from p2p_diloco.protocol.fragments import FragmentPlan, plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum
 from p2p_diloco.wire import keys
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_update, encode_delta, encode_update, update_signing_bytes
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, encode_lease
 from p2p_diloco.wire.replies import Reply

@@ -32,7 +32,7 @@ from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.swarm.inprocess import InProcessSwarm
 from p2p_diloco.swarm.memory import InMemoryTransport
 from p2p_diloco.swarm.snapshots import SnapshotServer
-from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire.codecs.codec import encode_tensors
 from p2p_diloco.wire.frames import decode_update, encode_delta, encode_update, update_signing_bytes
 from p2p_diloco.wire.keys import eval_key, heartbeat_key, lease_key
 from p2p_diloco.wire.observe import EvalHistory, EvalPoint

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from p2p_diloco.config import RunManifest, WireConfig
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.wire import chunked, codec
-from p2p_diloco.wire.bitpack import PackReason, pack12, pack_codes, unpack12, unpack_codes
-from p2p_diloco.wire.chunked import CHUNK
-from p2p_diloco.wire.codec import decode_sparse, decode_tensors, encode_tensors, frame_size
-from p2p_diloco.wire.feedback import ErrorFeedback
-from p2p_diloco.wire.levels import fit_levels
-from p2p_diloco.wire.sparse import SparseReason, chunk_keep
+from p2p_diloco.wire.codecs import chunked, codec
+from p2p_diloco.wire.codecs.bitpack import PackReason, pack12, pack_codes, unpack12, unpack_codes
+from p2p_diloco.wire.codecs.chunked import CHUNK
+from p2p_diloco.wire.codecs.codec import decode_sparse, decode_tensors, encode_tensors, frame_size
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback
+from p2p_diloco.wire.codecs.levels import fit_levels
+from p2p_diloco.wire.codecs.sparse import SparseReason, chunk_keep
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CHUNKED = ["topk4k-int2", "topk4k-int4", "topk4k-int8"]

@@ -17,8 +17,8 @@ from p2p_diloco.protocol.election import ElectionDecision, ElectionTag, LeaseRec
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.swarm.effects import SwarmRecords
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
 from tests.support.manifests import tiny_manifest

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.wire import codec
-from p2p_diloco.wire.codec import (
+from p2p_diloco.wire.codecs import codec
+from p2p_diloco.wire.codecs.codec import (
     CODE_TABLE,
     decode_tensors,
     encode_tensors,
     frame_size,
 )
-from p2p_diloco.wire.feedback import ErrorFeedback
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback
 from tests.support.frames import VALID_FRAMES
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +81,7 @@ def test_dequantization_is_lookup_then_one_float32_multiply():
 def test_decode_agrees_with_bitsandbytes_cpu_dequantize():
     from bitsandbytes.functional import dequantize_blockwise
 
-    from p2p_diloco.wire.codec import quantize_blockwise_cpu
+    from p2p_diloco.wire.codecs.codec import quantize_blockwise_cpu
 
     x = torch.randn(10_000) * torch.rand(10_000) ** 4
     codes, absmax = quantize_blockwise_cpu(x, 64)
@@ -332,7 +332,7 @@ def test_mutated_frames_only_raise_decode_error(which, edits, cut, tail):
 def test_cpu_quantizer_matches_bitsandbytes(block_size):
     from bitsandbytes.functional import quantize_blockwise
 
-    from p2p_diloco.wire.codec import quantize_blockwise_cpu
+    from p2p_diloco.wire.codecs.codec import quantize_blockwise_cpu
 
     gen = torch.Generator().manual_seed(block_size)
     x = torch.cat(

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.wire.blockwise import BAD_HEADER, BAD_MAGIC, TRAILING_BYTES, TRUNCATED, UNSUPPORTED_VERSION
+from p2p_diloco.wire.codecs.blockwise import (
+    BAD_HEADER,
+    BAD_MAGIC,
+    TRAILING_BYTES,
+    TRUNCATED,
+    UNSUPPORTED_VERSION,
+)
 from p2p_diloco.wire.delta_bundle import MAX_BUNDLED, bundle_bound, decode_bundle, encode_bundle
 
 FRAMES = [b"PDde first frame", b"x", b"PDde" + bytes(300)]

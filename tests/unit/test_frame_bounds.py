@@ -10,7 +10,8 @@ import torch
 from p2p_diloco.config import WireConfig
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.swarm.outbox import Outbox
-from p2p_diloco.wire import codec, frames, keys
+from p2p_diloco.wire import frames, keys
+from p2p_diloco.wire.codecs import codec
 from p2p_diloco.wire.frames import FragmentSnapshot
 from tests.support.manifests import tiny_manifest, tiny_training
 

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
-from p2p_diloco.wire import codec, frames
-from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire import frames
+from p2p_diloco.wire.codecs import codec
+from p2p_diloco.wire.codecs.codec import encode_tensors
 from p2p_diloco.wire.frames import (
     REQUEST_SNAPSHOT,
     REQUEST_UPDATES,

@@ -1,6 +1,6 @@
 """Fuzzing every handler input end to end: garbage and mutated valid frames into the peer and synchronizer.
 
-wire/frames.py, wire/codec.py and swarm/records.py decoders have their own fuzz tests; these drive what
+wire/frames.py, wire/codecs/codec.py and swarm/records.py decoders have their own fuzz tests; these drive what
 reaches the handlers behind them (`Peer.handle_delta`, `handle_update`, `serve_updates`,
 `serve_snapshot`, snapshot and replay responses, DHT records through `read_swarm`, and
 `Synchronizer.offer_delta` then `poll`), including valid frames with one header field replaced by
@@ -28,7 +28,7 @@ from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.memory import FakeClock
 from p2p_diloco.swarm.synchronizer import Synchronizer
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease

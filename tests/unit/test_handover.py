@@ -19,8 +19,8 @@ import torch
 from p2p_diloco.config import TrustConfig
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import UpdateRecord
-from p2p_diloco.swarm.handover import handover_sources
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.swarm.election.handover import handover_sources
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_update, update_signing_bytes
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease

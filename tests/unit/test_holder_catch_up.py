@@ -20,7 +20,7 @@ from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.swarm.vouching import Vouchers, trusted_ahead
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, encode_lease

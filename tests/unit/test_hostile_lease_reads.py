@@ -19,8 +19,8 @@ from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.swarm.effects import SwarmRecords
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.records import encode_lease
 from tests.support.manifests import tiny_manifest

@@ -23,7 +23,7 @@ from p2p_diloco.protocol.sync_round import Contribution
 from p2p_diloco.swarm import updates as uc
 from p2p_diloco.swarm.merging import dense
 from p2p_diloco.swarm.synchronizer import Synchronizer
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta
 from tests.support.manifests import tiny_manifest
 

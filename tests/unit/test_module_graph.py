@@ -34,8 +34,7 @@ from tests.support.modules import (
 CYCLES_LEFT: dict[frozenset[str], str] = {}
 
 # Functions over MAX_FUNCTION_LINES lines, not split yet (path below `p2p_diloco/`:function).
-LONG_LEFT: dict[str, str] = {
-}
+LONG_LEFT: dict[str, str] = {}
 
 # Modules with `# fmt: skip` lines packed by hand, not unpacked yet.
 PACKED_LEFT: dict[str, str] = {}

@@ -14,7 +14,7 @@ from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.swarm.effects import Stopping, StoreRecord
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.outbox import InFlight
-from p2p_diloco.wire.codec import encode_tensors
+from p2p_diloco.wire.codecs.codec import encode_tensors
 from p2p_diloco.wire.frames import encode_delta
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import decode_lease, encode_lease

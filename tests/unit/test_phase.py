@@ -1,4 +1,4 @@
-"""A seat's explicit phase (`swarm.phase`): the transition table on its own, the claim gate's guards in their
+"""A seat's explicit phase (`swarm.election.phase`): the transition table on its own, the claim gate's guards in their
 order, and every transition of a real `Peer`'s seat, SIGTERM (`Stopping`) in each phase included: a stopping
 peer releases what it holds, never claims, and its seats stay `STOPPING`."""
 
@@ -12,7 +12,7 @@ from p2p_diloco.protocol import election
 from p2p_diloco.protocol.claim_guard import NO_GAPS, ClaimChecks, ReadGaps, RecordKind, RecordSlot, gate
 from p2p_diloco.protocol.election import ElectionDecision, ElectionTag, LeaseRecord
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm.phase import Phase, after_decision, after_read, after_stop
+from p2p_diloco.swarm.election.phase import Phase, after_decision, after_read, after_stop
 from p2p_diloco.wire.records import HeartbeatInfo, decode_lease
 from tests.support.manifests import tiny_manifest
 from tests.support.peers import PeerHarness, make_peer

@@ -13,7 +13,7 @@ from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.memory import FakeClock
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_update
 from p2p_diloco.wire.keys import lease_key
 from p2p_diloco.wire.records import encode_lease

@@ -15,7 +15,7 @@ from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustConfig, RobustGuard
 from p2p_diloco.protocol.sync_round import RoundTag
 from p2p_diloco.swarm.synchronizer import Synchronizer
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import decode_delta, encode_delta
 from p2p_diloco.wire.replies import ReplyStatus
 

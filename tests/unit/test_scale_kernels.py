@@ -28,9 +28,15 @@ from p2p_diloco.protocol.kernels import (
 from p2p_diloco.protocol.merge import GRAM_MAX_DELTAS, merge_deltas
 from p2p_diloco.protocol.outer_step import nesterov_step
 from p2p_diloco.protocol.replica import GlobalReplica, fragment_checksum, fragment_checksum_v1
-from p2p_diloco.wire.blockwise import _CODE_BOUNDS, CODE_TABLE, _lut, nearest_codes, quantize_blockwise_cpu
-from p2p_diloco.wire.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.sparse import INT4_BOUNDS as SPARSE_BOUNDS
+from p2p_diloco.wire.codecs.blockwise import (
+    _CODE_BOUNDS,
+    CODE_TABLE,
+    _lut,
+    nearest_codes,
+    quantize_blockwise_cpu,
+)
+from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.sparse import INT4_BOUNDS as SPARSE_BOUNDS
 
 
 def reference(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

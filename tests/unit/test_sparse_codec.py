@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from p2p_diloco.config import RunManifest, WireConfig
 from p2p_diloco.errors import ConfigError, DecodeError
-from p2p_diloco.wire import codec
-from p2p_diloco.wire.blockwise import Codec
-from p2p_diloco.wire.codec import CODE_TABLE, decode_tensors, encode_tensors, frame_size
-from p2p_diloco.wire.feedback import ErrorFeedback
-from p2p_diloco.wire.sparse import CHUNK, INT4_TABLE, SparseReason, chunk_keep
+from p2p_diloco.wire.codecs import codec
+from p2p_diloco.wire.codecs.blockwise import Codec
+from p2p_diloco.wire.codecs.codec import CODE_TABLE, decode_tensors, encode_tensors, frame_size
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback
+from p2p_diloco.wire.codecs.sparse import CHUNK, INT4_TABLE, SparseReason, chunk_keep
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPARSE = ["topk-int8", "topk-int4"]

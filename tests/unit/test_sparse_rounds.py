@@ -26,7 +26,7 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.sparse_rounds import open_record, signed_fields, weight_cap
 from p2p_diloco.swarm.synchronizer import Synchronizer
-from p2p_diloco.wire.codec import decode_sparse, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_sparse, encode_tensors
 from p2p_diloco.wire.delta_bundle import decode_bundle, encode_bundle
 from p2p_diloco.wire.delta_signature import DeltaRefusal, delta_signing_bytes, payload_digest, sign_delta
 from p2p_diloco.wire.frames import decode_delta, decode_update, encode_delta, encode_update

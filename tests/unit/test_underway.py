@@ -10,9 +10,9 @@ from p2p_diloco.protocol.claim_guard import gate as gate_claim
 from p2p_diloco.protocol.election import ElectionDecision, PeerHeartbeat
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.election.membership import SwarmView
+from p2p_diloco.swarm.election.underway import UnderwayGate
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.membership import SwarmView
-from p2p_diloco.swarm.underway import UnderwayGate
 from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.underway import check_proof, encode_proof
 from tests.support.manifests import tiny_manifest

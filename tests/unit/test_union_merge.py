@@ -20,7 +20,7 @@ from p2p_diloco.protocol.union_merge import (
     tree_sum,
     union_merge,
 )
-from p2p_diloco.wire.codec import decode_sparse, encode_tensors
+from p2p_diloco.wire.codecs.codec import decode_sparse, encode_tensors
 
 SHAPES = {"w": (2, 5), "b": (3,)}
 

@@ -12,7 +12,7 @@ from p2p_diloco.protocol.direction import fragment_norm
 from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
 from p2p_diloco.swarm import updates as uc
-from p2p_diloco.wire.codec import Codec, encode_tensors
+from p2p_diloco.wire.codecs.codec import Codec, encode_tensors
 from tests.support.manifests import tiny_manifest
 
 QM = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"

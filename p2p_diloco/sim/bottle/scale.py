@@ -2,8 +2,9 @@
 
 `measure_size(ScaleRun(peers=M))` plays one clean run (no faults) of M whole simulated nodes, each the
 real `Peer`, `Learner` and `StateDir` (`sim.bottle.node`), with S = max(1, M // 16) synchronizer shards
-(`sim_manifest(S)`: `[diloco] synchronizer_shards = S`, `fragments = max(4, S)`) over the world's link
-model (`LinkSpec`), on virtual time:
+(`sim_manifest(S)`: `[diloco] synchronizer_shards = S`, `fragments = max(4, S)`; H = `inner_steps` =
+max(16, fragments) at every size, since the manifest rules need H >= P and P = 16 at 256 peers, so that
+every size sends the same bytes per step) over the world's link model (`LinkSpec`), on virtual time:
 
 * `[0, warmup)`: every node starts, catches up (from nobody) and trains;
 * `[warmup, warmup + window)`: the measured window, still training: link bytes (the transport's
@@ -16,7 +17,8 @@ is measured apart and left out of the per-peer cost (it is the simulator's, not 
 result holds (`SizeResult.row()`, one row of `sim_peers.json`):
 
 * `wall_seconds_per_virtual_second_per_peer`: the event loop's wall time less the checks', over the
-  virtual seconds played and the peers (training, the peers' owners and I/O, the simulated DHT and links);
+  measured window's virtual seconds and the peers (training, the peers' owners and I/O, the simulated DHT
+  and links); a run stopped before the window ended: over all it played, start-up included;
 * `busiest_peer_bytes_per_round`: the most bytes one peer sent plus received in the window, over the
   window's rounds, a round being one update of every fragment (updates published / fragments);
 * `holder_inbound_bytes_per_round`: the most bytes a synchronizer received in the window over the rounds
@@ -34,6 +36,7 @@ the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import io
 import json
 import math
@@ -48,6 +51,7 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.config import RunManifest
 from p2p_diloco.sim.bottle.node import Phase, SimNode
 from p2p_diloco.sim.bottle.run import Scenario, Simulation, sim_manifest
 from p2p_diloco.sim.bottle.transport import Traffic, traffic
@@ -55,6 +59,7 @@ from p2p_diloco.sim.bottle.world import LinkSpec
 from p2p_diloco.swarm import effects as fx
 
 PEERS_PER_SHARD = 16  # S = M / 16 (issue #40)
+INNER_STEPS = 16  # H at every size (module docstring)
 
 
 def shards_for(peers: int) -> int:
@@ -78,6 +83,11 @@ class ScaleRun:
     @property
     def s(self) -> int:
         return self.shards if self.shards is not None else shards_for(self.peers)
+
+    def manifest(self) -> RunManifest:
+        base = sim_manifest(self.s)
+        steps = max(INNER_STEPS, base.diloco.fragments)
+        return dataclasses.replace(base, diloco=dataclasses.replace(base.diloco, inner_steps=steps))
 
     def scenario(self) -> Scenario:
         return Scenario(
@@ -108,7 +118,7 @@ class MeasuredSimulation(Simulation):
     """A clean `Simulation` with the measurements of the module docstring taken along the way."""
 
     def __init__(self, run: ScaleRun, root: Path):
-        super().__init__(run.seed, run.scenario(), root, sim_manifest(run.s), faults=[])
+        super().__init__(run.seed, run.scenario(), root, run.manifest(), faults=[])
         self.spec = run
         self.deadline = math.inf
         self.out_of_time = False
@@ -221,6 +231,8 @@ class SizeResult:
     virtual_seconds: float
     wall_seconds: float  # the loop, checks included
     check_wall_seconds: float
+    window_seconds: float | None  # the measured window's virtual seconds, if it ended
+    window_wall_seconds: float | None  # the loop's wall time in the window, checks excluded
     build_wall_seconds: float
     window_rounds: float | None
     busiest_peer: str | None
@@ -239,6 +251,8 @@ class SizeResult:
 
     @property
     def wall_per_virtual_per_peer(self) -> float:
+        if self.window_seconds:
+            return self.window_wall_seconds / self.window_seconds / self.peers
         played = max(self.virtual_seconds, 1e-9)
         return (self.wall_seconds - self.check_wall_seconds) / played / self.peers
 
@@ -261,6 +275,13 @@ class SizeResult:
                 "virtual_seconds": round(self.virtual_seconds, 3),
                 "loop_wall_seconds": round(self.wall_seconds, 2),
                 "invariant_check_wall_seconds": round(self.check_wall_seconds, 2),
+                "window_wall_seconds": _round(self.window_wall_seconds, 2),
+                "whole_run_wall_seconds_per_virtual_second_per_peer": round(
+                    (self.wall_seconds - self.check_wall_seconds)
+                    / max(self.virtual_seconds, 1e-9)
+                    / self.peers,
+                    5,
+                ),
                 "build_wall_seconds": round(self.build_wall_seconds, 2),
                 "window_rounds": _round(self.window_rounds, 2),
                 "busiest_peer": self.busiest_peer,
@@ -355,6 +376,11 @@ def measure_size(run: ScaleRun, workdir: Path | None = None, profile: Path | Non
         _write_profile(profiler, profile, run, sim)
     completed = not sim.out_of_time and "end" in sim.marks
     window = _window_figures(sim)
+    start, end = sim.marks.get("window_start"), sim.marks.get("window_end")
+    window_seconds = window_wall = None
+    if start is not None and end is not None:
+        window_seconds = end["t"] - start["t"]
+        window_wall = (end["loop_wall"] - start["loop_wall"]) - (end["check_wall"] - start["check_wall"])
     violation = sim.invariants.violation
     return SizeResult(
         peers=run.peers,
@@ -365,6 +391,8 @@ def measure_size(run: ScaleRun, workdir: Path | None = None, profile: Path | Non
         virtual_seconds=sim.world.now(),
         wall_seconds=sim.loop_wall,
         check_wall_seconds=sim.check_wall,
+        window_seconds=window_seconds,
+        window_wall_seconds=window_wall,
         build_wall_seconds=build_wall,
         propagation=sim.delays,
         terms_held_twice=len(sim.held_twice),
@@ -486,7 +514,9 @@ def sim_peers_main(
 ) -> dict[str, Any]:
     """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
+    path = out / "sim_peers.json"
+    kept = json.loads(path.read_text())["sizes"] if path.exists() else []
+    rows: list[dict[str, Any]] = [r for r in kept if r["peers"] not in sizes]  # other sizes' earlier runs
     for peers in sizes:
         run = ScaleRun(
             peers=peers,
@@ -501,9 +531,9 @@ def sim_peers_main(
         profile = out / f"profile_{peers}.txt" if profile_at == peers else None
         result = measure_size(run, profile=profile)
         row = result.row()
-        rows.append(row)
+        rows = sorted([*rows, row], key=lambda r: r["peers"])
         say(json.dumps({k: v for k, v in row.items() if k != "detail"}))
         report = {"sizes": rows, "figures": ratios(rows)}
-        (out / "sim_peers.json").write_text(json.dumps(report, indent=2) + "\n")
+        path.write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, out / "sim_peers.png")
     return report

@@ -1,7 +1,7 @@
 """Shared wire primitives: reason tags of `DecodeError`, codec names, the int8 code table, bounds-checked
 byte reading and blockwise absmax quantization in plain torch.
 
-`wire.codec` (dense frames), `wire.sparse` (top-k bodies) and `wire.frames` build on these; nothing here
+`wire.codecs.codec` (dense frames), `wire.codecs.sparse` (top-k bodies) and `wire.frames` build on these; nothing here
 knows a frame layout.
 """
 
@@ -120,7 +120,7 @@ def quantize_blockwise_cpu(
     code by the midpoints of the sorted table) for CPU tensors. Used instead of bitsandbytes on the CPU:
     importing bitsandbytes costs 4-7 s and ~115 MiB per peer, and its CPU call ~12 ms whatever the size.
     tests/unit/test_codec.py checks it against bitsandbytes' CPU kernel. `bounds` (the midpoints of another
-    sorted code table, e.g. `wire.sparse`'s 4-bit one) defaults to those of `CODE_TABLE`.
+    sorted code table, e.g. `wire.codecs.sparse`'s 4-bit one) defaults to those of `CODE_TABLE`.
 
     Runs CACHE_ELEMENTS values at a time through work buffers kept from call to call
     (`protocol.kernels.scratch`: a fresh temporary per kernel would cost a page fault per 4 KiB); a short

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.election.membership import Membership, SwarmView
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.membership import Membership, SwarmView
 from p2p_diloco.wire.interfaces import Liveness
 from p2p_diloco.wire.replies import LinkTag, ReplyStatus
 

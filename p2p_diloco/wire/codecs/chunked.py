@@ -1,6 +1,6 @@
 """Chunked top-k bodies in SparseLoCo's layout: codecs "topk4k-int2", "topk4k-int4" and "topk4k-int8",
-the body of a `wire.codec` chunked frame (whose head, tensor count, block size and table digest, is
-`wire.codec`'s: the frame names no tensors, the receiver knows them).
+the body of a `wire.codecs.codec` chunked frame (whose head, tensor count, block size and table digest, is
+`wire.codecs.codec`'s: the frame names no tensors, the receiver knows them).
 
 Each flattened tensor, in the frame's (name) order, is cut into chunks of `CHUNK` = 4096 entries, the
 last one shorter when the size is not a multiple; every full chunk keeps `keep_full` entries of largest
@@ -8,7 +8,7 @@ magnitude and a short last chunk of r entries `short_keep(r, keep_full)` = ceil(
 (at least 1); the rest stays in the sender's error feedback. Chunk-local offsets fit 12 bits. One body
 covers all tensors of the frame, integers little-endian::
 
-    keep_full u16 | offsets: 12 bits each (`wire.bitpack.pack12`), ceil(3K / 2) bytes | scales | codes
+    keep_full u16 | offsets: 12 bits each (`wire.codecs.bitpack.pack12`), ceil(3K / 2) bytes | scales | codes
 
 with K the kept entries of all tensors, offsets tensor after tensor and chunk after chunk, strictly
 increasing within a chunk; scales tensor after tensor; codes in one stream of K. Each tensor's kept values
@@ -16,15 +16,15 @@ are quantized in blocks of the block size over its own kept values (a block neve
 magnitudes may differ by orders):
 
 - int8: absmax f32 per block, codes u8 (`CODE_TABLE`, as the dense int8 codec);
-- int4 and int2: per block 8 or 2 magnitude levels f32 (`wire.levels`: non-negative, non-decreasing,
-  fitted to the block's magnitudes), codes 4-bit two a byte or 2-bit four a byte (`wire.bitpack`), each a
+- int4 and int2: per block 8 or 2 magnitude levels f32 (`wire.codecs.levels`: non-negative, non-decreasing,
+  fitted to the block's magnitudes), codes 4-bit two a byte or 2-bit four a byte (`wire.codecs.bitpack`), each a
   sign bit (the highest; set: negative) and a level index.
 
 Decoding is deterministic: a table lookup and one float32 multiply by the absmax (int8), or a copy of a
 level and an exact negation (int4, int2), then a scatter into zeros at distinct indices. The decoder
 checks keep_full (1..4096) before claiming anything, then offsets (in range, strictly increasing in
-their chunk), padding bits and scales, and raises only `DecodeError` (tags of `wire.blockwise`,
-`wire.sparse.SparseReason` and `wire.bitpack.PackReason`).
+their chunk), padding bits and scales, and raises only `DecodeError` (tags of `wire.codecs.blockwise`,
+`wire.codecs.sparse.SparseReason` and `wire.codecs.bitpack.PackReason`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.union_merge import SparseTensor
-from p2p_diloco.wire.bitpack import (
+from p2p_diloco.wire.codecs.bitpack import (
     pack12,
     pack_codes,
     packed12_size,
@@ -49,7 +49,7 @@ from p2p_diloco.wire.bitpack import (
     unpack12,
     unpack_codes,
 )
-from p2p_diloco.wire.blockwise import (
+from p2p_diloco.wire.codecs.blockwise import (
     BAD_HEADER,
     CODE_TABLE,
     MISSING_TENSOR,
@@ -62,15 +62,15 @@ from p2p_diloco.wire.blockwise import (
     quantize_blockwise_cpu,
     scale_blocks,
 )
-from p2p_diloco.wire.levels import check_levels, dequantize_levels, level_count, quantize_levels
-from p2p_diloco.wire.sparse import SparseReason, chunk_keep, top_offsets
+from p2p_diloco.wire.codecs.levels import check_levels, dequantize_levels, level_count, quantize_levels
+from p2p_diloco.wire.codecs.sparse import SparseReason, chunk_keep, top_offsets
 
 CHUNK = 4096  # chunk-local offsets fit 12 bits
 VALUE_BITS = {Codec.TOPK4K_INT2: 2, Codec.TOPK4K_INT4: 4, Codec.TOPK4K_INT8: 8}
 _KEEP = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 TABLE_DIGEST_BYTES = 8
-BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # as `wire.codec.BLOCK_SIZES`
+BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # as `wire.codecs.codec.BLOCK_SIZES`
 
 
 def table_digest(shapes: Mapping[str, tuple[int, ...]]) -> bytes:
@@ -255,7 +255,7 @@ def decode_bodies(
     return out
 
 
-# --- the frame's part after `wire.codec`'s head: block size u32 | table digest | body (name order) ------
+# --- the frame's part after `wire.codecs.codec`'s head: block size u32 | table digest | body (name order) ------
 def encode_frame(
     tensors: Mapping[str, torch.Tensor], *, codec: Codec, density: float, block_size: int
 ) -> bytes:

@@ -1,7 +1,7 @@
-"""Sparse top-k tensor bodies: codecs "topk-int8" and "topk-int4" inside `wire.codec` frames.
+"""Sparse top-k tensor bodies: codecs "topk-int8" and "topk-int4" inside `wire.codecs.codec` frames.
 
 This module owns the body of one tensor entry of a sparse frame (the entry head, name, dtype, shape
-and block size, is `wire.codec`'s). The tensor is cut into chunks of `CHUNK` = 65536 elements (the
+and block size, is `wire.codecs.codec`'s). The tensor is cut into chunks of `CHUNK` = 65536 elements (the
 last may be shorter); per chunk only the `chunk_keep(len, density)` entries of largest magnitude are
 sent, the rest stays in the sender's error feedback. All integers little-endian::
 
@@ -14,7 +14,7 @@ with `CODE_TABLE`, 4-bit with `INT4_TABLE` (sign and 8 magnitudes 1/8..1 of the 
 values are the largest, so no code is spent on zero). Decoding is deterministic: a table lookup,
 exactly one float32 multiply by the block absmax, then a scatter into zeros at distinct indices.
 The decoder checks counts against the chunk lengths before claiming anything, then indices (in range,
-strictly increasing), padding and absmax, and raises only `DecodeError` (tags of `wire.blockwise`
+strictly increasing), padding and absmax, and raises only `DecodeError` (tags of `wire.codecs.blockwise`
 and `SparseReason`).
 """
 
@@ -29,8 +29,8 @@ import torch
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.union_merge import SparseTensor
-from p2p_diloco.wire.bitpack import PackReason, pack_codes, unpack_codes
-from p2p_diloco.wire.blockwise import (
+from p2p_diloco.wire.codecs.bitpack import PackReason, pack_codes, unpack_codes
+from p2p_diloco.wire.codecs.blockwise import (
     BAD_HEADER,
     CODE_TABLE,
     NON_FINITE,

@@ -1,6 +1,6 @@
 """What a peer is at one synchronizer shard, explicitly: its seat's `Phase`, and the rule that moves it.
 
-A seat (`swarm.seats.Seat`) is in exactly one phase:
+A seat (`swarm.election.seats.Seat`) is in exactly one phase:
 
 - `FOLLOWING`: it holds nothing and follows the shard's holder it knows (or none yet). A peer that may not
   synchronize is always here (or stopping).

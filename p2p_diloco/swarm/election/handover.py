@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
-from p2p_diloco.swarm.membership import Membership
 from p2p_diloco.swarm.repair import Repair
 from p2p_diloco.wire.records import HeartbeatInfo
 

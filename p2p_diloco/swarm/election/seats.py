@@ -19,11 +19,11 @@ from p2p_diloco.protocol.claim_guard import ClaimChecks
 from p2p_diloco.protocol.election import ElectionDecision, ElectionTag
 from p2p_diloco.protocol.timing import SwarmTiming
 from p2p_diloco.swarm import effects as fx
-from p2p_diloco.swarm import phase
-from p2p_diloco.swarm.handover import Handover
-from p2p_diloco.swarm.membership import Membership, SwarmView
-from p2p_diloco.swarm.phase import Phase, Stepped
-from p2p_diloco.swarm.succession import HolderWatch
+from p2p_diloco.swarm.election import phase
+from p2p_diloco.swarm.election.handover import Handover
+from p2p_diloco.swarm.election.membership import Membership, SwarmView
+from p2p_diloco.swarm.election.phase import Phase, Stepped
+from p2p_diloco.swarm.election.succession import HolderWatch
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
 from p2p_diloco.wire.frames import InboundDelta
 
@@ -31,7 +31,7 @@ from p2p_diloco.wire.frames import InboundDelta
 @dataclass
 class Seat:
     """One shard as this peer sees it (shard 0's parts are the ones the rest of the peer holds), with its
-    explicit `Phase`. `elected`, `stop` and `read` are its transitions (`swarm.phase`); `wake_at` is when
+    explicit `Phase`. `elected`, `stop` and `read` are its transitions (`swarm.election.phase`); `wake_at` is when
     it next needs a sync tick."""
 
     shard: int

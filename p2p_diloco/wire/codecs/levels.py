@@ -1,4 +1,4 @@
-"""Per-block magnitude levels: the 2- and 4-bit values of `wire.chunked`'s codecs, encoded and decoded.
+"""Per-block magnitude levels: the 2- and 4-bit values of `wire.codecs.chunked`'s codecs, encoded and decoded.
 
 A code of `bits` bits is a sign bit (the highest) and a level index (the others); each block of
 `block_size` kept values sends its 2 ** (bits - 1) levels as float32, non-negative and non-decreasing.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import DecodeError
-from p2p_diloco.wire.blockwise import BAD_HEADER, NON_FINITE
+from p2p_diloco.wire.codecs.blockwise import BAD_HEADER, NON_FINITE
 
 LLOYD_ITERATIONS = 12
 

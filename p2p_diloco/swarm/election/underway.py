@@ -25,8 +25,8 @@ from p2p_diloco.protocol import election
 from p2p_diloco.protocol.decisions import reason_text
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.effects import StoreRecord
+from p2p_diloco.swarm.election.membership import SwarmView
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.membership import SwarmView
 from p2p_diloco.swarm.update_log import UpdateLog
 from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.keys import UNDERWAY, record_key

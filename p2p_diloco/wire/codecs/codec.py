@@ -1,5 +1,5 @@
 """Self-describing tensor frames (int8 blockwise, raw fp32, sparse top-k) and their strict decoder
-(error feedback over them lives in `wire.feedback`).
+(error feedback over them lives in `wire.codecs.feedback`).
 
 Frame layout, all integers little-endian::
 
@@ -7,11 +7,11 @@ Frame layout, all integers little-endian::
     per tensor: name length u16 | name (utf-8) | dtype code u8 | ndim u8 | shape u64 * ndim |
                 block size u32 | int8: absmax f32 * ceil(numel / block) then codes u8 * numel
                                  fp32: values f32 * numel (block size 0)
-                                 topk-int8 / topk-int4: the sparse body of `wire.sparse`
+                                 topk-int8 / topk-int4: the sparse body of `wire.codecs.sparse`
 
 Chunked codecs (topk4k-*) name no tensors (the receiver knows its fragment's): after the tensor count
 come block size u32, an 8-byte digest of the names and shapes and one body of all tensors in name order
-(`wire.chunked.read_frame`); decoding needs `expected_shapes`, whose count and digest must match.
+(`wire.codecs.chunked.read_frame`); decoding needs `expected_shapes`, whose count and digest must match.
 
 Encoding uses `bitsandbytes.functional.quantize_blockwise` on accelerators and the same algorithm on the
 CPU (`quantize_blockwise_cpu`: the C kernels of `protocol.fused` when built, else plain torch, with the same
@@ -21,9 +21,9 @@ the block's absmax (`kernels.dequantize_into`: in C or in torch, the same IEEE o
 for bit on every machine. `decode_tensors(lazy=True)` leaves int8 tensors in that form
 (`kernels.QuantizedTensor`) for the outer step to decode on the fly. The decoder checks every field
 before it allocates anything and raises only `DecodeError` with one of the reason tags of
-`wire.blockwise` (re-exported here), `wire.sparse.SparseReason` or `wire.bitpack.PackReason`. The shared
-primitives (tags, code table, byte reader, CPU quantizer) live in `wire.blockwise`; sparse bodies in
-`wire.sparse` and `wire.chunked`, which `decode_sparse` hands over as index/value sets.
+`wire.codecs.blockwise` (re-exported here), `wire.codecs.sparse.SparseReason` or `wire.codecs.bitpack.PackReason`. The shared
+primitives (tags, code table, byte reader, CPU quantizer) live in `wire.codecs.blockwise`; sparse bodies in
+`wire.codecs.sparse` and `wire.codecs.chunked`, which `decode_sparse` hands over as index/value sets.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.union_merge import SparseTensor
-from p2p_diloco.wire import chunked, sparse
-from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-exported for callers)
+from p2p_diloco.wire.codecs import chunked, sparse
+from p2p_diloco.wire.codecs.blockwise import (  # noqa: F401  (tags and primitives re-exported for callers)
     BAD_HEADER,
     BAD_MAGIC,
     CODE_TABLE,
@@ -58,8 +58,8 @@ from p2p_diloco.wire.blockwise import (  # noqa: F401  (tags and primitives re-e
     byte_view,
     quantize_blockwise_cpu,
 )
-from p2p_diloco.wire.blockwise import all_finite as _all_finite
-from p2p_diloco.wire.sparse import DEFAULT_DENSITY
+from p2p_diloco.wire.codecs.blockwise import all_finite as _all_finite
+from p2p_diloco.wire.codecs.sparse import DEFAULT_DENSITY
 
 MAGIC = b"PDTF"
 FORMAT_VERSION = 1

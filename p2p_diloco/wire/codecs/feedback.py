@@ -11,9 +11,9 @@ import torch
 
 from p2p_diloco.config import default_feedback_decay
 from p2p_diloco.protocol import kernels
-from p2p_diloco.wire.blockwise import all_finite
-from p2p_diloco.wire.codec import check_codec, decode_tensors, encode_tensors
-from p2p_diloco.wire.sparse import DEFAULT_DENSITY
+from p2p_diloco.wire.codecs.blockwise import all_finite
+from p2p_diloco.wire.codecs.codec import check_codec, decode_tensors, encode_tensors
+from p2p_diloco.wire.codecs.sparse import DEFAULT_DENSITY
 
 
 class ErrorFeedback:
