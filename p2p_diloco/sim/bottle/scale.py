@@ -517,6 +517,7 @@ def sim_peers_main(
     path = out / "sim_peers.json"
     kept = json.loads(path.read_text())["sizes"] if path.exists() else []
     rows: list[dict[str, Any]] = [r for r in kept if r["peers"] not in sizes]  # other sizes' earlier runs
+    report = {"sizes": rows, "figures": ratios(rows)}
     for peers in sizes:
         run = ScaleRun(
             peers=peers,
