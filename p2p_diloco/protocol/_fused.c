@@ -3,7 +3,7 @@
  *
  * Bit-identity rule: every float32 operation below is the same IEEE operation, in the same order, as the
  * torch fallback path runs as separate kernels (see outer_step.nesterov_step, wire/blockwise.py,
- * wire/codec.py). The build (setup.py) compiles with -O3 -ffp-contract=off and never -ffast-math: no
+ * wire/codecs/codec.py). The build (setup.py) compiles with -O3 -ffp-contract=off and never -ffast-math: no
  * multiply-add is contracted into an FMA and nothing is reassociated, so the auto-vectorized loops
  * (SSE2 baseline) round every element exactly as the scalar code reads. Denormals are kept (no FTZ/DAZ:
  * this code never changes MXCSR, and neither does torch by default).

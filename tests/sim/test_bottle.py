@@ -115,7 +115,7 @@ def test_seed_11_an_island_holding_a_term_nobody_accepts_steps_down():
 
 def test_reads_that_return_only_a_peers_own_records_never_make_two_holders():
     """Two listed synchronizers holding one term on starved reads (issue #29's race): with the claim
-    guard's incomplete-read wait taken out (`claim_guard.hold_claim` returning its decision), seed 5 of this
+    guard's incomplete-read wait taken out (`claim_guard.gate` ignoring the read's gaps), seed 5 of this
     scenario fails one_holder_per_term (node-2 and node-5 both held term 3 at 37.6 s); with it, it holds."""
     scenario = Scenario(
         nodes=6, fault_window=60.0, faults=14, settle=20.0, quiet=35.0, kinds=(Kind.STARVED_READS, Kind.KILL)

@@ -15,6 +15,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.sim.bottle.node import STOP_DEADLINE, Phase, SimNode
 from p2p_diloco.sim.bottle.world import World
 from p2p_diloco.swarm import effects as fx
+from p2p_diloco.swarm.election.phase import Phase as SeatPhase
 
 
 class Rule(StrEnum):
@@ -27,6 +28,7 @@ class Rule(StrEnum):
     VERSIONS_MONOTONE = "versions_monotone"  # no fragment's version goes back on a running replica
     MERGED_ONCE = "merged_once"  # a learner's delta (fragment, seq) is merged by at most one update
     NO_CLAIM_WHILE_STOPPING = "no_claim_while_stopping"  # a stopping peer never claims a lease
+    PHASE_MATCHES_ROLE = "phase_matches_role"  # a seat is HOLDING exactly while it holds its shard's term
     EXITS_IN_TIME = "exits_in_time"  # SIGTERM -> exit within `STOP_DEADLINE`
     OWNER_NEVER_RAISES = "owner_never_raises"  # the peer and its driver never raise on the owner
     REPLICAS_IDENTICAL = "replicas_identical"  # once quiet, every running replica is bit-identical
@@ -190,6 +192,11 @@ class Invariants:
         if node.errors:
             self.fail(Rule.OWNER_NEVER_RAISES, f"{node.peer_id}: {node.errors[0]}")
         for seat in peer.seats:
+            if (seat.phase == SeatPhase.HOLDING) != (seat.sync is not None):
+                held = "holds a term" if seat.sync is not None else "holds none"
+                self.fail(
+                    Rule.PHASE_MATCHES_ROLE, f"{node.peer_id} shard {seat.shard}: {seat.phase} but {held}"
+                )
             key = (node.peer_id, node.incarnation, seat.shard)
             seen = seat.membership.term_seen
             refusals = seat.membership.refused_terms
