@@ -75,16 +75,21 @@ class Result:
         return self.violation is None
 
 
-def sim_manifest(shards: int = 1, base: RunManifest | None = None) -> RunManifest:
-    """The demo manifest at simulator scale: a smaller model, H = 8, batch 8, `shards` synchronizer shards
-    over 4 fragments."""
+def sim_manifest(shards: int = 1, base: RunManifest | None = None, inner_steps: int = 8) -> RunManifest:
+    """The demo manifest at simulator scale: a smaller model, H = `inner_steps` (8), batch 8, `shards`
+    synchronizer shards over max(4, shards) fragments (H >= fragments, so more than 8 shards need a
+    larger H)."""
     base = base or RunManifest.load(packaged_manifest("demo"))
     return dataclasses.replace(
         base,
         run_id="bottle",
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
         diloco=dataclasses.replace(
-            base.diloco, inner_steps=8, batch_size=8, fragments=max(4, shards), synchronizer_shards=shards
+            base.diloco,
+            inner_steps=inner_steps,
+            batch_size=8,
+            fragments=max(4, shards),
+            synchronizer_shards=shards,
         ),
     )
 

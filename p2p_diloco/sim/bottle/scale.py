@@ -36,7 +36,6 @@ the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the
 from __future__ import annotations
 
 import cProfile
-import dataclasses
 import io
 import json
 import math
@@ -85,9 +84,7 @@ class ScaleRun:
         return self.shards if self.shards is not None else shards_for(self.peers)
 
     def manifest(self) -> RunManifest:
-        base = sim_manifest(self.s)
-        steps = max(INNER_STEPS, base.diloco.fragments)
-        return dataclasses.replace(base, diloco=dataclasses.replace(base.diloco, inner_steps=steps))
+        return sim_manifest(self.s, inner_steps=max(INNER_STEPS, self.s))
 
     def scenario(self) -> Scenario:
         return Scenario(
@@ -349,9 +346,12 @@ def _window_figures(sim: MeasuredSimulation) -> dict[str, Any]:
     return out
 
 
-def measure_size(run: ScaleRun, workdir: Path | None = None, profile: Path | None = None) -> SizeResult:
+def measure_size(
+    run: ScaleRun, workdir: Path | None = None, profile: Path | None = None, trace: Path | None = None
+) -> SizeResult:
     """Play `run` (module docstring); with `profile`, the loop runs under cProfile and the top 15 functions
-    by cumulative and by own time are written there."""
+    by cumulative and by own time are written there; with `trace`, a run that broke a rule writes its
+    trace there."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix=f"scale-{run.peers}-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
@@ -382,6 +382,8 @@ def measure_size(run: ScaleRun, workdir: Path | None = None, profile: Path | Non
         window_seconds = end["t"] - start["t"]
         window_wall = (end["loop_wall"] - start["loop_wall"]) - (end["check_wall"] - start["check_wall"])
     violation = sim.invariants.violation
+    if trace is not None and violation is not None:
+        trace.write_text(sim.world.trace.text())
     return SizeResult(
         peers=run.peers,
         shards=run.s,
@@ -415,7 +417,16 @@ def _write_profile(profiler: cProfile.Profile, path: Path, run: ScaleRun, sim: M
     for order in ("cumulative", "tottime"):
         text.write(f"==== top 15 by {order} ====\n")
         stats = pstats.Stats(profiler, stream=text)
-        stats.strip_dirs().sort_stats(order).print_stats(15)
+        stats.sort_stats(order).print_stats(15)
+    # below the driver's layers: the peer's own rules (swarm, protocol, wire) and the simulator's parts
+    text.write("==== top 30 by cumulative, the project's functions below the drivers ====\n")
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(
+        r"p2p_diloco/(swarm/(?!driver|tasks)|protocol|wire|model|node)", 30
+    )
+    text.write("==== the simulator's own parts (invariants, DHT replicas, links) ====\n")
+    stats.print_stats(r"invariants.py.*\(check\)|memory.py.*(store_from|get_for)|transport.py.*_deliver", 10)
+    profiler.dump_stats(str(path.with_suffix(".prof")))
     path.write_text(text.getvalue())
 
 
@@ -530,7 +541,7 @@ def sim_peers_main(
         )
         say(f"M={peers} S={run.s}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
         profile = out / f"profile_{peers}.txt" if profile_at == peers else None
-        result = measure_size(run, profile=profile)
+        result = measure_size(run, profile=profile, trace=out / f"trace_{peers}.txt")
         row = result.row()
         rows = sorted([*rows, row], key=lambda r: r["peers"])
         say(json.dumps({k: v for k, v in row.items() if k != "detail"}))
