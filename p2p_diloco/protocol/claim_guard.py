@@ -206,8 +206,8 @@ def gate(decision: ElectionDecision, checks: ClaimChecks) -> ElectionDecision:
     5. a run under way (`UNDER_WAY`): a replica at version 0 never starts a run others have published.
 
     Two checks come earlier, in the ranking itself: a candidate holding its share of the other shards
-    steps aside (`busy` in `swarm.election.membership.Membership.decide`), and a claim window is used only by a
-    strictly up-to-date peer (`hold_lagging_claim`)."""
+    steps aside (`busy` in `swarm.election.membership.Membership.decide`), and a claim window is used only by
+    a strictly up-to-date peer (`hold_lagging_claim`)."""
     if decision.action != CLAIM:
         return decision
     term = decision.term

@@ -96,7 +96,8 @@ LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but 
 
 @dataclass(frozen=True)
 class LeaseRecord:
-    """One holder's lease from the lease key (subkey = holder). Live while not released and `now < expires_at`."""
+    """One holder's lease from the lease key (subkey = holder). Live while not released and
+    `now < expires_at`."""
 
     holder: str
     term: int

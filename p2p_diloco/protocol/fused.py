@@ -3,12 +3,12 @@
 This module owns the optional compiled library behind the throughput goal of issue #14 item 5 (outer step,
 int8 encode and decode at >= 1 GB/s of fp32 parameters per core). Each kernel makes one pass over its
 tensors instead of several torch kernels, and does per element exactly the float32 operations, in the
-same order, of the torch path it replaces (`kernels.nesterov_into`, `wire.codecs.blockwise.quantize_blockwise_cpu`,
-`wire.codecs.codec`'s decoder): the library is built with -O3 -ffp-contract=off and without -ffast-math
-(setup.py), so no multiply-add becomes an FMA and nothing is reassociated. Results are the same bit for
-bit either way (tests/unit/test_scale_kernels.py runs both paths); replicas with and without the library
-agree. (Only the payload bits of a NaN may differ, in outputs nobody uses: a NaN makes the outer step
-refuse the update and the encoder mark the whole tensor non-finite.)
+same order, of the torch path it replaces (`kernels.nesterov_into`,
+`wire.codecs.blockwise.quantize_blockwise_cpu`, `wire.codecs.codec`'s decoder): the library is built with
+-O3 -ffp-contract=off and without -ffast-math (setup.py), so no multiply-add becomes an FMA and nothing is
+reassociated. Results are the same bit for bit either way (tests/unit/test_scale_kernels.py runs both paths);
+replicas with and without the library agree. (Only the payload bits of a NaN may differ, in outputs nobody
+uses: a NaN makes the outer step refuse the update and the encoder mark the whole tensor non-finite.)
 
 Kernels: `nesterov` (the outer step, with an exact finiteness test of Θ' by its exponent bits),
 `dequantize_nesterov` (the same step on a gradient still in int8 form, decoded value by value: the gradient
@@ -103,7 +103,8 @@ def _lib() -> ctypes.CDLL:
 
 
 def _check(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
-    """The data pointer of `t` after checking it is a contiguous CPU tensor of `dtype` and `numel` elements."""
+    """The data pointer of `t` after checking it is a contiguous CPU tensor of `dtype` and `numel`
+    elements."""
     if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
         raise ValueError(
             f"{what}: need a contiguous CPU {dtype} tensor of {numel} elements, got "
@@ -113,7 +114,8 @@ def _check(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
 
 
 def _scalar(value: Tensor | float) -> float:
-    """A float32 scalar as the Python float ctypes passes on exactly (it converts to float once more, a no-op)."""
+    """A float32 scalar as the Python float ctypes passes on exactly (it converts to float once more, a
+    no-op)."""
     return float(torch.as_tensor(value, dtype=torch.float32))
 
 

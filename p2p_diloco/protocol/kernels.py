@@ -214,9 +214,10 @@ def scale_blocks(values: Tensor, absmax: Tensor, block_size: int) -> Tensor:
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A float32 tensor still in int8 blockwise form: value i is `table[codes[i]] * absmax[i // block_size]`,
-    one float32 multiply (the decoding of `wire.codecs.codec`). `wire.codecs.codec.decode_tensors(..., lazy=True)` returns
-    these for int8 frames after the same checks as decoding (block absmax finite and >= 0), so every value is
-    finite. `codes` may be a view of the frame: the frame must not change while this is in use."""
+    one float32 multiply (the decoding of `wire.codecs.codec`).
+    `wire.codecs.codec.decode_tensors(..., lazy=True)` returns these for int8 frames after the same checks as
+    decoding (block absmax finite and >= 0), so every value is finite. `codes` may be a view of the frame: the
+    frame must not change while this is in use."""
 
     shape: tuple[int, ...]
     codes: np.ndarray  # uint8, one per value
@@ -261,8 +262,9 @@ def nesterov_quantized_into(
     rate: Tensor,
     on_theta: Callable[[memoryview], object] | None = None,
 ) -> bool:
-    """`nesterov_into` on a gradient still in int8 form: with the C kernels in one pass that decodes each value
-    as it goes (the gradient is never written out), else decode first. The same Θ' and m' bit for bit."""
+    """`nesterov_into` on a gradient still in int8 form: with the C kernels in one pass that decodes each
+    value as it goes (the gradient is never written out), else decode first. The same Θ' and m' bit for
+    bit."""
     if grad.shape != tuple(param.shape):
         raise ValueError(f"gradient of shape {grad.shape} for a tensor of shape {tuple(param.shape)}")
     if fused.active() and param.dtype == momentum_buf.dtype == torch.float32:

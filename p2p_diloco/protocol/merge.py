@@ -108,7 +108,8 @@ def validate_delta(
     *,
     norm_bound: float,
 ) -> Decision:
-    """Accept a decoded delta only if it has exactly the expected tensors, shapes, float32, finite, in bound."""
+    """Accept a decoded delta only if it has exactly the expected tensors, shapes, float32, finite, in
+    bound."""
     if not norm_bound > 0:
         raise ValueError(f"norm_bound must be > 0, got {norm_bound}")
     return check_tensors(tensors, expected_shapes, norm_bound=norm_bound)
@@ -129,7 +130,8 @@ def merge_deltas(
     the plain weighted mean sum w*v / sum w. Sums run in float64, in the order given (callers sort by
     sender), a fixed-size chunk at a time (`kernels.CHUNK`), so equal inputs give equal outputs. For RDA
     the norms (and, up to GRAM_MAX_DELTAS deltas, the combined direction's norm) come from one pass of
-    float64 dot products; a second pass writes the result. Weights must be finite and >= 0 with a positive total.
+    float64 dot products; a second pass writes the result. Weights must be finite and >= 0 with a positive
+    total.
     """
     if rule not in MERGE_RULES:
         raise ValueError(f"unknown merge rule {rule!r}; expected one of {MERGE_RULES}")

@@ -68,9 +68,9 @@ class ListedDelta:
 class UpdateRecord:
     """One outer update of one fragment, version `from_version` -> `from_version + 1`.
 
-    `payload` is the merged outer gradient as a `wire.codecs.codec` frame (the manifest's codec: int8 by default,
-    or sparse top-k); every replica decodes it, applies the Nesterov step itself and compares the result
-    with `checksum`.
+    `payload` is the merged outer gradient as a `wire.codecs.codec` frame (the manifest's codec: int8 by
+    default, or sparse top-k); every replica decodes it, applies the Nesterov step itself and compares the
+    result with `checksum`.
     """
 
     run_id: str

@@ -108,7 +108,8 @@ class GlobalReplica:
             got = fragment_checksum(names, params, momentum, version)
             if got != checksum and fragment_checksum_v1(names, params, momentum, version) != checksum:
                 raise ValueError(
-                    f"{ReplicaTag.CHECKSUM_MISMATCH}: fragment {p} v{version} hashes to {got[:16]}, expected {checksum[:16]}"
+                    f"{ReplicaTag.CHECKSUM_MISMATCH}: fragment {p} v{version} hashes to {got[:16]}, "
+                    f"expected {checksum[:16]}"
                 )
             replica._params.append({name: _cpu_fp32_copy(params[name]) for name in names})
             replica._momentum.append({name: _cpu_fp32_copy(momentum[name]) for name in names})
@@ -180,8 +181,8 @@ class GlobalReplica:
     # ---- outer updates -------------------------------------------------------------------------------
 
     def check_outer_grad(self, fragment: int, outer_grad: Mapping[str, Tensor]) -> Decision:
-        """Names, shapes, float32 and finite values of an outer gradient for `fragment` (action accept/reject).
-        `kernels.QuantizedTensor` values are decoded for the check."""
+        """Names, shapes, float32 and finite values of an outer gradient for `fragment` (action
+        accept/reject). `kernels.QuantizedTensor` values are decoded for the check."""
         return check_outer_grad(outer_grad, self.shapes(fragment))
 
     def compute_update(

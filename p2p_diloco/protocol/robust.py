@@ -155,7 +155,8 @@ class RobustGuard:
         return frozenset(s for s, until in self._cool_until.items() if now < until)
 
     def note_rejection(self, sender: str, tag: str, now: float) -> Decision | None:
-        """Count a rejection of `sender`'s input; returns a RobustTag.COOL_DOWN_STARTED decision when one begins."""
+        """Count a rejection of `sender`'s input; returns a RobustTag.COOL_DOWN_STARTED decision when one
+        begins."""
         self.rejected[(sender, tag)] += 1
         cfg = self.config
         if not cfg.enabled:
@@ -226,7 +227,8 @@ class RobustGuard:
         )
 
     def check_replay(self, sender: str, payload: bytes) -> Decision:
-        """Refuse a payload this sender sent before; remembers the last `replay_memory` payloads per sender."""
+        """Refuse a payload this sender sent before; remembers the last `replay_memory` payloads per
+        sender."""
         if not self.config.enabled:
             return Decision(ACCEPT, RobustTag.PLAUSIBLE, "replays not checked")
         digest = hashlib.blake2b(payload, digest_size=16).digest()

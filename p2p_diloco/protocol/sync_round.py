@@ -123,7 +123,8 @@ class FragmentRound:
                 REJECT,
                 RoundTag.STALE_ANCHOR,
                 f"from {c.sender}: anchor v{c.anchor_version} is {lag} versions behind "
-                f"fragment {self.fragment} v{self.version} (max_staleness {self.max_staleness}); catch up first",
+                f"fragment {self.fragment} v{self.version} (max_staleness {self.max_staleness}); "
+                "catch up first",
             )
         return None
 

@@ -233,8 +233,8 @@ def _decode_parts(
 
 # --- records -----------------------------------------------------------------------------------------
 def encode_delta(header: DeltaHeader, payload: bytes) -> bytes:
-    """`payload` is the sender's `wire.codecs.codec` frame; `header.sender` is not sent, `header.signature` only
-    when there is one (sparse codecs)."""
+    """`payload` is the sender's `wire.codecs.codec` frame; `header.sender` is not sent, `header.signature`
+    only when there is one (sparse codecs)."""
     schema = SIGNED_DELTA_SCHEMA if header.signature else DELTA_SCHEMA
     fields = {key: getattr(header, key) for key in schema}
     if header.signature:

@@ -45,7 +45,8 @@ def _check(run_id: str, manifest_hash: str) -> None:
         raise ConfigError(f"run_id must be 1-64 of letters, digits, '-', '_' or '.', got {run_id!r}")
     if not _MANIFEST_HASH_RE.match(manifest_hash):
         raise ConfigError(
-            f"manifest hash must be 16 lowercase hex digits (RunManifest.manifest_hash), got {manifest_hash!r}"
+            "manifest hash must be 16 lowercase hex digits (RunManifest.manifest_hash), "
+            f"got {manifest_hash!r}"
         )
 
 

@@ -205,8 +205,9 @@ def merge_records(records: dict[str, EvalHistory], limit: int = MAX_EVAL_POINTS)
 
     A writer speaks for itself: where evaluator E's own record is readable, a point attributed to E in
     another writer's record is taken only if it is older than everything E's record still holds (E's
-    record keeps only its newest points); E's own copy of a point wins over any relayed one. So a hostile writer cannot rewrite or
-    add to a live evaluator's curve; points of evaluators whose records are gone are taken as relayed.
+    record keeps only its newest points); E's own copy of a point wins over any relayed one. So a hostile
+    writer cannot rewrite or add to a live evaluator's curve; points of evaluators whose records are gone are
+    taken as relayed.
     """
     own = {writer for writer, h in records.items() if any(p.evaluator == writer for p in h.points)}
     since = {

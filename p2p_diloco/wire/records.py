@@ -52,7 +52,8 @@ class HeartbeatInfo:
     # per fragment (term, checksum prefix) of the replica's branch tip; with `versions` it gives the
     # `BranchTip` that partition reconciliation compares (`protocol.reconcile`). Empty, or one per fragment.
     tips: tuple[tuple[int, str], ...] = ()
-    # synchronizer shards 1..S-1: the highest term seen of each (`term_seen` is shard 0's); left out when S = 1
+    # synchronizer shards 1..S-1: the highest term seen of each (`term_seen` is shard 0's); left out
+    # when S = 1
     shard_terms: tuple[int, ...] = ()
 
     def term_of(self, shard: int) -> int:

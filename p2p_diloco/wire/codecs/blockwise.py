@@ -1,8 +1,8 @@
 """Shared wire primitives: reason tags of `DecodeError`, codec names, the int8 code table, bounds-checked
 byte reading and blockwise absmax quantization in plain torch.
 
-`wire.codecs.codec` (dense frames), `wire.codecs.sparse` (top-k bodies) and `wire.frames` build on these; nothing here
-knows a frame layout.
+`wire.codecs.codec` (dense frames), `wire.codecs.sparse` (top-k bodies) and `wire.frames` build on these;
+nothing here knows a frame layout.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def byte_view(data: object) -> memoryview:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    # A finite sum proves every element finite (NaN/inf propagate); only an overflowing sum needs the full scan.
+    # A finite sum proves every element finite (NaN/inf propagate); only an overflowing sum needs the full
+    # scan.
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 

@@ -17,8 +17,8 @@ magnitudes may differ by orders):
 
 - int8: absmax f32 per block, codes u8 (`CODE_TABLE`, as the dense int8 codec);
 - int4 and int2: per block 8 or 2 magnitude levels f32 (`wire.codecs.levels`: non-negative, non-decreasing,
-  fitted to the block's magnitudes), codes 4-bit two a byte or 2-bit four a byte (`wire.codecs.bitpack`), each a
-  sign bit (the highest; set: negative) and a level index.
+  fitted to the block's magnitudes), codes 4-bit two a byte or 2-bit four a byte (`wire.codecs.bitpack`), each
+  a sign bit (the highest; set: negative) and a level index.
 
 Decoding is deterministic: a table lookup and one float32 multiply by the absmax (int8), or a copy of a
 level and an exact negation (int4, int2), then a scatter into zeros at distinct indices. The decoder
@@ -74,7 +74,8 @@ BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # as `wire.codecs.codec.BLO
 
 
 def table_digest(shapes: Mapping[str, tuple[int, ...]]) -> bytes:
-    """What a chunked frame sends instead of its tensors' names and shapes: a digest of them, in name order."""
+    """What a chunked frame sends instead of its tensors' names and shapes: a digest of them, in name
+    order."""
     table = [[name, [int(d) for d in shapes[name]]] for name in sorted(shapes)]
     raw = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return hashlib.blake2b(raw, digest_size=TABLE_DIGEST_BYTES, person=b"PDTF-table").digest()
@@ -255,7 +256,7 @@ def decode_bodies(
     return out
 
 
-# --- the frame's part after `wire.codecs.codec`'s head: block size u32 | table digest | body (name order) ------
+# --- the frame's part after `wire.codecs.codec`'s head: block size u32 | table digest | body (name order) ---
 def encode_frame(
     tensors: Mapping[str, torch.Tensor], *, codec: Codec, density: float, block_size: int
 ) -> bytes:

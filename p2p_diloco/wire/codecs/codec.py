@@ -21,9 +21,10 @@ the block's absmax (`kernels.dequantize_into`: in C or in torch, the same IEEE o
 for bit on every machine. `decode_tensors(lazy=True)` leaves int8 tensors in that form
 (`kernels.QuantizedTensor`) for the outer step to decode on the fly. The decoder checks every field
 before it allocates anything and raises only `DecodeError` with one of the reason tags of
-`wire.codecs.blockwise` (re-exported here), `wire.codecs.sparse.SparseReason` or `wire.codecs.bitpack.PackReason`. The shared
-primitives (tags, code table, byte reader, CPU quantizer) live in `wire.codecs.blockwise`; sparse bodies in
-`wire.codecs.sparse` and `wire.codecs.chunked`, which `decode_sparse` hands over as index/value sets.
+`wire.codecs.blockwise` (re-exported here), `wire.codecs.sparse.SparseReason` or
+`wire.codecs.bitpack.PackReason`. The shared primitives (tags, code table, byte reader, CPU quantizer) live in
+`wire.codecs.blockwise`; sparse bodies in `wire.codecs.sparse` and `wire.codecs.chunked`, which
+`decode_sparse` hands over as index/value sets.
 """
 
 from __future__ import annotations
