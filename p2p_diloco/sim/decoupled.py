@@ -52,7 +52,8 @@ def split_chips(chips: int, learners: int) -> list[int]:
 
 
 def _sends(intervals: list[ComputeInterval], every: float) -> Iterator[tuple[float, float, float]]:
-    """(time, useful chip-seconds, compute seconds) since the previous send, one every `every` s of compute."""
+    """(time, useful chip-seconds, compute seconds) since the previous send, one every `every` s of
+    compute."""
     work = seconds = 0.0
     for iv in intervals:
         span = iv.end - iv.start
@@ -187,7 +188,8 @@ class _RoundsReplay:
             return
 
     def poll(self, t: float) -> None:
-        """Close the rounds that are ready; for a round with quorum still waiting, queue its grace deadline."""
+        """Close the rounds that are ready; for a round with quorum still waiting, queue its grace
+        deadline."""
         rounds = self.rounds
         for fragment, decision in rounds.ready(t, self.live_frozen):
             if decision.action == CLOSE:
@@ -239,7 +241,8 @@ class _RoundsReplay:
             self.poll(t)
 
     def finish(self, fragment: int, t: float) -> None:
-        """The merge of `fragment` lands: count its work, reject what the new version dropped, push it to all."""
+        """The merge of `fragment` lands: count its work, reject what the new version dropped, push it to
+        all."""
         rounds, out = self.rounds, self.out
         closed = self.merging.pop(fragment)
         waiting = rounds.round(fragment)

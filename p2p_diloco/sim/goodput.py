@@ -171,7 +171,8 @@ def format_table(result: dict[str, Any]) -> str:
         "decoupled": f"Decoupled DiLoCo, M={p['learners']} x {per_learner} chips",
     }
     lines = [
-        f"{p['chips']:,} chips, chip MTBF {p['mtbf_years']:g} y, {p['hours']:.1f} simulated hours, seed {p['seed']}",
+        f"{p['chips']:,} chips, chip MTBF {p['mtbf_years']:g} y, {p['hours']:.1f} simulated hours, "
+        f"seed {p['seed']}",
         "",
         f"{'variant':<44} {'goodput':>8} {'uptime':>8} {'paper':>7}",
     ]

@@ -272,7 +272,8 @@ class OfferUpdate:  # `offer` (`wire.relay_frames`) to each of `targets`; the re
 
 
 @dataclass(frozen=True)
-class Together:  # run tasks side by side (`swarm.tasks`, no driver); the result: theirs in order, None if failed
+class Together:
+    # run tasks side by side (`swarm.tasks`, no driver); the result: theirs in order, None if failed
     tasks: tuple[Generator[Any, Any, Any], ...]
 
 

@@ -1,11 +1,11 @@
 """The in-process swarm: N peers in one process on a fake clock, training the tiny GPT for real.
 
 Every peer is a `Peer` (the class the real network drives) under an `InlineDriver` (the driver code
-the real node runs too) on an `InMemoryKeyValueStore` and a `SimNetwork`. Inner steps take a configurable amount of fake time per learner (heterogeneous speeds),
-so the run is deterministic for a seed whatever the machine, and faults happen at exact fake times:
-crashes with restarts (`Crash`), dropped or delayed links (`LinkRule`), network partitions that also
-split the key-value store (`Partition`, see docs/partitions.md), reads that return only a peer's own
-records (`Starvation`). The scenario and report dataclasses
+the real node runs too) on an `InMemoryKeyValueStore` and a `SimNetwork`. Inner steps take a configurable
+amount of fake time per learner (heterogeneous speeds), so the run is deterministic for a seed whatever the
+machine, and faults happen at exact fake times: crashes with restarts (`Crash`), dropped or delayed links
+(`LinkRule`), network partitions that also split the key-value store (`Partition`, see docs/partitions.md),
+reads that return only a peer's own records (`Starvation`). The scenario and report dataclasses
 live in `swarm.scenario` and are re-exported here.
 """
 
@@ -253,7 +253,8 @@ class InProcessSwarm:
         self.stats[i].deltas_rejected += learner.deltas_rejected
 
     def restart(self, i: int) -> Peer:
-        """Back from its persisted replica: replays the log within `rejoin_grace`, else downloads snapshots."""
+        """Back from its persisted replica: replays the log within `rejoin_grace`, else downloads
+        snapshots."""
         replica = self.persisted.pop(i)
         away = self.clock.now() - self.crashed_at.pop(i)
         peer = self._start_peer(i, replica, incarnation=self.stats[i].crashes)
@@ -352,7 +353,8 @@ def cli_swarm(args: argparse.Namespace) -> int:
     else:
         print(
             f"{spec.learners} learners, {report.tokens} tokens in {report.fake_seconds:.0f} fake s: "
-            f"eval loss {report.final_eval_loss:.3f}, versions {report.versions}, goodput {report.goodput:.2f}, "
+            f"eval loss {report.final_eval_loss:.3f}, versions {report.versions}, "
+            f"goodput {report.goodput:.2f}, "
             f"replicas identical: {report.digests_equal}"
         )
     return 0

@@ -6,7 +6,8 @@ hivemind's rule (per key/subkey the later expiration wins, first writer on a tie
 merged by the same rule on heal, or regrouped as DHT islands meet); `StarvedReads` lets a peer read only
 its own records for a while;
 `SimNetwork` routes frames between `InMemoryTransport`s with per-link
-delays (fixed, or each peer's bandwidth and latency from a `swarm.links.LinkModel`) and fault rules, delivering them as events (fetches across a dropped link fail).
+delays (fixed, or each peer's bandwidth and latency from a `swarm.links.LinkModel`) and fault rules,
+delivering them as events (fetches across a dropped link fail).
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ class Merger:
     def merge(
         self, p: int, contributions: list[Contribution], *, live: int, term: int
     ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor | QuantizedTensor]]:
-        """Merge (by union for sparse codecs: `merge_union`), encode and compute the update of `p`. Sorts `contributions` by sender and drops their
-        payloads once merged, in place: the float32 deltas are freed before the outer step."""
+        """Merge (by union for sparse codecs: `merge_union`), encode and compute the update of `p`. Sorts
+        `contributions` by sender and drops their payloads once merged, in place: the float32 deltas are freed
+        before the outer step."""
         if self.manifest.wire.codec.sparse:
             return self.merge_union(p, contributions, live=live, term=term)
         contributions.sort(key=lambda c: c.sender)

@@ -10,8 +10,8 @@ Its parts: `Membership` (heartbeats, leases, the election), `UpdateBook` (checki
 the replay log), `Repair` (catch-up, snapshots, reconciliation, as tasks), `Outbox` (the learner's
 deltas out), `SynchronizerRole` (the term this peer holds), `HolderWatch` (fast succession) and `Handover`
 (a new holder's check for updates it lacks); the membership and the last three once per synchronizer
-shard (`swarm.election.seats`; with S = 1 one seat, the unsharded peer). A refused update or a lagging fragment
-becomes a `RepairNeeded`, which the peer runs as one task per fragment. `Spreading` relays applied
+shard (`swarm.election.seats`; with S = 1 one seat, the unsharded peer). A refused update or a lagging
+fragment becomes a `RepairNeeded`, which the peer runs as one task per fragment. `Spreading` relays applied
 updates onward, as `swarm.relay` decides.
 """
 
@@ -103,8 +103,8 @@ class Peer:
         self._sync_due: float | None = None  # the last `SyncDue` sent
 
     def _seat(self, shard: int, first_args: tuple) -> Seat:
-        """Shard `shard`'s seat (`swarm.election.seats`): its membership (shard 0's is the peer's own), handover,
-        synchronizer role and successor's watch."""
+        """Shard `shard`'s seat (`swarm.election.seats`): its membership (shard 0's is the peer's own),
+        handover, synchronizer role and successor's watch."""
         first, ctx, count = self.membership, self.context, self.manifest.diloco.synchronizer_shards
         membership = first if shard == 0 else Membership(*first_args, shard=shard, first=first)
         handover = Handover(ctx, membership, self.repair, self.spawn)
@@ -325,7 +325,8 @@ class Peer:
         return published
 
     def _delta_arrived(self, sender: str, frame: bytes, now: float) -> Reply:
-        """A delta from another peer; an accepted one is counted under its shard and term (`DeltaAccepted`)."""
+        """A delta from another peer; an accepted one is counted under its shard and term
+        (`DeltaAccepted`)."""
         reply, seat = self._handle_delta(sender, frame, now)
         if reply.ok:
             sync = seat.sync

@@ -104,7 +104,8 @@ class Repair:
                 theirs = BranchTip(record.term, record.to_version, record.checksum)
                 if mine > theirs:  # their branch loses to mine (a lower term): its peers move, not me
                     self.journal.note(
-                        f"fragment {fragment}: {source}'s log forks onto {theirs}, which loses to my {mine}; kept"
+                        f"fragment {fragment}: {source}'s log forks onto {theirs}, "
+                        f"which loses to my {mine}; kept"
                     )
                     return False
                 proof = reconcile.fork_proven(
@@ -172,7 +173,8 @@ class Repair:
         """The term of the update that produced the snapshot's state, if that state is vouched for: by an
         update record this peer checked, by the tips of two live peers that may synchronize (terms capped
         at the highest leased term), or by the record that produced it in the source's log (its leader's
-        signature, lease and, for a sparse round, its listed deltas checked here); None otherwise. What unlisted keys report never counts."""
+        signature, lease and, for a sparse round, its listed deltas checked here); None otherwise. What
+        unlisted keys report never counts."""
         term = self.book.vouchers.term_of(fragment, snap.version, snap.checksum)
         if term is not None:
             return term
@@ -294,7 +296,8 @@ class Repair:
         return False
 
     def _reported(self, fragment: int) -> dict[str, BranchTip]:
-        """Other live peers' tips of `fragment`, terms capped at the highest leased term (`swarm.vouching`)."""
+        """Other live peers' tips of `fragment`, terms capped at the highest leased term
+        (`swarm.vouching`)."""
         membership = self.membership
         ceiling = membership.for_fragment(fragment).term_seen  # the terms of the fragment's shard
         return reported_tips(membership.live_peers, fragment, self.peer_id, ceiling)

@@ -51,7 +51,8 @@ class Serving:
         return self.snapshots.index(fragment, version, self.replica.checksum(fragment), params, momentum)
 
     def offer_snapshots(self, fragments: range | list[int] | None = None) -> None:
-        """Tell the snapshot server the current state of `fragments` (all by default); see `swarm.snapshots`."""
+        """Tell the snapshot server the current state of `fragments` (all by default); see
+        `swarm.snapshots`."""
         for p in range(self.plan.num_fragments) if fragments is None else fragments:
             version, params, momentum = self.replica.fragment_state(p)
             self.snapshots.offer(p, version, self.replica.checksum(p), params, momentum)

@@ -16,7 +16,8 @@ sources that announced the same index. `requests()` hands out up to `in_flight` 
 different chunks to different sources; `accept` checks a chunk (exact size, digest) and copies it into
 the target tensors; `fail` drops a source that sent a bad chunk and gives its chunks to the others,
 `strike` gives a failed request's chunk back and drops the source after `MAX_STRIKES` failures (a source
-that dies midway costs only its chunks in flight). Memory: the fragment's target tensors plus the chunks in flight.
+that dies midway costs only its chunks in flight). Memory: the fragment's target tensors plus the chunks in
+flight.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ and the updates it publishes.
 `SynchronizerRole` is what the peer talks to: it admits a delta once (`RunManifest.may_learn`) and hands
 it to the `Synchronizer` of the term this peer holds; its sync ticks close the ready rounds, install each
 merged update on the peer's own replica through `UpdateBook.apply` (the outer step computed once, by
-`swarm.merging`) and push it to at most `[diloco] fanout` live peers, which relay it on (`swarm.relay`). It changes only on the owner thread, so a term's end
-(merge the open rounds, release the lease) is one step no delta or merge can interleave with.
+`swarm.merging`) and push it to at most `[diloco] fanout` live peers, which relay it on (`swarm.relay`). It
+changes only on the owner thread, so a term's end (merge the open rounds, release the lease) is one step no
+delta or merge can interleave with.
 
 A term's `Synchronizer` is sans-IO and never mutates the replica. An admitted delta passes the sender's
 cool-down, frame, run and manifest, fragment, tensors (`merge.validate_delta`) and the robust checks

@@ -197,7 +197,8 @@ class UpdateBook:
         return [self.tip(p) for p in range(self.plan.num_fragments)]
 
     def signed_by_leader(self, record: UpdateRecord) -> bool:
-        """Whether the record carries its leader's signature (anyone may relay a record, none may forge one)."""
+        """Whether the record carries its leader's signature (anyone may relay a record, none may forge
+        one)."""
         return self.keys.check.verify(record.leader, update_signing_bytes(record), record.signature)
 
     def content_checks(self, record: UpdateRecord) -> bool:
@@ -227,8 +228,9 @@ class UpdateBook:
     ) -> dict[int, Ahead]:
         """Fragments on which trusted tips of live peers (others than `peer_id`) are ahead of my replica
         (`swarm.vouching`: vouched for, or reported alike by two peers that may synchronize; tip terms
-        capped at `term_ceiling`, or at `term_ceiling[p]`: the terms of each fragment's shard). Two strangers reporting the same made-up tip would otherwise make every
-        honest peer think it lags, and no one would claim the lease."""
+        capped at `term_ceiling`, or at `term_ceiling[p]`: the terms of each fragment's shard). Two strangers
+        reporting the same made-up tip would otherwise make every honest peer think it lags, and no one would
+        claim the lease."""
         fragments = range(self.plan.num_fragments)
         ceilings = [term_ceiling] * len(fragments) if isinstance(term_ceiling, int) else term_ceiling
         reported = [reported_tips(live_peers, p, peer_id, ceilings[p]) for p in fragments]
@@ -419,7 +421,8 @@ class UpdateBook:
         return merged if merged >= carries_since else None
 
     def frames_after(self, fragment: int, after_version: int) -> list[bytes]:
-        """The logged updates of `fragment` from `after_version` on, as frames (what a replaying peer gets)."""
+        """The logged updates of `fragment` from `after_version` on, as frames (what a replaying peer
+        gets)."""
         oldest = self.log.oldest_version(fragment)
         if oldest is not None and oldest > after_version:
             return []  # dropped out of the bounded log: the requester downloads a snapshot instead

@@ -19,7 +19,8 @@ from p2p_diloco.sim.bottle.world import World
 
 class Kind(StrEnum):
     KILL = "kill"  # SIGKILL, restart from the state directory after `length` s
-    TERM = "term"  # SIGTERM (at any point: while claiming, holding or stepping down), restart `length` s after the exit
+    # SIGTERM (at any point: while claiming, holding or stepping down), restart `length` s after the exit
+    TERM = "term"
     FREEZE = "freeze"  # SIGSTOP for `length` s, then SIGCONT: a frozen node's timers fire late
     DHT_SLOW = "dht_slow"  # the node's DHT calls take `amount` s more for `length` s
     DHT_DROP = "dht_drop"  # the node's DHT calls are lost (time out) with probability `amount`

@@ -163,8 +163,8 @@ class Invariants:
                 names = sorted(n.peer_id for n in who)
                 self.fail(
                     Rule.ONE_HOLDER_PER_TERM,
-                    f"shard {shard} term {term} held by {names} for {now - since:.2f} s after both leases were "
-                    f"readable (allowed {allowed:.2f} s)",
+                    f"shard {shard} term {term} held by {names} for {now - since:.2f} s "
+                    f"after both leases were readable (allowed {allowed:.2f} s)",
                 )
         for key in [k for k in self.shared_terms if k not in seen_twice]:
             del self.shared_terms[key]

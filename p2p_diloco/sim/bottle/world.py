@@ -3,8 +3,9 @@
 Everything random in a run draws from generators seeded here, in an order fixed by the event loop, so a
 seed replays the same run bit for bit. The DHT is `swarm.memory.PartitionedKeyValueStore` (hivemind's
 record rule: per key and subkey the later expiration wins, first writer on a tie; records expire), its
-groups set by who can find whom (`routing`) and by the network's cuts (a partition). The trace is the run's event log: one line per fault, phase change and
-protocol decision, in virtual-time order; two runs of one seed give byte-identical traces.
+groups set by who can find whom (`routing`) and by the network's cuts (a partition). The trace is the run's
+event log: one line per fault, phase change and protocol decision, in virtual-time order; two runs of one seed
+give byte-identical traces.
 """
 
 from __future__ import annotations

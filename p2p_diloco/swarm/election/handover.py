@@ -49,7 +49,8 @@ def handover_sources(
 
 class Handover:
     """Owned by a `Peer` (its owner thread): `begin` at every term this peer takes, `held` asked by the
-    synchronizer role before it closes any round; `wait_for` holds a fragment that trusted tips show behind."""
+    synchronizer role before it closes any round; `wait_for` holds a fragment that trusted tips show
+    behind."""
 
     def __init__(
         self,

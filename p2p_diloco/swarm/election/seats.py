@@ -31,8 +31,8 @@ from p2p_diloco.wire.frames import InboundDelta
 @dataclass
 class Seat:
     """One shard as this peer sees it (shard 0's parts are the ones the rest of the peer holds), with its
-    explicit `Phase`. `elected`, `stop` and `read` are its transitions (`swarm.election.phase`); `wake_at` is when
-    it next needs a sync tick."""
+    explicit `Phase`. `elected`, `stop` and `read` are its transitions (`swarm.election.phase`); `wake_at` is
+    when it next needs a sync tick."""
 
     shard: int
     fragments: frozenset[int]
