@@ -50,8 +50,8 @@ def run_bootstrap(
     saved = [a for a in (memory.dial_list() if memory else []) if a not in initial_peers]
     if identity is None:
         print(
-            "warning: no --identity given: the peer ID (and so the bootstrap address) changes on every start; "
-            "create a key with `p2p-diloco keygen --out bootstrap.key`",
+            "warning: no --identity given: the peer ID (and so the bootstrap address) "
+            "changes on every start; create a key with `p2p-diloco keygen --out bootstrap.key`",
             file=sys.stderr,
         )
     extra = {"ensure_bootstrap_success": False} if saved else {}  # saved peers may be gone: serve anyway
@@ -90,7 +90,8 @@ def check_manifest(manifest_path: str, identity: str | None) -> RunManifest:
     manifest = load_run_manifest(manifest_path)
     if identity and not any(a.endswith(f"/p2p/{peer_id_of(identity)}") for a in manifest.bootstrap):
         print(
-            f"note: {manifest_path} does not list this node ({peer_id_of(identity)}) in bootstrap; volunteers "
+            f"note: {manifest_path} does not list this node ({peer_id_of(identity)}) "
+            "in bootstrap; volunteers "
             "will not find it there until the organizer adds its address and signs the manifest again",
             file=sys.stderr,
         )

@@ -323,7 +323,8 @@ class DhtKeyValueStore:
     def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
         if subkey != self.peer.peer_id:
             raise ValueError(
-                f"subkey must be this peer's ID {self.peer.peer_id} (records are owner-signed), got {subkey!r}"
+                f"subkey must be this peer's ID {self.peer.peer_id} (records are owner-signed), "
+                f"got {subkey!r}"
             )
         if not isinstance(value, bytes):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")

@@ -97,7 +97,8 @@ class FrameCaps:
 
     @classmethod
     def uniform(cls, max_frame_bytes: int, max_reply_bytes: int) -> FrameCaps:
-        """Caps that know no run: every frame up to `max_frame_bytes`, fetch replies up to `max_reply_bytes`."""
+        """Caps that know no run: every frame up to `max_frame_bytes`, fetch replies up to
+        `max_reply_bytes`."""
         return cls(
             requests={
                 keys.OP_DELTA: max_frame_bytes,

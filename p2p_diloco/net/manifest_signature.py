@@ -285,8 +285,8 @@ def _verify(manifest_path: Path, blob: bytes, manifest: RunManifest) -> Verified
     if signer != authority or record.signer != authority:
         raise ManifestSignatureError(
             SignatureProblem.WRONG_SIGNER,
-            f"{sig} is signed by {signer}, but {manifest_path} names trust.authority {authority}: this is not "
-            f"the organizer's signature; {refetch} (an organizer signs with the authority's key: "
+            f"{sig} is signed by {signer}, but {manifest_path} names trust.authority {authority}: "
+            f"this is not the organizer's signature; {refetch} (an organizer signs with the authority's key: "
             f"{_sign_fix(manifest_path)})",
         )
     try:
@@ -362,7 +362,8 @@ def untrusted_warning(manifest_path: Path, manifest: RunManifest) -> str:
     )
     return (
         f"warning: {manifest_path} has no [trust] authority, so it is unsigned and {who}; fine for a private "
-        "experiment, not for a run open to strangers: for one, its organizer adds [trust] authority = the peer "
+        "experiment, not for a run open to strangers: for one, its organizer "
+        "adds [trust] authority = the peer "
         "ID of `p2p-diloco keygen --out org.key` (and synchronizers = the peer IDs that may synchronize) and "
         f"signs it with `p2p-diloco manifest sign {manifest_path} --identity org.key` "
         "(`p2p-diloco manifest sign --help`)"

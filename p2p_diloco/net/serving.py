@@ -3,13 +3,13 @@
 `InboundServer` owns what serving needs: the `InboundHandlers`, the allowlist, the stream slots and
 deadlines of `net.limits.InboundLimits` and the per-op size caps of `net.limits.FrameCaps`; it counts the
 bytes it reads and writes, requests answered (`served`) and rejected (`rejected`, by tag) in the
-transport's `net.traffic.TrafficBook` (on the loop thread; `served` and `rejected` read its snapshot). Any peer may be hostile and hold
-streams open, so every stream is bounded before its body is read: the sender must be on the allowlist,
-hold fewer than `per_peer` streams (and all strangers together fewer than `total`), send its header
-within `header_timeout`, claim no more than the op's cap, and then keep the body above `min_body_rate`.
-A stream that breaks a deadline is closed at once (``header timeout``, ``too slow``); other rejections
-are answered with their reason. A handler may answer with a `concurrent.futures.Future`, awaited up to
-`answer_timeout`; a handler that raises is logged and answered with a ``handler error`` rejection.
+transport's `net.traffic.TrafficBook` (on the loop thread; `served` and `rejected` read its snapshot). Any
+peer may be hostile and hold streams open, so every stream is bounded before its body is read: the sender must
+be on the allowlist, hold fewer than `per_peer` streams (and all strangers together fewer than `total`), send
+its header within `header_timeout`, claim no more than the op's cap, and then keep the body above
+`min_body_rate`. A stream that breaks a deadline is closed at once (``header timeout``, ``too slow``); other
+rejections are answered with their reason. A handler may answer with a `concurrent.futures.Future`, awaited up
+to `answer_timeout`; a handler that raises is logged and answered with a ``handler error`` rejection.
 After an early rejection the stream lingers (`LINGER_SECONDS`, at most `max_lingering` streams at once)
 so the rejection is not overtaken by a reset. The transport composes one and registers
 `stream_handler(op)` for each operation; calls to ourselves go through `answer_local` with the same

@@ -109,8 +109,9 @@ class P2PTransport:
     frame up to `max_frame_bytes`, a fetch's reply up to `max_reply_bytes`; `net.limits.run_frame_caps`
     gives a run's exact ones); `limits` bound inbound streams; `admit(op, peer)` refuses requests the
     run does not let a peer make (`net.admission.stream_admission`). `owner` is taken by the loop thread
-    before it serves anything: handlers that keep state may check it (`p2p_diloco.owner`). Create DHTs before transports where possible:
-    hivemind forks the DHT process, and forking while this class's threads run is best avoided.
+    before it serves anything: handlers that keep state may check it (`p2p_diloco.owner`). Create DHTs before
+    transports where possible: hivemind forks the DHT process, and forking while this class's threads run is
+    best avoided.
     """
 
     def __init__(

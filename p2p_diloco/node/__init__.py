@@ -1,1 +1,2 @@
-"""The real peer: `PeerNode` (runtime), its thread guard, state directory, and the `join`/`status` commands."""
+"""The real peer: `PeerNode` (runtime), its thread guard, state directory, and the `join`/`status`
+commands."""

@@ -1,8 +1,8 @@
 """This machine's clock against the peers' clocks, from the run's heartbeats in the DHT (`doctor`'s check).
 
 Leases and heartbeats carry expirations on their writer's clock (a heartbeat expires `heartbeat_ttl` after
-it was written, `swarm.election.membership`), so a reader whose clock disagrees with the writers' sees leases lapse
-early or late. A passive reader cannot ask a peer for its time, but it can time the heartbeats it sees
+it was written, `swarm.election.membership`), so a reader whose clock disagrees with the writers' sees leases
+lapse early or late. A passive reader cannot ask a peer for its time, but it can time the heartbeats it sees
 appear: a heartbeat read back with expiration ``e`` was written at ``e - heartbeat_ttl`` on its writer's
 clock, and on this clock no later than the end of the read that returned it (a lower bound of the
 writer's offset) and, when it replaced an older heartbeat of that writer, no earlier than the start of the

@@ -6,8 +6,8 @@ whatever its role and marks its records dedicated, so synchronizers leave the jo
 (`join --no-evaluate`) only follows the history (for `--log-to`).
 
 When: once it has read the published history (on its follow job, within `follow_seconds` of becoming
-the evaluator), then every `every_updates` merged updates (the sum of the fragment versions) and at most once per
-`min_seconds`. How: the owner thread decides (`GlobalEvaluator.ask`) and hands the training thread an
+the evaluator), then every `every_updates` merged updates (the sum of the fragment versions) and at most once
+per `min_seconds`. How: the owner thread decides (`GlobalEvaluator.ask`) and hands the training thread an
 `EvalRequest` with the replica's own parameter tensors (`GlobalReplica.frozen` shares tensors that are
 never changed in place); the training thread evaluates it between two inner steps (`EvalWorker`: so the
 owner and the DHT I/O thread never wait for it, and a GPU peer evaluates on its device), bound into a
@@ -23,10 +23,10 @@ The history (`wire.observe.EvalHistory`, bounded to `MAX_EVAL_POINTS`) is publis
 `keys.eval_key` on the I/O thread, after merging every other permitted evaluator's record read from the
 DHT (`wire.observe.admit_histories`: the run's synchronizers and `[trust] evaluators`; records of other
 keys, and records with points dated in the future, are refused with a counter in `ignored`); a new
-evaluator (a failover) therefore continues the curve, and no key outside the list can pause it. `tokens` of a point is the number of merged
-tokens in the global model, estimated from this peer's contribution ledger: exact between two of its
-own points, and for its first point the last published point plus the ledger's tokens of the updates
-applied since that point's versions (updates a snapshot download skipped count nothing).
+evaluator (a failover) therefore continues the curve, and no key outside the list can pause it. `tokens` of a
+point is the number of merged tokens in the global model, estimated from this peer's contribution ledger:
+exact between two of its own points, and for its first point the last published point plus the ledger's tokens
+of the updates applied since that point's versions (updates a snapshot download skipped count nothing).
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def model_plan(manifest: RunManifest) -> FragmentPlan:
 def load_global_replica(
     manifest: RunManifest, state_dir: str | os.PathLike[str]
 ) -> tuple[GlobalReplica, dict]:
-    """The persisted replica of `state_dir` and its peer state (``{}`` if absent); `ExportError` if unusable."""
+    """The persisted replica of `state_dir` and its peer state (``{}`` if absent); `ExportError` if
+    unusable."""
     directory = Path(state_dir)
     if not directory.is_dir():
         raise ExportError(f"--state-dir {directory} does not exist or is not a directory")
@@ -85,13 +86,14 @@ def load_global_replica(
         if (run_id, manifest_hash) != (manifest.run_id, manifest.manifest_hash):
             raise ExportError(
                 f"--state-dir {directory} belongs to run {run_id!r} with manifest {manifest_hash}, not run "
-                f"{manifest.run_id!r} with manifest {manifest.manifest_hash}: pass the manifest that peer joined with"
+                f"{manifest.run_id!r} with manifest {manifest.manifest_hash}: "
+                "pass the manifest that peer joined with"
             )
     store = ReplicaStore(directory / REPLICA_DIR)
     if not store.exists():
         raise ExportError(
-            f"--state-dir {directory} holds no replica ({REPLICA_DIR}/): a peer writes it every --persist-every "
-            "seconds and when it stops"
+            f"--state-dir {directory} holds no replica ({REPLICA_DIR}/): a peer writes it "
+            "every --persist-every seconds and when it stops"
         )
     try:
         replica = store.load(model_plan(manifest))

@@ -94,7 +94,10 @@ def add_join_command(sub: argparse._SubParsersAction) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="run this learner as an island of N local ranks that train as one peer (execs torchrun --standalone)",
+        help=(
+            "run this learner as an island of N local ranks that train as one peer "
+            "(execs torchrun --standalone)"
+        ),
     )
     p.add_argument(
         "--evaluate",

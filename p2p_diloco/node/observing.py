@@ -106,7 +106,8 @@ class Observing:
     def _publish_stats(
         self, driver: ThreadedDriver, device: str, counts: Callable[[], TransportCounts | None]
     ) -> None:
-        """On the owner thread: this peer's `PeerStats`, stored on the I/O thread (expires after 3 periods)."""
+        """On the owner thread: this peer's `PeerStats`, stored on the I/O thread (expires after 3
+        periods)."""
         now, c = self.clock.now(), counts()
         sent, received = (c.bytes_sent, c.bytes_received) if c is not None else (0, 0)
         value = PeerStats(self.started_at, device[:32], sent, received).to_bytes()

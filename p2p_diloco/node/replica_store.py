@@ -110,7 +110,8 @@ def read_fragment(path: Path, fragment: int, names: tuple[str, ...]) -> tuple[in
                 )
             if meta.get("fragment") != str(fragment) or json.loads(meta.get("names", "null")) != list(names):
                 raise ReplicaFileError(
-                    f"{path} was saved with a different fragment plan; it belongs to another model or manifest"
+                    f"{path} was saved with a different fragment plan; "
+                    "it belongs to another model or manifest"
                 )
             keys = set(f.keys())
             expected = {THETA + n for n in names} | {MOMENTUM + n for n in names}

@@ -254,7 +254,8 @@ def snapshot_rows(s: NodeSnapshot, run_id: str) -> list[tuple[str, str]]:
         *([("global eval", f"loss {s.eval_loss:.4f}")] if not math.isnan(s.eval_loss) else []),
         (
             "synchronizer",
-            f"{s.holder or 'none'}   term {s.term}   live peers {s.live_peers}   failovers seen {s.failovers_seen}",
+            f"{s.holder or 'none'}   term {s.term}   live peers {s.live_peers}   "
+            f"failovers seen {s.failovers_seen}",
         ),
         ("versions", "  ".join(f"{p}:v{v}" for p, v in enumerate(s.versions)) + f"   digest {s.digest}"),
         *([("waiting", s.waiting)] if s.waiting else []),

@@ -121,7 +121,8 @@ class PeerNode:
     # ---- start -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open the state, build while the DHT starts, assemble and schedule the peer, announce it, catch up."""
+        """Open the state, build while the DHT starts, assemble and schedule the peer, announce it, catch
+        up."""
         # restart costs, in the `start` event; a hot spare's imports and build came before its takeover
         startup = {"imports": self._since_launch(), "hot_spare": self.takeover is not None}
         saved = self._open_state(startup)
@@ -275,8 +276,8 @@ class PeerNode:
             self.say(f"metrics: {self.metrics.url}")
         plan = built_model.plan
         self.say(
-            f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), {plan.num_fragments} fragments, "
-            f"{sum(plan.sizes())} parameters, device {opts.device}"
+            f"joined run {manifest.run_id} (manifest {manifest.manifest_hash}), "
+            f"{plan.num_fragments} fragments, {sum(plan.sizes())} parameters, device {opts.device}"
         )
 
     def _since_launch(self) -> float | None:

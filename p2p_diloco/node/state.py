@@ -117,7 +117,8 @@ class StateDir:
             ) from exc
         if (state.run_id, state.manifest_hash) != (self.manifest.run_id, self.manifest.manifest_hash):
             raise ConfigError(
-                f"--state-dir {self.path} belongs to run {state.run_id!r} with manifest {state.manifest_hash}, "
+                f"--state-dir {self.path} belongs to run {state.run_id!r} "
+                f"with manifest {state.manifest_hash}, "
                 f"not run {self.manifest.run_id!r} with manifest {self.manifest.manifest_hash}; "
                 "give this run its own state directory"
             )

@@ -86,7 +86,8 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
 def read_heartbeats(
     kv: KeyValueStore, manifest: RunManifest, now: float, ignored: Counter[str]
 ) -> list[dict]:
-    """One row per live peer's heartbeat (`heartbeat_row`), by peer ID; counts the undecodable in `ignored`."""
+    """One row per live peer's heartbeat (`heartbeat_row`), by peer ID; counts the undecodable in
+    `ignored`."""
     peers = []
     for peer_id, stored in sorted(
         kv.get(heartbeat_key(manifest.run_id, manifest.manifest_hash), now).items()
@@ -272,13 +273,16 @@ def plural(n: int, word: str) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [
-        f"run {status['run_id']} (manifest {status['manifest_hash']}): {plural(len(status['peers']), 'live peer')}, "
-        f"{sum(p['listed'] for p in status['peers'])} that may synchronize (the others' rows are their claims)"
+        f"run {status['run_id']} (manifest {status['manifest_hash']}): "
+        f"{plural(len(status['peers']), 'live peer')}, "
+        f"{sum(p['listed'] for p in status['peers'])} that may synchronize "
+        "(the others' rows are their claims)"
     ]
     sync = status["synchronizer"]
     if sync:
         lines.append(
-            f"synchronizer: {sync['peer_id']} term {sync['term']} (lease expires in {sync['expires_in']:.1f} s)"
+            f"synchronizer: {sync['peer_id']} term {sync['term']} "
+            f"(lease expires in {sync['expires_in']:.1f} s)"
         )
     else:
         lines.append(f"synchronizer: none (highest term seen {status['highest_term']})")
@@ -310,7 +314,8 @@ def format_status(status: dict[str, Any]) -> str:
     for p in status["peers"]:
         age = p["last_contribution_age"]
         lines.append(
-            f"{p['peer_id']:<48} {p['role'] + ('' if p['listed'] else '*'):<12} {p['step']:>7} {p['loss']:>6.3f} {p['tokens_per_s']:>8.0f} "
+            f"{p['peer_id']:<48} {p['role'] + ('' if p['listed'] else '*'):<12} {p['step']:>7} "
+            f"{p['loss']:>6.3f} {p['tokens_per_s']:>8.0f} "
             f"{p['updates_applied']:>7} {(f'{age:.1f}s ago' if age is not None else 'never'):>8} "
             f"{p['digest']:<16} {','.join(str(v) for v in p['versions'])}"
         )
@@ -367,9 +372,11 @@ def cli_status(args: argparse.Namespace) -> int:
     print(json.dumps(status) if args.json else format_status(status), flush=True)
     if not status["peers"]:
         print(
-            f"p2p-diloco status: no live peer of run {manifest.run_id} seen through {plural(len(initial), 'initial peer')} "
+            f"p2p-diloco status: no live peer of run {manifest.run_id} "
+            f"seen through {plural(len(initial), 'initial peer')} "
             f"within --wait {args.wait:g} s: nobody trains this run now, or the address is another run's "
-            "(check the manifest and --initial-peers; a peer that just joined shows within a heartbeat, try --wait 30)",
+            "(check the manifest and --initial-peers; a peer that just joined shows within a heartbeat, "
+            "try --wait 30)",
             file=sys.stderr,
         )
         return 1

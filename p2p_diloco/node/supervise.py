@@ -1,4 +1,5 @@
-"""`join --hot-spare`: run a peer with a hot spare beside it; when the peer dies, the spare takes over at once.
+"""`join --hot-spare`: run a peer with a hot spare beside it; when the peer dies, the spare takes over at
+once.
 
 The supervisor is a small process (it never imports torch): it starts the peer (`join` with the same
 arguments) and a spare (`join --standby`, node/standby.py) in its own process group, and waits. When
@@ -82,8 +83,8 @@ def after_exit(returncode: int, *, stopping: bool, takeovers: Sequence[float], n
     if len(recent) >= MAX_TAKEOVERS:
         return Decision(
             Verdict.GIVE_UP,
-            f"the peer died ({how}) after {len(recent)} takeovers in the last {TAKEOVER_WINDOW:.0f} s: a crash "
-            "loop a spare cannot fix; see the peer's output above",
+            f"the peer died ({how}) after {len(recent)} takeovers in the last "
+            f"{TAKEOVER_WINDOW:.0f} s: a crash loop a spare cannot fix; see the peer's output above",
         )
     return Decision(Verdict.PROMOTE, f"the peer died ({how}): the hot spare takes over")
 
@@ -208,7 +209,8 @@ class Supervisor:
                         "refused its arguments (exit status 2)"
                         if code == EXIT_USAGE
                         else (
-                            f"failed {self.spare_failures} times in a row ({describe_exit(code)}; see its output above)"
+                            f"failed {self.spare_failures} times in a row "
+                            f"({describe_exit(code)}; see its output above)"
                         )
                     )
                     self.say(f"the spare {why}; running without one")
