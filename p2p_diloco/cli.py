@@ -228,8 +228,8 @@ def _stdout_gone(command: str) -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     print(
-        f"p2p-diloco {command}: the output's reader closed it early (e.g. `| head`); the rest was not printed: "
-        "redirect to a file (> out.txt) to keep all of it",
+        f"p2p-diloco {command}: the output's reader closed it early (e.g. `| head`); "
+        "the rest was not printed: redirect to a file (> out.txt) to keep all of it",
         file=sys.stderr,
     )
     return 2

@@ -58,8 +58,8 @@ __all__ = [
 
 class Codec(Choice):
     """Tensor codecs of `[wire] codec`: dense int8 blockwise (default), raw fp32; sparse top-k per chunk of
-    65536 entries with int8 or 4-bit values (`wire.codecs.sparse`); and SparseLoCo's layout, top-k per chunk of
-    4096 entries with 12-bit chunk-local offsets and 2-, 4- or 8-bit values (`wire.codecs.chunked`)."""
+    65536 entries with int8 or 4-bit values (`wire.codecs.sparse`); and SparseLoCo's layout, top-k per chunk
+    of 4096 entries with 12-bit chunk-local offsets and 2-, 4- or 8-bit values (`wire.codecs.chunked`)."""
 
     INT8 = "int8"
     FP32 = "fp32"
@@ -142,7 +142,8 @@ class DilocoConfig:
 
 @section("wire")
 class WireConfig:
-    """How outer deltas and updates are encoded (`wire.codecs.codec`; sparse top-k bodies: `wire.codecs.sparse`)."""
+    """How outer deltas and updates are encoded (`wire.codecs.codec`; sparse top-k bodies:
+    `wire.codecs.sparse`)."""
 
     # "int8" (dense blockwise, the default), "fp32", or sparse: "topk-int8" / "topk-int4" (per chunk of
     # 65536 entries only the top `density` by magnitude are sent) or "topk4k-int2" / "-int4" / "-int8"
@@ -254,7 +255,8 @@ class RunManifest:
         return dataclasses.asdict(self)
 
     def may_synchronize(self, peer: str) -> bool:
-        """Whether `peer` may hold the lease: on the allowlist (if any) and in `trust.synchronizers` (if any)."""
+        """Whether `peer` may hold the lease: on the allowlist (if any) and in `trust.synchronizers` (if
+        any)."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_synchronize(peer)
 
     def may_learn(self, peer: str) -> bool:
@@ -281,7 +283,8 @@ class RunManifest:
 
     @property
     def loss_check_on(self) -> bool:
-        """Whether the synchronizer tries each delta on held-out data before merging (`[robust] loss_check`)."""
+        """Whether the synchronizer tries each delta on held-out data before merging
+        (`[robust] loss_check`)."""
         mode = self.robust.loss_check
         return self.robust.enabled and (mode == "on" or (mode == "auto" and self.trust.public))
 

@@ -5,8 +5,8 @@ frozen dataclass (`config.RunManifest.from_dict` calls it). Before a dataclass r
 every value is checked against the field's annotation by pydantic in strict mode, so
 ``block_size = "128"`` is refused as ``[model] block_size = '128' (a string): must be an integer; write
 block_size = 128 under [model], without quotes`` instead of failing deep inside a comparison (one line per
-key of the wrong type; the range checks that follow are the sections' own, `schema.section`). Strict means no silent
-conversion: a string is never taken for a number (the manifest hash would then depend on the spelling).
+key of the wrong type; the range checks that follow are the sections' own, `schema.section`). Strict means no
+silent conversion: a string is never taken for a number (the manifest hash would then depend on the spelling).
 """
 
 from __future__ import annotations

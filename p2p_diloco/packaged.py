@@ -37,6 +37,7 @@ def missing_manifest_hint(path: str | Path) -> str:
     """The message for a manifest path that does not exist."""
     names = ", ".join(packaged_manifests())
     return (
-        f"manifest {path} does not exist; give the path of the run's .toml file (the organizer publishes it), "
+        f"manifest {path} does not exist; give the path of the run's .toml file "
+        "(the organizer publishes it), "
         f"or the name of a packaged example ({names}), e.g. `p2p-diloco join demo ...`"
     )

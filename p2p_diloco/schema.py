@@ -95,8 +95,9 @@ def key_path(name: str, key: str) -> str:
 
 
 def _field(klass: type, loc: tuple[Any, ...]) -> tuple[str, str, Any, Any]:
-    """(its table's name, the key, the pydantic FieldInfo with its limits, its annotation) where `loc` points: nested sections followed
-    (a `RunManifest` given a table for `diloco`), the members of a union (``density.float``) skipped."""
+    """(its table's name, the key, the pydantic FieldInfo with its limits, its annotation) where `loc` points:
+    nested sections followed (a `RunManifest` given a table for `diloco`), the members of a union
+    (``density.float``) skipped."""
     name, key, info = getattr(klass, "SECTION", ""), "", None
     for part in loc:
         found = getattr(klass, "__pydantic_fields__", {}).get(str(part))

@@ -99,7 +99,8 @@ class ModelConfig:
                     "kind",
                     "hf",
                     "needs a transformers config (an inline [model.config] table with "
-                    'model_type = "llama", ..., or config = "path/config.json") or pretrained = "ORG/NAME" (or a '
+                    'model_type = "llama", ..., or config = "path/config.json") '
+                    'or pretrained = "ORG/NAME" (or a '
                     "folder holding config.json and *.safetensors), not both: a pretrained model brings its "
                     "own config (its dropout comes from [model] dropout)",
                 )

@@ -1,4 +1,5 @@
-"""`p2p-diloco baseline-worker --mode diloco`: one peer of synchronous DiLoCo on hivemind, the stronger baseline.
+"""`p2p-diloco baseline-worker --mode diloco`: one peer of synchronous DiLoCo on hivemind, the stronger
+baseline.
 
 Every peer trains what a decoupled learner trains (the manifest's model and initial weights, its own
 stream of the corpus, batch size, AdamW and the ``[train]`` inner step of `model.trainer`) for H inner

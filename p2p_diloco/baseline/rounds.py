@@ -199,7 +199,8 @@ def epoch_group_bits(epoch: int) -> str:
 
 @torch.no_grad()
 def outer_gradients(global_params: Sequence[Tensor], local_params: Sequence[Tensor]) -> list[Tensor]:
-    """Θ − θ per tensor (float32, `diloco.outer_delta`): points against the local progress, like a gradient."""
+    """Θ − θ per tensor (float32, `diloco.outer_delta`): points against the local progress, like a
+    gradient."""
     if len(global_params) != len(local_params):
         raise ValueError(f"{len(global_params)} global tensors but {len(local_params)} local ones")
     pairs = zip(global_params, local_params, strict=True)
@@ -215,7 +216,8 @@ def outer_step(
     lr: float,
     mu: float,
 ) -> None:
-    """Θ and the momentum buffers in place: the core's outer Nesterov step with the outer gradients `grads`."""
+    """Θ and the momentum buffers in place: the core's outer Nesterov step with the outer gradients
+    `grads`."""
     for param, buf, grad in zip(global_params, momentum, grads, strict=True):
         new_param, new_buf = diloco.outer_step(param.detach().float(), buf, grad.float(), lr=lr, momentum=mu)
         param.copy_(new_param)

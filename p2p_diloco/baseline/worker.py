@@ -1,4 +1,5 @@
-"""`p2p-diloco baseline-worker`: one elastic data-parallel peer on `hivemind.Optimizer`, the lock-step baseline.
+"""`p2p-diloco baseline-worker`: one elastic data-parallel peer on `hivemind.Optimizer`, the lock-step
+baseline.
 
 It trains exactly what a DiLoCo learner trains (the manifest's model, initial weights, corpus, batch size
 and AdamW hyper-parameters), but every global step averages gradients across the live peers through

@@ -74,7 +74,8 @@ class Collector:
     # ---- reading ------------------------------------------------------------------------------------
 
     def poll(self, kv: KeyValueStore, now: float) -> None:
-        """One read of the swarm; a failed read (timeout, DHT down) is counted and leaves the view as it was."""
+        """One read of the swarm; a failed read (timeout, DHT down) is counted and leaves the view as it
+        was."""
         try:
             reads = _OnePoll(kv)
             status = swarm_status(reads, self.manifest, now)

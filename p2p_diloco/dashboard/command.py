@@ -43,7 +43,8 @@ class Poller:
         self._thread: threading.Thread | None = None
 
     def connect(self, extra: list[str] | None = None) -> None:
-        """A new DHT client node through the initial peers (and `extra` addresses); ConnectionError if none answers."""
+        """A new DHT client node through the initial peers (and `extra` addresses); ConnectionError if none
+        answers."""
         addresses = list(dict.fromkeys([*(extra or []), *self.initial]))
         old = self.dht
         self.dht = create_dht(initial_peers=addresses, client_mode=True)

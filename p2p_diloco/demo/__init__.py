@@ -4,10 +4,10 @@ from a seeded schedule and restarts them, with one throttled learner; `--compare
 under the same schedule and time budget (`COMPARE`): ``dp``, the lock-step baseline (`p2p-diloco
 baseline-worker`, elastic data-parallel on `hivemind.Optimizer`; a bare `--compare` means it, as it always
 did; section "baseline" of the report), ``diloco``, synchronous DiLoCo on hivemind (`baseline-worker
---mode diloco`; section "diloco"), or ``all``. `--chaos-every S` instead injects a seeded fault about every S seconds for the whole
-run (SIGSTOPs and bootstrap restarts included), then checks replicas, no loss and resume. `--hot-spares`
-keeps a prepared `join --standby` per learner slot that a restart promotes instead of starting cold
-(`node.standby`; the down time of the schedule is kept, only the cold start goes). Writes
+--mode diloco`; section "diloco"), or ``all``. `--chaos-every S` instead injects a seeded fault about every S
+seconds for the whole run (SIGSTOPs and bootstrap restarts included), then checks replicas, no loss and
+resume. `--hot-spares` keeps a prepared `join --standby` per learner slot that a restart promotes instead of
+starting cold (`node.standby`; the down time of the schedule is kept, only the cold start goes). Writes
 ``report.json`` and PNGs to ``--out``.
 
 Modules: `chaos` (the schedules), `orchestrator` (processes), `faults` (the long schedule's executor),

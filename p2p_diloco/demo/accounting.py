@@ -1,7 +1,8 @@
-"""Goodput accounting: goodput, uptime, failovers and bytes from event logs. Pure functions: no files, no clock.
+"""Goodput accounting: goodput, uptime, failovers and bytes from event logs. Pure functions: no files, no
+clock.
 
-The one accounting module of the project: the demo's report and orchestrator, the benchmarks and the baseline's test all
-read runs of either system through it. Inputs are the ``events.jsonl`` lines of the peers
+The one accounting module of the project: the demo's report and orchestrator, the benchmarks and the
+baseline's test all read runs of either system through it. Inputs are the ``events.jsonl`` lines of the peers
 (``{"t": time, "event": kind, ...}``). Both kinds of worker (`p2p-diloco join`,
 `p2p-diloco baseline-worker`) emit ``progress`` events with cumulative counters of their process
 lifetime: ``tokens``, ``compute_seconds``, ``compute_merged``, ``blocked_seconds``, ``bytes_sent``,

@@ -4,10 +4,10 @@ event logs, status rows and version lists; the orchestrator's end of run (`demo.
 * `versions_went_back`: the replicated global state never went back. An update counts once a peer other
   than its publisher applied it (``applied`` events). Violations: a holder published, and some peer
   applied, a version at or below one another update (term, leader) had already replicated (it started
-  from older state than the swarm had: ``republished``); two different updates of one version both replicated (``forked``);
-  within one process lifetime (from a ``start`` event) a peer's reported versions decreased, dropping a
-  version that was replicated or that it got by snapshot (``replica went back``; a holder fenced off
-  by its followers, whose own updates nobody applied, drops them when it steps down: not global state).
+  from older state than the swarm had: ``republished``); two different updates of one version both replicated
+  (``forked``); within one process lifetime (from a ``start`` event) a peer's reported versions decreased,
+  dropping a version that was replicated or that it got by snapshot (``replica went back``; a holder fenced
+  off by its followers, whose own updates nobody applied, drops them when it steps down: not global state).
   Returns them (empty: never went back).
 * `digest_agreement`: replicas that report the same version of a fragment must report the same
   checksum of it (``tips``), and peers at the same versions of every fragment the same replica digest.

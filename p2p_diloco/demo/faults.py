@@ -5,10 +5,10 @@ can be done as a single fault, i.e. without leaving the swarm without the newest
 SIGSTOP needs another learner that is up (started, not stopped, not down) and current (its last
 progress, at most `FRESH_SECONDS` old, at most one version behind the newest replica on each fragment;
 a learner just continued from SIGSTOP is not, until it caught up). A SIGSTOP never picks the current
-synchronizer (that is ``kill_sync``'s job); ``kill_bootstrap`` needs the bootstrap up. The fault log (`SwarmRun.kills`) gets
-one row per executed fault (``action``, ``t``, victim, ``down``, ``delayed`` when it waited) and
-``{"skipped": ...}`` rows for faults still pending at the end (`finish`). A worker that exits on its
-own (e.g. a restart that found the bootstrap down: its only initial peer) is logged in `exits` with the
+synchronizer (that is ``kill_sync``'s job); ``kill_bootstrap`` needs the bootstrap up. The fault log
+(`SwarmRun.kills`) gets one row per executed fault (``action``, ``t``, victim, ``down``, ``delayed`` when it
+waited) and ``{"skipped": ...}`` rows for faults still pending at the end (`finish`). A worker that exits on
+its own (e.g. a restart that found the bootstrap down: its only initial peer) is logged in `exits` with the
 last line of its log and relaunched after `RELAUNCH_SECONDS`, as a supervisor would.
 
 The bootstrap node is SIGKILLed and restarted on the address it listened on (same port, same key, so

@@ -122,8 +122,9 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
         received = r["bytes_mean"]["received"] / 1e6
         print(
             f"{system:9s}: goodput {r['goodput']:.3f}  uptime {r['uptime']:.3f}  final eval loss "
-            f"{'n/a' if loss is None else f'{loss:.3f}'}  tokens {r['tokens']:.0f}  failovers {r['failovers']}  "
-            f"MB/learner sent {sent:.1f} received {received:.1f}  kills {len([k for k in r['kills'] if 'skipped' not in k])}"
+            f"{'n/a' if loss is None else f'{loss:.3f}'}  tokens {r['tokens']:.0f}  "
+            f"failovers {r['failovers']}  MB/learner sent {sent:.1f} received {received:.1f}  "
+            f"kills {len([k for k in r['kills'] if 'skipped' not in k])}"
         )
         for line in stall_lines(r) + check_lines(r.get("checks")):
             print(f"{'':11}{line}")
@@ -147,7 +148,8 @@ def stall_lines(r: dict[str, Any]) -> list[str]:
         for row in rows
     ]
     lines.append(
-        f"stall per sync kill: worst {_seconds(summary['worst_stall'])}, median {_seconds(summary['median_stall'])};"
+        f"stall per sync kill: worst {_seconds(summary['worst_stall'])}, "
+        f"median {_seconds(summary['median_stall'])};"
         f" to first accepted delta: worst {_seconds(summary['worst_to_first_accept'])},"
         f" median {_seconds(summary['median_to_first_accept'])}"
     )
@@ -166,7 +168,8 @@ def check_lines(checks: dict[str, Any] | None) -> list[str]:
     ]
     for exit in checks.get("exits", []):
         lines.append(
-            f"{exit['learner']} exited on its own at {exit['t']:.1f} s (code {exit['code']}): {exit['last_line']}"
+            f"{exit['learner']} exited on its own at {exit['t']:.1f} s (code {exit['code']}): "
+            f"{exit['last_line']}"
         )
     for restart in checks.get("bootstrap_restarts", []):
         lines.append(

@@ -1,4 +1,5 @@
-"""How updates spread through a swarm of real peers, from their event logs: pure functions, no files, no clock.
+"""How updates spread through a swarm of real peers, from their event logs: pure functions, no files, no
+clock.
 
 `scripts/bench_swarm.py` (issue #29) reads one run's ``events.jsonl`` per peer through this module. Inputs
 are the peers' events (``{"t": DHT time, "event": kind, ...}``, `demo.accounting`): ``published`` (the

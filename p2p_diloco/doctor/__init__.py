@@ -3,14 +3,15 @@
 What a volunteer runs before joining and what an organizer asks for in a bug report: one line per check,
 ``ok`` / ``warn`` / ``fail``, and for anything not ok the fix. Checks: Python and the package versions
 (numpy below 2.4, see FINDINGS), torch's devices (CUDA, bitsandbytes), the run manifest (loads, signature,
-model size; a custom factory's model built and probed once), host and GPU memory against what that model needs (per-parameter costs of docs/model_size.md:
-16 B/param of training state, up to 19.1 B/param beyond it, 0.51 GiB of runtime), reachability of the
-initial peers, this clock against the peers' (timed from their heartbeats: leases
-expire on their writers' clocks and tolerate `timing.lease_margin` of disagreement; `doctor.clock`), whether this machine
-has a public address or should join with ``--behind-nat`` (a heuristic from its interface addresses), and
-the state directory (free disk). Without a manifest it checks the machine alone: versions, devices, host
-memory, free disk, the clock (the time and whether NTP keeps it) and, given ``--initial-peers``, outbound
-TCP connections to them. Exit status 1 when a check fails, 0 otherwise (warnings included).
+model size; a custom factory's model built and probed once), host and GPU memory against what that model needs
+(per-parameter costs of docs/model_size.md: 16 B/param of training state, up to 19.1 B/param beyond it,
+0.51 GiB of runtime), reachability of the initial peers, this clock against the peers' (timed from their
+heartbeats: leases expire on their writers' clocks and tolerate `timing.lease_margin` of disagreement;
+`doctor.clock`), whether this machine has a public address or should join with ``--behind-nat`` (a heuristic
+from its interface addresses), and the state directory (free disk). Without a manifest it checks the machine
+alone: versions, devices, host memory, free disk, the clock (the time and whether NTP keeps it) and, given
+``--initial-peers``, outbound TCP connections to them. Exit status 1 when a check fails, 0 otherwise (warnings
+included).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def check_devices(device: str | None) -> tuple[list[Check], int | None]:
             Check(
                 "cuda",
                 Status.FAIL if wanted else Status.OK,
-                f"no CUDA device (torch {torch.__version__}, built {'with CUDA ' + built if built else 'for CPU'})"
+                f"no CUDA device (torch {torch.__version__}, "
+                f"built {'with CUDA ' + built if built else 'for CPU'})"
                 + ("" if wanted else ": training runs on the CPU"),
                 f"install a CUDA build of torch ({CUDA_TORCH}) or join with --device cpu" if wanted else "",
             )
@@ -266,7 +268,10 @@ def check_peers(addresses: list[str], timeout: float) -> list[Check]:
                 f"{address}: " + ("accepts connections" if reason is None else reason),
                 ""
                 if reason is None
-                else "check the address (the whole `bootstrap address:` line), that the node runs, and firewalls",
+                else (
+                    "check the address (the whole `bootstrap address:` line), "
+                    "that the node runs, and firewalls"
+                ),
             )
         )
     return out

@@ -36,10 +36,16 @@ def check_clock(estimate: ClockOffset | None, timing: SwarmTiming, window: float
     size = abs(estimate.offset)
     side = "ahead of" if estimate.offset > 0 else "behind"
     plural = "s" if estimate.peers != 1 else ""
-    detail = f"{size:.2f} s {side} the peers' (± {estimate.uncertainty:.2f} s, median of {estimate.peers} peer{plural})"
+    detail = (
+        f"{size:.2f} s {side} the peers' (± {estimate.uncertainty:.2f} s, "
+        f"median of {estimate.peers} peer{plural})"
+    )
     if estimate.spread > margin:
         detail += f"; the peers disagree among themselves by {estimate.spread:.2f} s"
-    fix = f"synchronize this clock with NTP (`timedatectl set-ntp true`, or chrony); leases tolerate {margin:g} s"
+    fix = (
+        "synchronize this clock with NTP (`timedatectl set-ntp true`, or chrony); "
+        f"leases tolerate {margin:g} s"
+    )
     if size - estimate.uncertainty > margin:
         return Check("clock", Status.FAIL, f"{detail}: beyond timing.lease_margin {margin:g} s", fix)
     if size > margin / 2:

@@ -55,7 +55,8 @@ def _forward(model: nn.Module, factory: str, idx: Tensor, targets: Tensor | None
             raise ConfigError(
                 f"model.factory {factory!r}: forward fails on token id {vocab - 1} ({failure}), so the model "
                 f"embeds fewer tokens than the data's tokenizer has ({vocab}): make the factory build a "
-                "vocabulary of at least that size ([model.config]) or prepare the data with a smaller tokenizer"
+                "vocabulary of at least that size ([model.config]) "
+                "or prepare the data with a smaller tokenizer"
             ) from exception
     raise ConfigError(
         f"model.factory {factory!r}: forward(idx, targets) on int64 ids of shape {tuple(idx.shape)} raised "
@@ -67,8 +68,8 @@ def _pair(out: Any, factory: str, targets: str) -> tuple[Any, Any]:
     if not isinstance(out, tuple | list) or len(out) != 2:
         what = f"a {type(out).__name__}" if not isinstance(out, tuple | list) else f"{len(out)} values"
         raise ConfigError(
-            f"model.factory {factory!r}: forward(idx, {targets}) returned {what}, not the pair (logits, loss): "
-            "return `logits, loss` (loss None when targets is None)"
+            f"model.factory {factory!r}: forward(idx, {targets}) returned {what}, "
+            "not the pair (logits, loss): return `logits, loss` (loss None when targets is None)"
         )
     return out[0], out[1]
 

@@ -151,7 +151,8 @@ def _shard_seed(seed: int, shard: int) -> int:
 
 
 class BatchSampler:
-    """Random (x, y) windows from learner `shard`'s contiguous slice of `data`, deterministic given (seed, shard).
+    """Random (x, y) windows from learner `shard`'s contiguous slice of `data`, deterministic given (seed,
+    shard).
 
     The slice is `data[shard * L:(shard + 1) * L]` with `L = len(data) // num_shards`, so shards never
     share a byte. `x` and `y` are int64 of shape (batch_size, block_size), `y` shifted by one.

@@ -7,9 +7,9 @@ dataset is one of:
   a `DatasetDict` gives its `split`);
 - a data file (``.jsonl``/``.json``, ``.parquet``, ``.csv``, ``.txt``: one document per line) or a folder of
   them, streamed with `load_dataset` (nothing is copied into a cache; a single file is the split "train");
-- a Hub name ``ORG/NAME`` that `datasets` loaded once before, read from its local cache (``$HF_HOME/datasets``).
-  Downloads follow model/hub.py's policy: off unless ``HF_HUB_OFFLINE=0``; a name not cached is a
-  `ConfigError` saying how to fetch it.
+- a Hub name ``ORG/NAME`` that `datasets` loaded once before, read from its local cache
+  (``$HF_HOME/datasets``). Downloads follow model/hub.py's policy: off unless ``HF_HUB_OFFLINE=0``; a name not
+  cached is a `ConfigError` saying how to fetch it.
 
 Each row's `text_field` is one document, in the dataset's order (so the shards are deterministic). The
 `datasets` package is optional: ``pip install 'p2p_diloco[data]'``.
@@ -90,7 +90,8 @@ def _not_available(spec: DatasetSpec, exc: Exception) -> ConfigError:
     if Path(spec.name).expanduser().exists() or downloads_allowed():
         return ConfigError(f"--dataset {spec.name}: cannot read it ({type(exc).__name__}: {exc})")
     return ConfigError(
-        f"--dataset {spec.name!r} is not in the local datasets cache and downloads are off ({offline_reason()}). "
+        f"--dataset {spec.name!r} is not in the local datasets cache "
+        f"and downloads are off ({offline_reason()}). "
         f"Load it once with HF_HUB_OFFLINE=0 (e.g. `HF_HUB_OFFLINE=0 p2p-diloco data prepare --dataset "
         f"{spec.name} ...`), or give a local file or folder (.jsonl, .parquet, .csv, .txt, or save_to_disk)"
     )
@@ -110,8 +111,8 @@ def dataset_texts(spec: DatasetSpec) -> Iterator[str]:
     for number, row in enumerate(rows):
         if spec.text_field not in row:
             raise ConfigError(
-                f"--dataset {spec.name}: row {number} has no field {spec.text_field!r} (fields: {sorted(row)}); "
-                "give --text-field"
+                f"--dataset {spec.name}: row {number} has no field {spec.text_field!r} "
+                f"(fields: {sorted(row)}); give --text-field"
             )
         text = row[spec.text_field]
         if text is not None:

@@ -239,8 +239,8 @@ def bind_factory(factory: str, func: Callable[..., Any], config: Mapping[str, An
         if unknown:
             raise ConfigError(
                 f"model.factory {factory!r} takes no keyword {unknown[0]!r} (it takes: "
-                f"{', '.join(keywords) or 'none'}): rename {unknown[0]!r} under [model.config] to the keyword "
-                "the factory means, or remove it"
+                f"{', '.join(keywords) or 'none'}): rename {unknown[0]!r} "
+                "under [model.config] to the keyword the factory means, or remove it"
             ) from exc
         if missing:
             raise ConfigError(

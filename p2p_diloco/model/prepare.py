@@ -3,9 +3,9 @@
 Owns reading the inputs (``.txt``/``.md`` files whole, ``.jsonl`` lines' `text` field, ``.parquet``
 files' `text` column, Python's bundled pydoc text with `--builtin`, or a `datasets` dataset with
 `--dataset`: model/dataset_input.py), the tokenizers (a Hugging Face `tokenizers` JSON file, a folder or
-Hub name holding one, found offline by model/hub.py, or `bytes`: ids 0..255 of the UTF-8 bytes), the streaming writer and the
-offline training of a byte-level BPE tokenizer. Documents are separated by the tokenizer's end-of-text
-token when it has one (``<|endoftext|>``, ``</s>``, ``<eos>``), else by a blank line.
+Hub name holding one, found offline by model/hub.py, or `bytes`: ids 0..255 of the UTF-8 bytes), the streaming
+writer and the offline training of a byte-level BPE tokenizer. Documents are separated by the tokenizer's
+end-of-text token when it has one (``<|endoftext|>``, ``</s>``, ``<eos>``), else by a blank line.
 
 The token stream is cut into chunks of `EVAL_CHUNK_TOKENS`; every k-th chunk (k = round(1/eval_fraction))
 goes to ``eval.bin``, the rest to train shards of at most `shard_tokens` tokens. Memory stays bounded by
@@ -333,6 +333,7 @@ def cli_data(args: argparse.Namespace) -> int:
     )
     print(f"digest: {index_digest(index)}")
     print(
-        f'put in the manifest:\n[data]\nsource = "shards"\nshards = "{args.out}"\ndigest = "{index_digest(index)}"'
+        'put in the manifest:\n[data]\nsource = "shards"\n'
+        f'shards = "{args.out}"\ndigest = "{index_digest(index)}"'
     )
     return 0

@@ -1,4 +1,5 @@
-"""Token shards on disk: the index format, its content digest, checked memory-mapped reading, per-peer streams.
+"""Token shards on disk: the index format, its content digest, checked memory-mapped reading, per-peer
+streams.
 
 Owns the layout `p2p-diloco data prepare` writes (model/prepare.py) and everything that reads it:
 
@@ -239,7 +240,10 @@ def check_vocab(manifest: RunManifest, vocab_size: int, model_vocab: int | None 
     model = manifest.model
     fix = "raise the model's vocab_size"
     if model_vocab is not None:
-        fix = f"make model.factory {model.factory!r} build a vocabulary of at least {vocab_size} ([model.config])"
+        fix = (
+            f"make model.factory {model.factory!r} build a vocabulary of at least {vocab_size} "
+            "([model.config])"
+        )
     elif model.kind == ModelKind.GPT:
         model_vocab = 256
     elif model.kind == ModelKind.HF and model.pretrained:  # the pretrained folder's config.json

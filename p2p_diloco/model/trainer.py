@@ -13,9 +13,9 @@ and the tokens and steps a delta claims stay exact. Then the gradient is clipped
 Precision: ``fp32``; ``bf16`` autocasts forward and loss to bfloat16 (CPU and CUDA; weights, gradients
 and AdamW state stay fp32, so deltas and replicas are unchanged); ``fp16`` autocasts to float16 with a
 `torch.amp.GradScaler` (CUDA only: other devices autocast to bf16 instead, logged; a step whose
-gradients overflow is skipped by the scaler but still counted, as its batch was consumed). The loss is read from the device (a host sync) only every
-`loss_every` steps; other steps return None. The step counter restarts with the process, so a restarted
-peer warms up again (a short warmup is harmless there).
+gradients overflow is skipped by the scaler but still counted, as its batch was consumed). The loss is read
+from the device (a host sync) only every `loss_every` steps; other steps return None. The step counter
+restarts with the process, so a restarted peer warms up again (a short warmup is harmless there).
 
 ``[train] optimizer = "adamw8bit"`` swaps the inner AdamW for bitsandbytes' `AdamW8bit` (its moments
 kept blockwise-quantized to 8 bits on the GPU, same parameter groups, lr, betas, eps and weight decay)

@@ -4,12 +4,12 @@ Peers are given as ``NAME[:DELAY_MS[:RATE_MBIT]][:nat]``: DELAY_MS is the one-wa
 access link in each direction (RTT between two peers = 2 x the sum of their delays), RATE_MBIT its rate
 each way (empty or omitted: unlimited), ``nat`` puts the peer behind a MASQUERADE gateway.
 
-    wan_emulator.py start a:25:20 b:25:20 n:25:20:nat            # runs until Ctrl-C / SIGTERM, then tears down
-    wan_emulator.py start --detach a:25 b:25                      # prints the prefix and leaves it running
-    wan_emulator.py exec --prefix pdw1a2b3c a -- python -m ...    # run a command in peer a's namespace
+    wan_emulator.py start a:25:20 b:25:20 n:25:20:nat          # runs until Ctrl-C / SIGTERM, then tears down
+    wan_emulator.py start --detach a:25 b:25                    # prints the prefix and leaves it running
+    wan_emulator.py exec --prefix pdw1a2b3c a -- python -m ...  # run a command in peer a's namespace
     wan_emulator.py shape --prefix pdw1a2b3c a --delay-ms 50 --rate-mbit none
-    wan_emulator.py measure --prefix pdw1a2b3c a b                # RTT and TCP throughput a -> b
-    wan_emulator.py cleanup --prefix pdw1a2b3c                    # or --stale, or --prefix pdw for all runs
+    wan_emulator.py measure --prefix pdw1a2b3c a b              # RTT and TCP throughput a -> b
+    wan_emulator.py cleanup --prefix pdw1a2b3c                  # or --stale, or --prefix pdw for all runs
 """
 
 from __future__ import annotations

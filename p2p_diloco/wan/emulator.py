@@ -2,8 +2,8 @@
 
 Topology (every name starts with the run's unique prefix, e.g. ``pdw3fa2c1``)::
 
-    <prefix>-<peer>  --veth-->  <prefix>-router  <--veth--  <prefix>-<nat peer>-gw  --veth--  <prefix>-<nat peer>
-      10.0.i.2/24            10.0.i.1 ... 10.0.k.1             10.0.k.2 | 192.168.k.1         192.168.k.2
+    <prefix>-<peer>  --veth-->  <prefix>-router <--veth-- <prefix>-<nat peer>-gw --veth-- <prefix>-<nat peer>
+      10.0.i.2/24            10.0.i.1 ... 10.0.k.1           10.0.k.2 | 192.168.k.1       192.168.k.2
 
 * **Delay**: the router routes every packet between peer subnets into a TUN device; the forwarder
   (`wan.forwarder`, a process in the router namespace) holds it for the sender's uplink plus the
