@@ -7,8 +7,8 @@ with `textContent`, never as markup: peer IDs, reasons and devices come from oth
 Numbers that tests and people look for are in tables (peers, the last evaluations), not only in charts.
 Charts are drawn at their element's width (again when it changes), so labels keep their size on a phone,
 where tables show short peer IDs and scroll sideways (with a hint when columns lie beyond the edge), and the
-synchronizer change marks get short labels placed by their measured width (never over another); series colours are inline styles (a class rule's ``fill`` would override
-an attribute).
+synchronizer change marks get short labels placed by their measured width (never over another); series
+colours are inline styles (a class rule's ``fill`` would override an attribute).
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(520px,100%),1fr));gap:12px}
 .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px;min-width:0;overflow-x:auto}
 @media (max-width:600px){body{margin:8px} .card{padding:6px} .kpi{margin-right:12px} td,th{padding:3px 4px}}
-.scroll{overflow-x:auto;max-width:100%;-webkit-overflow-scrolling:touch} .more{color:#888;font-size:11px;text-align:right}
+.scroll{overflow-x:auto;max-width:100%;-webkit-overflow-scrolling:touch}
+.more{color:#888;font-size:11px;text-align:right}
 .kpi{display:inline-block;margin-right:22px} .kpi b{font-size:18px;display:block}
-table{border-collapse:collapse;width:100%;font-size:12px} td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
+table{border-collapse:collapse;width:100%;font-size:12px}
+td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
 td:first-child,th:first-child{text-align:left;font-family:monospace} th{color:#555;font-weight:600}
-svg{display:block;width:100%;height:220px} .axis{stroke:#999} .lbl{font-size:10px;fill:#555} .mark{stroke:#d33;stroke-dasharray:4 3}
+svg{display:block;width:100%;height:220px} .axis{stroke:#999} .lbl{font-size:10px;fill:#555}
+.mark{stroke:#d33;stroke-dasharray:4 3}
 .stale{color:#b60}
 """
 
@@ -42,37 +45,57 @@ function el(tag, attrs, text) {
   if (text !== undefined && text !== null) e.textContent = String(text);
   return e;
 }
-function fmt(x, d) { if (x === null || x === undefined) return "-"; return typeof x === "number" ? x.toFixed(d ?? 0) : String(x); }
-function human(n) { if (n === null || n === undefined) return "-"; const u = ["", "k", "M", "G", "T"]; let i = 0;
-  while (Math.abs(n) >= 1000 && i < u.length - 1) { n /= 1000; i++; } return n.toFixed(i ? 1 : 0) + u[i]; }
+function fmt(x, d) {
+  if (x === null || x === undefined) return "-";
+  return typeof x === "number" ? x.toFixed(d ?? 0) : String(x);
+}
+function human(n) {
+  if (n === null || n === undefined) return "-";
+  const u = ["", "k", "M", "G", "T"]; let i = 0;
+  while (Math.abs(n) >= 1000 && i < u.length - 1) { n /= 1000; i++; }
+  return n.toFixed(i ? 1 : 0) + u[i];
+}
 function clock(t) { return new Date(t * 1000).toISOString().substr(11, 8); }
 function short(id) { return id ? id.slice(0, 12) + "…" + id.slice(-4) : "-"; }
 function pid(id) { return window.innerWidth < 600 ? short(id) : id; }  // whole peer IDs where they fit
 function chart(id, series, opts) {
   const svg = document.getElementById(id); while (svg.firstChild) svg.removeChild(svg.firstChild);
-  const W = Math.max(260, Math.round(svg.getBoundingClientRect().width) || 600), H = 220, L = 48, R = 10, T = 10, B = 28;
+  const W = Math.max(260, Math.round(svg.getBoundingClientRect().width) || 600),
+    H = 220, L = 48, R = 10, T = 10, B = 28;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`); svg.dataset.w = W;
   const xt = W < 420 ? 2 : 4;
   const pts = series.flatMap(s => s.points);
-  if (!pts.length) { svg.appendChild(el("svg:text", {x: W / 2, y: H / 2, class: "lbl", "text-anchor": "middle"}, "no data yet")); return; }
+  if (!pts.length) {
+    svg.appendChild(el("svg:text", {x: W / 2, y: H / 2, class: "lbl", "text-anchor": "middle"},
+      "no data yet"));
+    return;
+  }
   let [x0, x1] = [Math.min(...pts.map(p => p[0])), Math.max(...pts.map(p => p[0]))];
   let [y0, y1] = [Math.min(...pts.map(p => p[1])), Math.max(...pts.map(p => p[1]))];
   if (x1 === x0) x1 = x0 + 1; if (y1 === y0) { y1 += 0.5; y0 -= 0.5; }
   const pad = (y1 - y0) * 0.05, low = y0; y0 -= pad; y1 += pad;
   if (opts.floor0 && low >= 0) y0 = Math.max(y0, 0);
-  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
+  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R),
+    sy = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
   svg.appendChild(el("svg:line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"}));
   svg.appendChild(el("svg:line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"}));
   const step = Math.max(1, Math.ceil((y1 - y0) / 4));
-  const yticks = opts.integer ? Array.from({length: Math.floor(y1) - Math.ceil(y0) + 1}, (_, i) => Math.ceil(y0) + i).filter(k => k % step === 0)
-                             : [0, 1, 2, 3, 4].map(i => y0 + (y1 - y0) * i / 4);
-  for (const y of yticks) svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 3, class: "lbl", "text-anchor": "end"}, opts.yfmt(y)));
+  const yticks = opts.integer
+    ? Array.from({length: Math.floor(y1) - Math.ceil(y0) + 1}, (_, i) => Math.ceil(y0) + i)
+      .filter(k => k % step === 0)
+    : [0, 1, 2, 3, 4].map(i => y0 + (y1 - y0) * i / 4);
+  for (const y of yticks)
+    svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 3, class: "lbl", "text-anchor": "end"},
+      opts.yfmt(y)));
   for (let i = 0; i <= xt; i++) {
     const x = x0 + (x1 - x0) * i / xt;
-    svg.appendChild(el("svg:text", {x: sx(x), y: H - B + 14, class: "lbl", "text-anchor": i === xt ? "end" : "middle"}, opts.xfmt(x)));
+    svg.appendChild(el("svg:text",
+      {x: sx(x), y: H - B + 14, class: "lbl", "text-anchor": i === xt ? "end" : "middle"}, opts.xfmt(x)));
   }
-  svg.appendChild(el("svg:text", {x: (L + W - R) / 2, y: H - 2, class: "lbl", "text-anchor": "middle"}, opts.xlabel));
-  const rows = [[], [], []];  // a mark's label goes right of its line (left near the edge), on the first free row
+  svg.appendChild(
+    el("svg:text", {x: (L + W - R) / 2, y: H - 2, class: "lbl", "text-anchor": "middle"}, opts.xlabel));
+  // a mark's label goes right of its line (left near the edge), on the first free row
+  const rows = [[], [], []];
   for (const m of opts.marks || []) {
     if (m.x < x0 || m.x > x1) continue;
     const x = sx(m.x);
@@ -91,9 +114,12 @@ function chart(id, series, opts) {
   series.forEach((s, i) => {
     if (!s.points.length) return;
     const color = s.color || COLORS[i % COLORS.length];
-    const d = s.points.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + " " + sy(p[1]).toFixed(1)).join(" ");
+    const d = s.points.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + " " + sy(p[1]).toFixed(1))
+      .join(" ");
     svg.appendChild(el("svg:path", {d, fill: "none", stroke: color, "stroke-width": 1.8}));
-    if (s.dots) for (const p of s.points) svg.appendChild(el("svg:circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.2, fill: color}));
+    if (s.dots)
+      for (const p of s.points)
+        svg.appendChild(el("svg:circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.2, fill: color}));
     svg.appendChild(el("svg:text", {x: lx, y: T + 44, class: "lbl legend", style: `fill:${color}`}, s.name));
     lx += 5.6 * s.name.length + 14;
   });
@@ -101,10 +127,15 @@ function chart(id, series, opts) {
 function table(id, head, rows) {
   const t = document.getElementById(id); while (t.firstChild) t.removeChild(t.firstChild);
   const tr = el("tr"); head.forEach(h => tr.appendChild(el("th", {}, h))); t.appendChild(tr);
-  for (const r of rows) { const row = el("tr"); r.forEach(c => row.appendChild(el("td", {}, c))); t.appendChild(row); }
-  if (!rows.length) { const row = el("tr"); row.appendChild(el("td", {colspan: head.length}, "none")); t.appendChild(row); }
+  for (const r of rows) {
+    const row = el("tr"); r.forEach(c => row.appendChild(el("td", {}, c))); t.appendChild(row);
+  }
+  if (!rows.length) {
+    const row = el("tr"); row.appendChild(el("td", {colspan: head.length}, "none")); t.appendChild(row);
+  }
   const box = t.parentNode, more = box.nextElementSibling;  // a hint when columns lie beyond the edge
-  if (more && more.classList.contains("more")) more.textContent = box.scrollWidth > box.clientWidth + 1 ? "scroll sideways for more columns →" : "";
+  if (more && more.classList.contains("more"))
+    more.textContent = box.scrollWidth > box.clientWidth + 1 ? "scroll sideways for more columns →" : "";
 }
 function render(v) {
   const ev = v.eval, last = ev.length ? ev[ev.length - 1] : null, sync = v.synchronizer;
@@ -120,26 +151,51 @@ function render(v) {
   document.getElementById("kpi-versions").textContent = v.fragments.map(f => "v" + f.version).join(" ");
   const h = v.health, stale = h.last_poll_age !== null && h.last_poll_age > 15;
   const st = document.getElementById("health");
-  st.textContent = `updated ${clock(v.time)} · ${h.polls} polls, ${h.errors} failed, ${h.reconnects} DHT reconnects` + (h.last_error ? ` (last: ${h.last_error})` : "") + (stale ? ` · DHT unreachable for ${h.last_poll_age.toFixed(0)} s, showing the last view` : "");
+  st.textContent = `updated ${clock(v.time)} · ${h.polls} polls, `
+    + `${h.errors} failed, ${h.reconnects} DHT reconnects`
+    + (h.last_error ? ` (last: ${h.last_error})` : "")
+    + (stale ? ` · DHT unreachable for ${h.last_poll_age.toFixed(0)} s, showing the last view` : "");
   st.className = stale ? "sub stale" : "sub";
-  const marks = v.versions.marks.map(m => ({x: m.t, label: `${m.kind} → term ${m.term}`, short: `→ t${m.term}`}));
-  chart("c-loss-time", [{name: "eval loss", points: ev.map(p => [p.t, p.loss]), dots: true}], {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});
-  chart("c-loss-tokens", [{name: "eval loss", points: ev.map(p => [p.tokens, p.loss]), dots: true, color: "#2ca02c"}], {xfmt: human, yfmt: y => y.toFixed(2), xlabel: "merged tokens"});
+  const marks = v.versions.marks.map(m =>
+    ({x: m.t, label: `${m.kind} → term ${m.term}`, short: `→ t${m.term}`}));
+  chart("c-loss-time", [{name: "eval loss", points: ev.map(p => [p.t, p.loss]), dots: true}],
+    {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});
+  chart("c-loss-tokens",
+    [{name: "eval loss", points: ev.map(p => [p.tokens, p.loss]), dots: true, color: "#2ca02c"}],
+    {xfmt: human, yfmt: y => y.toFixed(2), xlabel: "merged tokens"});
   const S = v.versions.samples, n = v.fragments.length;
-  const vs = Array.from({length: n}, (_, i) => ({name: "fragment " + i, points: S.filter(s => s.versions.length > i).map(s => [s.t, s.versions[i]])}));
+  const vs = Array.from({length: n}, (_, i) =>
+    ({name: "fragment " + i, points: S.filter(s => s.versions.length > i).map(s => [s.t, s.versions[i]])}));
   chart("c-versions", vs, {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
-  chart("c-throughput", [{name: "tokens/s, all live peers", points: S.map(s => [s.t, s.tokens_per_s ?? 0]), color: "#ff7f0e"}], {xfmt: clock, yfmt: human, xlabel: "time (UTC)", marks, floor0: true});
-  chart("c-train-loss", [{name: "training loss, mean of live peers", points: S.filter(s => s.train_loss !== null && s.train_loss !== undefined).map(s => [s.t, s.train_loss]), color: "#1f77b4"}], {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});
-  chart("c-terms", [{name: "synchronizer term", points: S.map(s => [s.t, s.term]), color: "#9467bd"}], {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
-  table("t-peers", ["peer", "role", "tokens/s", "uptime", "link", "version lag", "device", "loss", "sent", "received"],
-    v.peers.map(p => [pid(p.peer_id), p.listed === false ? p.role + " (claims)" : p.role, fmt(p.tokens_per_s), p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-", fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
+  chart("c-throughput",
+    [{name: "tokens/s, all live peers", points: S.map(s => [s.t, s.tokens_per_s ?? 0]), color: "#ff7f0e"}],
+    {xfmt: clock, yfmt: human, xlabel: "time (UTC)", marks, floor0: true});
+  chart("c-train-loss",
+    [{name: "training loss, mean of live peers",
+      points: S.filter(s => s.train_loss !== null && s.train_loss !== undefined)
+        .map(s => [s.t, s.train_loss]),
+      color: "#1f77b4"}],
+    {xfmt: clock, yfmt: y => y.toFixed(2), xlabel: "time (UTC)", marks});
+  chart("c-terms", [{name: "synchronizer term", points: S.map(s => [s.t, s.term]), color: "#9467bd"}],
+    {xfmt: clock, yfmt: y => y.toFixed(0), xlabel: "time (UTC)", marks, integer: true});
+  table("t-peers",
+    ["peer", "role", "tokens/s", "uptime", "link", "version lag", "device", "loss", "sent", "received"],
+    v.peers.map(p => [pid(p.peer_id), p.listed === false ? p.role + " (claims)" : p.role, fmt(p.tokens_per_s),
+      p.uptime === null ? "-" : fmt(p.uptime) + " s", p.link, fmt(p.version_lag), p.device || "-",
+      fmt(p.loss, 3), human(p.bytes_sent), human(p.bytes_received)]));
   table("t-eval", ["time", "evaluator", "term", "merged tokens", "versions", "eval loss", "perplexity"],
-    ev.slice(-8).reverse().map(p => [clock(p.t), short(p.evaluator), p.term, human(p.tokens), p.versions.join(","), p.loss.toFixed(4), p.perplexity.toFixed(2)]));
-  table("t-contrib", ["peer", "merged tokens", "updates"], v.contributions.map(c => [pid(c.peer_id), human(c.tokens), c.updates]));
+    ev.slice(-8).reverse().map(p => [clock(p.t), short(p.evaluator), p.term, human(p.tokens),
+      p.versions.join(","), p.loss.toFixed(4), p.perplexity.toFixed(2)]));
+  table("t-contrib", ["peer", "merged tokens", "updates"],
+    v.contributions.map(c => [pid(c.peer_id), human(c.tokens), c.updates]));
   table("t-reasons", ["reason", "count"], v.rejections.by_reason.map(r => [r.reason, r.count]));
-  table("t-senders", ["sender", "reason", "count"], v.rejections.by_sender.map(r => [pid(r.sender), r.reason, r.count]));
-  table("t-failovers", ["time", "kind", "from", "to", "term"], v.versions.marks.slice().reverse().map(m => [clock(m.t), m.kind, short(m.from), short(m.to), m.term]));
-  document.getElementById("bytes").textContent = `sent ${human(v.bytes.sent)}B, received ${human(v.bytes.received)}B (peers' transport frames since their start)`;
+  table("t-senders", ["sender", "reason", "count"],
+    v.rejections.by_sender.map(r => [pid(r.sender), r.reason, r.count]));
+  table("t-failovers", ["time", "kind", "from", "to", "term"],
+    v.versions.marks.slice().reverse().map(m => [clock(m.t), m.kind, short(m.from), short(m.to), m.term]));
+  document.getElementById("bytes").textContent =
+    `sent ${human(v.bytes.sent)}B, received ${human(v.bytes.received)}B `
+    + "(peers' transport frames since their start)";
 }
 async function poll() {
   try { const r = await fetch("/api/summary", {cache: "no-store"}); if (r.ok) draw(await r.json()); }
@@ -151,7 +207,8 @@ const draw = v => { shown = v; render(v); };
 render(shown);
 // charts are drawn at their width: draw them again when an element's width differs from what it was drawn at
 const resized = new ResizeObserver(entries => {
-  if (entries.some(e => Math.abs(Math.max(260, Math.round(e.contentRect.width)) - Number(e.target.dataset.w)) > 1)) render(shown);
+  if (entries.some(e =>
+    Math.abs(Math.max(260, Math.round(e.contentRect.width)) - Number(e.target.dataset.w)) > 1)) render(shown);
 });
 document.querySelectorAll("svg").forEach(svg => resized.observe(svg));
 setTimeout(poll, POLL_MS);
@@ -160,25 +217,36 @@ setTimeout(poll, POLL_MS);
 _BODY = """
 <h1>p2p_diloco dashboard</h1><div class="sub" id="run"></div><div class="sub" id="health"></div>
 <div class="card">
-<span class="kpi">live peers<b id="kpi-peers">-</b></span><span class="kpi">synchronizer<b id="kpi-sync">-</b></span>
-<span class="kpi">term<b id="kpi-term">-</b></span><span class="kpi">global eval loss<b id="last-loss">-</b></span>
-<span class="kpi">perplexity<b id="kpi-ppl">-</b></span><span class="kpi">merged tokens<b id="kpi-tokens">-</b></span>
+<span class="kpi">live peers<b id="kpi-peers">-</b></span><span
+class="kpi">synchronizer<b id="kpi-sync">-</b></span>
+<span class="kpi">term<b id="kpi-term">-</b></span><span
+class="kpi">global eval loss<b id="last-loss">-</b></span>
+<span class="kpi">perplexity<b id="kpi-ppl">-</b></span><span
+class="kpi">merged tokens<b id="kpi-tokens">-</b></span>
 <span class="kpi">fragment versions<b id="kpi-versions">-</b></span></div>
 <div class="grid">
 <div class="card"><h2>Global eval loss over time</h2><svg id="c-loss-time"></svg></div>
 <div class="card"><h2>Global eval loss over merged tokens</h2><svg id="c-loss-tokens"></svg></div>
 <div class="card"><h2>Fragment versions (synchronizer changes marked)</h2><svg id="c-versions"></svg></div>
 <div class="card"><h2>Throughput (the peers' tokens/s, summed)</h2><svg id="c-throughput"></svg></div>
-<div class="card"><h2>Training loss over time (mean of the live peers')</h2><svg id="c-train-loss"></svg></div>
+<div class="card"><h2>Training loss over time (mean of the live peers')</h2>
+<svg id="c-train-loss"></svg></div>
 <div class="card"><h2>Synchronizer term</h2><svg id="c-terms"></svg></div>
 </div>
-<div class="card"><h2>Peers</h2><div class="scroll"><table id="t-peers"></table></div><div class="more"></div><div class="sub" id="bytes"></div></div>
-<div class="card"><h2>Last global evaluations</h2><div class="scroll"><table id="t-eval"></table></div><div class="more"></div></div>
+<div class="card"><h2>Peers</h2>
+<div class="scroll"><table id="t-peers"></table></div><div class="more"></div>
+<div class="sub" id="bytes"></div></div>
+<div class="card"><h2>Last global evaluations</h2>
+<div class="scroll"><table id="t-eval"></table></div><div class="more"></div></div>
 <div class="grid">
-<div class="card"><h2>Contributions (merged tokens per peer)</h2><div class="scroll"><table id="t-contrib"></table></div><div class="more"></div></div>
-<div class="card"><h2>Rejections by reason</h2><div class="scroll"><table id="t-reasons"></table></div><div class="more"></div></div>
-<div class="card"><h2>Rejections by sender</h2><div class="scroll"><table id="t-senders"></table></div><div class="more"></div></div>
-<div class="card"><h2>Synchronizer changes</h2><div class="scroll"><table id="t-failovers"></table></div><div class="more"></div></div>
+<div class="card"><h2>Contributions (merged tokens per peer)</h2>
+<div class="scroll"><table id="t-contrib"></table></div><div class="more"></div></div>
+<div class="card"><h2>Rejections by reason</h2>
+<div class="scroll"><table id="t-reasons"></table></div><div class="more"></div></div>
+<div class="card"><h2>Rejections by sender</h2>
+<div class="scroll"><table id="t-senders"></table></div><div class="more"></div></div>
+<div class="card"><h2>Synchronizer changes</h2>
+<div class="scroll"><table id="t-failovers"></table></div><div class="more"></div></div>
 </div>
 """
 
