@@ -477,6 +477,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     if rows and rows[0].get("wall_seconds_per_virtual_second_per_peer"):
         base = rows[0]["wall_seconds_per_virtual_second_per_peer"]
         ax.plot(peers, [2 * base] * len(peers), "k--", lw=0.8, label="2x smallest (#40 target)")
+    for r in rows:
+        if not r.get("completed") and r.get("wall_seconds_per_virtual_second_per_peer"):
+            played = r.get("detail", {}).get("virtual_seconds", 0.0)
+            ax.annotate(
+                f"stopped at the wall budget:\nfirst {played:.0f} virtual s only",
+                (r["peers"], r["wall_seconds_per_virtual_second_per_peer"]),
+                textcoords="offset points",
+                xytext=(-150, -25),
+                fontsize=8,
+            )
     ax.set_title("wall s per virtual s per peer")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
