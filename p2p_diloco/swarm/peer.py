@@ -91,6 +91,7 @@ class Peer:
         self.serving = Serving(ctx, self.book, self.membership)
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
         self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
+        self.book.merged = self.outbox.on_merged  # every applied update, replayed ones included
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.relay = Relay.for_run(peer_id, manifest)
         self.spreading = Spreading(
@@ -236,13 +237,12 @@ class Peer:
             self._repair(fx.RepairNeeded(reconcile, fragment, tuple(sources), theirs=winner, proof=decision))
 
     def _receive_update(self, sender: str, frame: bytes, now: float) -> fx.Task:
-        """A pushed update: `UpdateBook.accept`, then what its verdict asks for (the learner's in-flight
-        deltas it merged, or the repair of a fragment it does not follow)."""
+        """A pushed update: `UpdateBook.accept` (which tells the outbox what it merged), then what its
+        verdict asks for: relay it on, or repair a fragment it does not follow."""
         verdict = yield from self.book.accept(frame, sender, UpdateSource.PUSHED, now)
         if verdict.record is not None:
             self.underway.witness(verdict.record)
         if verdict.reply.status == ReplyStatus.APPLIED and verdict.record is not None:
-            self.outbox.on_merged(verdict.record)
             self.spreading.spread(verdict.record, hop=1, now=now, relayed=False)
         elif verdict.repair is not None:
             self._repair(verdict.repair)

@@ -77,7 +77,6 @@ class Spreading:
             return self.journal.reject(sender, hop, f"relayed {update}")
         verdict = yield from self.book.accept(message.frame, sender, UpdateSource.RELAYED, now)
         if verdict.reply.status == ReplyStatus.APPLIED:
-            self.outbox.on_merged(record)
             self.spread(record, hop=hop, now=now, relayed=True)
         else:
             self._relay_offence(sender, verdict.reply.tag)

@@ -120,7 +120,6 @@ class SynchronizerRole:
                 self.journal.note(f"own update refused: {reply}")
                 self.sync.rounds.abort(record.fragment)
                 continue
-            self.outbox.on_merged(record)
             frame = encode_update(record)
             live = self.membership.live_peers
             for peer in self.relay.publish(UpdateId.of(record), live, len(frame), record.contributor_ids):

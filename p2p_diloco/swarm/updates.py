@@ -19,7 +19,7 @@ depend on the update and the manifest only, so every replica reaches the same ve
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -167,6 +167,9 @@ class UpdateBook:
         self.manifest, self.plan, self.replica = manifest, plan, replica
         self.journal, self._emit = ctx.journal, ctx.emit
         self.membership = membership
+        # told of every applied update, however it came (pushed, relayed, replayed, own): the outbox drops
+        # the delta in flight that it merged (`Outbox.on_merged`)
+        self.merged: Callable[[UpdateRecord], None] = lambda record: None
         self.keys = keys
         self.vouchers = Vouchers(plan.num_fragments)
         self.checks = UpdateChecks(manifest, plan.num_fragments, robust)
@@ -345,6 +348,7 @@ class UpdateBook:
         if decision.action != Action.APPLY:
             return Reply.of(ReplyStatus.REFUSED, decision)
         self._note_applied(record, grad, values, source=source, how=how, now=now)
+        self.merged(record)
         if self.has_learner:
             self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
         self._emit(Applied(record, source, how))

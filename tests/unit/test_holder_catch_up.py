@@ -213,3 +213,34 @@ def test_a_holder_that_cannot_read_the_dht_stops_merging_when_its_written_lease_
     assert me.sync_now(fence + 30.0) == []  # every grace window long over, yet nothing merged
     assert any(f"term {lease.term}: lease written to expire" in line for line in me.peer.decisions)
     assert [r.fragment for r in me.sync_now(fence - 0.01)] == [fragment]  # before it, the round merges
+
+
+def test_a_replayed_update_that_merged_my_delta_takes_it_out_of_flight():
+    """Regression (found at 64 peers in the simulator, `deltas_settled`): an update that merged this
+    learner's delta but reached it by replay (a catch-up), not by push, left the delta in flight until the
+    backstop expiry, when its work would have gone out again. Every applied update now tells the outbox."""
+    me = make_peer(MANIFEST)
+    lease = LeaseRecord("old", 1, expires_at=me.clock.now() + MANIFEST.timing.lease_ttl)
+    me.kv.store(lease_key(MANIFEST.run_id, MANIFEST.manifest_hash), "old", encode_lease(lease), 1e9)
+    ticks(me, 1)
+    while not me.peer.outbox.in_flight:
+        me.train_step()
+    (fragment, sent), *_ = me.peer.outbox.in_flight.items()
+    replica = copy.deepcopy(me.replica)
+    payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(fragment).items()})
+    pending = replica.compute_update(fragment, decode_tensors(payload), lr=0.7, momentum=0.9)
+    record = UpdateRecord(
+        MANIFEST.run_id,
+        MANIFEST.manifest_hash,
+        fragment,
+        0,
+        1,
+        "old",
+        (("me", 1.0),),
+        pending.checksum,
+        payload,
+        seqs=(sent.seq,),
+    )
+    me.transport.updates = [encode_update(signed(record))]
+    assert me.catch_up_fragment(fragment, ["old"], target=1)
+    assert me.replica.version(fragment) == 1 and fragment not in me.peer.outbox.in_flight
