@@ -306,6 +306,19 @@ def format_status(status: dict[str, Any]) -> str:
         )
     else:
         lines.append("global eval: none published yet")
+    lines += _peer_lines(status)
+    for refused in status.get("refused_leases", []):
+        lines.append(f"refused lease: {refused['peer_id']} term {refused['term']}: {refused['reason']}")
+    if status["ignored"]:
+        lines.append(f"ignored records: {status['ignored']}")
+    if status.get("ledger") is not None:
+        lines.append(format_ledger(status["ledger"]))
+    return "\n".join(lines)
+
+
+def _peer_lines(status: dict[str, Any]) -> list[str]:
+    """The live peers' table, then each peer's rejections and its last decisions."""
+    lines: list[str] = []
     if status["peers"]:
         lines.append(
             f"{'peer':<48} {'role':<12} {'step':>7} {'loss':>6} {'tok/s':>8} {'applied':>7} "
@@ -328,13 +341,7 @@ def format_status(status: dict[str, Any]) -> str:
     for p in status["peers"]:
         for line in p["decisions"][-3:]:
             lines.append(f"{p['peer_id'][:16]}: {humanize_times(line, status['time'])}")
-    for refused in status.get("refused_leases", []):
-        lines.append(f"refused lease: {refused['peer_id']} term {refused['term']}: {refused['reason']}")
-    if status["ignored"]:
-        lines.append(f"ignored records: {status['ignored']}")
-    if status.get("ledger") is not None:
-        lines.append(format_ledger(status["ledger"]))
-    return "\n".join(lines)
+    return lines
 
 
 def local_ledger(args: argparse.Namespace) -> dict[str, Any] | None:

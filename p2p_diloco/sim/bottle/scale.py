@@ -457,6 +457,23 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _mark_cost_target(ax: Any, rows: list[dict[str, Any]], peers: list[int]) -> None:
+    """The #40 target line (2x the smallest size's cost) and a note on sizes stopped at the wall budget."""
+    if rows and rows[0].get("wall_seconds_per_virtual_second_per_peer"):
+        base = rows[0]["wall_seconds_per_virtual_second_per_peer"]
+        ax.plot(peers, [2 * base] * len(peers), "k--", lw=0.8, label="2x smallest (#40 target)")
+    for r in rows:
+        if not r.get("completed") and r.get("wall_seconds_per_virtual_second_per_peer"):
+            played = r.get("detail", {}).get("virtual_seconds", 0.0)
+            ax.annotate(
+                f"stopped at the wall budget:\nfirst {played:.0f} virtual s only",
+                (r["peers"], r["wall_seconds_per_virtual_second_per_peer"]),
+                textcoords="offset points",
+                xytext=(-150, -25),
+                fontsize=8,
+            )
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -474,19 +491,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     ax = axes[0]
     series(ax, "wall_seconds_per_virtual_second_per_peer", "measured")
-    if rows and rows[0].get("wall_seconds_per_virtual_second_per_peer"):
-        base = rows[0]["wall_seconds_per_virtual_second_per_peer"]
-        ax.plot(peers, [2 * base] * len(peers), "k--", lw=0.8, label="2x smallest (#40 target)")
-    for r in rows:
-        if not r.get("completed") and r.get("wall_seconds_per_virtual_second_per_peer"):
-            played = r.get("detail", {}).get("virtual_seconds", 0.0)
-            ax.annotate(
-                f"stopped at the wall budget:\nfirst {played:.0f} virtual s only",
-                (r["peers"], r["wall_seconds_per_virtual_second_per_peer"]),
-                textcoords="offset points",
-                xytext=(-150, -25),
-                fontsize=8,
-            )
+    _mark_cost_target(ax, rows, peers)
     ax.set_title("wall s per virtual s per peer")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
