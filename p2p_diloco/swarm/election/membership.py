@@ -31,6 +31,8 @@ from p2p_diloco.swarm.journal import Journal
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
+Decoded = dict[str, tuple[HeartbeatInfo, float]]  # peer -> its decoded heartbeat and DHT expiration
+
 LEASE_HISTORY = 64
 RECORDS_PER_TERM = 8
 
@@ -114,12 +116,17 @@ class Membership:
         return self.shards[shards.shard_of(fragment, len(self.shards))]
 
     def ingest_all(self, records: SwarmRecords) -> list[SwarmView]:
-        """`ingest` in every shard's membership, shard 0 first; their views."""
-        return [membership.ingest(records) for membership in self.shards]
+        """`ingest` in every shard's membership, shard 0 first; their views. The heartbeats are decoded once
+        for all shards (a peer decoded each one once per shard: M x S decodes a period, issue #40)."""
+        decoded = self._decode_heartbeats(records)
+        return [membership.ingest(records, decoded) for membership in self.shards]
 
-    def ingest(self, records: SwarmRecords) -> SwarmView:
-        """Decode what was read from the DHT; remembers live peers and every lease holder seen."""
-        live, heartbeats = self._heartbeats(records)
+    def ingest(self, records: SwarmRecords, decoded: Decoded | None = None) -> SwarmView:
+        """Decode what was read from the DHT (the heartbeats unless `decoded` holds them already); remembers
+        live peers and every lease holder seen."""
+        if decoded is None:
+            decoded = self._decode_heartbeats(records)
+        live, heartbeats = self._heartbeats(decoded)
         seen = self._leases(records)
         leases = self._screen(seen, live, records.now)
         leases += self._remembered(records.now, {item.lease.holder for item in seen})
@@ -135,11 +142,10 @@ class Membership:
         self._cover, gaps = claim_guard.covered(self._cover, read, self.peer_id, records.now, timing)
         return SwarmView(heartbeats, leases, gaps)
 
-    def _heartbeats(self, records: SwarmRecords) -> tuple[dict[str, HeartbeatInfo], list[PeerHeartbeat]]:
-        """The live peers' heartbeats that decode (a bad one is counted), and the election's records of the
-        peers that may synchronize (and this peer itself)."""
-        heartbeats: list[PeerHeartbeat] = []
-        live: dict[str, HeartbeatInfo] = {}
+    def _decode_heartbeats(self, records: SwarmRecords) -> Decoded:
+        """The heartbeats of peers that may take part that decode (a bad one is counted and noted by
+        shard 0's membership, which every shard's read goes through first), with their DHT expiration."""
+        decoded: Decoded = {}
         for peer, stored in records.heartbeats.items():
             if not self.allowed(peer):
                 continue
@@ -150,12 +156,19 @@ class Membership:
                     self.journal.rejections["bad heartbeat"] += 1
                     self.journal.note(f"ignored heartbeat of {peer}: {exc}")
                 continue
+            decoded[peer] = (info, stored.expiration)
+        return decoded
+
+    def _heartbeats(self, decoded: Decoded) -> tuple[dict[str, HeartbeatInfo], list[PeerHeartbeat]]:
+        """The live peers' heartbeats, and the election's records of the peers that may synchronize (and
+        this peer itself), with this shard's term."""
+        heartbeats: list[PeerHeartbeat] = []
+        live: dict[str, HeartbeatInfo] = {}
+        for peer, (info, expiration) in decoded.items():
             live[peer] = info
             if peer != self.peer_id and not self.manifest.may_synchronize(peer):
                 continue  # the election reads only peers that may synchronize (and this peer itself)
-            record = replace(
-                info.as_election_record(peer, stored.expiration), term_seen=info.term_of(self.shard)
-            )
+            record = replace(info.as_election_record(peer, expiration), term_seen=info.term_of(self.shard))
             if record.may_sync and not self.manifest.may_synchronize(peer):
                 record = replace(record, may_sync=False)
             heartbeats.append(record)
