@@ -170,6 +170,7 @@ class UpdateBook:
         # told of every applied update, however it came (pushed, relayed, replayed, own): the outbox drops
         # the delta in flight that it merged (`Outbox.on_merged`)
         self.merged: Callable[[UpdateRecord], None] = lambda record: None
+        self._ahead: tuple[Mapping[str, HeartbeatInfo], tuple, dict[int, Ahead]] | None = None  # last answer
         self.keys = keys
         self.vouchers = Vouchers(plan.num_fragments)
         self.checks = UpdateChecks(manifest, plan.num_fragments, robust)
@@ -236,8 +237,15 @@ class UpdateBook:
         claim the lease."""
         fragments = range(self.plan.num_fragments)
         ceilings = [term_ceiling] * len(fragments) if isinstance(term_ceiling, int) else term_ceiling
+        tips = self.tips()
+        key = (peer_id, tuple(ceilings), self.vouchers.generation, tuple(tips))
+        cached = self._ahead
+        if cached is not None and cached[0] is live_peers and cached[1] == key:
+            return cached[2]  # every shard's election of one read asks the same (issue #40)
         reported = [reported_tips(live_peers, p, peer_id, ceilings[p]) for p in fragments]
-        return trusted_ahead(self.vouchers, self.tips(), reported, self.manifest.may_synchronize)
+        ahead = trusted_ahead(self.vouchers, tips, reported, self.manifest.may_synchronize)
+        self._ahead = (live_peers, key, ahead)
+        return ahead
 
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         """(tag, detail) if a record is not for this run, manifest or fragment layout."""

@@ -39,9 +39,11 @@ MIN_INDEPENDENT_PEERS = 2
 class Vouchers:
     def __init__(self, num_fragments: int):
         self._states: list[dict[int, tuple[str, int]]] = [{} for _ in range(num_fragments)]
+        self.generation = 0  # changes with every vouch (what was trusted may differ)
 
     def vouch(self, record: UpdateRecord) -> None:
         """`record`'s signature and lease were checked: the state it leads to is vouched for."""
+        self.generation += 1
         states = self._states[record.fragment]
         states[record.to_version] = (record.checksum, record.term)
         for version in sorted(states)[:-MAX_VOUCHED]:

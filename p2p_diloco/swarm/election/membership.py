@@ -119,7 +119,10 @@ class Membership:
         """`ingest` in every shard's membership, shard 0 first; their views. The heartbeats are decoded once
         for all shards (a peer decoded each one once per shard: M x S decodes a period, issue #40)."""
         decoded = self._decode_heartbeats(records)
-        return [membership.ingest(records, decoded) for membership in self.shards]
+        views = [membership.ingest(records, decoded) for membership in self.shards]
+        for membership in self.shards[1:]:  # equal: one object, so what is derived from it is derived once
+            membership.live_peers = self.live_peers
+        return views
 
     def ingest(self, records: SwarmRecords, decoded: Decoded | None = None) -> SwarmView:
         """Decode what was read from the DHT (the heartbeats unless `decoded` holds them already); remembers
