@@ -27,6 +27,7 @@ from enum import StrEnum
 from typing import Any
 
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
 from p2p_diloco.protocol.timing import DEFAULT_EMA_ALPHA, Ema, RoundTimings
 
@@ -69,7 +70,7 @@ class Contribution:
         """tokens * (tokens / steps): tokens trained times tokens per step (0 for invalid counters)."""
         if self.tokens <= 0 or self.steps <= 0:
             return 0.0
-        return self.tokens * self.tokens / self.steps
+        return diloco.merge_weight(self.tokens, self.steps)
 
 
 class FragmentRound:

@@ -27,6 +27,7 @@ import torch
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
+from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.messages import DeltaHeader, ListedDelta, UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
@@ -129,10 +130,8 @@ def merge_signed(
         for e in entries
     ]
     merged = union_merge(contributions, shapes).tensors
-    if manifest.diloco.outer_scaling == "contributors" and len(entries) < live:
-        scale = torch.tensor(len(entries) / live, dtype=torch.float32)
-        for t in merged.values():
-            t.mul_(scale)
+    if manifest.diloco.outer_scaling == "contributors":
+        diloco.scale_to_live(list(merged.values()), len(entries), live)
     return merged
 
 
