@@ -225,7 +225,6 @@ def test_a_holder_is_woken_at_its_rounds_deadline_not_polled():
     assert tick(harness, 0.0).action == election.HOLD  # a second live learner: its delta is awaited
     peer.sync.observe_step_time(5.0)  # learners step every 5 s: a grace window keeps the round open
     due: list[float | None] = []
-    harness.observer = lambda intent: None
     original = harness.sync_due
     harness.sync_due = lambda at: (due.append(at), original(at))
     for _ in range(MANIFEST.diloco.steps_per_fragment):

@@ -474,6 +474,16 @@ def _mark_cost_target(ax: Any, rows: list[dict[str, Any]], peers: list[int]) -> 
             )
 
 
+def _style(ax: Any, title: str, *, log_y: bool) -> None:
+    """One panel's title and axes: peers on a log2 axis."""
+    ax.set_title(title)
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("peers M (S = M / 16)")
+    ax.legend(fontsize=8)
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -489,31 +499,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         if xs:
             ax.plot(xs, ys, marker=marker, label=label)
 
-    ax = axes[0]
-    series(ax, "wall_seconds_per_virtual_second_per_peer", "measured")
-    _mark_cost_target(ax, rows, peers)
-    ax.set_title("wall s per virtual s per peer")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("peers M (S = M / 16)")
-    ax.legend(fontsize=8)
-
-    ax = axes[1]
-    series(ax, "busiest_peer_bytes_per_round", "busiest peer (sent + received)", 1e3)
-    series(ax, "holder_inbound_bytes_per_round", "synchronizer inbound", 1e3, "s")
-    ax.set_title("kB per round (one update of every fragment)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("peers M (S = M / 16)")
-    ax.legend(fontsize=8)
-
-    ax = axes[2]
-    series(ax, "propagation_p50_s", "p50")
-    series(ax, "propagation_p99_s", "p99", marker="s")
-    ax.set_title("publish -> applied at each replica (virtual s)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("peers M (S = M / 16)")
-    ax.legend(fontsize=8)
+    cost, traffic, spread = axes
+    series(cost, "wall_seconds_per_virtual_second_per_peer", "measured")
+    _mark_cost_target(cost, rows, peers)
+    _style(cost, "wall s per virtual s per peer", log_y=True)
+    series(traffic, "busiest_peer_bytes_per_round", "busiest peer (sent + received)", 1e3)
+    series(traffic, "holder_inbound_bytes_per_round", "synchronizer inbound", 1e3, "s")
+    _style(traffic, "kB per round (one update of every fragment)", log_y=True)
+    series(spread, "propagation_p50_s", "p50")
+    series(spread, "propagation_p99_s", "p99", marker="s")
+    _style(spread, "publish -> applied at each replica (virtual s)", log_y=False)
     notes = ", ".join(
         f"M={r['peers']}: twice={r['terms_held_twice']} equal={r['replicas_equal']}"
         + ("" if r.get("completed") else " (stopped at the wall budget)")
