@@ -11,6 +11,15 @@ Only forks of the thread that entered the block are marked: the kernel sends the
 *forking thread* ends, so a fork from a short-lived worker thread must not get it. Elsewhere than
 Linux this is a no-op (`supported()` says so).
 
+When the peer runs in its terminal's foreground process group (`in_terminal_foreground`), such a fork
+also moves into a process group of its own, which the p2pd it starts joins: a Ctrl-C there sends
+SIGINT to every process of the foreground group, and p2pd (started by libuv with every signal reset to
+its default action) used to die on it before the peer's orderly shutdown, which then could not release
+its lease to the swarm, and logged `use of closed network connection` and hivemind's "did not shut down
+within the grace period". The peer alone gets the terminal's signals and stops its helpers in order.
+Peers started by scripts without a terminal (their own session, as the tests and the demo do) keep their
+helpers in their group, so killing the group still takes the DHT process and p2pd along.
+
 The commands that run a DHT node stop on SIGINT/SIGTERM through `install_stop_handlers` (they set a
 stop event in this process only: a forked child such as the DHT gets the default action back) and put
 the old handlers back with `restore_handlers`.
@@ -30,7 +39,8 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-_armed: dict[int, int] = {}  # forking thread ident -> pid the child must outlive (its parent)
+# forking thread ident -> (pid the child must outlive (its parent), whether the child leaves the group)
+_armed: dict[int, tuple[int, bool]] = {}
 _lock = threading.Lock()
 _hook_installed = False
 
@@ -46,14 +56,43 @@ def _set_parent_death_signal(sig: int) -> bool:
     return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
+def in_terminal_foreground() -> bool:
+    """Whether this process's group is the foreground group of a controlling terminal (whose Ctrl-C
+    sends SIGINT to every process in the group)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _leave_terminal_group() -> None:
+    """In the child: a process group of its own, in the same session (out of reach of the terminal's
+    SIGINT, SIGQUIT and SIGTSTP); SIGTTOU ignored so that its log lines still reach the terminal from the
+    background when the terminal has `stty tostop`."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        return
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+
+
 def _in_child() -> None:
     """After a fork, in the child (the forking thread is its only thread)."""
-    parent = _armed.get(threading.get_ident())
+    armed = _armed.get(threading.get_ident())
     _armed.clear()  # the child's own forks are not marked unless it asks
-    if parent is None:
+    if armed is None:
         return
+    parent, leave_group = armed
     if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:
         os._exit(1)  # the parent died between the fork and the prctl: the signal will never come
+    if leave_group:
+        _leave_terminal_group()
 
 
 def _install_hook() -> None:
@@ -66,13 +105,14 @@ def _install_hook() -> None:
 
 @contextmanager
 def dies_with_parent() -> Iterator[None]:
-    """Processes this thread forks inside the block get SIGKILL when this process ends (Linux)."""
+    """Processes this thread forks inside the block get SIGKILL when this process ends (Linux), and a
+    process group of their own when this process runs in its terminal's foreground group."""
     if not supported():
         yield
         return
     _install_hook()
     me = threading.get_ident()
-    _armed[me] = os.getpid()
+    _armed[me] = (os.getpid(), in_terminal_foreground())
     try:
         yield
     finally:
