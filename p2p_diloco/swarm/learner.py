@@ -35,6 +35,7 @@ from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.schedule import LearnerSchedule
 from p2p_diloco.swarm.effects import Adopt, DeltaReady, LearnerMessage, Release, SendGate, Tensors
+from p2p_diloco.wire.codecs.placement import delta_device, delta_for_encoder
 
 
 @dataclass
@@ -177,7 +178,9 @@ class Learner:
         self.sent[p] = SentDelta(self.seq, work.tokens, work.steps, work.seconds, at_send)
         self.work[p] = FragmentWork()
         self.deltas_sent += 1
-        delta = {name: diloco.outer_delta(anchor[name], theta[name]) for name in anchor}
+        # on the device whose encoder quantizes it (`wire.codecs.placement`): CUDA with bitsandbytes, else CPU
+        where = delta_device(self.device, self.manifest.wire.codec)
+        delta = delta_for_encoder(anchor, theta, self.params, where)
         return DeltaReady(fragment=p, seq=self.seq, header=header, delta=delta, now=now)
 
     # ---- messages from the peer -----------------------------------------------------------------

@@ -60,6 +60,7 @@ from p2p_diloco.wire.codecs.blockwise import (  # noqa: F401  (tags and primitiv
     quantize_blockwise_cpu,
 )
 from p2p_diloco.wire.codecs.blockwise import all_finite as _all_finite
+from p2p_diloco.wire.codecs.placement import Int8Encoder, int8_encoder
 from p2p_diloco.wire.codecs.sparse import DEFAULT_DENSITY
 
 MAGIC = b"PDTF"
@@ -135,14 +136,16 @@ def _entry_head(name: str, tensor: torch.Tensor, block: int) -> bytes:
 def _quantize_int8(tensors: list[torch.Tensor], block_size: int) -> list[tuple[bytes, memoryview]]:
     """(absmax bytes, code bytes) per tensor; a tensor holding NaN/inf gets NaN absmax so receivers reject it.
 
-    On the CPU each tensor is quantized where it lies (`quantize_blockwise_cpu`), and NaN/inf show in its
-    absmax (the max of |x| propagates them), so no pass checks finiteness. On accelerators all tensors go
-    through ONE bitsandbytes call (~12 ms per call whatever the size): each is zero-padded to whole blocks,
-    which changes neither its absmax nor its codes.
+    The encoder is `placement.int8_encoder`'s choice for the tensors' device. The CPU kernel
+    (`quantize_blockwise_cpu`) quantizes each tensor on the CPU (copied there first from elsewhere), and
+    NaN/inf show in its absmax (the max of |x| propagates them), so no pass checks finiteness. On a CUDA
+    device with bitsandbytes all tensors go through ONE bitsandbytes call (~12 ms per call whatever the
+    size): each is zero-padded to whole blocks, which changes neither its absmax nor its codes.
     """
     flats = [t.detach().reshape(-1).to(torch.float32) for t in tensors]
     device = flats[0].device if flats else torch.device("cpu")
-    if device.type == "cpu":
+    if int8_encoder(device) == Int8Encoder.CPU:  # the CPU, MPS, CUDA without bitsandbytes (`placement`)
+        flats = [flat.to("cpu") for flat in flats]
         out = []
         for flat in flats:
             codes, absmax_t = quantize_blockwise_cpu(flat.contiguous(), block_size)
