@@ -115,6 +115,13 @@ class DilocoConfig:
     # Each update goes from its publisher to at most `fanout` peers, then each peer that applied it offers
     # it to at most `fanout` more (swarm/relay.py): about log_fanout(M) hops whatever the swarm's size
     fanout: Annotated[int, Field(ge=1, description="peers each update is pushed, then relayed, to")] = 3
+    # Sparse (union) rounds list at most `gather` deltas per fragment (`protocol.gather`): the round's best
+    # by merge weight (tokens x standing ramp); a delta left out is refused `not gathered` and its learner
+    # resends the work with its next delta. Every replica downloads the listed deltas, so a round's down
+    # bytes are at most `gather` deltas whatever the swarm's size (Covenant-72B gathers about 20).
+    gather: Annotated[
+        int, Field(ge=1, le=256, description="deltas a sparse round lists per fragment, at most")
+    ] = 20
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> DilocoConfig:
@@ -313,6 +320,8 @@ class RunManifest:
             d["trust"].pop("evaluators")  # added later: manifests without it keep their hash
         if d["diloco"]["fanout"] == DilocoConfig.fanout:
             d["diloco"].pop("fanout")  # added later: manifests at the default keep their hash
+        if d["diloco"]["gather"] == DilocoConfig.gather:
+            d["diloco"].pop("gather")  # added later: manifests at the default keep their hash
         if isinstance(d["model"]["config"], str):
             d["model"]["config"] = "file"
         if d["model"]["weights_digest"] or not d["model"]["pretrained"]:

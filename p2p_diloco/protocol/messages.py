@@ -88,6 +88,9 @@ class UpdateRecord:
     # counted; `payload` is then the bundle of those delta frames (`wire.delta_bundle`), not a merged gradient
     deltas: tuple[ListedDelta, ...] = ()
     live: int = 0
+    # sparse rounds: (learner, seq) of the screened deltas the round did not list, past its `[diloco] gather`
+    # (`protocol.gather`); each such learner takes back its delta and sends the work again
+    left_out: tuple[tuple[str, int], ...] = ()
 
     def seq_of(self, peer: str) -> int | None:
         """The seq of `peer`'s delta this update merged (None: not a contributor, or seqs not recorded)."""
@@ -100,6 +103,10 @@ class UpdateRecord:
         the one "is this my delta" rule, for the owner's record of deltas in flight (`Outbox.on_merged`)
         and the learner's (`Learner` adoption)."""
         return any(who == peer for who, _ in self.contributors) and self.seq_of(peer) in (None, seq)
+
+    def left_out_seq(self, peer: str) -> int | None:
+        """The seq of `peer`'s delta this sparse round screened but did not list (None: none)."""
+        return next((seq for who, seq in self.left_out if who == peer), None)
 
     @property
     def to_version(self) -> int:

@@ -27,6 +27,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import shards
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.gather import GatherTag
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
@@ -91,7 +92,7 @@ class Peer:
         self.serving = Serving(ctx, self.book, self.membership)
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
         self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
-        self.book.merged = self.outbox.on_merged  # every applied update, replayed ones included
+        self.book.merged = self._merged  # every applied update, replayed ones included
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.relay = Relay.for_run(peer_id, manifest)
         self.spreading = Spreading(
@@ -352,6 +353,19 @@ class Peer:
         return reply, seat
 
     # ---- learner side ------------------------------------------------------------------------------
+
+    def _merged(self, record: UpdateRecord) -> None:
+        """An applied update: the outbox drops the delta in flight it merged; a sparse round that left this
+        peer's delta out of its gather set (`protocol.gather`) refuses it as a reply would, so the outbox
+        releases it and its work goes out again with the learner's next delta of that fragment."""
+        self.outbox.on_merged(record)
+        seq = record.left_out_seq(self.peer_id)
+        if seq is not None:
+            detail = f"fragment {record.fragment} v{record.to_version} listed {len(record.deltas)} deltas"
+            reply = Reply.refused(GatherTag.NOT_GATHERED, detail)
+            self.outbox.on_reply(
+                fx.DeltaReplied(record.leader, record.term, record.fragment, seq, reply, self._now)
+            )
 
     def _route_delta(self, ready: fx.DeltaReady) -> None:
         frame = self.outbox.route(ready)

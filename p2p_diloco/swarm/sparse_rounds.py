@@ -148,6 +148,9 @@ def listing_problem(record: UpdateRecord) -> Problem | None:
             UpdateTag.IMPLAUSIBLE_WEIGHT,
             f"{len(record.deltas)} deltas but only {record.live} live learners",
         )
+    both = {who for who, _ in record.left_out} & {d.learner for d in record.deltas}
+    if both:
+        return DeltaRefusal.WRONG_DELTA, f"{sorted(both)[0]} is both listed and left out"
     return None
 
 
@@ -162,6 +165,8 @@ def open_record(
     problem = listing_problem(record)
     if problem is not None:
         return problem
+    if len(record.deltas) > manifest.diloco.gather:  # what bounds every replica's down bytes per round
+        return UpdateTag.TOO_LARGE, f"{len(record.deltas)} deltas listed, gather is {manifest.diloco.gather}"
     max_bytes = manifest.wire.max_message_bytes
     try:
         frames = decode_bundle(record.payload, max_bytes=max_bytes)

@@ -29,6 +29,7 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import AdmissionTag, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
+from p2p_diloco.protocol.gather import GatherTag, choose
 from p2p_diloco.protocol.merge import validate_delta
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
@@ -224,6 +225,7 @@ class Synchronizer:
         self.rejections_by_sender: Counter[tuple[str, str]] = Counter()
         self.decisions: deque[str] = deque(maxlen=64)
         self.accepted_tokens: Counter[str] = Counter()
+        self.left_out: Counter[str] = Counter()  # sparse rounds: deltas screened but past the gather set
         # fragment -> a learner whose delta was anchored at a version this replica lacks (a hint: the
         # catch-up from it checks every record; a lying learner costs one failed fetch)
         self.ahead_hints: dict[int, str] = {}
@@ -394,8 +396,11 @@ class Synchronizer:
             if not contributions:
                 self.rounds.abort(p)
                 continue
-            live = len(live_learners | {c.sender for c in contributions})
+            live = len(live_learners | {c.sender for c in contributions})  # the left-out are live too
+            contributions, left_out = self._gather(p, contributions, now)
             record, pending, grad = self.merger.merge(p, contributions, live=live, term=self.term)
+            if left_out:
+                record = dataclasses.replace(record, left_out=left_out)
             for c in contributions:
                 self.accepted_tokens[c.sender] += c.tokens
             self.rounds_done += 1
@@ -404,6 +409,32 @@ class Synchronizer:
             )
             outcomes.append(MergeOutcome(record, decision, pending, grad))
         return outcomes
+
+    def _gather(
+        self, p: int, contributions: list[Contribution], now: float
+    ) -> tuple[list[Contribution], tuple[tuple[str, int], ...]]:
+        """A sparse round's gather set (`protocol.gather`): the screened deltas its update lists, at most
+        `[diloco] gather`, and the (learner, seq) of the rest, which the record names so that their learners
+        send the work again. Dense rounds merge every screened delta, as before."""
+        gather = self.manifest.diloco.gather
+        if not self.manifest.wire.codec.sparse or len(contributions) <= gather:
+            return contributions, ()
+        standing = self.guard.standing
+        chosen = choose(
+            contributions,
+            gather,
+            waiting_since=lambda learner: standing.waiting_since(learner, p, now),
+            ramp=standing.ramp,
+            fragment=p,
+            version=self.rounds.version(p),
+        )
+        for c in chosen.left_out:
+            self.left_out[c.sender] += 1
+            self.decisions.append(
+                f"fragment {p}: {GatherTag.NOT_GATHERED} {c.sender}/{c.seq} ({c.tokens} tokens): "
+                f"{gather} deltas rank ahead of it"
+            )
+        return list(chosen.listed), tuple(sorted((c.sender, c.seq) for c in chosen.left_out))
 
     def wake_at(self, now: float, live_learners: frozenset[str], hold: Collection[int]) -> float | None:
         """When `poll` may next close a round with no new event: a round's grace end (or `now`), a round

@@ -412,7 +412,7 @@ class UpdateBook:
         the branch tip term, merged seqs, the log and, for a received one, the sources verified lately."""
         p = record.fragment
         self.robust.observe_update(p, grad, norm=values.norm)
-        self.robust.standing.note_merged((peer for peer, _ in record.contributors), now)
+        self.robust.standing.note_merged((peer for peer, _ in record.contributors), now, record.fragment)
         self.vouchers.vouch(record)
         self.tip_terms[p] = record.term
         for (peer, _), seq in zip(record.contributors, record.seqs):

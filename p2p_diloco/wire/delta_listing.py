@@ -73,3 +73,25 @@ def parse_listing(value: Any) -> tuple[ListedDelta, ...]:
     return tuple(
         ListedDelta(learner, seq, bytes.fromhex(digest), weight) for learner, seq, digest, weight in value
     )
+
+
+def left_out_problem(value: Any) -> str | None:
+    """None when `value` is a canonical list of the deltas a sparse round left out past its gather set
+    (`protocol.gather`): 1..MAX_CONTRIBUTORS `[learner, seq]` pairs, strictly sorted, each learner once (a
+    round keeps one delta per learner); else what is wrong."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_CONTRIBUTORS:
+        return f"must be a list of 1-{MAX_CONTRIBUTORS} [learner, seq] pairs"
+    previous: str | None = None
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != 2:
+            return "entries must be [learner, seq] pairs"
+        learner, seq = entry
+        problem = identifier_problem(learner)
+        if problem is not None:
+            return f"learner {str(learner)[:40]!r} {problem}"
+        if type(seq) is not int or not 0 <= seq <= MAX_COUNTER:
+            return f"seq of {learner} must be an integer in [0, {MAX_COUNTER}]"
+        if previous is not None and learner <= previous:
+            return f"entries must be sorted by learner, each once: {learner!r} after {previous!r}"
+        previous = learner
+    return None

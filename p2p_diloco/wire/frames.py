@@ -45,7 +45,7 @@ from p2p_diloco.wire.codecs.codec import (
     ByteReader,
     byte_view,
 )
-from p2p_diloco.wire.delta_listing import listing_fields, listing_problem, parse_listing
+from p2p_diloco.wire.delta_listing import left_out_problem, listing_fields, listing_problem, parse_listing
 
 DELTA_MAGIC = b"PDde"
 UPDATE_MAGIC = b"PDup"
@@ -122,6 +122,8 @@ UNION_UPDATE_SCHEMA: dict[str, Check] = {
     "deltas": listing_problem,
     "live": integer(1, MAX_CONTRIBUTORS),
 }
+# a sparse round that listed `[diloco] gather` of its deltas names the ones it left out
+GATHERED_UPDATE_SCHEMA: dict[str, Check] = {**UNION_UPDATE_SCHEMA, "left_out": left_out_problem}
 SNAPSHOT_SCHEMA: dict[str, Check] = {
     **_IDS,
     "version": _COUNTER,
@@ -182,9 +184,9 @@ def _decode(
     magic: bytes,
     schema: dict[str, Check],
     max_bytes: int,
-    extended: dict[str, Check] | None = None,
+    extended: dict[str, Check] | tuple[dict[str, Check], ...] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
-    """`extended`: a second schema (more keys) the header may follow instead, chosen by its key set."""
+    """`extended`: other schemas (more keys) the header may follow instead, chosen by its key set."""
     header, view, payload_at, payload_len = _decode_parts(frame, magic, schema, max_bytes, extended)
     return header, bytes(view[payload_at : payload_at + payload_len])
 
@@ -194,7 +196,7 @@ def _decode_parts(
     magic: bytes,
     schema: dict[str, Check],
     max_bytes: int,
-    extended: dict[str, Check] | None = None,
+    extended: dict[str, Check] | tuple[dict[str, Check], ...] | None = None,
 ) -> tuple[dict[str, Any], memoryview, int, int]:
     """The checked header, the frame's view, and where its payload starts and how long it is (uncopied)."""
     kind = _KIND_BY_MAGIC[magic]
@@ -223,8 +225,10 @@ def _decode_parts(
         )
     except (ValueError, RecursionError) as exc:
         raise DecodeError(BAD_HEADER, f"{kind} header is not valid JSON: {str(exc)[:120]}") from exc
-    if extended is not None and isinstance(header, dict) and set(header) == set(extended):
-        schema = extended
+    alternatives = (extended,) if isinstance(extended, dict) else extended or ()
+    for alternative in alternatives:
+        if isinstance(header, dict) and set(header) == set(alternative):
+            schema = alternative
     problem = _schema_problem(header, schema)
     if problem is not None:
         raise DecodeError(BAD_HEADER, f"{kind} header: {problem}")
@@ -277,6 +281,8 @@ class InboundDelta:
 
 
 def _update_schema(record: UpdateRecord) -> dict[str, Check]:
+    if record.left_out:
+        return GATHERED_UPDATE_SCHEMA
     return UNION_UPDATE_SCHEMA if record.deltas else UPDATE_SCHEMA
 
 
@@ -287,6 +293,8 @@ def _update_fields(record: UpdateRecord) -> dict[str, Any]:
     fields["signature"] = record.signature.hex()
     if record.deltas:
         fields["deltas"] = listing_fields(record.deltas)
+    if record.left_out:
+        fields["left_out"] = [[learner, seq] for learner, seq in record.left_out]
     return fields
 
 
@@ -295,9 +303,13 @@ def encode_update(record: UpdateRecord) -> bytes:
 
 
 def decode_update(frame: bytes, *, max_bytes: int) -> UpdateRecord:
-    header, payload = _decode(frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes, UNION_UPDATE_SCHEMA)
+    header, payload = _decode(
+        frame, UPDATE_MAGIC, UPDATE_SCHEMA, max_bytes, (UNION_UPDATE_SCHEMA, GATHERED_UPDATE_SCHEMA)
+    )
     if "deltas" in header:
         header["deltas"] = parse_listing(header["deltas"])
+    if "left_out" in header:
+        header["left_out"] = tuple((learner, seq) for learner, seq in header["left_out"])
     contributors = tuple((peer, weight) for peer, weight in header.pop("contributors"))
     seqs = tuple(header.pop("seqs"))
     if seqs and len(seqs) != len(contributors):
