@@ -100,8 +100,7 @@ class UpdateRecord:
 
     def merged_delta(self, peer: str, seq: int) -> bool:
         """Whether this update merged `peer`'s delta `seq` (any delta of `peer`, when seqs are not recorded):
-        the one "is this my delta" rule, for the owner's record of deltas in flight (`Outbox.on_merged`)
-        and the learner's (`Learner` adoption)."""
+        the one "is this my delta" rule, applied where deltas in flight are recorded (`Outbox.on_applied`)."""
         return any(who == peer for who, _ in self.contributors) and self.seq_of(peer) in (None, seq)
 
     def left_out_seq(self, peer: str) -> int | None:

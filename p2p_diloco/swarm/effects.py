@@ -34,23 +34,60 @@ Target = tuple[str, int]  # a synchronizer and its term: (holder, term)
 
 
 @dataclass(frozen=True)
+class DeltaWork:
+    """The inner work one delta carries: tokens, steps and their compute seconds."""
+
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def beyond(self, other: DeltaWork) -> DeltaWork:
+        """What this delta carried beyond `other`, whose work it repeated (never negative)."""
+        return DeltaWork(
+            max(0, self.tokens - other.tokens),
+            max(0, self.steps - other.steps),
+            max(0.0, self.seconds - other.seconds),
+        )
+
+
+@dataclass(frozen=True)
+class MergedMine:
+    """This learner's delta that an update merged, as the owner thread's record of it (`swarm.outbox`).
+
+    `theta_at_send`: theta_p when the delta was taken, moved by every global change of p since that merged
+    others' deltas. `released`: the delta had gone back to the learner (an old holder merged it after all);
+    `repeat` is then the delta in flight that repeated its work, dropped: (its seq, the work it carried
+    beyond), or None."""
+
+    seq: int
+    work: DeltaWork
+    theta_at_send: Tensors
+    released: bool = False
+    repeat: tuple[int, DeltaWork] | None = None
+
+
+@dataclass(frozen=True)
 class Adopt:
-    """The replica applied `record`: Theta_p went from `old_global` to `new_global` (version `version`)."""
+    """The replica applied `record`: Theta_p went from `old_global` to `new_global` (version `version`);
+    `mine`: the delta of this learner it merged, if any."""
 
     record: UpdateRecord
     old_global: Tensors
     new_global: Tensors
     version: int
+    mine: MergedMine | None = None
 
 
 @dataclass(frozen=True)
 class Release:
-    """The delta of `fragment` with sequence number `seq` will not be merged: resend its work. `sent_out`:
-    it left this peer (a holder that stepped down may still merge it: kept in `released` to recognise that
-    by its seq); `resend`: send at the next step, not at its turn (a new synchronizer took over)."""
+    """The delta of `fragment` with sequence number `seq` will not be merged: its `work` goes back to the
+    learner and out again with the next delta of the fragment. `sent_out`: it had left this peer (counted
+    as refused); `resend`: send at the next step, not at its turn (a new synchronizer took over, or the
+    fragment changed before the delta reached the owner thread)."""
 
     fragment: int
     seq: int
+    work: DeltaWork
     sent_out: bool = True
     resend: bool = False
 
@@ -146,6 +183,9 @@ class DeltaReady:
     header: Any  # protocol.messages.DeltaHeader
     delta: Mapping[str, Any]  # name -> fp32 tensor, anchor - theta
     now: float
+    work: DeltaWork = DeltaWork()  # the work it carries
+    theta_at_send: Tensors = field(default_factory=dict)  # theta_p when taken (a copy: the owner's now)
+    settled: int = 0  # the learner's count of messages about this fragment handled when it took the delta
 
 
 @dataclass(frozen=True)

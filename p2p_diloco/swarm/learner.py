@@ -1,16 +1,19 @@
 """The learner: inner AdamW steps and fragment deltas, owned by the training thread.
 
 Only the thread that trains touches a `Learner`: the model, the optimizer, the data sampler, the work
-counted per fragment, the deltas in flight and the anchors (the global Theta_p last adopted, with its
-version). It talks to its peer through two queues: `take_due` hands a due fragment's delta to the peer
-(`effects.DeltaReady`, which the peer compresses and sends), and the peer's messages (`Adopt`,
-`Release`, `Reload`) wait in `inbox` until the next step boundary (`settle`, run before every step and
-before a delta is taken). A message the peer posts while a step runs therefore takes effect as if it
-had arrived at once: no step sees half-moved parameters and nobody waits for a step.
+counted per fragment not yet handed over, which seq of each fragment is out (`out`) and the anchors (the
+global Theta_p last adopted, with its version). Everything else about a delta in flight (where it went,
+when, the work it carries, theta when it was taken) is the owner thread's one record (`swarm.outbox`),
+which decides whether an update merged it and says so in `Adopt.mine`. It talks to its peer through
+two queues: `take_due` hands a due fragment's delta to the peer (`effects.DeltaReady`, which the peer
+compresses and sends), and the peer's messages (`Adopt`, `Release`, `Reload`) wait in `inbox` until the
+next step boundary (`settle`, run before every step and before a delta is taken). A message the peer
+posts while a step runs therefore takes effect as if it had arrived at once: no step sees half-moved
+parameters and nobody waits for a step.
 
 Adoption rule (`protocol.diloco`: `outer_delta`, `adopt`, `follow`). The delta of fragment p is always
 `anchor_p - theta_p`. When an update for p is adopted:
-- if it merged this learner's in-flight delta, theta_p becomes the new Theta_p plus the progress made
+- if it merged this learner's delta (`Adopt.mine`), theta_p becomes the new Theta_p plus the progress made
   since the delta was sent (`carry`, default), exactly the new Theta_p (`overwrite`, that progress is
   lost), or a blend `(1-alpha) theta_p + alpha Theta_p` (`blend`);
 - otherwise (others' deltas were merged) theta_p moves by the global change Theta_new - Theta_old, so
@@ -34,7 +37,17 @@ from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.schedule import LearnerSchedule
-from p2p_diloco.swarm.effects import Adopt, DeltaReady, LearnerMessage, Release, SendGate, Tensors
+from p2p_diloco.swarm.effects import (
+    Adopt,
+    DeltaReady,
+    DeltaWork,
+    LearnerMessage,
+    MergedMine,
+    Release,
+    Reload,
+    SendGate,
+    Tensors,
+)
 from p2p_diloco.wire.codecs.placement import delta_device, delta_for_encoder
 
 
@@ -46,16 +59,13 @@ class FragmentWork:
     steps: int = 0
     seconds: float = 0.0  # compute time of those steps
 
+    def add(self, work: DeltaWork) -> None:
+        self.tokens += work.tokens
+        self.steps += work.steps
+        self.seconds += work.seconds
 
-@dataclass
-class SentDelta:
-    """A delta in flight: taken, not yet merged (or released)."""
-
-    seq: int
-    tokens: int
-    steps: int
-    seconds: float
-    theta_at_send: dict[str, torch.Tensor]
+    def handed_over(self) -> DeltaWork:
+        return DeltaWork(self.tokens, self.steps, self.seconds)
 
 
 class Learner:
@@ -86,10 +96,8 @@ class Learner:
         self.schedule = LearnerSchedule(cfg.fragments, cfg.steps_per_fragment, cfg.max_in_flight)
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.work = [FragmentWork() for _ in range(plan.num_fragments)]
-        self.sent: dict[int, SentDelta] = {}
-        # per fragment, the oldest delta that went back unmerged after it left (its work is in every later
-        # delta of the fragment); an update that merges it after all is adopted as this learner's own
-        self.released: dict[int, SentDelta] = {}
+        self.out: dict[int, int] = {}  # fragment -> the seq of its delta handed over, not merged or back
+        self.settled = [0] * plan.num_fragments  # messages handled per fragment (`DeltaReady.settled`)
         self.urgent: set[int] = set()  # fragments to send at the next step (their deltas went back)
         self.anchors: list[tuple[int, Tensors]] = [
             (replica.version(p), replica.params_view(p)) for p in range(plan.num_fragments)
@@ -154,7 +162,7 @@ class Learner:
             return None
         p = self._urgent_fragment()
         if p is None:
-            decision = self.schedule.on_step(self.step, frozenset(self.sent))
+            decision = self.schedule.on_step(self.step, frozenset(self.out))
             if decision.action != "send" or decision.fragment is None:
                 return None
             p = decision.fragment
@@ -172,16 +180,24 @@ class Learner:
             tokens=work.tokens,
             steps=work.steps,
             seq=self.seq,
-            since_seq=self.released[p].seq if p in self.released else 0,
-        )
+        )  # since_seq: the owner thread's, which knows what went back (`Outbox.route`)
         at_send = {name: t.clone() for name, t in theta.items()}  # theta may share the live parameters
-        self.sent[p] = SentDelta(self.seq, work.tokens, work.steps, work.seconds, at_send)
+        self.out[p] = self.seq
         self.work[p] = FragmentWork()
         self.deltas_sent += 1
         # on the device whose encoder quantizes it (`wire.codecs.placement`): CUDA with bitsandbytes, else CPU
         where = delta_device(self.device, self.manifest.wire.codec)
         delta = delta_for_encoder(anchor, theta, self.params, where)
-        return DeltaReady(fragment=p, seq=self.seq, header=header, delta=delta, now=now)
+        return DeltaReady(
+            fragment=p,
+            seq=self.seq,
+            header=header,
+            delta=delta,
+            now=now,
+            work=work.handed_over(),
+            theta_at_send=at_send,
+            settled=self.settled[p],
+        )
 
     # ---- messages from the peer -----------------------------------------------------------------
 
@@ -194,12 +210,14 @@ class Learner:
             except queue.Empty:
                 break
             if isinstance(message, Adopt):
+                self.settled[message.record.fragment] += 1
                 self._adopt(message)
                 changed.add(message.record.fragment)
             elif isinstance(message, Release):
+                self.settled[message.fragment] += 1
                 self._release(message)
             else:
-                self._load(message.fragments)
+                self._reload(message)
                 changed.update(message.fragments)
         if changed:
             self.on_params_changed(sorted(changed))
@@ -208,35 +226,28 @@ class Learner:
         """A fragment whose delta went back at a change of synchronizer, if one can go out now (tau)."""
         for p in sorted(self.urgent):
             self.urgent.discard(p)
-            if p not in self.sent and self.work[p].steps > 0 and len(self.sent) < self.schedule.max_in_flight:
+            if p not in self.out and self.work[p].steps > 0 and len(self.out) < self.schedule.max_in_flight:
                 return p
         return None
 
     def _release(self, message: Release) -> None:
+        """A delta handed over came back unmerged: its work goes out with the next delta of the fragment."""
         fragment = message.fragment
-        sent = self.sent.get(fragment)
-        if sent is None or sent.seq != message.seq:
+        if self.out.get(fragment) != message.seq:  # not the delta out now (a snapshot replaced the fragment)
             return
-        del self.sent[fragment]
-        work = self.work[fragment]
-        work.tokens += sent.tokens
-        work.steps += sent.steps
-        work.seconds += sent.seconds
-        self.deltas_rejected += 1
+        del self.out[fragment]
+        self.work[fragment].add(message.work)
         if message.sent_out:
-            self.released.setdefault(fragment, sent)
+            self.deltas_rejected += 1
         if message.resend:
             self.urgent.add(fragment)
 
     def _adopt(self, message: Adopt) -> None:
-        record, old_global, new_global = message.record, message.old_global, message.new_global
-        p = record.fragment
-        sent, released = self.sent.get(p), self.released.get(p)
-        seq = record.seq_of(self.peer_id)  # None: not mine, or a record without seqs
-        contributed = sent is not None and record.merged_delta(self.peer_id, sent.seq)
-        if not contributed and released is not None and seq is not None and seq == released.seq:
-            self._adopt_released(message, released)
+        p, mine = message.record.fragment, message.mine
+        if mine is not None and mine.released:
+            self._adopt_released(message, mine)
             return
+        contributed = mine is not None and self.out.get(p) == mine.seq
         mode = self.manifest.diloco.adoption
         with torch.no_grad():
             for name in self.plan.names(p):
@@ -244,29 +255,25 @@ class Learner:
                 theta = param.detach().to("cpu", torch.float32)
                 if contributed:
                     alpha = self.manifest.diloco.blend_alpha
-                    at_send = sent.theta_at_send[name]
-                    new_theta = diloco.adopt(theta, new_global[name], at_send=at_send, mode=mode, alpha=alpha)
+                    at_send = mine.theta_at_send[name]
+                    new_theta = diloco.adopt(
+                        theta, message.new_global[name], at_send=at_send, mode=mode, alpha=alpha
+                    )
                 else:
-                    new_theta, shift = diloco.follow(theta, old_global[name], new_global[name])
-                    if sent is not None:
-                        sent.theta_at_send[name] += shift
-                    if released is not None:
-                        released.theta_at_send[name] += shift
+                    new_theta, _ = diloco.follow(theta, message.old_global[name], message.new_global[name])
                 param.copy_(new_theta.to(param.device, param.dtype))
-        self.anchors[p] = (message.version, new_global)
+        self.anchors[p] = (message.version, message.new_global)
         if contributed:
-            del self.sent[p]
-            self.released.pop(p, None)  # its work went out again in this delta, now merged
-            self.steps_merged += sent.steps / self.plan.num_fragments
-            self.compute_merged += sent.seconds / self.plan.num_fragments
+            del self.out[p]
+            self._count_merged(mine.work)
             if mode == "overwrite":
                 self.work[p] = FragmentWork()
 
-    def _adopt_released(self, message: Adopt, released: SentDelta) -> None:
+    def _adopt_released(self, message: Adopt, released: MergedMine) -> None:
         """An update merged a delta that had gone back to this learner (an old holder merged it after
-        all): theta moves to the new global plus the progress since that delta was sent, so its work is
-        not sent again. A delta in flight that repeats it is dropped (synchronizers refuse it as
-        "already merged"); what it carried beyond the released work goes out with the next one."""
+        all): theta moves to the new global plus the progress since that delta was sent, and its work, which
+        went back to this learner, is not sent again. A delta out that repeats it is dropped (the owner
+        thread says so in `repeat`); what it carried beyond the released work goes out with the next one."""
         p, new_global = message.record.fragment, message.new_global
         with torch.no_grad():
             for name in self.plan.names(p):
@@ -275,16 +282,25 @@ class Learner:
                 new_theta = diloco.adopt(theta, new_global[name], at_send=released.theta_at_send[name])
                 param.copy_(new_theta.to(param.device, param.dtype))
         self.anchors[p] = (message.version, new_global)
-        del self.released[p]
-        again = self.sent.pop(p, None)
-        if again is not None:  # carried the released work and more: keep the more, drop the repeat
-            work = self.work[p]
-            work.tokens += max(0, again.tokens - released.tokens)
-            work.steps += max(0, again.steps - released.steps)
-            work.seconds += max(0.0, again.seconds - released.seconds)
-            self.urgent.add(p)
-        self.steps_merged += released.steps / self.plan.num_fragments
-        self.compute_merged += released.seconds / self.plan.num_fragments
+        if released.repeat is not None:
+            seq, beyond = released.repeat
+            if self.out.get(p) == seq:
+                del self.out[p]
+                self.work[p].add(beyond)
+                self.urgent.add(p)
+        elif p not in self.out:  # else the delta out repeats it: it comes back without it (`Outbox.route`)
+            remaining = self.work[p].handed_over().beyond(released.work)
+            self.work[p] = FragmentWork(remaining.tokens, remaining.steps, remaining.seconds)
+        self._count_merged(released.work)
+
+    def _count_merged(self, work: DeltaWork) -> None:
+        self.steps_merged += work.steps / self.plan.num_fragments
+        self.compute_merged += work.seconds / self.plan.num_fragments
+
+    def _reload(self, message: Reload) -> None:
+        for p in message.fragments:
+            self.settled[p] += 1
+        self._load(message.fragments)
 
     def _load(self, fragments: Mapping[int, tuple[int, Tensors]]) -> None:
         with torch.no_grad():
@@ -292,6 +308,5 @@ class Learner:
                 for name, value in values.items():
                     self.params[name].copy_(value.to(self.params[name].device, self.params[name].dtype))
                 self.anchors[p] = (version, values)
-                self.sent.pop(p, None)
-                self.released.pop(p, None)
+                self.out.pop(p, None)
                 self.work[p] = FragmentWork()

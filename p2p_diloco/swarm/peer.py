@@ -91,7 +91,8 @@ class Peer:
         self.book = UpdateBook(ctx, self.robust, keys, self.membership, has_learner=has_learner)
         self.serving = Serving(ctx, self.book, self.membership)
         self.repair = Repair(ctx, self.book, self.membership, self.serving, has_learner=has_learner)
-        self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer)
+        self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer, has_learner=has_learner)
+        self.repair.reloaded = self.outbox.on_reload  # a snapshot replaced a fragment
         self.book.merged = self._merged  # every applied update, replayed ones included
         self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
         self.relay = Relay.for_run(peer_id, manifest)
@@ -354,11 +355,12 @@ class Peer:
 
     # ---- learner side ------------------------------------------------------------------------------
 
-    def _merged(self, record: UpdateRecord) -> None:
-        """An applied update: the outbox drops the delta in flight it merged; a sparse round that left this
-        peer's delta out of its gather set (`protocol.gather`) refuses it as a reply would, so the outbox
-        releases it and its work goes out again with the learner's next delta of that fragment."""
-        self.outbox.on_merged(record)
+    def _merged(self, record: UpdateRecord, old_global: fx.Tensors, new_global: fx.Tensors) -> None:
+        """An applied update: the outbox settles the delta in flight it merged and tells the learner; a sparse
+        round that left this peer's delta out of its gather set (`protocol.gather`) refuses it as a reply
+        would, so the outbox releases it and its work goes out again with the learner's next delta of that
+        fragment."""
+        self.outbox.on_applied(record, old_global, new_global)
         seq = record.left_out_seq(self.peer_id)
         if seq is not None:
             detail = f"fragment {record.fragment} v{record.to_version} listed {len(record.deltas)} deltas"

@@ -19,6 +19,7 @@ skipped, an older snapshot is refused by the replica).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import reconcile
@@ -65,6 +66,9 @@ class Repair:
         self.book = book
         self.membership = membership
         self.has_learner = has_learner
+        # a snapshot replaced a fragment: the outbox forgets its deltas in flight and tells the learner
+        # (`Outbox.on_reload`)
+        self.reloaded: Callable[[Reload], None] = lambda message: self._emit(ToLearner(message))
         self.behind_since: dict[int, float] = {}
         self.reconciliations: list[str] = []  # every `reconciled` line, in order
         self.busy: set[int] = set()  # fragments a repair task is working on
@@ -166,7 +170,7 @@ class Repair:
         self.serving.offer_snapshots([fragment])
         if self.has_learner:
             view = self.replica.params_view(fragment)
-            self._emit(ToLearner(Reload({fragment: (self.replica.version(fragment), view)})))
+            self.reloaded(Reload({fragment: (self.replica.version(fragment), view)}))
         return True
 
     def _vouched_term(self, fragment: int, source: str, snap: SnapshotIndex) -> Task:

@@ -5,8 +5,9 @@ and the bounded log of applied updates (`swarm.update_log.UpdateLog`) that other
 checks it (allowlist, frame, run and manifest, fencing, leader, signature, lease, and its content:
 `UpdateChecks`); a pushed one that does not follow this replica comes back with the repair it needs
 (`RepairNeeded`), which the peer starts. `UpdateBook.apply` is the one path by which an update reaches
-the replica, the synchronizer's own included: it tells the learner (`Adopt`), the driver (`Applied`) and
-remembers the update's term as the fragment's branch tip term (`protocol.reconcile`).
+the replica, the synchronizer's own included: it tells the outbox (`merged`: the learner's delta in
+flight it merged and the learner's `Adopt`), the driver (`Applied`) and remembers the update's term as
+the fragment's branch tip term (`protocol.reconcile`).
 
 A sparse round's update is merged here from the learner-signed deltas it lists (`swarm.sparse_rounds`):
 one listed delta that does not check refuses the whole record. A leaseholder is trusted to merge, not to
@@ -35,7 +36,7 @@ from p2p_diloco.protocol.outer_step import PendingUpdate
 from p2p_diloco.protocol.reconcile import BranchTip
 from p2p_diloco.protocol.replica import ReplicaTag
 from p2p_diloco.protocol.robust import RobustGuard
-from p2p_diloco.swarm.effects import Adopt, Applied, RepairKind, RepairNeeded, Task, ToLearner
+from p2p_diloco.swarm.effects import Applied, RepairKind, RepairNeeded, Task, Tensors
 from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.sparse_rounds import open_record, outer_grad_of
@@ -167,9 +168,10 @@ class UpdateBook:
         self.manifest, self.plan, self.replica = manifest, plan, replica
         self.journal, self._emit = ctx.journal, ctx.emit
         self.membership = membership
-        # told of every applied update, however it came (pushed, relayed, replayed, own): the outbox drops
-        # the delta in flight that it merged (`Outbox.on_merged`)
-        self.merged: Callable[[UpdateRecord], None] = lambda record: None
+        # told of every applied update, however it came (pushed, relayed, replayed, own), with the fragment's
+        # values before and after: the outbox settles its delta in flight and tells the learner
+        # (`Outbox.on_applied`)
+        self.merged: Callable[[UpdateRecord, Tensors, Tensors], None] = lambda record, old, new: None
         self._ahead: tuple[Mapping[str, HeartbeatInfo], tuple, dict[int, Ahead]] | None = None  # last answer
         self.keys = keys
         self.vouchers = Vouchers(plan.num_fragments)
@@ -356,9 +358,7 @@ class UpdateBook:
         if decision.action != Action.APPLY:
             return Reply.of(ReplyStatus.REFUSED, decision)
         self._note_applied(record, grad, values, source=source, how=how, now=now)
-        self.merged(record)
-        if self.has_learner:
-            self._emit(ToLearner(Adopt(record, old, self.replica.params_view(p), record.to_version)))
+        self.merged(record, old, self.replica.params_view(p))
         self._emit(Applied(record, source, how))
         return Reply.of(ReplyStatus.APPLIED, decision)
 

@@ -11,7 +11,7 @@ import torch
 from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import DeltaHeader
-from p2p_diloco.swarm.effects import Stopping, StoreRecord
+from p2p_diloco.swarm.effects import DeltaWork, Stopping, StoreRecord
 from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.swarm.outbox import InFlight
 from p2p_diloco.wire.codecs.codec import encode_tensors
@@ -41,7 +41,7 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
     hold(kv, "leader", 1, expires_at=105.0)
     assert peer.election_tick(clock.now()).action == election.FOLLOW
     train_and_send(peer, clock)
-    assert transport.sent == ["leader", "leader"] and len(peer.learner.sent) == 2  # tau = 2 in flight
+    assert transport.sent == ["leader", "leader"] and len(peer.learner.out) == 2  # tau = 2 in flight
     work = sum(w.steps for w in peer.learner.work)
 
     clock.advance_to(120.0)  # term 1 ended; the same peer holds term 2
@@ -50,7 +50,7 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
     assert (decision.action, decision.holder, decision.term) == (election.FOLLOW, "leader", 2)
     assert peer.peer.outbox.in_flight == {}  # released at once ...
     peer.learner.settle()  # ... and at the learner's next step boundary their work is back to resend
-    assert peer.learner.sent == {} and sum(w.steps for w in peer.learner.work) > work
+    assert peer.learner.out == {} and sum(w.steps for w in peer.learner.work) > work
     assert any("('leader', 2): resending" in line for line in peer.peer.decisions)
     assert peer.peer.failovers_seen == 0  # the same holder: not a failover
 
@@ -61,7 +61,11 @@ def test_a_new_term_of_the_same_holder_releases_the_deltas_sent_to_the_old_one()
 def test_deltas_go_back_only_when_another_synchronizer_or_term_is_followed():
     """Not while no synchronizer is known (lease grace): what is in flight may still be merged."""
     routing = make_peer(MANIFEST).peer.outbox
-    routing.in_flight = {0: InFlight(1, ("leader", 1), 100.0), 1: InFlight(2, ("leader", 2), 100.0)}
+    work = DeltaWork(16, 1, 0.1)
+    routing.in_flight = {
+        0: InFlight(1, ("leader", 1), 100.0, work, {}),
+        1: InFlight(2, ("leader", 2), 100.0, work, {}),
+    }
     routing.follow(None)
     assert set(routing.in_flight) == {0, 1}
     routing.follow(("leader", 2))  # e.g. this peer's own claim of the next term: same holder, new term
