@@ -83,8 +83,9 @@ def get(url: str) -> dict:
 
 
 def screenshot(chromium: str, url: str, width: int, out: Path) -> None:
-    """The page at `width` px, tall enough for all of it (one column of cards below 1100 px)."""
-    height = 1900 if width >= 1100 else 3100
+    """The page at `width` px, tall enough for all of it (one column of cards below 1100 px, the peers'
+    cells stacked below 600 px)."""
+    height = 1900 if width >= 1100 else 3100 if width > 600 else 3500
     out.parent.mkdir(parents=True, exist_ok=True)
     window = [f"--window-size={width},{height}", "--virtual-time-budget=5000", f"--screenshot={out}"]
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", *window]

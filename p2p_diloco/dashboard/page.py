@@ -6,7 +6,8 @@ JSON inside a ``<script type="application/json">`` with ``<`` escaped. Every val
 with `textContent`, never as markup: peer IDs, reasons and devices come from other peers' records.
 Numbers that tests and people look for are in tables (peers, the last evaluations), not only in charts.
 Charts are drawn at their element's width (again when it changes), so labels keep their size on a phone,
-where tables show short peer IDs and scroll sideways (with a hint when columns lie beyond the edge), and the
+where tables show short peer IDs and scroll sideways (with a hint when columns lie beyond the edge), except
+the peers table, which stacks each peer's cells one below the other with their column names, and the
 synchronizer change marks get short labels placed by their measured width (never over another); series
 colours are inline styles (a class rule's ``fill`` would override an attribute).
 """
@@ -27,6 +28,13 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
 @media (max-width:600px){body{margin:8px} .card{padding:6px} .kpi{margin-right:12px} td,th{padding:3px 4px}}
 .scroll{overflow-x:auto;max-width:100%;-webkit-overflow-scrolling:touch}
 .more{color:#888;font-size:11px;text-align:right}
+@media (max-width:600px){table.stack tr:first-child{display:none}
+ table.stack,table.stack tbody,table.stack tr{display:block}
+ table.stack tr{border-bottom:1px solid #ddd;padding:3px 0}
+ table.stack td{display:flex;justify-content:space-between;gap:8px;border:0;padding:1px 4px;
+ white-space:normal}
+ table.stack td:first-child{font-weight:600}
+ table.stack td[data-label]::before{content:attr(data-label);color:#555;font-family:system-ui,sans-serif}}
 .kpi{display:inline-block;margin-right:22px} .kpi b{font-size:18px;display:block}
 table{border-collapse:collapse;width:100%;font-size:12px}
 td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
@@ -128,7 +136,8 @@ function table(id, head, rows) {
   const t = document.getElementById(id); while (t.firstChild) t.removeChild(t.firstChild);
   const tr = el("tr"); head.forEach(h => tr.appendChild(el("th", {}, h))); t.appendChild(tr);
   for (const r of rows) {
-    const row = el("tr"); r.forEach(c => row.appendChild(el("td", {}, c))); t.appendChild(row);
+    const row = el("tr");  // labels: a narrow page stacks a "stack" table's cells under its first one
+    r.forEach((c, i) => row.appendChild(el("td", i ? {"data-label": head[i]} : {}, c))); t.appendChild(row);
   }
   if (!rows.length) {
     const row = el("tr"); row.appendChild(el("td", {colspan: head.length}, "none")); t.appendChild(row);
@@ -234,7 +243,7 @@ class="kpi">merged tokens<b id="kpi-tokens">-</b></span>
 <div class="card"><h2>Synchronizer term</h2><svg id="c-terms"></svg></div>
 </div>
 <div class="card"><h2>Peers</h2>
-<div class="scroll"><table id="t-peers"></table></div><div class="more"></div>
+<div class="scroll"><table id="t-peers" class="stack"></table></div><div class="more"></div>
 <div class="sub" id="bytes"></div></div>
 <div class="card"><h2>Last global evaluations</h2>
 <div class="scroll"><table id="t-eval"></table></div><div class="more"></div></div>

@@ -78,8 +78,12 @@ def test_dashboard_keeps_versions_and_term_while_no_peer_is_live(empty_polls):
 
 def test_the_page_at_420_px_scrolls_tables_and_places_mark_labels_by_their_width():
     page = render_page(Collector(MANIFEST).view(NOW))
-    for table in ("t-peers", "t-eval", "t-contrib", "t-failovers"):
+    for table in ("t-eval", "t-contrib", "t-failovers"):
         assert f'<div class="scroll"><table id="{table}"></table></div><div class="more"></div>' in page
+    # the peers table is never cut: below 600 px each peer's cells stack, labelled by their column
+    assert '<table id="t-peers" class="stack"></table></div><div class="more"></div>' in page
+    assert "table.stack td[data-label]::before{content:attr(data-label)" in page
+    assert '"data-label": head[i]' in page
     assert ".scroll{overflow-x:auto" in page and "scroll sideways for more columns" in page
     assert "getComputedTextLength()" in page and "W < 560 ? m.short : m.label" in page
     assert "short: `→ t${m.term}`" in page
