@@ -118,7 +118,8 @@ class DilocoConfig:
     # Sparse (union) rounds list at most `gather` deltas per fragment (`protocol.gather`): the round's best
     # by merge weight (tokens x standing ramp); a delta left out is refused `not gathered` and its learner
     # resends the work with its next delta. Every replica downloads the listed deltas, so a round's down
-    # bytes are at most `gather` deltas whatever the swarm's size (Covenant-72B gathers about 20).
+    # bytes are at most `gather` deltas whatever the swarm's size (Covenant-72B gathers about 20). The outer
+    # scaling of a sparse round counts min(live learners, gather): a round listing `gather` is a full one.
     gather: Annotated[
         int, Field(ge=1, le=256, description="deltas a sparse round lists per fragment, at most")
     ] = 20

@@ -20,7 +20,9 @@ the first `gather` in this order:
 
 What is left out is refused with `GatherTag.NOT_GATHERED` (not an offence: no cool-down) and named in the
 update record (`UpdateRecord.left_out`), so its learner releases the delta and sends the work again with
-its next delta of that fragment. A round of at most `gather` deltas lists them all, as before.
+its next delta of that fragment. A round of at most `gather` deltas lists them all, as before. (The
+holder's outer scaling then counts min(live learners, `gather`): a round listing `gather` deltas is a full
+round; `swarm.synchronizer`.)
 """
 
 from __future__ import annotations

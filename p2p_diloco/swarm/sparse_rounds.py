@@ -10,7 +10,8 @@ and nothing is left in an outer residual: the update is exactly `protocol.union_
 fewer contributors than live learners (`[diloco] outer_scaling`, with the `live` count the record names).
 
 `open_record` is what every replica runs on such an update (pushed, replayed, or its own): the listing
-matches the record's contributors and seqs, every bundled frame decodes strictly, is the listed delta
+matches the record's contributors and seqs, names at most `[diloco] gather` deltas (`protocol.gather`) and
+no learner it also names as left out, every bundled frame decodes strictly, is the listed delta
 (run, manifest, fragment, learner, seq, digest), carries its learner's valid signature, its weight is the
 signed tokens, its anchor is not ahead of the update; then it decodes and merges. Any failure refuses the
 whole record with its tag (`DeltaRefusal`, `UpdateTag` or a decoder's), which the caller counts against the

@@ -14,6 +14,8 @@ cool-down, frame, run and manifest, fragment, tensors (`merge.validate_delta`) a
 (pairwise cosines), and a fragment without a direction reference waits briefly for three. Rejections are
 counted and reported to the `RobustGuard`, which cools repeat offenders down; those are not waited for
 but still count in the outer scaling (three instead of four cost 12 % eval loss, bench_byzantine seed 1).
+A sparse round then lists at most `[diloco] gather` of its screened deltas (`protocol.gather`, longest wait
+first) and names the rest in its record (`left_out`), whose learners send that work again.
 """
 
 from __future__ import annotations
@@ -396,8 +398,10 @@ class Synchronizer:
             if not contributions:
                 self.rounds.abort(p)
                 continue
-            live = len(live_learners | {c.sender for c in contributions})  # the left-out are live too
+            live = len(live_learners | {c.sender for c in contributions})
             contributions, left_out = self._gather(p, contributions, now)
+            if self.manifest.wire.codec.sparse:  # a round that lists `gather` deltas is a full round
+                live = min(live, self.manifest.diloco.gather)
             record, pending, grad = self.merger.merge(p, contributions, live=live, term=self.term)
             if left_out:
                 record = dataclasses.replace(record, left_out=left_out)

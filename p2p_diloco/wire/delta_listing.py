@@ -6,6 +6,9 @@ signed)]``, sorted by (learner, seq) with no pair twice, so one set of deltas ha
 record's signature covers exactly that set. Every replica fetches the listed deltas, checks each one
 (`wire.delta_signature.check_listed_delta`) and merges them itself (`protocol.union_merge`).
 
+A round offered more than `[diloco] gather` deltas also names the ones it left out (`left_out_problem`:
+``[learner, seq]`` pairs sorted by learner), so their learners send that work again (`protocol.gather`).
+
 `listing_problem` has the shape of `wire.frames`' header checks (None when valid, else what is wrong), so a
 header schema can use it as it is; `listing_fields` and `parse_listing` convert both ways.
 """

@@ -167,7 +167,7 @@ def test_a_sparse_round_over_gather_lists_gather_and_names_the_rest():
     assert (
         record.left_out == (("a", 1),) and record.left_out_seq("a") == 1 and record.left_out_seq("b") is None
     )
-    assert record.live == 3  # the left-out learner is live: the outer scaling counts it
+    assert record.live == 2  # outer scaling: a round listing `gather` deltas is a full one (min(3, 2))
     assert sync.left_out == {"a": 1}
     assert not sync.rejections and sync.guard.cooling(10.0) == frozenset()  # not an offence
     assert any(GatherTag.NOT_GATHERED in line for line in sync.decisions)
