@@ -368,6 +368,12 @@ def main() -> int:
     parser.add_argument("--sim-quiet", type=float, default=30.0, help="--sim-peers: virtual s to settle")
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--sim-wall-budget", type=float, default=None, help="--sim-peers: wall s per size")
+    parser.add_argument(
+        "--sim-check-every",
+        type=float,
+        default=0.0,
+        help="--sim-peers: virtual s between invariant checks (0: after every event)",
+    )
     parser.add_argument("--sim-profile", type=int, default=None, metavar="M", help="cProfile the size M")
     args = parser.parse_args()
     if args.peers_per_shard is not None and args.peers_per_shard < 1:
@@ -390,6 +396,7 @@ def main() -> int:
             quiet=args.sim_quiet,
             seed=args.sim_seed,
             wall_budget=args.sim_wall_budget,
+            check_every=args.sim_check_every,
             profile_at=args.sim_profile,
             say=lambda line: print(line, flush=True),
         )

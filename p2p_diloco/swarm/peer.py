@@ -230,7 +230,7 @@ class Peer:
             self.elect(view, max(now, records.now), shard=seat.shard)  # on the time the records were read by
             seat.watch.probe_if_successor()
             if seat.sync is not None:
-                for info in self.membership.live_peers.values():
+                for info in self.membership.read_peers.values():
                     if info.step_time > 0:
                         seat.sync.observe_step_time(info.step_time)
         self.serving.refresh(now)
@@ -276,7 +276,7 @@ class Peer:
         role, handover, membership = seat.role, seat.handover, seat.membership
         rounds = role.sync.rounds_done if role.sync else 0
         ceiling = tuple(membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments))
-        ahead = self.book.trusted_ahead(membership.live_peers, self.peer_id, ceiling)
+        ahead = self.book.trusted_ahead(membership.read_peers, self.peer_id, ceiling)
         view = self.underway.election_view(view, self.replica.versions())  # no fresh start of a run under way
         decision = membership.decide(
             view,

@@ -300,11 +300,11 @@ class Repair:
         return False
 
     def _reported(self, fragment: int) -> dict[str, BranchTip]:
-        """Other live peers' tips of `fragment`, terms capped at the highest leased term
-        (`swarm.vouching`)."""
+        """Other live peers' tips of `fragment` as the last read showed them (bounded whatever M: issue #40),
+        terms capped at the highest leased term (`swarm.vouching`)."""
         membership = self.membership
         ceiling = membership.for_fragment(fragment).term_seen  # the terms of the fragment's shard
-        return reported_tips(membership.live_peers, fragment, self.peer_id, ceiling)
+        return reported_tips(membership.read_peers, fragment, self.peer_id, ceiling)
 
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
         """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):

@@ -62,9 +62,14 @@ def record_key(run_id: str, manifest_hash: str, record: str) -> str:
     return f"{namespace(run_id, manifest_hash)}_{record}"
 
 
-def heartbeat_key(run_id: str, manifest_hash: str) -> str:
-    """Live peers: subkey = peer ID (owner-signed), value = the peer's heartbeat record."""
-    return record_key(run_id, manifest_hash, HEARTBEAT)
+def heartbeat_key(run_id: str, manifest_hash: str, bucket: int = 0) -> str:
+    """Live peers: subkey = peer ID (owner-signed), value = the peer's heartbeat record. With heartbeat
+    buckets (`protocol.heartbeat_buckets`, runs of 8 shards or more) bucket 0, the candidates', keeps the
+    unbucketed key and bucket k > 0 appends ``/k``."""
+    if bucket < 0:
+        raise ValueError(f"bucket must be >= 0, got {bucket}")
+    key = record_key(run_id, manifest_hash, HEARTBEAT)
+    return key if bucket == 0 else f"{key}/{bucket}"
 
 
 def lease_key(run_id: str, manifest_hash: str, shard: int = 0) -> str:

@@ -18,22 +18,25 @@ lacks a record still stored, or while this peer lags (`protocol.claim_guard`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.protocol import claim_guard, election, lease_rules, shards
+from p2p_diloco.protocol import claim_guard, election, heartbeat_buckets, lease_rules, shards
 from p2p_diloco.protocol.election import ElectionDecision, LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.effects import ReadSwarm, StoreRecord, SwarmRecords, Task
 from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
 Decoded = dict[str, tuple[HeartbeatInfo, float]]  # peer -> its decoded heartbeat and DHT expiration
 
 LEASE_HISTORY = 64
+MAX_BUCKETS_CACHED = 65536  # peers whose heartbeat bucket is remembered (a hash each, past this)
 RECORDS_PER_TERM = 8
 
 
@@ -63,9 +66,8 @@ class Membership:
         self.manifest = manifest
         self.num_fragments = num_fragments
         self.journal = journal
-        self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
         self.lease_key = lease_key(manifest.run_id, manifest.manifest_hash, shard)
-        self.live_peers: dict[str, HeartbeatInfo] = {}
+        self._init_heartbeats(first)
         # term -> every peer seen holding a lease of it (two claims of one term can race; the tie's loser
         # steps down, but either may have published updates of that term)
         self.lease_holders: dict[int, set[str]] = {}
@@ -95,21 +97,63 @@ class Membership:
         # peer that may synchronize -> (its heartbeat, when a read last held it)
         self._candidates_seen: dict[str, tuple[PeerHeartbeat, float]] = {}
 
+    def _init_heartbeats(self, first: Membership | None) -> None:
+        """What a peer reads of the heartbeats (`protocol.heartbeat_buckets`): bucket 0 (the candidates')
+        every period and one other bucket in turn; it writes its own heartbeat to `own_hb_key`."""
+        manifest, peer_id = self.manifest, self.peer_id
+        self.buckets = heartbeat_buckets.buckets_for(manifest.diloco.synchronizer_shards)
+        self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
+        own_bucket = heartbeat_buckets.bucket_of(peer_id, self.buckets, candidate=self.candidate(peer_id))
+        self.own_hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash, own_bucket)
+        self.reads = 0  # reads of the swarm issued: seeds which bucket the next one samples
+        # the live peers this peer knows: with one heartbeat bucket, exactly those of the last read; with
+        # buckets, every heartbeat read until its bucket is read again without it (`_known_peers`)
+        self.live_peers: dict[str, HeartbeatInfo] = {} if first is None else first.live_peers
+        # what the last read decoded (bounded whatever M): the per-period rules read these
+        self.read_peers: dict[str, HeartbeatInfo] = {}
+        # bucket -> its peers as last read; peer -> its heartbeat bucket (both one dict for every shard)
+        self._known_by_bucket: dict[int, dict[str, HeartbeatInfo]] = (
+            {} if first is None else first._known_by_bucket
+        )
+        self._buckets_of: dict[str, int] = {} if first is None else first._buckets_of
+        self._sampled_bucket: int | None = None  # the non-candidate bucket the read being ingested holds
+
     def allowed(self, peer: str) -> bool:
         """False for peers the manifest does not let take part (allowlist, `[trust] learners`)."""
         return self.manifest.may_learn(peer)
 
+    def candidate(self, peer: str) -> bool:
+        """Whether `peer` may claim a shard's lease and is read every period: it may synchronize and, in a
+        run with heartbeat buckets that lists no synchronizers, its ID hashes to bucket 0."""
+        if not self.manifest.may_synchronize(peer):
+            return False
+        if self.buckets <= 1 or self.manifest.trust.synchronizers or self.manifest.allowlist:
+            return True
+        return heartbeat_buckets.open_candidate(peer, self.buckets)
+
     def heartbeat_record(self, info: HeartbeatInfo, now: float) -> StoreRecord:
         expiration = now + self.manifest.timing.heartbeat_ttl
-        return StoreRecord(self.hb_key, self.peer_id, info.to_bytes(), expiration, what="heartbeat")
+        return StoreRecord(self.own_hb_key, self.peer_id, info.to_bytes(), expiration, what="heartbeat")
 
     def lease_record(self, lease: LeaseRecord, what: str) -> StoreRecord:
         expiration = election.dht_expiration(lease, self.manifest.timing)
         return StoreRecord(self.lease_key, self.peer_id, encode_lease(lease), expiration, what=what)
 
     def read_swarm(self, underway: str | None = None) -> ReadSwarm:
-        """The read of a swarm tick: the heartbeats and every shard's lease records (and `underway`)."""
-        return ReadSwarm(self.hb_key, tuple(m.lease_key for m in self.shards), underway)
+        """The read of a swarm tick: the candidates' heartbeats, every shard's lease records (and
+        `underway`) and, with heartbeat buckets, the next sampled bucket, whose key rides after the lease
+        keys (`sampled`; `effects.ReadSwarm` has no field of its own for it yet)."""
+        leases = tuple(m.lease_key for m in self.shards)
+        bucket = heartbeat_buckets.sample_bucket(self.peer_id, self.reads, self.buckets)
+        self.reads += 1
+        if bucket is not None:
+            leases += (heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash, bucket),)
+        return ReadSwarm(self.hb_key, leases, underway)
+
+    def _sampled(self, records: SwarmRecords) -> Mapping[str, StoredValue]:
+        """The sampled bucket's heartbeats of a read (`read_swarm`); none with one bucket."""
+        extra = records.shard_leases[len(self.shards) - 1 :]
+        return extra[0] if self.buckets > 1 and extra else {}
 
     def for_fragment(self, fragment: int) -> Membership:
         """The membership of `fragment`'s shard (whose leases its updates are checked against)."""
@@ -119,14 +163,17 @@ class Membership:
         """`ingest` in every shard's membership, shard 0 first; their views. The heartbeats are decoded once
         for all shards (a peer decoded each one once per shard: M x S decodes a period, issue #40)."""
         decoded = self._decode_heartbeats(records)
-        views = [membership.ingest(records, decoded) for membership in self.shards]
+        views = [membership.ingest(records, decoded, learn=membership is self) for membership in self.shards]
         for membership in self.shards[1:]:  # equal: one object, so what is derived from it is derived once
-            membership.live_peers = self.live_peers
+            membership.live_peers, membership.read_peers = self.live_peers, self.read_peers
         return views
 
-    def ingest(self, records: SwarmRecords, decoded: Decoded | None = None) -> SwarmView:
+    def ingest(
+        self, records: SwarmRecords, decoded: Decoded | None = None, *, learn: bool = True
+    ) -> SwarmView:
         """Decode what was read from the DHT (the heartbeats unless `decoded` holds them already); remembers
-        live peers and every lease holder seen."""
+        live peers (with heartbeat buckets, only if `learn`: `ingest_all` learns once for every shard) and
+        every lease holder seen."""
         if decoded is None:
             decoded = self._decode_heartbeats(records)
         live, heartbeats = self._heartbeats(decoded)
@@ -134,7 +181,11 @@ class Membership:
         leases = self._screen(seen, live, records.now)
         leases += self._remembered(records.now, {item.lease.holder for item in seen})
         self._forget_old(records.now, {item.lease for item in seen})
-        self.live_peers = live
+        self.read_peers = live
+        if self.buckets <= 1:
+            self.live_peers = live
+        elif learn:
+            self.live_peers = self._known_peers(live)
         # A heartbeat starts the newcomer grace of a listed peer only: an unlisted key is awaited from its
         # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
         self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
@@ -145,11 +196,46 @@ class Membership:
         self._cover, gaps = claim_guard.covered(self._cover, read, self.peer_id, records.now, timing)
         return SwarmView(heartbeats, leases, gaps)
 
+    def _known_peers(self, read: dict[str, HeartbeatInfo]) -> dict[str, HeartbeatInfo]:
+        """With heartbeat buckets: `live_peers` updated in place from one read. Each bucket it read (bucket
+        0 and the sampled one) replaces what this peer knew of that bucket, so a peer gone drops out when its
+        bucket is next read (within B - 1 periods); the others stay as last read. Work: the buckets read."""
+        by_bucket: dict[int, dict[str, HeartbeatInfo]] = {}
+        for peer, info in read.items():
+            by_bucket.setdefault(self._bucket(peer), {})[peer] = info
+        if self._sampled_bucket is not None:
+            by_bucket.setdefault(self._sampled_bucket, {})
+        by_bucket.setdefault(0, {})
+        known = self.live_peers
+        for bucket, peers in by_bucket.items():
+            for peer in self._known_by_bucket.get(bucket, {}).keys() - peers.keys():
+                known.pop(peer, None)
+            known.update(peers)
+            self._known_by_bucket[bucket] = peers
+        return known
+
+    def _bucket(self, peer: str) -> int:
+        """The heartbeat bucket `peer` writes to (cached: one hash per peer)."""
+        bucket = self._buckets_of.get(peer)
+        if bucket is None:
+            bucket = heartbeat_buckets.bucket_of(peer, self.buckets, candidate=self.candidate(peer))
+            if len(self._buckets_of) < MAX_BUCKETS_CACHED:
+                self._buckets_of[peer] = bucket
+        return bucket
+
     def _decode_heartbeats(self, records: SwarmRecords) -> Decoded:
         """The heartbeats of peers that may take part that decode (a bad one is counted and noted by
-        shard 0's membership, which every shard's read goes through first), with their DHT expiration."""
+        shard 0's membership, which every shard's read goes through first), with their DHT expiration.
+        With heartbeat buckets: bucket 0's candidates and the sampled bucket's peers."""
+        stored_by_peer = records.heartbeats
+        sampled = self._sampled(records)
+        self._sampled_bucket = None
+        if self.buckets > 1:
+            candidates = {p: v for p, v in records.heartbeats.items() if self._bucket(p) == 0}
+            self._sampled_bucket = next((self._bucket(p) for p in sampled), None)
+            stored_by_peer = {**sampled, **candidates}
         decoded: Decoded = {}
-        for peer, stored in records.heartbeats.items():
+        for peer, stored in stored_by_peer.items():
             if not self.allowed(peer):
                 continue
             try:
@@ -169,10 +255,10 @@ class Membership:
         live: dict[str, HeartbeatInfo] = {}
         for peer, (info, expiration) in decoded.items():
             live[peer] = info
-            if peer != self.peer_id and not self.manifest.may_synchronize(peer):
-                continue  # the election reads only peers that may synchronize (and this peer itself)
+            if peer != self.peer_id and not self.candidate(peer):
+                continue  # the election reads only the candidates (and this peer itself)
             record = replace(info.as_election_record(peer, expiration), term_seen=info.term_of(self.shard))
-            if record.may_sync and not self.manifest.may_synchronize(peer):
+            if record.may_sync and not self.candidate(peer):
                 record = replace(record, may_sync=False)
             heartbeats.append(record)
         return live, heartbeats

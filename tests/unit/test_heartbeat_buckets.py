@@ -1,0 +1,114 @@
+"""Heartbeat buckets (issue #40 item 1): what a peer reads each heartbeat period does not grow with the swarm.
+
+From 8 synchronizer shards on, heartbeats live in S buckets: bucket 0 holds the candidates', read every
+period, and each read samples one other bucket in turn (`protocol.heartbeat_buckets`); `Membership` keeps
+what it read of each bucket until that bucket is read again (`live_peers`), and the per-period rules read
+only the last read (`read_peers`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from p2p_diloco.protocol import heartbeat_buckets as hb
+from p2p_diloco.protocol.standing import Standing
+from p2p_diloco.swarm.effects import SwarmRecords
+from p2p_diloco.swarm.election.membership import Membership
+from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.swarm.memory import InMemoryKeyValueStore
+from p2p_diloco.wire import keys
+from p2p_diloco.wire.records import HeartbeatInfo
+from tests.support.manifests import TINY_DILOCO, tiny_manifest
+
+SHARDS = 8
+MANIFEST = tiny_manifest(
+    "buckets",
+    diloco=dataclasses.replace(TINY_DILOCO, inner_steps=SHARDS, fragments=SHARDS, synchronizer_shards=SHARDS),
+)
+PEERS = [f"peer-{i:03d}" for i in range(200)]
+
+
+def membership(me: str, manifest=MANIFEST) -> Membership:  # noqa: ANN001
+    standing = Standing(new_peer_rounds=1, active_window=60.0, newcomer_grace=60.0)
+    first = Membership(me, manifest, SHARDS, Journal(me, lambda intent: None), standing)
+    for shard in range(1, manifest.diloco.synchronizer_shards):
+        Membership(me, manifest, SHARDS, first.journal, standing, shard=shard, first=first)
+    return first
+
+
+def read(kv: InMemoryKeyValueStore, m: Membership, now: float) -> SwarmRecords:
+    """What the driver returns for `m.read_swarm()` (`swarm.driver.read_swarm`)."""
+    request = m.read_swarm()
+    found = [kv.get(key, now) for key in (request.heartbeats, *request.leases)]
+    return SwarmRecords(found[0], found[1], now, {}, tuple(found[2 : 1 + len(request.leases)]))
+
+
+def swarm(peers: list[str], now: float, gone: frozenset[str] = frozenset()) -> InMemoryKeyValueStore:
+    """Every peer's heartbeat, written where its own membership writes it."""
+    kv = InMemoryKeyValueStore()
+    for peer in peers:
+        if peer in gone:
+            continue
+        info = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(1,) * SHARDS)
+        record = membership(peer).heartbeat_record(info, now)
+        kv.store(record.key, record.subkey, record.value, record.expiration)
+    return kv
+
+
+def test_below_eight_shards_one_key_holds_every_heartbeat():
+    assert [hb.buckets_for(s) for s in (1, 4, 7, 8, 16)] == [1, 1, 1, 8, 16]
+    assert hb.sample_bucket("a", 3, 1) is None and hb.bucket_of("a", 1, candidate=False) == 0
+    assert all(hb.open_candidate(p, 1) for p in PEERS)
+    m = membership("me", tiny_manifest("one-key"))
+    assert m.own_hb_key == m.hb_key == keys.heartbeat_key("one-key", m.manifest.manifest_hash)
+    assert len(m.read_swarm().leases) == 1
+
+
+def test_candidates_write_bucket_zero_and_the_others_spread_over_the_rest():
+    buckets = [hb.bucket_of(p, 16, candidate=hb.open_candidate(p, 16)) for p in PEERS]
+    assert {b for p, b in zip(PEERS, buckets) if hb.open_candidate(p, 16)} == {0}
+    assert set(buckets) == set(range(16))
+    assert 4 <= buckets.count(0) <= 25  # about 200 / 16
+
+
+def test_the_sample_walks_every_other_bucket_seeded_by_the_peer():
+    walk = [hb.sample_bucket("peer-007", reads, 16) for reads in range(15)]
+    assert sorted(walk) == list(range(1, 16))
+    assert walk == [hb.sample_bucket("peer-007", reads, 16) for reads in range(15)]  # replays
+    assert walk[0] != hb.sample_bucket("peer-008", 0, 16) or walk[1] != hb.sample_bucket("peer-008", 1, 16)
+
+
+def test_a_read_decodes_the_candidates_and_one_bucket_whatever_the_swarm():
+    now = 100.0
+    kv = swarm(PEERS, now)
+    m = membership("peer-000")
+    candidates = {p for p in PEERS if m.candidate(p)}
+    assert 0 < len(candidates) < 60
+    for _ in range(SHARDS - 1):
+        views = m.ingest_all(read(kv, m, now))
+        assert candidates <= m.read_peers.keys() and len(m.read_peers) <= len(candidates) + 60
+        for view in views:  # the elections rank candidates only
+            assert {x.peer_id for x in view.heartbeats} <= candidates | {"peer-000"}
+    assert m.live_peers.keys() == set(PEERS)  # every bucket read once in B - 1 reads
+    assert all(shard.live_peers is m.live_peers for shard in m.shards)
+
+
+def test_a_peer_gone_drops_out_when_its_bucket_is_read_again():
+    now = 100.0
+    m = membership("peer-000")
+    for _ in range(SHARDS - 1):
+        m.ingest_all(read(swarm(PEERS, now), m, now))
+    gone = next(p for p in PEERS if not m.candidate(p))
+    kv = swarm(PEERS, now, gone=frozenset({gone}))
+    for _ in range(SHARDS - 1):
+        m.ingest_all(read(kv, m, now))
+    assert gone not in m.live_peers and len(m.live_peers) == len(PEERS) - 1
+
+
+def test_a_peer_that_is_no_candidate_never_ranks_itself():
+    me = next(p for p in PEERS if not membership(p).candidate(p))
+    m = membership(me)
+    assert m.own_hb_key != m.hb_key
+    kv = swarm(PEERS, 100.0)
+    for _ in range(SHARDS - 1):
+        for view in m.ingest_all(read(kv, m, 100.0)):
+            assert all(not x.may_sync for x in view.heartbeats if x.peer_id == me)
