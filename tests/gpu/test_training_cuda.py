@@ -1,6 +1,6 @@
 """The inner step on CUDA (model/trainer.py): bf16 and fp16 autocast train and give finite deltas that point
 where the fp32 step's do; `adamw8bit` (bitsandbytes) trains with 8-bit state; a learner on the GPU hands
-the peer CPU float32 deltas."""
+the peer float32 deltas where its int8 encoder runs (on the GPU with bitsandbytes: `wire.codecs.placement`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from p2p_diloco.config import ModelConfig, TrainConfig
 from p2p_diloco.model.gpt import build_model, make_inner_optimizer
 from p2p_diloco.model.trainer import InnerTrainer
 from p2p_diloco.swarm.learner import Learner
+from p2p_diloco.wire.codecs.feedback import ErrorFeedback
+from p2p_diloco.wire.codecs.placement import delta_device
 from tests.support.manifests import tiny_manifest, tiny_training
 from tests.unit.test_trainer import FixedSampler, hf_model
 
@@ -90,7 +92,7 @@ def test_adamw8bit_trains_with_8bit_state_and_less_memory():
     assert state_bytes["adamw8bit"] < 0.5 * state_bytes["adamw"]
 
 
-def test_a_learner_on_the_gpu_sends_cpu_float32_deltas_of_its_work():
+def test_a_learner_on_the_gpu_takes_float32_deltas_where_its_int8_encoder_runs():
     manifest = tiny_manifest("gpu-learner")
     t = tiny_training(manifest)
     t.model.to("cuda")
@@ -98,9 +100,19 @@ def test_a_learner_on_the_gpu_sends_cpu_float32_deltas_of_its_work():
     due = None
     for step in range(12):
         learner.train_step()
-        due = due or learner.take_due(now=float(step))
+        due = learner.take_due(now=float(step))
+        if due is not None:
+            break
     assert due is not None and due.header.steps > 0
-    assert all(d.device.type == "cpu" and d.dtype == torch.float32 for d in due.delta.values())
-    assert all(torch.isfinite(d).all() for d in due.delta.values())
+    where = delta_device("cuda", manifest.wire.codec)  # CUDA when bitsandbytes is installed (check.py does)
+    assert all(d.device.type == where.type and d.dtype == torch.float32 for d in due.delta.values())
+    anchor, params = learner.anchors[due.fragment][1], dict(t.model.named_parameters())
+    for name, d in due.delta.items():  # the same float32 subtraction as on the CPU: the same bits
+        assert torch.equal(d.cpu(), anchor[name] - params[name].detach().cpu())
     assert any(float(d.abs().max()) > 0 for d in due.delta.values())
+    frame, decoded = ErrorFeedback(codec=manifest.wire.codec, block_size=manifest.wire.block_size).compress(
+        due.fragment, due.delta
+    )
+    for name, d in due.delta.items():  # int8: within a code step of the block's absmax
+        assert float((decoded[name].cpu() - d.cpu()).abs().max()) <= 0.01 * float(d.abs().max()) + 1e-12
     assert all(p.is_cuda for p in t.model.parameters())
