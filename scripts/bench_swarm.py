@@ -178,7 +178,8 @@ def run_config(learners: int, shards: int, args: argparse.Namespace) -> dict[str
         f"n={learners} s={shards}: {row['merged_updates']} merged updates, busiest "
         f"{_kb(row['busiest_bytes_per_update'])} per update, update {_kb(row['update_bytes'])}, "
         f"fan-out {_num(row['publisher_fanout_max'])}, propagation p50 {_num(prop['p50'])} s "
-        f"p99 {_num(prop['p99'])} s, goodput {row['goodput']:.2f}, claims {row['claims']}, relay hops "
+        f"p99 {_num(prop['p99'])} s, goodput {row['goodput']:.2f}, claims {row['claims']} "
+        f"({row['terms_held_twice']} terms held twice), relay hops "
         f"{row['relay'].get('max_hop', '-')}",
         flush=True,
     )

@@ -105,11 +105,14 @@ def traffic(
             if start <= t <= end:
                 by_publisher[peer] = by_publisher.get(peer, 0) + 1
     claims = [
-        e.get("term")
-        for events in events_by_peer.values()
+        (e.get("shard", 0), e.get("term"), peer)
+        for peer, events in events_by_peer.items()
         for e in events
         if e.get("event") == "claim" and isinstance(e.get("t"), int | float) and start <= e["t"] <= end
     ]
+    claimers: dict[tuple[Any, Any], set[str]] = {}
+    for shard, term, peer in claims:
+        claimers.setdefault((shard, term), set()).add(peer)
     peers: dict[str, dict[str, float]] = {}
     per_copy = []
     for peer, events in events_by_peer.items():
@@ -135,7 +138,9 @@ def traffic(
     return {
         "merged_updates": merged,
         "claims": len(claims),  # elections in the window: more than one per term is a split election
-        "terms_claimed": len(set(claims)),
+        "terms_claimed": len(claimers),  # (shard, term) pairs
+        # (shard, term) pairs claimed by two peers or more: a split election
+        "terms_held_twice": sum(1 for peers_of in claimers.values() if len(peers_of) > 1),
         "update_bytes": update_bytes,
         "received_per_applied_median": statistics.median(per_copy) if per_copy else None,
         "per_peer": peers,

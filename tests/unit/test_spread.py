@@ -69,7 +69,16 @@ def test_two_publishers_of_one_version_each_count_it_for_their_fanout():
     assert moved["merged_updates"] == 2
     assert moved["per_peer"]["b"]["published"] == 1
     assert moved["publisher_fanout"]["b"] == pytest.approx(1.0)  # 100 bytes sent for its 1 update
-    assert moved["claims"] == 2 and moved["terms_claimed"] == 1
+    assert moved["claims"] == 2 and moved["terms_claimed"] == 1 and moved["terms_held_twice"] == 1
+
+
+def test_the_same_term_number_in_two_shards_is_not_a_term_held_twice():
+    events = logs()
+    events["a"].insert(1, {"t": 9.0, "event": "claim", "term": 1, "shard": 0})
+    events["b"].insert(1, {"t": 9.5, "event": "claim", "term": 1, "shard": 1})
+    events["b"].insert(1, {"t": 19.0, "event": "claim", "term": 2, "shard": 1})
+    moved = spread.traffic(events, 0.0, 30.0, update_bytes=100.0)
+    assert moved["claims"] == 3 and moved["terms_claimed"] == 3 and moved["terms_held_twice"] == 0
 
 
 def test_percentile_interpolates_and_is_none_without_values():
