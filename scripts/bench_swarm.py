@@ -162,9 +162,13 @@ def run_config(learners: int, shards: int, args: argparse.Namespace) -> dict[str
         workers.wait_until_up()
         up = time.time()
         start, end = up + args.warmup, up + args.warmup + args.duration
+        cpu_at_start = None
         while (now := time.time()) < end:
             workers.poll_events(now)
+            if cpu_at_start is None and now >= start:
+                cpu_at_start = process_cpu(workers.slots)
             time.sleep(0.5)
+        row["cpu_per_peer"] = cpu_per_peer(cpu_at_start, process_cpu(workers.slots), end - start, learners)
         stop_slots(workers.slots)
         for slot in workers.slots:
             slot.tail.poll()
@@ -180,7 +184,7 @@ def run_config(learners: int, shards: int, args: argparse.Namespace) -> dict[str
         f"fan-out {_num(row['publisher_fanout_max'])}, propagation p50 {_num(prop['p50'])} s "
         f"p99 {_num(prop['p99'])} s, goodput {row['goodput']:.2f}, claims {row['claims']} "
         f"({row['terms_held_twice']} terms held twice), relay hops "
-        f"{row['relay'].get('max_hop', '-')}",
+        f"{row['relay'].get('max_hop', '-')}, CPU s/s per peer {row['cpu_per_peer']}",
         flush=True,
     )
     return row
@@ -223,6 +227,39 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _figure(value: float | None, target: float, what: str) -> dict[str, Any]:
     return {"value": value, "target": target, "met": value is not None and value <= target, "what": what}
+
+
+def process_cpu(slots) -> dict[str, float]:  # noqa: ANN001 - demo.workers slots
+    """CPU seconds so far of the learners' processes, by kind: the peer (`p2p-diloco join`), its DHT
+    child (python) and the p2pd daemons either starts."""
+    import psutil  # hivemind's dependency; only this measurement needs it
+
+    totals = {"peer": 0.0, "dht": 0.0, "p2pd": 0.0}
+    for slot in slots:
+        if slot.proc is None:
+            continue
+        try:
+            root = psutil.Process(slot.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in tree:
+            try:
+                kind = "p2pd" if "p2pd" in proc.name() else ("peer" if proc.pid == root.pid else "dht")
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            totals[kind] += times.user + times.system
+    return totals
+
+
+def cpu_per_peer(
+    before: dict[str, float] | None, after: dict[str, float], seconds: float, learners: int
+) -> dict[str, float] | None:
+    """CPU seconds per wall second per learner, by process kind, over the measured window."""
+    if before is None or seconds <= 0:
+        return None
+    return {kind: (after[kind] - before[kind]) / seconds / learners for kind in after}
 
 
 def real_figures(rows: list[dict[str, Any]], fanout: int | None) -> dict[str, Any]:
