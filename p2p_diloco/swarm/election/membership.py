@@ -103,19 +103,18 @@ class Membership:
         manifest, peer_id = self.manifest, self.peer_id
         self.buckets = heartbeat_buckets.buckets_for(manifest.diloco.synchronizer_shards)
         self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
-        own_bucket = heartbeat_buckets.bucket_of(peer_id, self.buckets, candidate=self.candidate(peer_id))
-        self.own_hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash, own_bucket)
+        self._buckets_of: dict[str, int] = {} if first is None else first._buckets_of  # peer -> its bucket
+        self.own_hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash, self._bucket(peer_id))
         self.reads = 0  # reads of the swarm issued: seeds which bucket the next one samples
         # the live peers this peer knows: with one heartbeat bucket, exactly those of the last read; with
         # buckets, every heartbeat read until its bucket is read again without it (`_known_peers`)
         self.live_peers: dict[str, HeartbeatInfo] = {} if first is None else first.live_peers
         # what the last read decoded (bounded whatever M): the per-period rules read these
         self.read_peers: dict[str, HeartbeatInfo] = {}
-        # bucket -> its peers as last read; peer -> its heartbeat bucket (both one dict for every shard)
+        # bucket -> its peers as last read (one dict for every shard)
         self._known_by_bucket: dict[int, dict[str, HeartbeatInfo]] = (
             {} if first is None else first._known_by_bucket
         )
-        self._buckets_of: dict[str, int] = {} if first is None else first._buckets_of
         self._sampled_bucket: int | None = None  # the non-candidate bucket the read being ingested holds
 
     def allowed(self, peer: str) -> bool:
@@ -129,7 +128,7 @@ class Membership:
             return False
         if self.buckets <= 1 or self.manifest.trust.synchronizers or self.manifest.allowlist:
             return True
-        return heartbeat_buckets.open_candidate(peer, self.buckets)
+        return self._bucket(peer) == 0
 
     def heartbeat_record(self, info: HeartbeatInfo, now: float) -> StoreRecord:
         expiration = now + self.manifest.timing.heartbeat_ttl
@@ -188,13 +187,23 @@ class Membership:
             self.live_peers = self._known_peers(live)
         # A heartbeat starts the newcomer grace of a listed peer only: an unlisted key is awaited from its
         # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
-        self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
+        if learn:
+            self.standing.heard((p for p in live if self.manifest.listed(p)), records.now)
         self.last_read = records.now
+        return SwarmView(heartbeats, leases, self._gaps(records, seen, heartbeats))
+
+    def _gaps(
+        self, records: SwarmRecords, seen: list[SeenLease], heartbeats: list[PeerHeartbeat]
+    ) -> claim_guard.ReadGaps:
+        """What the read lacks (`claim_guard.covered`); they only ever hold a claim back, so a peer that is
+        no candidate (it never claims) skips the bookkeeping."""
+        if not self.candidate(self.peer_id):
+            return claim_guard.NO_GAPS
         sync = [x.lease.holder for x in seen if self.manifest.may_synchronize(x.lease.holder)]
         read = claim_guard.read_of(heartbeats, {h: records.leases_of(self.shard)[h].expiration for h in sync})
         timing = self.manifest.timing
         self._cover, gaps = claim_guard.covered(self._cover, read, self.peer_id, records.now, timing)
-        return SwarmView(heartbeats, leases, gaps)
+        return gaps
 
     def _known_peers(self, read: dict[str, HeartbeatInfo]) -> dict[str, HeartbeatInfo]:
         """With heartbeat buckets: `live_peers` updated in place from one read. Each bucket it read (bucket
@@ -218,7 +227,12 @@ class Membership:
         """The heartbeat bucket `peer` writes to (cached: one hash per peer)."""
         bucket = self._buckets_of.get(peer)
         if bucket is None:
-            bucket = heartbeat_buckets.bucket_of(peer, self.buckets, candidate=self.candidate(peer))
+            candidate = self.manifest.may_synchronize(peer) and (
+                self.manifest.trust.synchronizers
+                or self.manifest.allowlist
+                or heartbeat_buckets.open_candidate(peer, self.buckets)
+            )
+            bucket = heartbeat_buckets.bucket_of(peer, self.buckets, candidate=bool(candidate))
             if len(self._buckets_of) < MAX_BUCKETS_CACHED:
                 self._buckets_of[peer] = bucket
         return bucket
@@ -255,12 +269,15 @@ class Membership:
         live: dict[str, HeartbeatInfo] = {}
         for peer, (info, expiration) in decoded.items():
             live[peer] = info
-            if peer != self.peer_id and not self.candidate(peer):
+            candidate = self.candidate(peer)
+            if peer != self.peer_id and not candidate:
                 continue  # the election reads only the candidates (and this peer itself)
-            record = replace(info.as_election_record(peer, expiration), term_seen=info.term_of(self.shard))
-            if record.may_sync and not self.candidate(peer):
-                record = replace(record, may_sync=False)
-            heartbeats.append(record)
+            term = info.term_of(self.shard)
+            heartbeats.append(
+                PeerHeartbeat(
+                    peer, info.may_sync and candidate, info.reachable, info.versions, expiration, term
+                )
+            )
         return live, heartbeats
 
     def _leases(self, records: SwarmRecords) -> list[SeenLease]:
