@@ -19,6 +19,8 @@ result holds (`SizeResult.row()`, one row of `sim_peers.json`):
 * `wall_seconds_per_virtual_second_per_peer`: the event loop's wall time less the checks', over the
   measured window's virtual seconds and the peers (training, the peers' owners and I/O, the simulated DHT
   and links); a run stopped before the window ended: over all it played, start-up included;
+* `cpu_seconds_per_virtual_second_per_peer`: the same in the process's CPU time, window only (on a shared
+  machine the wall time also holds the time other processes took the cores; CPU time does not);
 * `busiest_peer_bytes_per_round`: the most bytes one peer sent plus received in the window, over the
   window's rounds, a round being one update of every fragment (updates published / fragments);
 * `holder_inbound_bytes_per_round`: the most bytes a synchronizer received in the window over the rounds
@@ -124,6 +126,8 @@ class MeasuredSimulation(Simulation):
         self.out_of_time = False
         self.check_wall = 0.0
         self.loop_wall = 0.0
+        self.check_cpu = 0.0  # the same in this process's CPU time (what other processes on the machine
+        self.loop_cpu = 0.0  # take of the cores does not count in it)
         self.held_twice: set[tuple[int, int]] = set()
         self.claimers: dict[tuple[int, int], set[str]] = {}
         self.published_at: dict[tuple[int, int, int, str], float] = {}
@@ -170,21 +174,23 @@ class MeasuredSimulation(Simulation):
         if self.world.now() - self.checked_at < self.spec.check_every:
             return self.out_of_time
         self.checked_at = self.world.now()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         self.checking = True
         stop = super()._stopped()
         self.checking = False
         self.held_twice.update(self.invariants.shared_terms)
         ended = time.perf_counter()
         self.check_wall += ended - started
+        self.check_cpu += time.process_time() - started_cpu
         if ended > self.deadline:
             self.out_of_time = True
         return stop or self.out_of_time
 
     def _until(self, t: float) -> bool:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         ok = super()._until(t)
         self.loop_wall += time.perf_counter() - started
+        self.loop_cpu += time.process_time() - started_cpu
         return ok and not self.out_of_time
 
     def _mark(self, name: str) -> None:
@@ -194,6 +200,8 @@ class MeasuredSimulation(Simulation):
             "dht_reads": Counter(self.dht_reads),
             "loop_wall": self.loop_wall,
             "check_wall": self.check_wall,
+            "loop_cpu": self.loop_cpu,
+            "check_cpu": self.check_cpu,
         }
 
     # ---- the run -------------------------------------------------------------------------------------
@@ -237,6 +245,7 @@ class SizeResult:
     check_wall_seconds: float
     window_seconds: float | None  # the measured window's virtual seconds, if it ended
     window_wall_seconds: float | None  # the loop's wall time in the window, checks excluded
+    window_cpu_seconds: float | None  # the same in this process's CPU time
     build_wall_seconds: float
     window_rounds: float | None
     busiest_peer: str | None
@@ -260,6 +269,14 @@ class SizeResult:
         played = max(self.virtual_seconds, 1e-9)
         return (self.wall_seconds - self.check_wall_seconds) / played / self.peers
 
+    @property
+    def cpu_per_virtual_per_peer(self) -> float | None:
+        """As `wall_per_virtual_per_peer`, in the process's CPU time (the window only): on a shared machine
+        the wall time also holds what other processes took of the cores."""
+        if not self.window_seconds or self.window_cpu_seconds is None:
+            return None
+        return self.window_cpu_seconds / self.window_seconds / self.peers
+
     def row(self) -> dict[str, Any]:
         """One size's entry of `sim_peers.json` (module docstring)."""
         return {
@@ -269,6 +286,7 @@ class SizeResult:
             "completed": self.completed,
             "violation": self.violation,
             "wall_seconds_per_virtual_second_per_peer": _round(self.wall_per_virtual_per_peer, 5),
+            "cpu_seconds_per_virtual_second_per_peer": _round(self.cpu_per_virtual_per_peer, 5),
             "busiest_peer_bytes_per_round": _round(self.busiest_peer_bytes_per_round, 0),
             "holder_inbound_bytes_per_round": _round(self.holder_inbound_bytes_per_round, 0),
             "propagation_p50_s": _round(_percentile(self.propagation, 50), 3),
@@ -384,10 +402,11 @@ def measure_size(
     completed = not sim.out_of_time and "end" in sim.marks
     window = _window_figures(sim)
     start, end = sim.marks.get("window_start"), sim.marks.get("window_end")
-    window_seconds = window_wall = None
+    window_seconds = window_wall = window_cpu = None
     if start is not None and end is not None:
         window_seconds = end["t"] - start["t"]
         window_wall = (end["loop_wall"] - start["loop_wall"]) - (end["check_wall"] - start["check_wall"])
+        window_cpu = (end["loop_cpu"] - start["loop_cpu"]) - (end["check_cpu"] - start["check_cpu"])
     violation = sim.invariants.violation
     if trace is not None and violation is not None:
         trace.write_text(sim.world.trace.text())
@@ -402,6 +421,7 @@ def measure_size(
         check_wall_seconds=sim.check_wall,
         window_seconds=window_seconds,
         window_wall_seconds=window_wall,
+        window_cpu_seconds=window_cpu,
         build_wall_seconds=build_wall,
         propagation=sim.delays,
         terms_held_twice=len(sim.held_twice),
@@ -447,6 +467,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, pool in (
         ("wall_seconds_per_virtual_second_per_peer", measured),
+        ("cpu_seconds_per_virtual_second_per_peer", measured),
         ("busiest_peer_bytes_per_round", done),
     ):
         have = [r for r in pool if r.get(key)]
