@@ -61,7 +61,7 @@ class ListedDelta:
     learner: str
     seq: int
     digest: bytes  # BLAKE2b-256 of the delta's `wire.codecs.codec` frame
-    weight: int  # the tokens the learner signed
+    weight: int  # what the merge weighs it by: at most the tokens the learner signed (`Standing.earned`)
 
 
 @dataclass(frozen=True)

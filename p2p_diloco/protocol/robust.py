@@ -124,6 +124,7 @@ class RobustGuard:
             new_peer_rounds=config.new_peer_rounds if config.enabled else 0,
             active_window=config.active_window,
             newcomer_grace=config.newcomer_grace,
+            newcomer_share=config.newcomer_share,
         )
 
     @classmethod

@@ -82,6 +82,11 @@ class RobustConfig:
     cooldown: Positive = 120.0
     # A new key's merge weight ramps up over its first rounds: (rounds merged + 1) / (new_peer_rounds + 1).
     new_peer_rounds: Annotated[int, Field(ge=0, description="0: no ramp")] = 4
+    # Weight is earned (`protocol.standing`, issue #41): a key still on its ramp weighs at most the round's
+    # median established claim, and all such keys of a round together at most this many of it.
+    newcomer_share: Annotated[
+        Number, Field(gt=0, description="keys on their ramp together weigh at most this x the round's median")
+    ] = 1.0
     # Live learners (outer scaling, whom a round waits for) are those merged within `active_window`
     # seconds, or first heard within `newcomer_grace`: idle heartbeats of made-up keys change nothing.
     active_window: Positive = 120.0

@@ -7,7 +7,7 @@ learner-signed deltas and bundles their frames, and every replica merges them it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +20,9 @@ from p2p_diloco.protocol.merge import merge_deltas
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.outer_step import PendingUpdate
 from p2p_diloco.protocol.replica import GlobalReplica
+from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.protocol.sync_round import Contribution
-from p2p_diloco.swarm.sparse_rounds import entry_of, merge_signed
+from p2p_diloco.swarm.sparse_rounds import entry_of, merge_signed, weight_cap
 from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.delta_bundle import encode_bundle
 
@@ -46,14 +47,14 @@ class Merger:
         replica: GlobalReplica,
         expected: Sequence[Mapping[str, tuple[int, ...]]],
         embedding_names: Collection[str],
-        ramp: Callable[[str], float],
+        standing: Standing,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
         self.replica = replica
         self.expected = expected  # per fragment: each tensor's shape (the synchronizer's, shared)
         self.embedding_names = frozenset(embedding_names)
-        self.ramp = ramp  # `Standing.ramp`: a newcomer's weight grows over its first merges
+        self.standing = standing  # `Standing.earned`: weight is earned, a newcomer's grows over its merges
 
     def merge(
         self, p: int, contributions: list[Contribution], *, live: int, term: int
@@ -64,7 +65,10 @@ class Merger:
         if self.manifest.wire.codec.sparse:
             return self.merge_union(p, contributions, live=live, term=term)
         contributions.sort(key=lambda c: c.sender)
-        weights = [diloco.merge_weight(c.tokens, c.steps) * self.ramp(c.sender) for c in contributions]
+        earned = self.standing.earned(
+            [(c.sender, diloco.merge_weight(c.tokens, c.steps)) for c in contributions]
+        )
+        weights = list(earned.weights)
         merged = merge_deltas(
             [c.payload for c in contributions],
             weights,
@@ -72,8 +76,10 @@ class Merger:
             embedding_names=self.embedding_names,
         )
         contributions[:] = [dataclasses.replace(c, payload=None) for c in contributions]
-        if self.manifest.diloco.outer_scaling == "contributors":  # merge_deltas' tensors are fresh: in place
-            diloco.scale_to_live(list(merged.values()), len(contributions), live)
+        # merge_deltas' tensors are fresh: scaled in place, by the contributors the round counts (weight is
+        # earned: a round of new keys counts less than its number) over the live learners, or over its number
+        over = live if self.manifest.diloco.outer_scaling == "contributors" else len(contributions)
+        diloco.scale_to_live(list(merged.values()), earned.counted, over)
         wire = self.manifest.wire
         payload = encode_tensors(merged, codec=wire.codec, block_size=wire.block_size)
         del merged  # the update is its encoding from here on
@@ -116,18 +122,26 @@ class Merger:
     def merge_union(
         self, p: int, contributions: list[Contribution], *, live: int, term: int
     ) -> tuple[UpdateRecord, PendingUpdate, dict[str, torch.Tensor | QuantizedTensor]]:
-        """The update of a sparse round: exactly the union merge of its signed deltas (weights: their
-        signed tokens; no newcomer ramp, no outer residual), listing them and bundling their frames."""
+        """The update of a sparse round: exactly the union merge of its signed deltas, listing them with
+        their earned weights and bundling their frames (no outer residual). Weights: the signed tokens (at
+        most H steps' worth, `weight_cap`) as `Standing.earned` leaves them; every replica merges with the
+        listed weights and refuses one above the signed tokens, while the history behind the earned part is
+        this holder's (a replica that installed a snapshot lacks it, and every replica must merge alike)."""
         max_bytes = self.manifest.wire.max_message_bytes
         entries = sorted(
             (entry_of(c.sender, c.frame, max_bytes) for c in contributions),
             key=lambda e: (e.learner, e.header.seq),
         )
         contributions[:] = [dataclasses.replace(c, payload=None) for c in contributions]
-        grad = merge_signed(entries, self.expected[p], manifest=self.manifest, live=live)
+        cap = weight_cap(self.manifest)
+        claims = [
+            (e.learner, float(e.header.tokens if cap is None else min(e.header.tokens, cap))) for e in entries
+        ]
+        weights = [max(1, int(w)) for w in self.standing.earned(claims).weights]
+        grad = merge_signed(entries, self.expected[p], manifest=self.manifest, live=live, weights=weights)
         cfg = self.manifest.diloco
         pending = self.replica.compute_update(p, grad, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
-        listed = tuple(e.listed for e in entries)
+        listed = tuple(dataclasses.replace(e.listed, weight=w) for e, w in zip(entries, weights))
         contributors = tuple((d.learner, float(d.weight)) for d in listed)
         bundle = encode_bundle([e.frame for e in entries])
         seqs = tuple(d.seq for d in listed)

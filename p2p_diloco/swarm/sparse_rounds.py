@@ -3,20 +3,21 @@ round merges, and every replica checks those deltas and merges them itself.
 
 Under a sparse codec a learner signs each delta (`swarm.outbox`, `wire.delta_signature`). The synchronizer
 admits a delta only with a valid signature of its sender (`intake_problem`), and publishes an update that
-lists the deltas it merged (learner, seq, payload digest, weight = the tokens the learner signed) under
-its own signature and carries the delta frames themselves (`wire.delta_bundle`). Nothing is re-sparsified
-and nothing is left in an outer residual: the update is exactly `protocol.union_merge` of the listed deltas
+lists the deltas it merged (learner, seq, payload digest, weight: at most the tokens the learner signed) under
+its own signature and carries the delta frames themselves (`wire.delta_bundle`). Nothing is re-sparsified and
+nothing is left in an outer residual: the update is exactly `protocol.union_merge` of the listed deltas
 (median-norm clipped, token-weighted where indices overlap), scaled as the dense path scales an update of
 fewer contributors than live learners (`[diloco] outer_scaling`, with the `live` count the record names).
 
-`open_record` is what every replica runs on such an update (pushed, replayed, or its own): the listing
-matches the record's contributors and seqs, names at most `[diloco] gather` deltas (`protocol.gather`) and
-no learner it also names as left out, every bundled frame decodes strictly, is the listed delta
-(run, manifest, fragment, learner, seq, digest), carries its learner's valid signature, its weight is the
-signed tokens, its anchor is not ahead of the update; then it decodes and merges. Any failure refuses the
-whole record with its tag (`DeltaRefusal`, `UpdateTag` or a decoder's), which the caller counts against the
-peer that sent it; the replica is not touched. `merge_signed` is the one merge both sides compute, so the
-replicas' results are bit-identical to the synchronizer's (the record's checksum proves it).
+`open_record` is what every replica runs on such an update (pushed, replayed, or its own): the listing matches
+the record's contributors and seqs, names at most `[diloco] gather` deltas (`protocol.gather`) and no learner
+it also names as left out, every bundled frame decodes strictly, is the listed delta (run, manifest, fragment,
+learner, seq, digest), carries its learner's valid signature, its weight is the signed tokens at most (the
+holder's earned weight, `Standing.earned`: see `merging.Merger.merge_union`), its anchor is not ahead of the
+update; then it decodes and merges with the listed weights. Any failure refuses the whole record with its tag
+(`DeltaRefusal`, `UpdateTag` or a decoder's), which the caller counts against the peer that sent it; the
+replica is not touched. `merge_signed` is the one merge both sides compute, so the replicas' results are
+bit-identical to the synchronizer's (the record's checksum proves it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.kernels import QuantizedTensor
 from p2p_diloco.protocol.messages import DeltaHeader, ListedDelta, UpdateRecord, UpdateTag
 from p2p_diloco.protocol.robust import RobustGuard
+from p2p_diloco.protocol.standing import counted_of
 from p2p_diloco.protocol.union_merge import SparseContribution, union_merge
 from p2p_diloco.wire.codecs.codec import decode_sparse, decode_tensors
 from p2p_diloco.wire.delta_bundle import decode_bundle
@@ -114,25 +116,32 @@ def merge_signed(
     *,
     manifest: RunManifest,
     live: int,
+    weights: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The round's outer gradient: the union merge of `entries` (weights: their signed tokens, at most
-    `weight_cap`), scaled by
-    (entries / live) under `outer_scaling = "contributors"` when fewer than `live` learners contributed.
+    """The round's outer gradient: the union merge of `entries` (weights: the listed ones, `weights`, which
+    the listing check bounds by the signed tokens; else the signed tokens; at most `weight_cap`), scaled by
+    (counted / live) under `outer_scaling = "contributors"` when the round counts fewer than `live`
+    contributors (else by counted / entries), counted the sum of weight / signed claim (`counted_of`: a
+    newcomer's earned weight counts less than one contributor).
     Raises DecodeError on a payload the strict sparse decoder refuses."""
     wire = manifest.wire
     cap = weight_cap(manifest)
+    listed = [e.header.tokens for e in entries] if weights is None else list(weights)
     contributions = [
         SparseContribution(
             e.learner,
             e.header.seq,
-            float(e.header.tokens if cap is None else min(e.header.tokens, cap)),
+            float(w if cap is None else min(w, cap)),
             decode_sparse(e.payload, expected_shapes=shapes, max_bytes=wire.max_message_bytes),
         )
-        for e in entries
+        for e, w in zip(entries, listed, strict=True)
     ]
     merged = union_merge(contributions, shapes).tensors
-    if manifest.diloco.outer_scaling == "contributors":
-        diloco.scale_to_live(list(merged.values()), len(entries), live)
+    # the contributors the round counts (`Standing.earned`): listed weight / signed claim, each at most 1
+    claims = [float(e.header.tokens if cap is None else min(e.header.tokens, cap)) for e in entries]
+    counted = counted_of([c.weight for c in contributions], claims)
+    over = live if manifest.diloco.outer_scaling == "contributors" else len(entries)
+    diloco.scale_to_live(list(merged.values()), counted, over)
     return merged
 
 
@@ -198,7 +207,8 @@ def open_record(
             return DeltaRefusal.WRONG_DELTA, detail
         entries.append(SignedEntry(listed.learner, header, payload, frame))
     try:
-        return merge_signed(entries, shapes, manifest=manifest, live=record.live)
+        weights = [d.weight for d in record.deltas]
+        return merge_signed(entries, shapes, manifest=manifest, live=record.live, weights=weights)
     except DecodeError as exc:
         return exc.reason, f"bundled delta payload: {exc.detail}"
     except ValueError as exc:  # union_merge's input checks (e.g. a non-finite value)

@@ -234,8 +234,8 @@ class Synchronizer:
         self.guard = guard if guard is not None else RobustGuard.from_manifest(manifest)
         # Sparse codecs: deltas must carry their sender's signature, checked with `check` (none: refused)
         self.check = check
-        ramp = self.guard.standing.ramp
-        self.merger = Merger(peer_id, manifest, replica, self.expected, self.embedding_names, ramp)
+        standing = self.guard.standing
+        self.merger = Merger(peer_id, manifest, replica, self.expected, self.embedding_names, standing)
 
     def _reject(self, sender: str, tag: str, detail: str, now: float, retry_after: float = 0.0) -> Reply:
         reply = Reply.refused(tag, detail, retry_after)

@@ -50,7 +50,7 @@ class DeltaRefusal(StrEnum):
 
     DIGEST_MISMATCH = "digest mismatch"  # the fetched payload's digest is not the listed one
     BAD_SIGNATURE = "bad signature"  # not the listed learner's signature over the listed delta
-    WEIGHT_MISMATCH = "weight mismatch"  # the listed weight is not the tokens the learner signed
+    WEIGHT_MISMATCH = "weight mismatch"  # the listed weight is above the tokens the learner signed (or < 1)
     WRONG_DELTA = "wrong delta"  # the fetched delta is of another run, fragment, learner or seq
 
 
@@ -170,9 +170,9 @@ def check_listed_delta(
         listed.learner, delta_signing_bytes(signed), signature
     ):
         return DeltaRefusal.BAD_SIGNATURE, f"{listed.learner}/{listed.seq}: signature does not check"
-    if listed.weight != signed.tokens:
+    if not 1 <= listed.weight <= signed.tokens:  # the holder weighs a delta at most by its signed tokens
         return (
             DeltaRefusal.WEIGHT_MISMATCH,
-            f"{listed.learner}/{listed.seq}: weight {listed.weight} != {signed.tokens}",
+            f"{listed.learner}/{listed.seq}: weight {listed.weight} not in [1, {signed.tokens}], its tokens",
         )
     return None

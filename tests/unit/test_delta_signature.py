@@ -133,6 +133,9 @@ def test_a_listed_delta_checks_only_when_signature_digest_and_weight_do():
         assert result is not None and result[0] == reason, kwargs
     heavier = dataclasses.replace(listed, weight=8192)  # the record claims more tokens than were signed
     assert _checked(keys, heavier)[0] == DeltaRefusal.WEIGHT_MISMATCH
+    # the holder may weigh a delta less than its tokens (a newcomer's earned weight, issue #41), never < 1
+    assert _checked(keys, dataclasses.replace(listed, weight=819)) is None
+    assert _checked(keys, dataclasses.replace(listed, weight=0))[0] == DeltaRefusal.WEIGHT_MISMATCH
     other_seq = dataclasses.replace(listed, seq=8)
     assert _checked(keys, other_seq)[0] == DeltaRefusal.WRONG_DELTA
     # a signature over other tokens does not check for these
