@@ -1,14 +1,17 @@
 """Which heartbeats a peer reads each heartbeat period: heartbeat buckets, candidates and the rotating sample
 (issue #40: per-peer work per period must not grow with the swarm's size M).
 
-Below `BUCKETED_FROM_SHARDS` synchronizer shards (at the documented sizing S = M / 16, up to about 128
-peers) every heartbeat lives under one DHT key and every peer reads them all, as it always did. From
+Below `BUCKETED_FROM_SHARDS` synchronizer shards (at the documented sizing S = M / 16, up to about 256
+peers) every heartbeat lives under one DHT key and every peer reads them all, as it always did: at most a
+few hundred records a period, under the DHT reads' cap of 512 per key (`net.admission`). From
 `BUCKETED_FROM_SHARDS` shards on, heartbeats are split over B = S buckets (`wire.keys.heartbeat_key(...,
 bucket)`):
 
 * bucket 0 holds the heartbeats of the *candidates*, the peers that may claim a shard's lease: the listed
   synchronizers where the manifest lists any (or an allowlist bounds the run), else, in a run open to
-  anyone, the peers whose ID hashes to bucket 0 (about M / B = 16 peers at the sizing);
+  anyone, the peers whose ID hashes to bucket 0 (about M / B = 16 peers at the sizing) and those that
+  volunteered because bucket 0 held fewer than `MIN_OPEN_CANDIDATES` others once they had read the swarm
+  for a heartbeat period (a small swarm under a large S; every reader counts whoever bucket 0 holds);
 * every other peer's heartbeat lives in bucket 1 + a hash of its ID modulo B - 1.
 
 Each period a peer reads bucket 0 (every candidate: the elections, the lease rules and the trusted tips of
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import hashlib
 
-BUCKETED_FROM_SHARDS = 8  # fewer shards: one heartbeat key, every heartbeat read every period
+BUCKETED_FROM_SHARDS = 16  # fewer shards: one heartbeat key, every heartbeat read every period
+MIN_OPEN_CANDIDATES = 4  # an open run's bucket 0 with fewer others: a peer volunteers as a candidate
 
 
 def buckets_for(shards: int) -> int:

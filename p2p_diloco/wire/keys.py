@@ -64,7 +64,7 @@ def record_key(run_id: str, manifest_hash: str, record: str) -> str:
 
 def heartbeat_key(run_id: str, manifest_hash: str, bucket: int = 0) -> str:
     """Live peers: subkey = peer ID (owner-signed), value = the peer's heartbeat record. With heartbeat
-    buckets (`protocol.heartbeat_buckets`, runs of 8 shards or more) bucket 0, the candidates', keeps the
+    buckets (`protocol.heartbeat_buckets`, runs of 16 shards or more) bucket 0, the candidates', keeps the
     unbucketed key and bucket k > 0 appends ``/k``."""
     if bucket < 0:
         raise ValueError(f"bucket must be >= 0, got {bucket}")

@@ -1,6 +1,6 @@
 """Heartbeat buckets (issue #40 item 1): what a peer reads each heartbeat period does not grow with the swarm.
 
-From 8 synchronizer shards on, heartbeats live in S buckets: bucket 0 holds the candidates', read every
+From 16 synchronizer shards on, heartbeats live in S buckets: bucket 0 holds the candidates', read every
 period, and each read samples one other bucket in turn (`protocol.heartbeat_buckets`); `Membership` keeps
 what it read of each bucket until that bucket is read again (`live_peers`), and the per-period rules read
 only the last read (`read_peers`)."""
@@ -19,7 +19,7 @@ from p2p_diloco.wire import keys
 from p2p_diloco.wire.records import HeartbeatInfo
 from tests.support.manifests import TINY_DILOCO, tiny_manifest
 
-SHARDS = 8
+SHARDS = 16
 MANIFEST = tiny_manifest(
     "buckets",
     diloco=dataclasses.replace(TINY_DILOCO, inner_steps=SHARDS, fragments=SHARDS, synchronizer_shards=SHARDS),
@@ -54,8 +54,8 @@ def swarm(peers: list[str], now: float, gone: frozenset[str] = frozenset()) -> I
     return kv
 
 
-def test_below_eight_shards_one_key_holds_every_heartbeat():
-    assert [hb.buckets_for(s) for s in (1, 4, 7, 8, 16)] == [1, 1, 1, 8, 16]
+def test_below_sixteen_shards_one_key_holds_every_heartbeat():
+    assert [hb.buckets_for(s) for s in (1, 4, 8, 15, 16, 32)] == [1, 1, 1, 1, 16, 32]
     assert hb.sample_bucket("a", 3, 1) is None and hb.bucket_of("a", 1, candidate=False) == 0
     assert all(hb.open_candidate(p, 1) for p in PEERS)
     m = membership("me", tiny_manifest("one-key"))
@@ -81,11 +81,11 @@ def test_a_read_decodes_the_candidates_and_one_bucket_whatever_the_swarm():
     now = 100.0
     kv = swarm(PEERS, now)
     m = membership("peer-000")
-    candidates = {p for p in PEERS if m.candidate(p)}
-    assert 0 < len(candidates) < 60
+    candidates = {p for p in PEERS if hb.open_candidate(p, SHARDS)}
+    assert 0 < len(candidates) < 30
     for _ in range(SHARDS - 1):
         views = m.ingest_all(read(kv, m, now))
-        assert candidates <= m.read_peers.keys() and len(m.read_peers) <= len(candidates) + 60
+        assert candidates <= m.read_peers.keys() and len(m.read_peers) <= len(candidates) + 30
         for view in views:  # the elections rank candidates only
             assert {x.peer_id for x in view.heartbeats} <= candidates | {"peer-000"}
     assert m.live_peers.keys() == set(PEERS)  # every bucket read once in B - 1 reads
@@ -97,7 +97,7 @@ def test_a_peer_gone_drops_out_when_its_bucket_is_read_again():
     m = membership("peer-000")
     for _ in range(SHARDS - 1):
         m.ingest_all(read(swarm(PEERS, now), m, now))
-    gone = next(p for p in PEERS if not m.candidate(p))
+    gone = next(p for p in PEERS if not hb.open_candidate(p, SHARDS))
     kv = swarm(PEERS, now, gone=frozenset({gone}))
     for _ in range(SHARDS - 1):
         m.ingest_all(read(kv, m, now))
@@ -105,10 +105,41 @@ def test_a_peer_gone_drops_out_when_its_bucket_is_read_again():
 
 
 def test_a_peer_that_is_no_candidate_never_ranks_itself():
-    me = next(p for p in PEERS if not membership(p).candidate(p))
+    me = next(p for p in PEERS if not hb.open_candidate(p, SHARDS))
     m = membership(me)
     assert m.own_hb_key != m.hb_key
     kv = swarm(PEERS, 100.0)
     for _ in range(SHARDS - 1):
         for view in m.ingest_all(read(kv, m, 100.0)):
             assert all(not x.may_sync for x in view.heartbeats if x.peer_id == me)
+
+
+def run_reads(peers: list[str], seconds: float) -> dict[str, Membership]:
+    """Every peer reads the swarm each period for `seconds`, writing its heartbeat where it stands."""
+    members = {p: membership(p) for p in peers}
+    kv, period = InMemoryKeyValueStore(), MANIFEST.timing.heartbeat_period
+    now = 100.0
+    while now < 100.0 + seconds:
+        for m in members.values():
+            info = HeartbeatInfo(role="learner", may_sync=True, reachable=True, versions=(1,) * SHARDS)
+            record = m.heartbeat_record(info, now)
+            kv.store(record.key, record.subkey, record.value, record.expiration)
+        for m in members.values():
+            m.ingest_all(read(kv, m, now))
+        now += period
+    return members
+
+
+def test_a_small_swarm_under_a_large_s_is_never_left_without_candidates():
+    """8 peers, S = 16 (about one ID in 16 hashes to bucket 0): once they have read the swarm for a heartbeat
+    period the others volunteer, and every peer counts them all as candidates."""
+    peers = PEERS[:8]
+    members = run_reads(peers, 3 * MANIFEST.timing.heartbeat_ttl)
+    assert all(m.own_bucket[0] == 0 for m in members.values())
+    assert all({p for p in peers if m.candidate(p)} == set(peers) for m in members.values())
+
+
+def test_a_large_swarm_has_no_volunteers():
+    members = run_reads(PEERS, 3 * MANIFEST.timing.heartbeat_ttl)
+    standing = {p for p, m in members.items() if m.own_bucket[0] == 0}
+    assert standing == {p for p in PEERS if hb.open_candidate(p, SHARDS)}

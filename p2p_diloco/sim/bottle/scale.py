@@ -401,12 +401,7 @@ def measure_size(
         _write_profile(profiler, profile, run, sim)
     completed = not sim.out_of_time and "end" in sim.marks
     window = _window_figures(sim)
-    start, end = sim.marks.get("window_start"), sim.marks.get("window_end")
-    window_seconds = window_wall = window_cpu = None
-    if start is not None and end is not None:
-        window_seconds = end["t"] - start["t"]
-        window_wall = (end["loop_wall"] - start["loop_wall"]) - (end["check_wall"] - start["check_wall"])
-        window_cpu = (end["loop_cpu"] - start["loop_cpu"]) - (end["check_cpu"] - start["check_cpu"])
+    window_seconds, window_wall, window_cpu = _window_costs(sim)
     violation = sim.invariants.violation
     if trace is not None and violation is not None:
         trace.write_text(sim.world.trace.text())
@@ -433,6 +428,17 @@ def measure_size(
         run={**asdict(run), "link": asdict(run.link)},
         **window,
     )
+
+
+def _window_costs(sim: MeasuredSimulation) -> tuple[float | None, float | None, float | None]:
+    """(virtual seconds, wall seconds, CPU seconds) of the measured window, the checks' excluded; Nones if
+    the window did not end."""
+    start, end = sim.marks.get("window_start"), sim.marks.get("window_end")
+    if start is None or end is None:
+        return None, None, None
+    wall = (end["loop_wall"] - start["loop_wall"]) - (end["check_wall"] - start["check_wall"])
+    cpu = (end["loop_cpu"] - start["loop_cpu"]) - (end["check_cpu"] - start["check_cpu"])
+    return end["t"] - start["t"], wall, cpu
 
 
 def _write_profile(profiler: cProfile.Profile, path: Path, run: ScaleRun, sim: MeasuredSimulation) -> None:

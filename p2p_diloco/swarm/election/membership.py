@@ -104,7 +104,13 @@ class Membership:
         self.buckets = heartbeat_buckets.buckets_for(manifest.diloco.synchronizer_shards)
         self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
         self._buckets_of: dict[str, int] = {} if first is None else first._buckets_of  # peer -> its bucket
-        self.own_hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash, self._bucket(peer_id))
+        self.own_bucket = (
+            [self._bucket(peer_id)] if first is None else first.own_bucket
+        )  # one for every shard
+        self._bucket0: set[str] = (
+            set() if first is None else first._bucket0
+        )  # peers the last read of bucket 0 held
+        self._first_read: list[float] = [] if first is None else first._first_read  # when reading began
         self.reads = 0  # reads of the swarm issued: seeds which bucket the next one samples
         # the live peers this peer knows: with one heartbeat bucket, exactly those of the last read; with
         # buckets, every heartbeat read until its bucket is read again without it (`_known_peers`)
@@ -121,14 +127,43 @@ class Membership:
         """False for peers the manifest does not let take part (allowlist, `[trust] learners`)."""
         return self.manifest.may_learn(peer)
 
+    @property
+    def own_hb_key(self) -> str:
+        """The key this peer writes its heartbeat to (its bucket's)."""
+        return heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash, self.own_bucket[0])
+
+    def _lists_synchronizers(self) -> bool:
+        return bool(self.manifest.trust.synchronizers or self.manifest.allowlist)
+
     def candidate(self, peer: str) -> bool:
         """Whether `peer` may claim a shard's lease and is read every period: it may synchronize and, in a
-        run with heartbeat buckets that lists no synchronizers, its ID hashes to bucket 0."""
+        run with heartbeat buckets that lists no synchronizers, writes its heartbeat to bucket 0 (its ID
+        hashes there, or it volunteered: `_volunteer`)."""
         if not self.manifest.may_synchronize(peer):
             return False
-        if self.buckets <= 1 or self.manifest.trust.synchronizers or self.manifest.allowlist:
+        if self.buckets <= 1 or self._lists_synchronizers():
             return True
-        return self._bucket(peer) == 0
+        return self.own_bucket[0] == 0 if peer == self.peer_id else peer in self._bucket0
+
+    def _volunteer(self, now: float) -> None:
+        """In an open run with heartbeat buckets, a peer whose ID does not hash to bucket 0 becomes a
+        candidate (for good: it writes its heartbeat there from now on) when, once it has read the swarm
+        for a heartbeat period (every live peer wrote its heartbeat meanwhile), bucket 0 holds fewer than
+        `MIN_OPEN_CANDIDATES` others: a small swarm under a large S must not be left without candidates,
+        while a large one (about M / S candidates) never volunteers. A claim waits `heartbeat_ttl` of
+        reading (`_warm_up_left`), so volunteers are in bucket 0 before anyone's first claim."""
+        if self.buckets <= 1 or self._lists_synchronizers() or self.own_bucket[0] == 0:
+            return
+        if not self.manifest.may_synchronize(self.peer_id):
+            return
+        if not self._first_read:
+            self._first_read.append(now)
+        others = len(self._bucket0 - {self.peer_id})
+        if now - self._first_read[0] < self.manifest.timing.heartbeat_period:
+            return
+        if others < heartbeat_buckets.MIN_OPEN_CANDIDATES:
+            self.own_bucket[0] = 0
+            self.journal.note(f"heartbeat bucket 0 holds {others} candidates: I stand as one too")
 
     def heartbeat_record(self, info: HeartbeatInfo, now: float) -> StoreRecord:
         expiration = now + self.manifest.timing.heartbeat_ttl
@@ -185,6 +220,7 @@ class Membership:
             self.live_peers = live
         elif learn:
             self.live_peers = self._known_peers(live)
+            self._volunteer(records.now)
         # A heartbeat starts the newcomer grace of a listed peer only: an unlisted key is awaited from its
         # first accepted delta on (`Synchronizer.handle_delta`), so idle fresh keys change no round.
         if learn:
@@ -211,7 +247,8 @@ class Membership:
         bucket is next read (within B - 1 periods); the others stay as last read. Work: the buckets read."""
         by_bucket: dict[int, dict[str, HeartbeatInfo]] = {}
         for peer, info in read.items():
-            by_bucket.setdefault(self._bucket(peer), {})[peer] = info
+            bucket = 0 if peer in self._bucket0 else (self._sampled_bucket or self._bucket(peer))
+            by_bucket.setdefault(bucket, {})[peer] = info
         if self._sampled_bucket is not None:
             by_bucket.setdefault(self._sampled_bucket, {})
         by_bucket.setdefault(0, {})
@@ -245,8 +282,10 @@ class Membership:
         sampled = self._sampled(records)
         self._sampled_bucket = None
         if self.buckets > 1:
-            candidates = {p: v for p, v in records.heartbeats.items() if self._bucket(p) == 0}
-            self._sampled_bucket = next((self._bucket(p) for p in sampled), None)
+            candidates = {p: v for p, v in records.heartbeats.items() if self.manifest.may_synchronize(p)}
+            self._bucket0.clear()
+            self._bucket0.update(candidates)
+            self._sampled_bucket = next((self._bucket(p) for p in sampled if p not in candidates), None)
             stored_by_peer = {**sampled, **candidates}
         decoded: Decoded = {}
         for peer, stored in stored_by_peer.items():
@@ -392,7 +431,11 @@ class Membership:
         return now <= end + margin
 
     def live_learners(self, now: float) -> frozenset[str]:
-        """Live learners that count (`protocol.standing`): merged recently, or new."""
+        """Live learners that count (`protocol.standing`): merged recently, or new. Known without reading
+        every heartbeat each period: with heartbeat buckets `live_peers` holds each bucket as last read (at
+        most B - 1 periods old), and with `[robust]` on a learner counts only while its deltas merge (or
+        it is new), which every peer learns from the updates it applies (docs/architecture.md, "What a
+        peer reads per tick")."""
         live = [p for p, info in self.live_peers.items() if info.role in ("learner", "synchronizer")]
         if not self.manifest.robust.enabled:
             return frozenset(live)
