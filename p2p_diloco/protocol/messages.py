@@ -23,6 +23,10 @@ class UpdateTag(StrEnum):
     UNVOUCHED_SNAPSHOT = (
         "unvouched snapshot"  # no checked update, and no two peers that may sync, vouch for it
     )
+    # a union round whose listed deltas merge here, on this replica's state at its base version, to another
+    # result than its checksum claims: a forged merge (or this replica is on another branch); its leader
+    # vouches for nothing afterwards (`swarm.vouching.Vouchers.catch`)
+    MERGE_MISMATCH = "merge mismatch"
 
 
 @dataclass(frozen=True)

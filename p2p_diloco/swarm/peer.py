@@ -94,7 +94,9 @@ class Peer:
         self.outbox = Outbox(peer_id, manifest, self.journal, emit, keys.signer, has_learner=has_learner)
         self.repair.reloaded = self.outbox.on_reload  # a snapshot replaced a fragment
         self.book.merged = self._merged  # every applied update, replayed ones included
-        self.underway = UnderwayGate(peer_id, manifest, keys.check, self.journal)
+        self.underway = UnderwayGate(
+            peer_id, manifest, keys.check, self.journal, distrusted=self.book.vouchers.caught
+        )
         self.relay = Relay.for_run(peer_id, manifest)
         self.spreading = Spreading(
             ctx, self.book, self.membership, self.outbox, self.relay, self.spawn, self._repair

@@ -213,8 +213,8 @@ class Repair:
                         record.leader, record.term, last_read, past_terms=True
                     )
                 ):
-                    self.book.vouchers.vouch(record)
-                    return record.term
+                    if self.book.vouchers.vouch(record):  # not if its leader was caught forging a merge
+                        return record.term
         return None
 
     def fetch_fragment(self, fragment: int, sources: list[str]) -> Task:

@@ -396,7 +396,20 @@ class UpdateBook:
             momentum=cfg.outer_momentum,
             expected_checksum=record.checksum,
         )
+        if sparse and decision.tag == ReplicaTag.CHECKSUM_MISMATCH:
+            return self._merge_mismatch(record, source, decision.reason)
         return decision, grad, values
+
+    def _merge_mismatch(self, record: UpdateRecord, source: str, reason: str) -> Reply:
+        """A union round merged here, on this replica's own state at the record's base version, to another
+        result than the record claims: refused as content (counted against `source`, vouching for nothing,
+        no refetch of the claimed state), and its leader is caught (`Vouchers.catch`): a forged merge."""
+        self.vouchers.catch(record.leader)
+        detail = (
+            f"update of fragment {record.fragment} by {record.leader} (term {record.term}): its listed "
+            f"deltas merge here to another result ({reason}); {record.leader} vouches for nothing now"
+        )
+        return self.journal.reject(source, UpdateTag.MERGE_MISMATCH, detail)
 
     def _note_applied(
         self,

@@ -10,6 +10,10 @@ allowlist; everyone in an open run) -> their leases -> update records -> fragmen
 
 - `Vouchers` remembers, per fragment, the (version, checksum, term) of every update record this peer
   checked (signature of its leader, and the leader's lease; `Peer` and `Repair` check, then call `vouch`).
+  Under union rounds (sparse codecs) a leader whose record this replica merged itself, from that record's
+  base version, to another result than the record claims is `caught` (issue #41): its records vouch for
+  nothing any more, and the states they vouched for are dropped, so neither a refetch, a reconciliation
+  nor a catch-up can install the state it claimed (a forged merge) on its word alone.
 - `reported_tips`: other live peers' tips with every term capped at the highest term a valid lease has
   shown (`Membership.term_seen`): a claimed term never counts above it.
 - `credible_tips`: tips a checked record vouches for or that a peer that may synchronize reports: these
@@ -38,16 +42,32 @@ MIN_INDEPENDENT_PEERS = 2
 
 class Vouchers:
     def __init__(self, num_fragments: int):
-        self._states: list[dict[int, tuple[str, int]]] = [{} for _ in range(num_fragments)]
+        # fragment -> version -> (checksum, term, leader) of the checked record that produced that state
+        self._states: list[dict[int, tuple[str, int, str]]] = [{} for _ in range(num_fragments)]
         self.generation = 0  # changes with every vouch (what was trusted may differ)
+        self.caught: set[str] = set()  # leaders whose union record merged here to another result
 
-    def vouch(self, record: UpdateRecord) -> None:
-        """`record`'s signature and lease were checked: the state it leads to is vouched for."""
+    def vouch(self, record: UpdateRecord) -> bool:
+        """`record`'s signature and lease were checked: the state it leads to is vouched for, unless its
+        leader was caught forging a merge (then nothing is vouched and the answer is False)."""
+        if record.leader in self.caught:
+            return False
         self.generation += 1
         states = self._states[record.fragment]
-        states[record.to_version] = (record.checksum, record.term)
+        states[record.to_version] = (record.checksum, record.term, record.leader)
         for version in sorted(states)[:-MAX_VOUCHED]:
             del states[version]
+        return True
+
+    def catch(self, leader: str) -> None:
+        """`leader` published a union record whose listed deltas merge, on this replica's state at the
+        record's base version, to another result than it claims: it vouches for nothing from now on, and
+        what its records vouched for is forgotten."""
+        self.caught.add(leader)
+        self.generation += 1
+        for states in self._states:
+            for version in [v for v, (_, _, who) in states.items() if who == leader]:
+                del states[version]
 
     def term_of(self, fragment: int, version: int, checksum: str) -> int | None:
         """The term of the checked record that produced this state, or None if none did."""

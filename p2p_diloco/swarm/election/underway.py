@@ -17,7 +17,7 @@ as before; a run that must start again from nothing takes a new manifest (a new 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from p2p_diloco.config import RunManifest
@@ -38,8 +38,18 @@ PUBLISH_EVERY_TTLS = 4  # a peer's proof lives this many heartbeat TTLs; it is w
 
 
 class UnderwayGate:
-    def __init__(self, peer_id: str, manifest: RunManifest, check: SignatureCheck, journal: Journal):
+    def __init__(
+        self,
+        peer_id: str,
+        manifest: RunManifest,
+        check: SignatureCheck,
+        journal: Journal,
+        distrusted: Collection[str] = frozenset(),
+    ):
+        """`distrusted`: leaders whose proofs prove nothing (live: `Vouchers.caught`, the leaders this
+        replica caught forging a union merge, who could otherwise keep every fresh replica from claiming)."""
         self.peer_id = peer_id
+        self.distrusted = distrusted
         self.manifest = manifest
         self.check = check
         self.journal = journal
@@ -77,6 +87,8 @@ class UnderwayGate:
         if isinstance(found, str):
             if count_bad:
                 self.journal.rejections["bad underway proof"] += 1
+        elif found.leader in self.distrusted:
+            return
         elif self.best is None or found > self.best:
             if self.best is None:
                 self.journal.note(f"proof the run is under way: {found.describe()}")
@@ -93,6 +105,8 @@ class UnderwayGate:
         """`view` without this peer's own heartbeat while it may not claim: it is then no candidate, so
         the election waits (or follows a live holder) instead of ranking it first."""
         self.fresh = not any(versions)
+        if self.best is not None and self.best.leader in self.distrusted:
+            self.best = None  # caught forging since: the next reads may bring another peer's proof
         holding = self.fresh and self.best is not None
         wait = reason_text(election.ElectionTag.UNDER_WAY, self.detail()) if holding else None
         if wait is not None and (
