@@ -37,7 +37,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding
 
-from p2p_diloco.config import DataSource, RunManifest
+from p2p_diloco.config import LEARNERS_ANY, DataSource, RunManifest
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.files import write_atomic
 from p2p_diloco.net.identity import load_identity, public_key_from_proto, public_key_proto
@@ -367,6 +367,28 @@ def untrusted_warning(manifest_path: Path, manifest: RunManifest) -> str:
         "ID of `p2p-diloco keygen --out org.key` (and synchronizers = the peer IDs that may synchronize) and "
         f"signs it with `p2p-diloco manifest sign {manifest_path} --identity org.key` "
         "(`p2p-diloco manifest sign --help`)"
+    )
+
+
+def dense_trust_line(manifest: RunManifest) -> str | None:
+    """The one line `join` prints at start when a public run merges dense updates (issue #41), else None.
+
+    Public here: signed (`[trust] authority`), or open to any learner with named synchronizers (an unsigned
+    manifest without synchronizers already warns that any peer can take the run over). Under a dense codec
+    (int8, fp32) the holder publishes the merged gradient itself, so a listed synchronizer's key can publish
+    any update that passes the replicas' bounds; under a sparse codec every replica merges the listed signed
+    deltas itself (union rounds) and refuses a record whose result differs ("merge mismatch")."""
+    trust = manifest.trust
+    open_run = trust.public or (trust.learners == LEARNERS_ANY and bool(trust.synchronizers))
+    if manifest.wire.codec.sparse or not open_run:
+        return None
+    listed = list(trust.synchronizers)
+    who = ", ".join(listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
+    return (
+        f"note: run {manifest.run_id} merges dense {manifest.wire.codec} updates, so its listed "
+        f"synchronizers ({who}) are trusted with the model: a holder's update is applied as published, "
+        'within the replicas\' bounds; with a sparse codec (e.g. [wire] codec = "topk4k-int2") every '
+        "replica merges the learners' signed deltas itself (docs/public_run.md, union rounds)"
     )
 
 

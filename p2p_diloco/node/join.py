@@ -27,7 +27,7 @@ from p2p_diloco.net.addresses import parse_listen_addresses, parse_peer_addresse
 from p2p_diloco.net.dht_store import DEFAULT_HOST_MADDRS
 from p2p_diloco.net.identity import peer_id_of
 from p2p_diloco.net.lifeline import install_stop_handlers, restore_handlers
-from p2p_diloco.net.manifest_signature import load_run_manifest
+from p2p_diloco.net.manifest_signature import dense_trust_line, load_run_manifest
 from p2p_diloco.node.census import write_census
 from p2p_diloco.node.evaluation import EvalMode, EvalOptions
 from p2p_diloco.node.heap import bound_heap
@@ -137,6 +137,8 @@ def cli_join(args: argparse.Namespace) -> int:
     options, island = prepare_island(options)
     if island is not None and island.rank != 0:
         _exit_as_follower(options, island)
+    if (line := dense_trust_line(options.manifest)) is not None:
+        print(line, file=sys.stderr, flush=True)  # once per start: who this run trusts with the model
     first_start = _check_first_start(options, standby)
     takeover = None
     if standby:  # a hot spare: prepare, then wait for the takeover line (node/standby.py)

@@ -16,6 +16,7 @@ from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.manifest_signature import (
     ManifestSignatureError,
     SignatureProblem,
+    dense_trust_line,
     load_run_manifest,
     sign_manifest,
     signature_path,
@@ -252,3 +253,22 @@ def test_a_manifest_re_signed_under_another_authority_is_another_run(tmp_path, s
     sign_manifest(hijacked, mallory.path)
     assert verify_manifest(hijacked).signer == mallory.peer_id
     assert RunManifest.load(hijacked).manifest_hash != RunManifest.load(signed).manifest_hash
+
+
+# ---- issue #41: a dense public run says at start who it trusts with the model -------------------------
+
+
+def test_a_dense_public_run_names_its_synchronizers_as_trusted_with_the_model(tmp_path, org):
+    dense = RunManifest.load(write_public_manifest(tmp_path, org.peer_id, name="dense.toml"))
+    assert not dense.wire.codec.sparse
+    line = dense_trust_line(dense)
+    assert line is not None and org.peer_id in line and "trusted with the model" in line
+    assert "\n" not in line  # one line
+
+
+def test_union_rounds_and_private_runs_print_no_trust_line():
+    shipped = RunManifest.load(PEERS / "public.toml")  # the packaged public run: union rounds
+    assert shipped.trust.public and shipped.wire.codec.sparse
+    assert dense_trust_line(shipped) is None
+    private = RunManifest.load(PEERS / "demo.toml")  # no synchronizers named: it warns already
+    assert dense_trust_line(private) is None
