@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.config import RunManifest
+from p2p_diloco.config import ModelConfig, RunManifest
 from p2p_diloco.model.data import load_corpus
 from p2p_diloco.protocol.robust import RobustConfig
-from p2p_diloco.swarm.hostile import ATTACKS
+from p2p_diloco.swarm.hostile import ATTACKS, GENERIC, FreshKeyAdversary
 from p2p_diloco.swarm.inprocess import InProcessSwarm, SwarmSpec
 
 SPEEDS = (1.0, 1.0, 1.5, 2.0)
@@ -94,6 +94,167 @@ def run(
     return result
 
 
+def fresh_key_shares(swarm: InProcessSwarm) -> dict:
+    """Over every update one replica applied: the fresh keys' (the generic learner's, `fresh-*`) share of all
+    merge weight, the largest weight one fresh key got over its round's median weight of the others, and
+    over its round's total."""
+    peer = next(iter(swarm.peers.values()))
+    logged = [r for p in range(len(peer.replica.versions())) for r in peer.book.log.after(p, 0)]
+    total = fresh = 0.0
+    worst_vs_median = worst_share = 0.0
+    for record in logged:
+        weights = [w for _, w in record.contributors]
+        total += sum(weights)
+        for sender, w in record.contributors:
+            if not sender.startswith("fresh-"):
+                continue
+            fresh += w
+            others = sorted(x for s, x in record.contributors if not s.startswith("fresh-"))
+            if others:
+                worst_vs_median = max(worst_vs_median, w / others[(len(others) - 1) // 2])
+            worst_share = max(worst_share, w / sum(weights))
+    return {
+        "fresh_weight_share": fresh / total if total else 0.0,
+        "fresh_max_vs_round_median": worst_vs_median,
+        "fresh_max_round_share": worst_share,
+        "updates": len(logged),
+    }
+
+
+def sweep_run(manifest: RunManifest, corpus, *, speeds, hostile: dict, seed: int, duration: float) -> dict:
+    spec = SwarmSpec(
+        manifest=manifest,
+        learners=len(speeds),
+        step_times=tuple(speeds),
+        duration=duration,
+        eval_every=max(1.0, duration / 10),
+        hostile=hostile,
+        seed=seed,
+    )
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    report = swarm.run()
+    rejected: Counter[str] = Counter()
+    for peer in swarm.peers.values():
+        rejected.update(tag for _, tag in peer.robust.rejected.elements())
+    return {
+        "final_eval_loss": report.final_eval_loss,
+        "tokens": report.tokens,
+        "versions": list(report.versions),
+        "digests_equal": report.digests_equal,
+        "rejections_by_tag": dict(sorted(rejected.items())),
+        **fresh_key_shares(swarm),
+    }
+
+
+def sweep(args, base: RunManifest, corpus) -> dict:
+    """`--fresh-keys N`: N learners, the first k of them generic hostile learners (a fresh key per delta,
+    `swarm.hostile.GENERIC`) for k = 10-50 % of N; each run against the clean run (all N honest) and against
+    the same honest learners alone for the same fake time (what a perfect defence reaches)."""
+    n = args.fresh_keys
+    speeds = [SPEEDS[i % len(SPEEDS)] for i in range(n)]
+    per_step = base.diloco.batch_size * base.model.block_size
+    duration = args.tokens / per_step / sum(1 / s for s in speeds)
+    counts = sorted({max(1, round(n * f / 10)) for f in range(1, 6)})
+    results: dict[str, dict] = {}
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        clean = sweep_run(base, corpus, speeds=speeds, hostile={}, seed=seed, duration=duration)
+        results.setdefault("clean", {})[seed] = clean
+        print(f"seed {seed} clean {n} honest: loss {clean['final_eval_loss']:.4f}", flush=True)
+        for k in counts:
+            alone = sweep_run(base, corpus, speeds=speeds[k:], hostile={}, seed=seed, duration=duration)
+            attacked = sweep_run(
+                base,
+                corpus,
+                speeds=speeds,
+                hostile=dict.fromkeys(range(k), GENERIC),
+                seed=seed,
+                duration=duration,
+            )
+            attacked["vs_clean"] = attacked["final_eval_loss"] / clean["final_eval_loss"]
+            attacked["vs_honest_alone"] = attacked["final_eval_loss"] / alone["final_eval_loss"]
+            results.setdefault(f"{k}/{n} hostile", {})[seed] = attacked
+            results.setdefault(f"{n - k} honest alone", {})[seed] = alone
+            print(
+                f"seed {seed} {k}/{n} hostile: loss {attacked['final_eval_loss']:.4f} "
+                f"vs clean x{attacked['vs_clean']:.4f} vs honest alone x{attacked['vs_honest_alone']:.4f} "
+                f"fresh share {attacked['fresh_weight_share']:.3f} "
+                f"max/median {attacked['fresh_max_vs_round_median']:.2f}",
+                flush=True,
+            )
+    return {"learners": n, "speeds": speeds, "tokens": args.tokens, "fake_seconds": duration, "runs": results}
+
+
+def share_run(manifest: RunManifest, corpus, *, share: float, seed: int, seconds: float) -> dict:
+    """The 4-learner swarm (SPEEDS) for `seconds` fake seconds, with `share` of all deltas from generic hostile
+    learners with a fresh key per delta (`FreshKeyAdversary`; 0: the clean run)."""
+    spec = SwarmSpec(
+        manifest=manifest,
+        learners=len(SPEEDS),
+        step_times=SPEEDS,
+        duration=seconds,
+        eval_every=seconds,
+        seed=seed,
+    )
+    swarm = InProcessSwarm(spec, corpus=corpus)
+    adversary = FreshKeyAdversary(swarm, share=share, seed=seed) if share > 0 else None
+    if adversary is not None:
+        adversary.install()
+    report = swarm.run()
+    rejected: Counter[str] = Counter()
+    for peer in swarm.peers.values():
+        rejected.update(tag for _, tag in peer.robust.rejected.elements())
+    return {
+        "final_eval_loss": report.final_eval_loss,
+        "tokens": report.tokens,
+        "versions": list(report.versions),
+        "digests_equal": report.digests_equal,
+        "hostile_deltas": 0 if adversary is None else adversary.sent,
+        "rejections_by_tag": dict(sorted(rejected.items())),
+        **fresh_key_shares(swarm),
+    }
+
+
+def share_sweep(args, base: RunManifest, corpus) -> dict:
+    """`--fresh-share`: 4 honest learners, and generic hostile learners with a fresh key per delta sending
+    10-50 % of all deltas, each run against the same seeded run without them."""
+    runs: dict[str, dict] = {}
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        clean = share_run(base, corpus, share=0.0, seed=seed, seconds=args.seconds)
+        runs.setdefault("clean", {})[seed] = clean
+        print(f"seed {seed} clean: loss {clean['final_eval_loss']:.4f}", flush=True)
+        for share in (0.1, 0.2, 0.3, 0.4, 0.5):
+            r = share_run(base, corpus, share=share, seed=seed, seconds=args.seconds)
+            r["vs_clean"] = r["final_eval_loss"] / clean["final_eval_loss"]
+            runs.setdefault(f"{share:.0%} hostile", {})[seed] = r
+            print(
+                f"seed {seed} {share:.0%} hostile ({r['hostile_deltas']} deltas): loss {r['final_eval_loss']:.4f} "
+                f"x{r['vs_clean']:.4f}, fresh weight share {r['fresh_weight_share']:.3f}, "
+                f"max/median {r['fresh_max_vs_round_median']:.2f}",
+                flush=True,
+            )
+    means = {
+        name: sum(r["vs_clean"] for r in by_seed.values()) / len(by_seed)
+        for name, by_seed in runs.items()
+        if name != "clean"
+    }
+    return {
+        "learners": len(SPEEDS),
+        "speeds": SPEEDS,
+        "seconds": args.seconds,
+        "vs_clean": means,
+        "runs": runs,
+    }
+
+
+def sim_scale(manifest: RunManifest) -> RunManifest:
+    """The sim tier's scale (tests/sim/conftest.py): a smaller model, H = 8, batch 8."""
+    return dataclasses.replace(
+        manifest,
+        model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
+        diloco=dataclasses.replace(manifest.diloco, inner_steps=8, batch_size=8),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -110,6 +271,24 @@ def main() -> int:
         action="store_true",
         help="the private-run defaults (no loss check) instead of a public run's (loss check on)",
     )
+    parser.add_argument(
+        "--fresh-keys",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N learners, 10-50 %% of them generic hostile learners with a fresh key per delta",
+    )
+    parser.add_argument(
+        "--fresh-share",
+        action="store_true",
+        help="instead: 4 honest learners and fresh-key hostile deltas at 10-50 %% of all deltas (--seconds)",
+    )
+    parser.add_argument("--seconds", type=float, default=120.0, help="fake seconds per --fresh-share run")
+    parser.add_argument("--sim-scale", action="store_true", help="the sim tier's model, H = 8, batch 8")
+    parser.add_argument(
+        "--codec", default="", help="e.g. topk-int8: a sparse codec makes rounds union rounds"
+    )
+    parser.add_argument("--density", type=float, default=0.03, help="with a sparse --codec")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -119,6 +298,26 @@ def main() -> int:
     # list, so the loss check is set directly
     robust = RobustConfig() if args.private else RobustConfig(loss_check="on")
     base = dataclasses.replace(RunManifest.load(args.manifest), robust=robust)
+    if args.sim_scale:
+        base = sim_scale(base)
+    if args.codec:
+        base = dataclasses.replace(
+            base, wire=dataclasses.replace(base.wire, codec=args.codec, density=args.density)
+        )
+    if args.fresh_share:
+        summary = share_sweep(args, base, load_corpus(base.data))
+        summary["public_defaults"] = not args.private
+        summary["sim_scale"] = args.sim_scale
+        summary["codec"] = base.wire.codec
+        (out / "fresh_share.json").write_text(json.dumps(summary, indent=2))
+        print(json.dumps(summary["vs_clean"]))
+        return 0
+    if args.fresh_keys:
+        summary = sweep(args, base, load_corpus(base.data))
+        summary["public_defaults"] = not args.private
+        (out / "fresh_keys.json").write_text(json.dumps(summary, indent=2))
+        plot_sweep(summary, out / "fresh_keys.png")
+        return 0
     defended = base
     undefended = dataclasses.replace(base, robust=dataclasses.replace(base.robust, enabled=False))
     corpus = load_corpus(base.data)
@@ -184,6 +383,27 @@ def main() -> int:
     plot(results, out / "byzantine.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
     return 0
+
+
+def plot_sweep(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {k: v for k, v in summary["runs"].items() if "hostile" in k}
+    names = list(runs)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("vs_honest_alone", "vs the honest learners alone"), ("vs_clean", "vs all honest")):
+        means = [sum(r[key] for r in runs[n].values()) / len(runs[n]) for n in names]
+        ax.plot(names, means, marker="o", label=label)
+    ax.axhline(1.01, color="black", linestyle="--", label="+1 %")
+    ax.set_ylabel("final eval loss ratio (mean over seeds)")
+    ax.set_title(f"generic hostile learners, a fresh key per delta ({summary['learners']} learners)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot(results: dict[str, dict], path: Path) -> None:

@@ -26,7 +26,7 @@ from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm.driver import InlineDriver
-from p2p_diloco.swarm.hostile import hostile_transport
+from p2p_diloco.swarm.hostile import GENERIC, generic_transport, hostile_transport
 from p2p_diloco.swarm.learner import Learner
 from p2p_diloco.swarm.memory import (
     EventLoop,
@@ -113,18 +113,8 @@ class InProcessSwarm:
         peer_id = self.stats[i].peer_id
         first_seq = int(self.clock.now() * 1000)  # above every seq of this learner's earlier lives
         learner = Learner(peer_id, cfg, self.plan, replica, model, optimizer, sampler, first_seq=first_seq)
-        transport = InMemoryTransport(self.network, peer_id)
         attack = self.spec.hostile.get(i)
-        if attack is not None:
-            wire = cfg.wire
-            transport = hostile_transport(
-                transport,
-                attack,
-                seed=self.spec.seed * 1000 + i,
-                codec=wire.codec,
-                block_size=wire.block_size,
-                toward=lambda p: (replica.params_view(p), {n: self.initial[n] for n in self.plan.names(p)}),
-            )
+        transport = self._transport(i, peer_id, replica)
         peer = Peer(
             peer_id,
             cfg,
@@ -157,6 +147,36 @@ class InProcessSwarm:
         self.loop.call_at(now + self.spec.step_time(i), lambda: self._step(i, gen))
         self.loop.call_at(now + period * (i + 1) / (self.spec.learners + 1), lambda: self._tick(i, gen))
         return peer
+
+    def _transport(self, i: int, peer_id: str, replica: GlobalReplica):
+        """Learner `i`'s transport: honest, or rewriting its deltas as its `SwarmSpec.hostile` attack says."""
+        cfg = self.manifest
+        transport = InMemoryTransport(self.network, peer_id)
+        attack = self.spec.hostile.get(i)
+        if attack is None:
+            return transport
+        wire = cfg.wire
+
+        def toward(p: int):
+            return replica.params_view(p), {n: self.initial[n] for n in self.plan.names(p)}
+
+        if attack == GENERIC:  # a fresh key per delta (issue #41)
+            return generic_transport(
+                transport,
+                inner_steps=cfg.diloco.inner_steps,
+                seed=self.spec.seed * 1000 + i,
+                codec=wire.codec,
+                block_size=wire.block_size,
+                toward=toward,
+            )
+        return hostile_transport(
+            transport,
+            attack,
+            seed=self.spec.seed * 1000 + i,
+            codec=wire.codec,
+            block_size=wire.block_size,
+            toward=toward,
+        )
 
     def _alive(self, i: int, gen: int) -> bool:
         return i in self.peers and self.generation[i] == gen

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2p_diloco.config import ConfigError, RunManifest
-from p2p_diloco.swarm.hostile import ATTACKS
+from p2p_diloco.swarm.hostile import KINDS
 from p2p_diloco.swarm.memory import LinkRule
 
 
@@ -103,9 +103,9 @@ class SwarmSpec:
             if not -1 <= c.learner < self.learners:
                 raise ConfigError(f"crash of learner {c.learner}: there are {self.learners} learners")
         for i, kind in self.hostile.items():
-            if not 0 <= i < self.learners or kind not in ATTACKS:
+            if not 0 <= i < self.learners or kind not in KINDS:
                 raise ConfigError(
-                    f"hostile learner {i}: {kind!r} (attacks: {ATTACKS}, {self.learners} learners)"
+                    f"hostile learner {i}: {kind!r} (attacks: {KINDS}, {self.learners} learners)"
                 )
 
     def step_time(self, i: int) -> float:
