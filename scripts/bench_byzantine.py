@@ -310,6 +310,7 @@ def main() -> int:
         summary["sim_scale"] = args.sim_scale
         summary["codec"] = base.wire.codec
         (out / "fresh_share.json").write_text(json.dumps(summary, indent=2))
+        plot_share(summary, out / "fresh_share.png")
         print(json.dumps(summary["vs_clean"]))
         return 0
     if args.fresh_keys:
@@ -383,6 +384,28 @@ def main() -> int:
     plot(results, out / "byzantine.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
     return 0
+
+
+def plot_share(summary: dict, path: Path, label: str = "") -> None:
+    """Final eval loss over the clean run's, per hostile share of the deltas, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in summary["runs"] if n != "clean"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for seed in summary["runs"]["clean"]:
+        ax.plot(
+            names, [summary["runs"][n][seed]["vs_clean"] for n in names], marker="o", label=f"seed {seed}"
+        )
+    ax.axhline(1.01, color="black", linestyle="--", label="+1 %")
+    ax.set_ylabel("final eval loss / clean run")
+    ax.set_title(f"fresh-key hostile learners, {summary.get('codec', '')} {label}".strip())
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot_sweep(summary: dict, path: Path) -> None:

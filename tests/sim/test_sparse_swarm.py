@@ -54,7 +54,9 @@ def _made_up(record: UpdateRecord, keys: InMemoryKeys) -> UpdateRecord:
 
 
 def _heavier(record: UpdateRecord, keys: InMemoryKeys) -> UpdateRecord:
-    listed = dataclasses.replace(record.deltas[0], weight=2 * record.deltas[0].weight)
+    # more weight than the tokens its learner signed (a lighter one is the holder's earned weight, issue #41)
+    signed = decode_delta(decode_bundle(record.payload, max_bytes=1 << 30)[0], max_bytes=1 << 30)[0].tokens
+    listed = dataclasses.replace(record.deltas[0], weight=signed + 1)
     contributors = ((listed.learner, float(listed.weight)), *record.contributors[1:])
     return dataclasses.replace(record, deltas=(listed, *record.deltas[1:]), contributors=contributors)
 
