@@ -138,12 +138,14 @@ class PeerDriver:
 
     def read_swarm(self, read: fx.ReadSwarm) -> fx.SwarmRecords:
         """Every record a swarm tick reads, all lookups in one round trip where the store can (`get_many`)."""
-        keys = [read.heartbeats, *read.leases] + ([read.underway] if read.underway is not None else [])
-        found = get_many(self.kv, keys, self.clock.now())
-        underway = found[-1] if read.underway is not None else {}
+        optional = [key for key in (read.sampled, read.underway) if key is not None]
+        found = get_many(self.kv, [read.heartbeats, *read.leases, *optional], self.clock.now())
+        extra = iter(found[1 + len(read.leases) :])
+        sampled = next(extra) if read.sampled is not None else {}
+        underway = next(extra) if read.underway is not None else {}
         shard_leases = tuple(found[2 : 1 + len(read.leases)])
         return fx.SwarmRecords(
-            found[0], found[1], self.clock.now(), underway, shard_leases
+            found[0], found[1], self.clock.now(), underway, shard_leases, sampled
         )  # as of the read end
 
     def _store_latest(self, record: fx.StoreRecord) -> None:

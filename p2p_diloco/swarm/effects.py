@@ -242,12 +242,14 @@ Event = (
 
 @dataclass(frozen=True)
 class ReadSwarm:
-    """Read the heartbeat key and every shard's lease key (`Membership.read_swarm`), and the run-under-way
-    key when `underway` names it; the result is `SwarmRecords`."""
+    """Read the heartbeat key and every shard's lease key (`Membership.read_swarm`), the sampled heartbeat
+    bucket's key when `sampled` names one (`protocol.heartbeat_buckets`) and the run-under-way key when
+    `underway` names it; the result is `SwarmRecords`."""
 
     heartbeats: str
     leases: tuple[str, ...]  # shard 0's first
     underway: str | None = None
+    sampled: str | None = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,7 @@ class SwarmRecords:
     now: float
     underway: Mapping[str, StoredValue] = field(default_factory=dict)  # proofs of a run under way
     shard_leases: tuple[Mapping[str, StoredValue], ...] = ()  # the lease records of shards 1..S-1
+    sampled: Mapping[str, StoredValue] = field(default_factory=dict)  # the sampled bucket's heartbeats
 
     def leases_of(self, shard: int) -> Mapping[str, StoredValue]:
         """The lease records of synchronizer shard `shard` (`leases` is shard 0's)."""

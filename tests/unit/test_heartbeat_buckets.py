@@ -11,10 +11,11 @@ import dataclasses
 
 from p2p_diloco.protocol import heartbeat_buckets as hb
 from p2p_diloco.protocol.standing import Standing
+from p2p_diloco.swarm.driver import InlineDriver
 from p2p_diloco.swarm.effects import SwarmRecords
 from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.swarm.memory import InMemoryKeyValueStore
+from p2p_diloco.swarm.memory import FakeClock, InMemoryKeyValueStore
 from p2p_diloco.wire import keys
 from p2p_diloco.wire.records import HeartbeatInfo
 from tests.support.manifests import TINY_DILOCO, tiny_manifest
@@ -36,10 +37,9 @@ def membership(me: str, manifest=MANIFEST) -> Membership:  # noqa: ANN001
 
 
 def read(kv: InMemoryKeyValueStore, m: Membership, now: float) -> SwarmRecords:
-    """What the driver returns for `m.read_swarm()` (`swarm.driver.read_swarm`)."""
-    request = m.read_swarm()
-    found = [kv.get(key, now) for key in (request.heartbeats, *request.leases)]
-    return SwarmRecords(found[0], found[1], now, {}, tuple(found[2 : 1 + len(request.leases)]))
+    """What a peer's driver returns for `m.read_swarm()` (`PeerDriver.read_swarm`, the one read path)."""
+    driver = InlineDriver(None, kv=kv, transport=None, clock=FakeClock(now), bind=False)
+    return driver.read_swarm(m.read_swarm())
 
 
 def swarm(peers: list[str], now: float, gone: frozenset[str] = frozenset()) -> InMemoryKeyValueStore:

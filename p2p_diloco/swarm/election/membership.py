@@ -18,7 +18,6 @@ lacks a record still stored, or while this peer lags (`protocol.claim_guard`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -29,7 +28,6 @@ from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.effects import ReadSwarm, StoreRecord, SwarmRecords, Task
 from p2p_diloco.swarm.journal import Journal
-from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
@@ -175,19 +173,14 @@ class Membership:
 
     def read_swarm(self, underway: str | None = None) -> ReadSwarm:
         """The read of a swarm tick: the candidates' heartbeats, every shard's lease records (and
-        `underway`) and, with heartbeat buckets, the next sampled bucket, whose key rides after the lease
-        keys (`sampled`; `effects.ReadSwarm` has no field of its own for it yet)."""
+        `underway`) and, with heartbeat buckets, the next sampled bucket (`sampled`)."""
         leases = tuple(m.lease_key for m in self.shards)
         bucket = heartbeat_buckets.sample_bucket(self.peer_id, self.reads, self.buckets)
         self.reads += 1
+        sampled = None
         if bucket is not None:
-            leases += (heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash, bucket),)
-        return ReadSwarm(self.hb_key, leases, underway)
-
-    def _sampled(self, records: SwarmRecords) -> Mapping[str, StoredValue]:
-        """The sampled bucket's heartbeats of a read (`read_swarm`); none with one bucket."""
-        extra = records.shard_leases[len(self.shards) - 1 :]
-        return extra[0] if self.buckets > 1 and extra else {}
+            sampled = heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash, bucket)
+        return ReadSwarm(self.hb_key, leases, underway, sampled)
 
     def for_fragment(self, fragment: int) -> Membership:
         """The membership of `fragment`'s shard (whose leases its updates are checked against)."""
@@ -279,7 +272,7 @@ class Membership:
         shard 0's membership, which every shard's read goes through first), with their DHT expiration.
         With heartbeat buckets: bucket 0's candidates and the sampled bucket's peers."""
         stored_by_peer = records.heartbeats
-        sampled = self._sampled(records)
+        sampled = records.sampled
         self._sampled_bucket = None
         if self.buckets > 1:
             candidates = {p: v for p, v in records.heartbeats.items() if self.manifest.may_synchronize(p)}
