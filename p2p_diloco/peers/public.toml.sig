@@ -2,10 +2,10 @@
   "format": "p2p_diloco.manifest-signature.v1",
   "run_id": "public-example",
   "manifest": "public.toml",
-  "manifest_hash": "5151435fb4d8584d",
-  "sha256": "19b4901d65b725be90797e14ba986db6e3a0b9094ee842d2356fc73f87c11b59",
+  "manifest_hash": "6c616bd64c0d889a",
+  "sha256": "e0d068046a23a03a4421c269ff6dcf6424295ea965cb92584ce75dc36e2e7927",
   "files": [],
-  "signer": "QmRb8xVU5LN2ZJYZXGko8vbvA5vysZx2aokgXBtP9Uufe5",
-  "public_key": "CAASpgIwggEiMA0GCSqGSIb3DQEBAQUAA4IBDwAwggEKAoIBAQDJuiXHr97E0nBBI5SE+QwtvM1VIDUEe+8A0azwEiEWMO6Piis4UPqUDd2smCqdVN0wB0gwBmgnAbK1dxc4Ot+pA6NmP1xLocBTfVTQQL/h/zH8ZgHGO5dC8Ru2gMDtfcrVUddE/qw7fi2Y29QANceM0NudHzAx0g4jKHK/+c4I0IWX66y1GzMXKPdljmot+yQNcoliZstSNWFpkA9cvXSv/6a1556A/5TAVV6D7tC3SHCnB/G9Prt2uvjEnYash9DiLCUPx2wNrrZ5aflHxlsDfmFHHwk7Kx8o3tZOsbnJvpmoyK++DJjB/6z/NZm0BVA0x5MZOzA5WI9sN2dLJrHlAgMBAAE=",
-  "signature": "kQaqcr6YGs1BkHewQv6BmzfTijkM7KOg1eXX0XHuwG49Wx4WlM3Gb5Fch44sy6YjhxuqlLwLQAOyzDx+2SB61WKK6BN/itbvn7ntzHPNvQZL5npgN1Hs7SA5awTQuYJAD9jebCIq5Kv3o8+0jDVvsmI78k7pX8C05363gGnx18DOdxbkgRU3frqg5IntqaoJd0YjedfxgXaLjPpz6GcjkhfSVWfXovEUuY+Fvad9EG1aHpoFpznvTRZyjzeC3uZYUr5odhUZS3EV+N8nqO7P/YNfb2ziFYhlgQ2PE+C0NF7lyF0qHHxYMCcppvU89g+Xfxni42kGM4cchtsYfVBtBg=="
+  "signer": "QmZ9Btdsd5GGxuu6WPvnEZFjXGtQTJmJNmDdETPGJnC3aq",
+  "public_key": "CAASpgIwggEiMA0GCSqGSIb3DQEBAQUAA4IBDwAwggEKAoIBAQDGdKglOKSMEea/1FOae7ihGvFrgSB7bx+z5ac+GB1qq+9Vsof6obTSdNjaNww5mOmbACjshHaRHpoKonuBc3ODjEvznxcutc0RkS+MsT3jVyLaHRH8oZpUY4woKrRwHgnunb+RN3UOJN4RzqvRBAGDDpeB+nHsZSy8D5nN48UkRdVt0sTYzXPRqiPpyLZKzTt4W8GZmlbTBsvoSknislF+SVEAS0Vby3lw1Oij/ln2FBptliecP1Doh7dZpIKOeYfEJxq7UZQc5lWZ9LV3f7o41E2lxfriizrAhKO5/eCE4TL1kEH4iZftQ6un3OKnaRZ00p7P3Z1rXaPBzDl6fwSvAgMBAAE=",
+  "signature": "BFCfcu0a82P+1xit4vzWk+aBNqaCthmmrS/od4J2v0z8ey/eHt8rda+CZYBsJG2WZvj2JDWLCA2+BdbfwRAlJzH26CjhNqK1gAjL84WfYu/hhki9nxznfPfRe83z5em9tE791opRUaf3a2PS8B+eBeiKQMT6oGn5FwNWz+6Mmv0Fm92p7iAq0YSPZlRGZ4t3woQQSG5TqzRdLokEIUXOrNJvoAi4c0fTqHMw4732684cPy0FcSA128qsAm0xx9q6zxBmWTPmHXPPponry0rTlkPS46QnVHRALLh8dv1nd3C/pq+BeONKAdTpRUcLStVcs6gF0WiEQBQ8Zu/xl51C3A=="
 }
