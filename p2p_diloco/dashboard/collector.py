@@ -19,9 +19,9 @@ from collections import Counter, deque
 from typing import Any
 
 from p2p_diloco.config import RunManifest
-from p2p_diloco.node.status import eval_histories, swarm_status
+from p2p_diloco.node.status import eval_histories, every_heartbeat, swarm_status
 from p2p_diloco.wire.interfaces import KeyValueStore, StoredValue
-from p2p_diloco.wire.keys import heartbeat_key, stats_key
+from p2p_diloco.wire.keys import stats_key
 from p2p_diloco.wire.observe import EvalHistory, EvalPoint, decode_peer_stats, merge_points, merge_records
 from p2p_diloco.wire.records import RecordError, decode_heartbeat
 
@@ -107,9 +107,7 @@ class Collector:
 
     def _heartbeat_extras(self, reads: _OnePoll, now: float) -> dict[str, dict[str, Any]]:
         out = {}
-        for peer_id, stored in reads.get(
-            heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash), now
-        ).items():
+        for peer_id, stored in every_heartbeat(reads, self.manifest, now).items():
             try:
                 info = decode_heartbeat(stored.value, self.fragments)
             except RecordError:

@@ -32,8 +32,8 @@ from p2p_diloco.errors import ConfigError
 from p2p_diloco.net.dht_store import DhtKeyValueStore, create_dht
 from p2p_diloco.net.manifest_signature import load_run_manifest
 from p2p_diloco.node.ledger import format_ledger, ledger_report, read_ledger
-from p2p_diloco.protocol import election, lease_rules, shards
-from p2p_diloco.wire.interfaces import KeyValueStore
+from p2p_diloco.protocol import election, heartbeat_buckets, lease_rules, shards
+from p2p_diloco.wire.interfaces import KeyValueStore, StoredValue
 from p2p_diloco.wire.keys import eval_key, heartbeat_key, lease_key
 from p2p_diloco.wire.observe import (
     MAX_EVAL_SKEW,
@@ -83,15 +83,22 @@ def swarm_status(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[s
     }
 
 
+def every_heartbeat(kv: KeyValueStore, manifest: RunManifest, now: float) -> dict[str, StoredValue]:
+    """Every live peer's stored heartbeat, from every heartbeat bucket (`protocol.heartbeat_buckets`: one
+    key below 16 shards): a one-shot look at the run reads them all, unlike a peer's bounded tick."""
+    found: dict[str, StoredValue] = {}
+    for bucket in range(heartbeat_buckets.buckets_for(manifest.diloco.synchronizer_shards)):
+        found.update(kv.get(heartbeat_key(manifest.run_id, manifest.manifest_hash, bucket), now))
+    return found
+
+
 def read_heartbeats(
     kv: KeyValueStore, manifest: RunManifest, now: float, ignored: Counter[str]
 ) -> list[dict]:
     """One row per live peer's heartbeat (`heartbeat_row`), by peer ID; counts the undecodable in
     `ignored`."""
     peers = []
-    for peer_id, stored in sorted(
-        kv.get(heartbeat_key(manifest.run_id, manifest.manifest_hash), now).items()
-    ):
+    for peer_id, stored in sorted(every_heartbeat(kv, manifest, now).items()):
         try:
             info = decode_heartbeat(stored.value, manifest.diloco.fragments)
         except RecordError:

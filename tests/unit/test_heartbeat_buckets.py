@@ -8,7 +8,9 @@ only the last read (`read_peers`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
+from p2p_diloco.node.status import read_heartbeats
 from p2p_diloco.protocol import heartbeat_buckets as hb
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.driver import InlineDriver
@@ -143,3 +145,12 @@ def test_a_large_swarm_has_no_volunteers():
     members = run_reads(PEERS, 3 * MANIFEST.timing.heartbeat_ttl)
     standing = {p for p, m in members.items() if m.own_bucket[0] == 0}
     assert standing == {p for p in PEERS if hb.open_candidate(p, SHARDS)}
+
+
+def test_status_and_the_dashboard_see_every_bucket_not_only_the_candidates():
+    """A one-shot look at the run (`p2p-diloco status`, the dashboard's collector) reads every bucket."""
+    now = 100.0
+    kv = swarm(PEERS, now)
+    assert len(kv.get(keys.heartbeat_key(MANIFEST.run_id, MANIFEST.manifest_hash), now)) < len(PEERS) // 4
+    rows = read_heartbeats(kv, MANIFEST, now, Counter())
+    assert [row["peer_id"] for row in rows] == sorted(PEERS)
