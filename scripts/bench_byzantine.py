@@ -132,7 +132,11 @@ def sweep_run(manifest: RunManifest, corpus, *, speeds, hostile: dict, seed: int
         seed=seed,
     )
     swarm = InProcessSwarm(spec, corpus=corpus)
-    report = swarm.run()
+    return run_figures(swarm, swarm.run())
+
+
+def run_figures(swarm: InProcessSwarm, report) -> dict:  # noqa: ANN001 - the swarm's run report
+    """A fresh-key run's figures: loss, tokens, versions, replicas equal, refusals by tag, fresh keys' weight."""
     rejected: Counter[str] = Counter()
     for peer in swarm.peers.values():
         rejected.update(tag for _, tag in peer.robust.rejected.elements())
@@ -199,19 +203,8 @@ def share_run(manifest: RunManifest, corpus, *, share: float, seed: int, seconds
     adversary = FreshKeyAdversary(swarm, share=share, seed=seed) if share > 0 else None
     if adversary is not None:
         adversary.install()
-    report = swarm.run()
-    rejected: Counter[str] = Counter()
-    for peer in swarm.peers.values():
-        rejected.update(tag for _, tag in peer.robust.rejected.elements())
-    return {
-        "final_eval_loss": report.final_eval_loss,
-        "tokens": report.tokens,
-        "versions": list(report.versions),
-        "digests_equal": report.digests_equal,
-        "hostile_deltas": 0 if adversary is None else adversary.sent,
-        "rejections_by_tag": dict(sorted(rejected.items())),
-        **fresh_key_shares(swarm),
-    }
+    figures = run_figures(swarm, swarm.run())
+    return figures | {"hostile_deltas": 0 if adversary is None else adversary.sent}
 
 
 def share_sweep(args, base: RunManifest, corpus) -> dict:

@@ -154,7 +154,7 @@ class Outbox:
         """A delta that never left this peer: its work goes back to the learner."""
         work = ready.work
         absorbed = self.absorbed.pop(ready.fragment, None)
-        if absorbed is not None and resend:  # taken before the learner adopted the released delta
+        if absorbed is not None:  # taken before the learner adopted the released delta (`route` pops it else)
             work = work.beyond(absorbed)
         self._post(Release(ready.fragment, ready.seq, work, sent_out=False, resend=resend))
 

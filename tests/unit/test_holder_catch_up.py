@@ -141,9 +141,11 @@ def holder_behind() -> tuple[PeerHarness, int, bytes, tuple]:
     return me, fragment, frame, (versions, tips)
 
 
-def old_update(replica, fragment: int, from_version: int) -> tuple[bytes, str]:  # noqa: ANN001
+def old_update(  # noqa: ANN001
+    replica, fragment: int, from_version: int, contributors=(("a", 1.0),), seqs=()
+) -> tuple[bytes, str]:
     """The signed term-1 update of "old" (a former holder) to `fragment` from `replica`'s state at
-    `from_version`, and the checksum it produces."""
+    `from_version`, merging `contributors` (their delta `seqs`), and the checksum it produces."""
     replica = copy.deepcopy(replica)
     payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(fragment).items()})
     pending = replica.compute_update(fragment, decode_tensors(payload), lr=0.7, momentum=0.9)
@@ -154,9 +156,10 @@ def old_update(replica, fragment: int, from_version: int) -> tuple[bytes, str]: 
         from_version,
         1,
         "old",
-        (("a", 1.0),),
+        contributors,
         pending.checksum,
         payload,
+        seqs=seqs,
     )
     return encode_update(signed(record)), pending.checksum
 
@@ -226,21 +229,7 @@ def test_a_replayed_update_that_merged_my_delta_takes_it_out_of_flight():
     while not me.peer.outbox.in_flight:
         me.train_step()
     (fragment, sent), *_ = me.peer.outbox.in_flight.items()
-    replica = copy.deepcopy(me.replica)
-    payload = encode_tensors({n: torch.full(s, 0.01) for n, s in replica.shapes(fragment).items()})
-    pending = replica.compute_update(fragment, decode_tensors(payload), lr=0.7, momentum=0.9)
-    record = UpdateRecord(
-        MANIFEST.run_id,
-        MANIFEST.manifest_hash,
-        fragment,
-        0,
-        1,
-        "old",
-        (("me", 1.0),),
-        pending.checksum,
-        payload,
-        seqs=(sent.seq,),
-    )
-    me.transport.updates = [encode_update(signed(record))]
+    frame, _ = old_update(me.replica, fragment, 0, contributors=(("me", 1.0),), seqs=(sent.seq,))
+    me.transport.updates = [frame]
     assert me.catch_up_fragment(fragment, ["old"], target=1)
     assert me.replica.version(fragment) == 1 and fragment not in me.peer.outbox.in_flight
