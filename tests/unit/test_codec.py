@@ -348,3 +348,18 @@ def test_cpu_quantizer_matches_bitsandbytes(block_size):
     # so it is never less accurate.
     assert (ours - x).norm() <= (theirs - x).norm() * 1.0001
     assert float((codes != ref_codes).float().mean()) < 0.05
+
+
+def test_zero_blocks_of_bitsandbytes_codes_get_the_cpu_zero_code():
+    # On an H200 bitsandbytes coded an all-zero block 127 steps from the CPU kernel (it divides by an
+    # absmax of 0): the codec rewrites those blocks so that both encoders give the same frame.
+    from p2p_diloco.wire.codecs.blockwise import quantize_blockwise_cpu, zero_blocks_as_cpu
+
+    values = torch.cat([torch.randn(4), torch.zeros(4), torch.randn(4), torch.zeros(2)])
+    cpu_codes, absmax = quantize_blockwise_cpu(values, 4)
+    gpu_codes = cpu_codes.numpy().copy()
+    gpu_codes[4:8] = 0
+    gpu_codes[12:] = 254
+    zero_blocks_as_cpu(gpu_codes, absmax.numpy(), 4)
+    np.testing.assert_array_equal(gpu_codes, cpu_codes.numpy())
+    assert absmax[1] == 0 and absmax[0] > 0

@@ -153,6 +153,24 @@ def quantize_blockwise_cpu(
     return codes, absmax
 
 
+def zero_code() -> int:
+    """The code `quantize_blockwise_cpu` gives every value of an all-zero block (absmax 0)."""
+    codes, _ = quantize_blockwise_cpu(torch.zeros(1), 1)
+    return int(codes[0])
+
+
+def zero_blocks_as_cpu(codes: np.ndarray, absmax: np.ndarray, block_size: int) -> None:
+    """Give the all-zero blocks of bitsandbytes' `codes` (in place) the CPU kernel's zero code.
+
+    bitsandbytes divides by an absmax of 0 where the CPU kernel clamps it (`CLAMP_MIN`), so its codes for
+    an all-zero block differ from the CPU's (127 steps apart, measured on an H200:
+    docs/results/gpu/). Both decode to zeros; this makes the frames equal byte for byte.
+    """
+    zero = absmax == 0
+    if zero.any():
+        codes[np.repeat(zero, block_size)[: codes.size]] = zero_code()
+
+
 class _Work:
     """Work buffers for `capacity` values, reused chunk after chunk (from `buffers` when given)."""
 

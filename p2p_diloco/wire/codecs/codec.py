@@ -58,6 +58,7 @@ from p2p_diloco.wire.codecs.blockwise import (  # noqa: F401  (tags and primitiv
     Codec,
     byte_view,
     quantize_blockwise_cpu,
+    zero_blocks_as_cpu,
 )
 from p2p_diloco.wire.codecs.blockwise import all_finite as _all_finite
 from p2p_diloco.wire.codecs.placement import Int8Encoder, int8_encoder
@@ -167,6 +168,7 @@ def _quantize_int8(tensors: list[torch.Tensor], block_size: int) -> list[tuple[b
 
     codes, state = quantize_blockwise(buffer, code=CODE_TABLE.to(device), blocksize=block_size)
     codes_np, absmax_np = codes.cpu().numpy(), state.absmax.cpu().numpy().astype("<f4")
+    zero_blocks_as_cpu(codes_np, absmax_np, block_size)
     out, block = [], 0
     for flat, n_blocks in zip(flats, padded_blocks):
         absmax = absmax_np[block : block + n_blocks]
