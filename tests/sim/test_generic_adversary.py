@@ -6,7 +6,8 @@ manifest lists, each playing a set of strategies hypothesis draws from forged he
 (all keys reporting one forged tip), forged leases, poisoned self-consistent snapshots, update logs of
 replayed and forged records, pushed replays and forgeries, hostile deltas and far-future eval histories.
 
-Runs: K = 64 keys playing every strategy, for seeds 0-4 (explicit examples), then hypothesis draws.
+Runs: K = 64 keys playing every strategy, for seeds 0-2 (explicit examples), then 3 hypothesis draws over
+seeds 0-2 (each run and its quiet twin cost ~8 s: CI's time budget bounds the count).
 
 Property (trust flows only from the run authority): with the adversary present, every honest replica
 ends bit-identical to the same seeded run without it (digest of every replica equal to the quiet run's);
@@ -70,7 +71,7 @@ def quiet_digests(seed: int) -> tuple[str, ...]:
 
 
 @settings(
-    max_examples=5,
+    max_examples=3,
     deadline=None,
     derandomize=True,
     database=None,
@@ -79,10 +80,8 @@ def quiet_digests(seed: int) -> tuple[str, ...]:
 @example(seed=0, k=64, picks=[frozenset(STRATEGIES)] * 64)
 @example(seed=1, k=64, picks=[frozenset(STRATEGIES)] * 64)
 @example(seed=2, k=64, picks=[frozenset(STRATEGIES)] * 64)
-@example(seed=3, k=64, picks=[frozenset(STRATEGIES)] * 64)
-@example(seed=4, k=64, picks=[frozenset(STRATEGIES)] * 64)
 @given(
-    seed=st.integers(min_value=0, max_value=4),
+    seed=st.integers(min_value=0, max_value=2),
     k=st.sampled_from([2, 8, 64]),
     picks=st.lists(st.frozensets(st.sampled_from(STRATEGIES), min_size=1), min_size=64, max_size=64),
 )
