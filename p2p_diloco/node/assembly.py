@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,8 +147,8 @@ def build_training(
 
 
 def make_peer(manifest: RunManifest, opts: NodeOptions, built: BuiltModel, peer_id: str) -> Peer:
-    """The peer state machine: it signs updates with the node's identity and, in public runs, tries each
-    delta on held-out data before merging (`model.probe`)."""
+    """The peer state machine: it signs updates with the node's identity and, in public runs, scores each
+    delta by loss on held-out windows drawn with this process's secret salt before merging (`model.probe`)."""
     return Peer(
         peer_id,
         manifest,
@@ -158,7 +159,7 @@ def make_peer(manifest: RunManifest, opts: NodeOptions, built: BuiltModel, peer_
         embedding_names=embedding_parameter_names(built.model),
         may_sync=opts.may_sync,
         reachable=not opts.behind_nat,
-        loss_probe=loss_probe_for(manifest, built.replica, built.corpus.eval),
+        loss_probe=loss_probe_for(manifest, built.replica, built.corpus.eval, salt=os.urandom(16)),
     )
 
 

@@ -7,6 +7,10 @@ closes a round as it always did (quorum, grace window), screens it (`Synchronize
 senders, the round's direction screen, the loss check), and only then, among the deltas that passed, lists
 the first `gather` in this order:
 
+0. a key whose loss score is not negative before any whose is (`protocol.loss_score`: a negative score means
+   the key's checked deltas on balance made the loss worse), so such a key is gathered only into places no
+   other delta of the round wants; every key scores 0 until the holder's loss checks score it, and where the
+   loss check is off (private runs) nobody is scored and this step changes nothing;
 1. the learner that has waited longest for this fragment: the earlier `Standing.waiting_since` (when an
    update of the fragment that this peer applied last merged its delta; else when it was first heard of).
    Applied, signed records set this clock, and no claim in a delta moves it, so the gather set rotates
@@ -14,7 +18,8 @@ the first `gather` in this order:
    a later round, and a new key queues behind learners waiting longer rather than ahead of them;
 2. on an equal wait (learners merged by the same update), the greater merge weight the dense path would
    give the delta: its tokens (as the counter checks weighed them) times the sender's standing ramp
-   (`Standing.ramp`: a new key's weight grows over its first merged rounds);
+   (`Standing.ramp`: a new key's weight grows over its first merged rounds) times its score's cap
+   (`loss_score.score_factor`);
 3. then the smaller `tie_rank`, a BLAKE2b digest of (fragment, version, learner), so ties rotate from
    round to round and no key name wins every tie; then (learner, seq), so the order is total.
 
@@ -32,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
+
+from p2p_diloco.protocol.loss_score import score_factor
 
 
 class GatherTag(StrEnum):
@@ -70,6 +77,10 @@ class GatherSet(Generic[T]):
     left_out: tuple[T, ...]
 
 
+def _unscored(peer: str) -> float:
+    return 0.0
+
+
 def gather_order(
     deltas: Sequence[T],
     *,
@@ -77,12 +88,15 @@ def gather_order(
     ramp: Callable[[str], float],
     fragment: int,
     version: int,
+    score: Callable[[str], float] = _unscored,
 ) -> list[T]:
-    """`deltas` in gather order (see the module docstring)."""
+    """`deltas` in gather order (see the module docstring); `score`: each key's loss score
+    (`LossScores.score`)."""
 
-    def key(d: T) -> tuple[float, float, bytes, str, int]:
-        weight = ramp(d.sender) * d.tokens
-        return (waiting_since(d.sender), -weight, tie_rank(fragment, version, d.sender), d.sender, d.seq)
+    def key(d: T) -> tuple[bool, float, float, bytes, str, int]:
+        s, who = score(d.sender), d.sender
+        weight = ramp(who) * d.tokens * score_factor(s)
+        return (s < 0, waiting_since(who), -weight, tie_rank(fragment, version, who), who, d.seq)
 
     return sorted(deltas, key=key)
 
@@ -95,10 +109,13 @@ def choose(
     ramp: Callable[[str], float],
     fragment: int,
     version: int,
+    score: Callable[[str], float] = _unscored,
 ) -> GatherSet[T]:
     """The first `gather` of `deltas` in gather order are listed, the rest left out; ValueError if `gather`
     is below 1."""
     if gather < 1:
         raise ValueError(f"gather must be >= 1, got {gather}")
-    ordered = gather_order(deltas, waiting_since=waiting_since, ramp=ramp, fragment=fragment, version=version)
+    ordered = gather_order(
+        deltas, waiting_since=waiting_since, ramp=ramp, fragment=fragment, version=version, score=score
+    )
     return GatherSet(tuple(ordered[:gather]), tuple(ordered[gather:]))

@@ -53,7 +53,7 @@ import hashlib
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -61,7 +61,8 @@ from torch import Tensor
 from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.decisions import Action, Decision
 from p2p_diloco.protocol.direction import DirectionReferences, cosine, fragment_norm
-from p2p_diloco.protocol.robust_config import NON_OFFENCES, RobustConfig, RobustTag
+from p2p_diloco.protocol.loss_score import LossMeter, LossScores
+from p2p_diloco.protocol.robust_config import NON_OFFENCES, STATISTICAL, RobustConfig, RobustTag
 from p2p_diloco.protocol.standing import Standing
 
 ACCEPT, CLIP, REJECT = Action.ACCEPT, Action.CLIP, Action.REJECT
@@ -117,15 +118,18 @@ class RobustGuard:
         self._cool_until: dict[str, float] = {}
         self.cooldowns: list[tuple[float, str, str]] = []  # (start, sender, last offence)
         self.rejected: Counter[tuple[str, str]] = Counter()  # (sender, tag), every rejection reported
-        self._direction_outliers: dict[str, deque[float]] = {}
-        # model.probe.LossProbe when the loss check is on: delta -> relative change of held-out loss
-        self.loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None
+        # per statistical tag (direction outliers, loss worse): sender -> times (`note_rejection`)
+        self._strikes: dict[str, dict[str, deque[float]]] = {}
+        # model.probe.LossProbe when the loss check is on: a round's deltas -> their loss changes on its batch
+        self.loss_probe: LossMeter | None = None
         self.standing = Standing(
             new_peer_rounds=config.new_peer_rounds if config.enabled else 0,
             active_window=config.active_window,
             newcomer_grace=config.newcomer_grace,
             newcomer_share=config.newcomer_share,
         )
+        # each key's loss score from this peer's own loss checks (`protocol.loss_score`): caps its weight
+        self.scores = LossScores(decay=config.score_decay, forget_after=self.standing.forget_after)
 
     @classmethod
     def from_manifest(cls, manifest, config: RobustConfig | None = None) -> RobustGuard:
@@ -162,8 +166,9 @@ class RobustGuard:
         cfg = self.config
         if not cfg.enabled:
             return None
-        if tag == RobustTag.DIRECTION_OUTLIER and self._repeated(self._direction_outliers, sender, now):
-            tag = f"{cfg.direction_offence_limit} {RobustTag.DIRECTION_OUTLIER}s"
+        if tag in STATISTICAL and self._repeated(self._strikes.setdefault(tag, {}), sender, now):
+            plural = "s" if tag == RobustTag.DIRECTION_OUTLIER else " refusals"
+            tag = f"{cfg.direction_offence_limit} {tag}{plural}"
         elif tag in NON_OFFENCES:
             return None
         times = self._offences.setdefault(sender, deque())

@@ -28,7 +28,8 @@ a full round. Until some key has `new_peer_rounds` merged rounds (the first roun
 them) nobody has history: every claim counts as it is, and every key merged then is a *founder*, established
 from the start (the learners that start a run are not newcomers). A key's standing grows only with merges of
 its deltas in applied, signed update records, one per round, so it takes `new_peer_rounds` merged rounds to
-reach full weight whatever its claims.
+reach full weight whatever its claims. The loss score of issue #41 item 2 caps the weights it returns further
+(`protocol.loss_score.capped`: weight = min(earned weight, score cap x claim)).
 """
 
 from __future__ import annotations

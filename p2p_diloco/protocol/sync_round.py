@@ -64,6 +64,7 @@ class Contribution:
     payload: Any
     seq: int = 0  # the sender's `DeltaHeader.seq`
     frame: bytes = b""  # sparse codecs: the signed delta frame as received, which a union round bundles
+    digest: bytes = b""  # `protocol.loss_score.delta_digest` of its payload: seeds its round's score batch
 
     @property
     def weight(self) -> float:

@@ -16,11 +16,12 @@ from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import diloco
 from p2p_diloco.protocol.decisions import Decision
 from p2p_diloco.protocol.kernels import QuantizedTensor
+from p2p_diloco.protocol.loss_score import LossScores, capped
 from p2p_diloco.protocol.merge import merge_deltas
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.outer_step import PendingUpdate
 from p2p_diloco.protocol.replica import GlobalReplica
-from p2p_diloco.protocol.standing import Standing
+from p2p_diloco.protocol.standing import Earned, Standing
 from p2p_diloco.protocol.sync_round import Contribution
 from p2p_diloco.swarm.sparse_rounds import entry_of, merge_signed, weight_cap
 from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
@@ -48,6 +49,7 @@ class Merger:
         expected: Sequence[Mapping[str, tuple[int, ...]]],
         embedding_names: Collection[str],
         standing: Standing,
+        scores: LossScores | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest
@@ -55,6 +57,8 @@ class Merger:
         self.expected = expected  # per fragment: each tensor's shape (the synchronizer's, shared)
         self.embedding_names = frozenset(embedding_names)
         self.standing = standing  # `Standing.earned`: weight is earned, a newcomer's grows over its merges
+        # `LossScores.factor`: a key whose checked deltas made the loss worse weighs less (`loss_score`)
+        self.cap = scores.factor if scores is not None else None
 
     def merge(
         self, p: int, contributions: list[Contribution], *, live: int, term: int
@@ -65,9 +69,7 @@ class Merger:
         if self.manifest.wire.codec.sparse:
             return self.merge_union(p, contributions, live=live, term=term)
         contributions.sort(key=lambda c: c.sender)
-        earned = self.standing.earned(
-            [(c.sender, diloco.merge_weight(c.tokens, c.steps)) for c in contributions]
-        )
+        earned = self._earned([(c.sender, diloco.merge_weight(c.tokens, c.steps)) for c in contributions])
         weights = list(earned.weights)
         merged = merge_deltas(
             [c.payload for c in contributions],
@@ -92,6 +94,11 @@ class Merger:
         contributors = tuple((c.sender, float(w)) for c, w in zip(contributions, weights))
         record = self._record(p, term, contributors, tuple(c.seq for c in contributions), pending, payload)
         return record, pending, decoded
+
+    def _earned(self, claims: list[tuple[str, float]]) -> Earned:
+        """The round's merge weights: `Standing.earned`, each at most its key's loss-score cap (`capped`)."""
+        earned = self.standing.earned(claims)
+        return earned if self.cap is None else capped(earned, claims, self.cap)
 
     def _record(
         self,
@@ -137,7 +144,7 @@ class Merger:
         claims = [
             (e.learner, float(e.header.tokens if cap is None else min(e.header.tokens, cap))) for e in entries
         ]
-        weights = [max(1, int(w)) for w in self.standing.earned(claims).weights]
+        weights = [max(1, int(w)) for w in self._earned(claims).weights]
         grad = merge_signed(entries, self.expected[p], manifest=self.manifest, live=live, weights=weights)
         cfg = self.manifest.diloco
         pending = self.replica.compute_update(p, grad, lr=cfg.outer_lr, momentum=cfg.outer_momentum)

@@ -18,16 +18,15 @@ updates onward, as `swarm.relay` decides.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from typing import Any
-
-from torch import Tensor
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import shards
 from p2p_diloco.protocol.election import ElectionDecision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.gather import GatherTag
+from p2p_diloco.protocol.loss_score import LossMeter
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.protocol.robust import RobustGuard
@@ -67,7 +66,7 @@ class Peer:
         has_learner: bool = True,
         may_sync: bool = True,
         reachable: bool = True,
-        loss_probe: Callable[[Mapping[str, Tensor]], float] | None = None,
+        loss_probe: LossMeter | None = None,
     ):
         self.peer_id = peer_id
         self.manifest = manifest

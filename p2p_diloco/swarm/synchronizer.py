@@ -32,6 +32,7 @@ from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import AdmissionTag, Decision
 from p2p_diloco.protocol.fragments import FragmentPlan
 from p2p_diloco.protocol.gather import GatherTag, choose
+from p2p_diloco.protocol.loss_score import Scored, delta_digest, score_round, score_seed
 from p2p_diloco.protocol.merge import validate_delta
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
@@ -235,7 +236,9 @@ class Synchronizer:
         # Sparse codecs: deltas must carry their sender's signature, checked with `check` (none: refused)
         self.check = check
         standing = self.guard.standing
-        self.merger = Merger(peer_id, manifest, replica, self.expected, self.embedding_names, standing)
+        self.merger = Merger(
+            peer_id, manifest, replica, self.expected, self.embedding_names, standing, self.guard.scores
+        )
 
     def _reject(self, sender: str, tag: str, detail: str, now: float, retry_after: float = 0.0) -> Reply:
         reply = Reply.refused(tag, detail, retry_after)
@@ -362,6 +365,7 @@ class Synchronizer:
             payload=payload,
             seq=header.seq,
             frame=delta.frame if self.manifest.wire.codec.sparse else b"",  # a union round bundles the frame
+            digest=delta_digest(delta.payload),
         )
         self._follow_replica(now)
         decision = self.rounds.offer(p, contribution, now)
@@ -431,6 +435,7 @@ class Synchronizer:
             ramp=standing.ramp,
             fragment=p,
             version=self.rounds.version(p),
+            score=self.guard.scores.score,
         )
         for c in chosen.left_out:
             self.left_out[c.sender] += 1
@@ -480,20 +485,31 @@ class Synchronizer:
             if verdict.action != ACCEPT:
                 self._reject(c.sender, verdict.tag, f"{verdict.detail} (fragment {p})", now)
         kept = [c for c, verdict in zip(kept, verdicts) if verdict.action == ACCEPT]
-        return [c for c in kept if self._passes_loss_check(p, c, now)]
+        return self._score_round(p, kept, now)
 
-    def _passes_loss_check(self, p: int, c: Contribution, now: float) -> bool:
-        probe, tolerance = self.guard.loss_probe, self.guard.config.loss_tolerance
-        if probe is None or c.sender == self.peer_id:
-            return True
-        change = probe(c.payload)
-        if change <= tolerance:
-            return True
-        detail = (
-            f"held-out loss {change:+.1%} with this delta alone (fragment {p}), tolerance {tolerance:.1%}"
+    def _score_round(self, p: int, contributions: list[Contribution], now: float) -> list[Contribution]:
+        """The loss check and score (`protocol.loss_score`): each delta but the holder's own measured on the
+        round's batch, its value folded into its key's score; those worse beyond the batch's noise dropped."""
+        guard, cfg = self.guard, self.guard.config
+        scored = [c for c in contributions if c.sender != self.peer_id]
+        if guard.loss_probe is None or not scored:
+            return contributions
+        digests = (c.digest for c in contributions)
+        verdicts = score_round(
+            guard.loss_probe,
+            guard.scores,
+            [Scored(c.sender, c.tokens, c.payload, c.digest) for c in scored],
+            seed=score_seed(self.manifest.run_id, p, self.rounds.version(p), self.term, digests),
+            full_tokens=guard.tokens_per_step * guard.inner_steps,
+            z=cfg.score_z,
+            tolerance=cfg.loss_tolerance,
+            now=now,
         )
-        self._reject(c.sender, RobustTag.LOSS_CHECK, detail, now)
-        return False
+        refused = {id(c) for c, v in zip(scored, verdicts) if v.decision.action != ACCEPT}
+        for c, v in zip(scored, verdicts):
+            if id(c) in refused:
+                self._reject(c.sender, v.decision.tag, f"{v.decision.detail} (fragment {p})", now)
+        return [c for c in contributions if id(c) not in refused]
 
     def finish(self, fragment: int, sync_seconds: float) -> None:
         """The update of `fragment` was applied locally and pushed; records the version and sync time."""
