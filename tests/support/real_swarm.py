@@ -71,17 +71,18 @@ class Swarm:
         self.kv = DhtKeyValueStore(observer, timeout=5.0)
         self.peers: dict[str, Joined] = {}
 
-    def join(self, name: str, *extra: str) -> Joined:
-        """Start (or restart, same identity and state dir) peer `name`."""
+    def join(self, name: str, *extra: str, cli=None, env: dict[str, str] | None = None) -> Joined:  # noqa: ANN001
+        """Start (or restart, same identity and state dir) peer `name`; `cli` (default: the fixture's) builds
+        the command line from the CLI's arguments, `env` adds to the environment."""
         identity = self.tmp / f"{name}.key"
         peer_id = self.ids[name]
         state_dir = self.tmp / f"state-{name}"
-        cmd = self.cli(
+        cmd = (cli or self.cli)(
             "join", str(self.manifest_path), "--initial-peers", *self.bootstrap.addresses,
             "--identity", str(identity), "--state-dir", str(state_dir), "--listen", LOOPBACK_LISTEN,
             "--min-step-time", "0.05", "--persist-every", "1", "--progress-every", "2", *extra,
         )  # fmt: skip
-        joined = Joined(name, self.spawn(cmd), state_dir, peer_id)
+        joined = Joined(name, self.spawn(cmd, env=env), state_dir, peer_id)
         self.peers[name] = joined
         return joined
 
