@@ -405,9 +405,11 @@ class UpdateBook:
         result than the record claims: refused as content (counted against `source`, vouching for nothing,
         no refetch of the claimed state), and its leader is caught (`Vouchers.catch`): a forged merge."""
         self.vouchers.catch(record.leader)
+        computed = reason.split("; replica unchanged", 1)[0]  # no refetch: the claimed state is the forgery
         detail = (
             f"update of fragment {record.fragment} by {record.leader} (term {record.term}): its listed "
-            f"deltas merge here to another result ({reason}); {record.leader} vouches for nothing now"
+            f"deltas merge here to another result ({computed}); replica unchanged, {record.leader} vouches "
+            "for nothing now"
         )
         return self.journal.reject(source, UpdateTag.MERGE_MISMATCH, detail)
 

@@ -2,9 +2,9 @@
 replica, and the run goes on.
 
 Whole peers (`swarm.peer.Peer`: elections, leases, pushes, relays, catch-up, refetch, reconciliation and
-anti-entropy, as `p2p-diloco join` runs them) on the in-memory network and fake clock. The real-process
-tier was not used: its cheapest run (two `join` processes, `tests/integration/test_hostile_peers.py`) takes
-minutes to start on these machines, against about a minute here.
+anti-entropy, as `p2p-diloco join` runs them) on the in-memory network and fake clock. Its real-process
+twin, `tests/integration/test_insider_union.py`, proves the wiring (real `join` processes, the DHT,
+`status`); this one checks every event, which only virtual time allows.
 
 The **insider** is the first peer to take the synchronizer role (every peer may synchronize: a listed
 key). In every term it holds, each union round it publishes lists the learners' genuine signed deltas but
