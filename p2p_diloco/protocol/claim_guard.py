@@ -18,6 +18,9 @@ until its expiration less that margin. A read that holds nothing but this peer's
 another peer's within `alone_after` (twice a lease record's life), is a gap too: a peer starved longer
 than a record's life cannot tell its reads from being alone, and being alone is rare enough to wait for.
 
+A confirmed claim. A claim is confirmed (`protocol.election`, "confirmation") only on a read without gaps
+(`hold_confirmation`): a partial read may lack another claim of the same term.
+
 An up-to-date claimant. Claim windows are ranked with slack (when `decide` with `max_lag` 0 returns one of
 `WINDOW_TAGS`, the caller decides again with `max_lag` = what this replica gained during a heartbeat TTL;
 every other decision, succession included, stays strict): a peer reads the others' heartbeats up to a
@@ -176,6 +179,16 @@ def hold_lagging_claim(
         return decision
     why = why_not_eligible(self_id, heartbeats, now, 0, verified_newest)
     return _waiting(decision, ElectionTag.NOT_ELIGIBLE, f"{why}; my window for term {decision.term} passes")
+
+
+def hold_confirmation(decision: ElectionDecision, gaps: ReadGaps) -> ElectionDecision:
+    """A claim is confirmed only on a complete read: one that lacks a record still stored may lack another
+    claim of the same term too, so the claim stays unconfirmed (`ElectionTag.UNCONFIRMED`) until a read
+    without gaps shows it alone."""
+    if decision.tag != ElectionTag.CONFIRMED or not gaps:
+        return decision
+    detail = f"a read shows my claim of term {decision.term}, but it {gaps}; merging nothing yet"
+    return replace(decision, tag=ElectionTag.UNCONFIRMED, detail=detail)
 
 
 @dataclass(frozen=True)

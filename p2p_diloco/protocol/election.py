@@ -29,7 +29,16 @@ The rule, in short:
 - fencing: a holder stops merging once `now >= expires_at - lease_margin` (it steps down instead of renewing
   late), while claimants wait until `expires_at + lease_margin`. Clocks may disagree by up to
   `lease_margin` and the two sides still never overlap. Updates carry their term and replicas ignore
-  updates of a term below the highest they have seen (`lease_rules.should_accept_update`).
+  updates of a term below the highest they have seen (`lease_rules.should_accept_update`);
+- confirmation (issue #40): claim windows assume a lease write is readable within `claim_grace`; under load
+  it may not be, and the next-ranked candidate then claims the same term. So a claimant merges and publishes
+  nothing until a read shows its own claim and no other claim of its term (`ElectionTag.CONFIRMED`, the
+  caller passes `confirmed` from then on); a read that shows another claim of its term first makes it yield
+  (`ElectionTag.YIELDED`: release the lease, publish nothing). Of two claims of one term at most one is
+  confirmed: each claimant's read comes after its own write landed, so the read of the claimant whose write
+  landed last shows the other claim. Both may yield (each read shows the other); the next term then opens at
+  once, since a yield releases the lease. A claim released with no round merged is no rival: it published
+  nothing and never will.
 
 Record conventions (the swarm layer writes these; `ElectionDecision.lease_to_write` and
 `release_lease` build them):
@@ -89,6 +98,9 @@ class ElectionTag(StrEnum):
     UNDER_WAY = "run under way"  # wait: a signed record shows the run started; my replica is at 0
     STOPPING = "stopping"  # wait: this peer is shutting down and never claims again
     STEPPING_DOWN = "stepping down"  # wait: I released my term; no read has shown its end yet
+    UNCONFIRMED = "unconfirmed"  # hold: no complete read has shown my claim yet; merge nothing
+    CONFIRMED = "confirmed"  # hold (or renew): a read shows my claim and no other of its term; merge
+    YIELDED = "yielded"  # step_down: another claim of my term shows before mine is confirmed; release
 
 
 LEASE_TIE_SALT = "lease-tie"  # tie-break between live leases needs nothing but the records themselves
@@ -190,6 +202,7 @@ def decide(
     verified_newest: int | None = None,
     down: Collection[str] = (),
     successor_lag: int = 0,
+    confirmed: bool = True,
 ) -> ElectionDecision:
     """What `self_id` should do about the synchronizer role now.
 
@@ -199,7 +212,8 @@ def decide(
     `verified_newest` are what this peer itself has verified (see `highest_term_seen`, `newest_versions`);
     `down`: peers this peer has just seen dead (connections refused: the process is gone, not frozen);
     `successor_lag`: how far behind (in summed versions) a peer's heartbeat may be and still be named
-    successor (heartbeats are up to a period old, and the holder publishes meanwhile).
+    successor (heartbeats are up to a period old, and the holder publishes meanwhile);
+    `confirmed`: whether a read already confirmed `my_lease`'s claim (module docstring, "confirmation").
     """
     heartbeats, leases = list(heartbeats), list(leases)
     term_seen = highest_term_seen(leases, term_floor)
@@ -211,7 +225,7 @@ def decide(
     if my_lease is not None and not my_lease.released:
         if my_lease.holder != self_id:
             raise ValueError(f"my_lease is held by {my_lease.holder!r}, not by this peer {self_id!r}")
-        decision = _decide_as_holder(my_lease, holder, term_seen, leases, now, timing, rounds_done)
+        decision = _decide_as_holder(my_lease, holder, term_seen, leases, now, timing, rounds_done, confirmed)
         return _naming(decision, successor(decision.term + 1)) if decision.action == RENEW else decision
 
     if holder is not None and holder.term >= term_seen:
@@ -278,12 +292,22 @@ def _decide_as_holder(
     now: float,
     timing: SwarmTiming,
     rounds_done: int,
+    confirmed: bool = True,
 ) -> ElectionDecision:
-    """A holder's decision: step down when outranked (`_outranked`) or its lease runs out, end its term after
-    `term_rounds` rounds, renew once `lease_renew_fraction` of the TTL passed, otherwise hold."""
-    outranked = _outranked(mine, holder, term_seen)
+    """A holder's decision: step down when outranked (`_outranked`), otherwise `_keeping` its lease; an
+    unconfirmed claimant first checks its claim on the read (`_unconfirmed`)."""
+    outranked = _outranked(mine, holder, term_seen, tie=confirmed)
     if outranked is not None:
         return outranked
+    decision = _keeping(mine, leases, now, timing, rounds_done)
+    return decision if confirmed else _unconfirmed(decision, _confirmation(mine, leases))
+
+
+def _keeping(
+    mine: LeaseRecord, leases: Sequence[LeaseRecord], now: float, timing: SwarmTiming, rounds_done: int
+) -> ElectionDecision:
+    """A holder that nothing outranks: step down when its lease runs out, end its term after `term_rounds`
+    rounds, renew once `lease_renew_fraction` of the TTL passed, otherwise hold."""
     term = mine.term
     # Others fence me on what they read: if my renewal is not visible yet, the older expiry is the one
     # that counts.
@@ -320,8 +344,56 @@ def _decide_as_holder(
     return mine_until(HOLD, ElectionTag.HOLDING, holding, rounds_done=rounds_done)
 
 
-def _outranked(mine: LeaseRecord, holder: LeaseRecord | None, term_seen: int) -> ElectionDecision | None:
-    """The step-down of a holder that a higher term, or a tie of its own term it loses, outranks."""
+def _unconfirmed(decision: ElectionDecision, confirmation: ElectionDecision) -> ElectionDecision:
+    """An unconfirmed claimant's decision, from its `_keeping` one and its claim's `_confirmation`: a yield
+    first, then its lease running out; a renewal carries a confirmation along (tag `CONFIRMED`); a hold
+    becomes the confirmation (confirmed, or still unconfirmed)."""
+    if confirmation.action == STEP_DOWN or decision.action == STEP_DOWN:
+        return confirmation if confirmation.action == STEP_DOWN else decision
+    if decision.action == HOLD:
+        return replace(confirmation, expires_at=decision.expires_at)
+    if confirmation.tag == ElectionTag.CONFIRMED:
+        return replace(
+            decision, tag=ElectionTag.CONFIRMED, detail=f"{confirmation.detail}; {decision.detail}"
+        )
+    return decision
+
+
+def rivals(mine: LeaseRecord, leases: Iterable[LeaseRecord]) -> list[LeaseRecord]:
+    """Other claims of `mine`'s term that may have merged: every other holder's record of it except one
+    released with no round merged (a yield, or a stop before any merge)."""
+    return [
+        x
+        for x in leases
+        if x.term == mine.term and x.holder != mine.holder and not (x.released and x.rounds_done == 0)
+    ]
+
+
+def _confirmation(mine: LeaseRecord, leases: Sequence[LeaseRecord]) -> ElectionDecision:
+    """An unconfirmed claim on a read: yield if another claim of its term shows, confirm if the read shows
+    this claim alone, otherwise hold unconfirmed (module docstring, "confirmation")."""
+    term, me = mine.term, mine.holder
+    others = sorted({x.holder for x in rivals(mine, leases)})
+    if others:
+        return ElectionDecision(
+            STEP_DOWN,
+            ElectionTag.YIELDED,
+            f"{', '.join(others)} also claimed term {term} before a read confirmed my claim; "
+            "I release it, having merged nothing",
+            term=term,
+        )
+    if any(x.holder == me and x.term == term for x in leases):
+        detail = f"a read shows my claim of term {term} and no other; merging from now on"
+        return ElectionDecision(HOLD, ElectionTag.CONFIRMED, detail, term=term, holder=me)
+    detail = f"no read has shown my claim of term {term} yet; merging nothing until one does"
+    return ElectionDecision(HOLD, ElectionTag.UNCONFIRMED, detail, term=term, holder=me)
+
+
+def _outranked(
+    mine: LeaseRecord, holder: LeaseRecord | None, term_seen: int, *, tie: bool = True
+) -> ElectionDecision | None:
+    """The step-down of a holder that a higher term, or (`tie`: a confirmed holder) a tie of its own term
+    it loses, outranks. An unconfirmed claimant yields to any other claim of its term instead."""
     term = mine.term
     if holder is not None and holder.term > term:
         return ElectionDecision(
@@ -336,7 +408,7 @@ def _outranked(mine: LeaseRecord, holder: LeaseRecord | None, term_seen: int) ->
         return ElectionDecision(
             STEP_DOWN, ElectionTag.HIGHER_TERM, f"term {term_seen} was seen > my term {term}", term=term_seen
         )
-    if holder is not None and holder.term == term and holder.holder != mine.holder:
+    if tie and holder is not None and holder.term == term and holder.holder != mine.holder:
         return ElectionDecision(
             STEP_DOWN,
             ElectionTag.LOST_TIE,

@@ -185,13 +185,18 @@ def _reported_by_others(lease: LeaseRecord, terms_reported: Mapping[str, int], a
 
 
 def _claim_base(previous: list[LeaseRecord], timing: SwarmTiming) -> float | None:
-    """When the previous term lapsed as far as its visible records tell: its last expiry, or its release."""
+    """When the previous term lapsed as far as its visible records tell: when its last holder's lease did
+    (each holder's last expiry, or its release). A claimant that yielded (`election.ElectionTag.YIELDED`)
+    released its claim while the term's holder went on: that release ends nothing but the yield."""
     if not previous:
         return None
-    released = [write_time(x, timing) for x in previous if x.released]
-    if released:  # a release ends the term, whatever the expiry of the renewals before it
-        return min(released)
-    return max(x.expires_at for x in previous)
+    ends = []
+    for holder in {x.holder for x in previous}:
+        mine = [x for x in previous if x.holder == holder]
+        released = [write_time(x, timing) for x in mine if x.released]
+        # a release ends the holder's lease, whatever the expiry of the renewals before it
+        ends.append(min(released) if released else max(x.expires_at for x in mine))
+    return max(ends)
 
 
 def counts_as_held(item: SeenLease) -> bool:

@@ -107,8 +107,8 @@ class SynchronizerRole:
     def tick(self, now: float, *, sync_seconds: float = 0.0, cap: float | None = None) -> list[UpdateRecord]:
         """Close ready rounds; apply each update here (its outer step computed once), push it to at most
         `fanout` live peers (`Relay.publish`), which offer it onward."""
-        if self.sync is None or self._fenced(now):
-            return []
+        if self.sync is None or not self.membership.confirmed or self._fenced(now):
+            return []  # an unconfirmed claim merges nothing (`protocol.election`, "confirmation")
         published = []
         held = self.handover.held(now) if self.handover is not None else frozenset()
         for outcome in self.sync.poll(now, self.membership.live_learners(now), cap, hold=held):
@@ -137,7 +137,9 @@ class SynchronizerRole:
         """When this term next needs a sync tick (`Synchronizer.wake_at`, or when held rounds are let go);
         None while it holds no term, is fenced, or waits only for events."""
         lease, margin = self.membership.my_lease, self.manifest.timing.lease_margin
-        if self.sync is None or (lease is not None and now >= lease.expires_at - margin):
+        if self.sync is None or not self.membership.confirmed:
+            return None  # the election's confirmation wakes it
+        if lease is not None and now >= lease.expires_at - margin:
             return None  # fenced: only the election changes that
         handover = self.handover
         held = handover.holds(now) if handover is not None else frozenset()

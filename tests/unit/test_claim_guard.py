@@ -180,3 +180,14 @@ def test_a_complete_read_after_the_holder_died_claims_as_soon_as_the_lease_grace
         ElectionTag.CLAIM_GRACE,
     ]
     assert decide(me, records(mine, {B: (5, 5)}, last), (5, 5)).action == election.CLAIM
+
+
+def test_a_claim_is_confirmed_only_on_a_read_without_gaps():
+    """A read that lacks a record still stored may lack another claim of the same term (issue #40)."""
+    confirmed = ElectionDecision(election.HOLD, ElectionTag.CONFIRMED, "alone", term=2, holder="me")
+    gaps = guard.ReadGaps({RecordSlot(RecordKind.LEASE, "other"): 30.0})
+    held = guard.hold_confirmation(confirmed, gaps)
+    assert (held.action, held.tag) == (election.HOLD, ElectionTag.UNCONFIRMED) and "lacks" in held.detail
+    assert guard.hold_confirmation(confirmed, guard.NO_GAPS) is confirmed
+    holding = ElectionDecision(election.HOLD, ElectionTag.HOLDING, "mine", term=2, holder="me")
+    assert guard.hold_confirmation(holding, gaps) is holding  # a confirmed holder is not held back

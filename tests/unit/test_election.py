@@ -178,6 +178,45 @@ def test_term_ended_then_release_rotates_to_the_next_candidate_without_margin():
     assert run_decide("peer-a", alone, [released], 12.5).action == el.CLAIM
 
 
+def test_an_unconfirmed_claim_merges_only_once_a_read_shows_it_alone():
+    """Issue #40: a claim holds unconfirmed (merging nothing) until a read shows it; a read that shows it and
+    no other claim of its term confirms it; a renewal due on that read carries the confirmation along."""
+    mine = LeaseRecord("peer-a", 4, expires_at=16.0)  # written at 10
+    unconfirmed = dict(my_lease=mine, confirmed=False)
+    waiting = run_decide("peer-a", everyone(), [], 10.5, **unconfirmed)  # my write has not landed yet
+    assert (waiting.action, waiting.tag) == (el.HOLD, el.ElectionTag.UNCONFIRMED)
+    confirmed = run_decide("peer-a", everyone(), [mine], 11.0, **unconfirmed)
+    assert (confirmed.action, confirmed.tag, confirmed.term) == (el.HOLD, el.ElectionTag.CONFIRMED, 4)
+    late = run_decide("peer-a", everyone(), [mine], 13.0, **unconfirmed)  # half the TTL went by meanwhile
+    assert (late.action, late.tag, late.expires_at) == (el.RENEW, el.ElectionTag.CONFIRMED, 19.0)
+    renew = run_decide("peer-a", everyone(), [], 13.0, **unconfirmed)  # still not read back: renew anyway
+    assert (renew.action, renew.tag) == (el.RENEW, el.ElectionTag.RENEW)
+    expired = run_decide("peer-a", everyone(), [], 15.6, **unconfirmed)
+    assert (expired.action, expired.tag) == (el.STEP_DOWN, el.ElectionTag.LEASE_EXPIRED)
+
+
+def test_a_claimant_that_sees_another_claim_of_its_term_yields_whoever_wins_the_tie():
+    """Two claims of one term: the claimant whose read shows the other yields (and the other, confirmed
+    before that claim was readable, holds on); a claim released with no round merged is no rival, one
+    released after merging is (that term published)."""
+    a, b = LeaseRecord("peer-a", 4, expires_at=16.0), LeaseRecord("peer-b", 4, expires_at=17.0)
+    for mine, other in ((a, b), (b, a)):
+        d = run_decide(mine.holder, everyone(), [a, b], 11.5, my_lease=mine, confirmed=False)
+        assert (d.action, d.tag, d.term) == (el.STEP_DOWN, el.ElectionTag.YIELDED, 4)
+        assert other.holder in d.detail
+    yielded = LeaseRecord("peer-b", 4, expires_at=17.5, released=True)
+    d = run_decide("peer-a", everyone(), [a, yielded], 11.5, my_lease=a, confirmed=False)
+    assert d.tag == el.ElectionTag.CONFIRMED
+    ended = LeaseRecord("peer-b", 4, expires_at=17.5, rounds_done=3, released=True)
+    d = run_decide("peer-a", everyone(), [a, ended], 11.5, my_lease=a, confirmed=False)
+    assert d.tag == el.ElectionTag.YIELDED
+    # a higher term outranks an unconfirmed claim as it does a confirmed one
+    d = run_decide(
+        "peer-a", everyone(), [a, LeaseRecord("peer-c", 5, 17.0)], 11.5, my_lease=a, confirmed=False
+    )
+    assert (d.action, d.tag) == (el.STEP_DOWN, el.ElectionTag.HIGHER_TERM)
+
+
 def test_my_lease_must_be_mine():
     with pytest.raises(ValueError, match="held by"):
         run_decide("peer-a", everyone(), [], 1.0, my_lease=LeaseRecord("peer-b", 1, 5.0))

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from p2p_diloco.config import TrustConfig
-from p2p_diloco.protocol.election import LeaseRecord
+from p2p_diloco.protocol.election import ElectionTag, LeaseRecord
 from p2p_diloco.protocol.messages import UpdateRecord
 from p2p_diloco.swarm.election.handover import handover_sources
 from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
@@ -72,6 +72,7 @@ def test_a_new_holder_replays_the_previous_holders_last_update_that_no_heartbeat
     assert not me.peer.handover.holding(me.clock.now())
     # the term builds on it: a delta anchored at v1 is usable, the merged update goes v1 -> v2
     assert "accepted: learner" in me.handle_delta("learner", delta(0, anchor=1, seq=1))
+    assert ticks(me, 1).tag == ElectionTag.CONFIRMED  # a read shows its claim alone: its rounds merge
     merged = me.sync_now(me.clock.now())
     assert [(r.fragment, r.from_version, r.term) for r in merged if r.fragment == 0] == [(0, 1, 2)]
 

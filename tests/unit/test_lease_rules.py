@@ -113,3 +113,16 @@ def test_a_claim_right_after_a_release_is_not_early_whatever_the_renewals_before
         [released, successor], term_floor=3, timing=T, may_synchronize=HONEST.__contains__, history=[renewal]
     )
     assert result.refused == [] and {x.lease.term for x in result.valid} == {3, 4}
+
+
+def test_a_yielded_claims_release_ends_nothing_while_the_terms_holder_goes_on():
+    """Issue #40: c yielded its claim of term 3 at 21 (released, no round merged) while a held term 3 until
+    26; a claim of term 4 written at 22 is still early. Each holder's lease ends at its own release or
+    expiry, and the term when the last of them does."""
+    held = written("a", 3, 20.0)  # live until 26
+    yielded = written("c", 3, 21.0, released=True)
+    early = written("b", 4, 22.0, seen=22.5)
+    result = screen_leases(
+        [held, yielded, early], term_floor=3, timing=T, may_synchronize=HONEST.__contains__
+    )
+    assert [(lease.holder, tag) for lease, tag, _ in result.refused] == [("b", rules.LeaseTag.EARLY_CLAIM)]

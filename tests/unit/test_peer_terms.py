@@ -183,6 +183,7 @@ def test_a_holder_that_stops_merges_its_open_rounds_before_releasing():
     clock = me.clock
     me.peer.membership.my_lease = LeaseRecord("me", 1, expires_at=clock.now() + manifest.timing.lease_ttl)
     me.peer.role.take(1)
+    me.peer.membership.confirmed = True  # a read showed its claim alone: it merges
     me.peer.membership.follow("me", 1)
     me.peer.outbox.follow(("me", 1))
     me.peer.sync.observe_step_time(5.0)  # learners step every 5 s: the round's grace window keeps it open

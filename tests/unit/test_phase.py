@@ -183,6 +183,7 @@ def term_of_one_round() -> PeerHarness:
         diloco=dataclasses.replace(MANIFEST.diloco, min_quorum=1),
     )
     harness = holding(manifest)
+    assert tick(harness, 0.0).tag == ElectionTag.CONFIRMED  # a read shows its claim alone: it merges
     for _ in range(manifest.diloco.steps_per_fragment):
         harness.train_step()
     assert harness.sync_now(harness.clock.now()) and harness.peer.sync.rounds_done == 1

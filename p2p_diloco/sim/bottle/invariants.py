@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from p2p_diloco.config import RunManifest
+from p2p_diloco.protocol import shards
 from p2p_diloco.sim.bottle.node import STOP_DEADLINE, Phase, SimNode
 from p2p_diloco.sim.bottle.world import World
 from p2p_diloco.swarm import effects as fx
@@ -23,6 +24,9 @@ class Rule(StrEnum):
     # next election read takes to show the tie (a heartbeat period, the slower one's DHT latency and owner
     # lag) plus the lease margin
     ONE_HOLDER_PER_TERM = "one_holder_per_term"
+    # no shard term published by two peers whose claims of it were not cut apart (a partition, two DHT
+    # islands) from the second claim to the second publication: the holder of a term is one peer
+    ONE_PUBLISHER_PER_TERM = "one_publisher_per_term"
     FENCING_MONOTONE = "fencing_monotone"  # a peer's highest term seen (per shard) never goes back
     APPLIED_ONCE = "applied_once"  # no update applied twice to one replica
     VERSIONS_MONOTONE = "versions_monotone"  # no fragment's version goes back on a running replica
@@ -58,6 +62,10 @@ class Invariants:
         self.versions: dict[tuple[str, int], tuple[int, ...]] = {}
         self.applied: set[tuple[str, int, int, int, int, str]] = set()
         self.merged: dict[tuple[str, int, int], tuple[int, int, str]] = {}
+        self.claimants: dict[tuple[int, int], list[str]] = {}  # (shard, term) -> its claimants, in order
+        self.contested: set[tuple[int, int]] = set()  # the (shard, term)s claimed by two peers or more
+        self.apart: set[tuple[int, int, frozenset[str]]] = set()  # (shard, term, pair) cut apart meanwhile
+        self.publishers: dict[tuple[int, int], str] = {}  # (shard, term) -> its first publisher
         self.claims = 0
         self.published = 0
         self.violation: Violation | None = None  # the first rule broken
@@ -74,6 +82,7 @@ class Invariants:
             case fx.Claimed():
                 self.claims += 1
                 self.world.note(node.peer_id, "claim", shard=intent.shard, term=intent.term)
+                self._claimed(node.peer_id, (intent.shard, intent.term))
                 if node.stopping_since is not None:
                     self.fail(
                         Rule.NO_CLAIM_WHILE_STOPPING,
@@ -92,6 +101,7 @@ class Invariants:
                     contributors=[f"{who}:{seq}" for (who, _), seq in zip(record.contributors, record.seqs)],
                 )
                 self._merged_once(record)
+                self._one_publisher(node.peer_id, record)
             case fx.Applied():
                 record = intent.record
                 key = (
@@ -119,6 +129,35 @@ class Invariants:
             case fx.LeaseReleased():
                 self.world.note(node.peer_id, "released", term=intent.term, rounds=intent.rounds)
 
+    def _claimed(self, peer: str, term: tuple[int, int]) -> None:
+        claimants = self.claimants.setdefault(term, [])
+        if peer not in claimants:
+            claimants.append(peer)
+        if len(claimants) > 1:
+            self.contested.add(term)
+            self._mark_apart()
+
+    def _mark_apart(self) -> None:
+        """Pairs of claimants of one shard term that cannot see each other now (cut apart): two sides of
+        a partition may each hold a term, and reconciliation settles it after the heal. Only terms claimed
+        twice are looked at, so this costs nothing in a run without such claims."""
+        for shard, term in self.contested:
+            who = self.claimants[(shard, term)]
+            for i, a in enumerate(who):
+                for b in who[i + 1 :]:
+                    if not (self.world.reachable(a, b) and self.world.dht.reachable(a, b)):
+                        self.apart.add((shard, term, frozenset((a, b))))
+
+    def _one_publisher(self, peer: str, record) -> None:  # noqa: ANN001 - protocol.messages.UpdateRecord
+        term = (shards.shard_of(record.fragment, self.manifest.diloco.synchronizer_shards), record.term)
+        first = self.publishers.setdefault(term, peer)
+        if first != peer and (*term, frozenset((first, peer))) not in self.apart:
+            self.fail(
+                Rule.ONE_PUBLISHER_PER_TERM,
+                f"shard {term[0]} term {term[1]} published by {first} and by {peer} "
+                f"(claimed by {self.claimants.get(term, [])})",
+            )
+
     def _merged_once(self, record) -> None:  # noqa: ANN001 - protocol.messages.UpdateRecord
         update = (record.to_version, record.term, record.leader)
         if len(record.seqs) != len(record.contributors):
@@ -138,6 +177,8 @@ class Invariants:
 
     def check(self) -> None:
         now = self.world.now()
+        if self.contested:
+            self._mark_apart()
         holders: dict[tuple[int, int], list[SimNode]] = {}
         for node in self.nodes:
             if not node.up or node.peer is None:

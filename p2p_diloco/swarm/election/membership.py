@@ -76,6 +76,9 @@ class Membership:
         # term lapsed as first seen): the newest LEASE_HISTORY terms, RECORDS_PER_TERM records each
         self.lease_history: dict[int, list[SeenLease]] = {}
         self.my_lease: LeaseRecord | None = None
+        # whether a read confirmed `my_lease`'s claim (`election.ElectionTag.CONFIRMED`): until then its
+        # term merges nothing (`SynchronizerRole`)
+        self.confirmed = False
         # (term, why) of this peer's own lease record that the last read refused (`lease_rules`): what
         # every honest reader refuses, this peer must not go on holding
         self.own_refused: tuple[int, str] | None = None
@@ -452,7 +455,8 @@ class Membership:
         its own heartbeat, which are up to a heartbeat period old. `busy`: candidates that hold their share
         of the other shards (`protocol.shards.at_cap`); they step aside while another candidate is up.
         A claim then passes `claim_guard.gate` with the seat's `checks`, this peer's warm-up and the read's
-        gaps."""
+        gaps; a confirmation of this peer's claim waits for a read without gaps
+        (`claim_guard.hold_confirmation`)."""
         heartbeats = self._ranked_heartbeats(view, now, own_versions, busy)
         sample = (now, sum(own_versions) if own_versions is not None else 0)
         self._own_sums, (lag, window_lag) = claim_guard.lags(
@@ -472,6 +476,7 @@ class Membership:
             verified_newest=verified_newest,
             down=self.seen_down(now),
             successor_lag=lag,
+            confirmed=self.confirmed,
         )
         decision = elect(max_lag=0)
         if decision.tag in claim_guard.WINDOW_TAGS:  # claim windows: ranked with slack, used only in sync
@@ -479,7 +484,7 @@ class Membership:
                 elect(max_lag=window_lag), self.peer_id, heartbeats, now, verified_newest
             )
         checks = replace(checks, warm_up=self._warm_up_left(decision, view, now), gaps=view.gaps)
-        decision = claim_guard.gate(decision, checks)
+        decision = claim_guard.hold_confirmation(claim_guard.gate(decision, checks), view.gaps)
         if decision.tag == election.ElectionTag.NOT_ELIGIBLE and self.peer_id in busy:
             detail = f"I hold my share of the other shards; {decision.holder} may claim term {decision.term}"
             decision = replace(decision, detail=detail)

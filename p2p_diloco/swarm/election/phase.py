@@ -6,9 +6,10 @@ A seat (`swarm.election.seats.Seat`) is in exactly one phase:
   synchronize is always here (or stopping).
 - `CANDIDATE`: it may synchronize, holds nothing and follows no live holder: it waits for its claim window
   (or for a guard of `protocol.claim_guard.gate` to clear).
-- `HOLDING`: it holds the shard's lease: merges its fragments' rounds, renews, names a successor.
-- `STEPPING_DOWN`: it released its term (term ended); it claims nothing until a read shows that term over
-  (its released record, or another holder), or `lease_ttl` has passed.
+- `HOLDING`: it holds the shard's lease: merges its fragments' rounds (once a read confirmed its claim:
+  `protocol.election`, "confirmation"), renews, names a successor.
+- `STEPPING_DOWN`: it released its term (term ended, or it yielded an unconfirmed claim); it claims nothing
+  until a read shows that term over (its released record, or another holder), or `lease_ttl` has passed.
 - `STOPPING`: the peer is shutting down. Terminal: it released what it held and never claims again.
 
 `after_decision` and `after_read` are the whole transition table; they are pure, so the table is tested
@@ -57,7 +58,7 @@ def after_decision(phase: Phase, decision: ElectionDecision, may_claim: bool) ->
     if action == election.HOLD:
         return Phase.HOLDING if phase == Phase.HOLDING else _idle(may_claim, decision)
     if action == election.STEP_DOWN:
-        if phase == Phase.HOLDING and decision.tag == ElectionTag.TERM_ENDED:
+        if phase == Phase.HOLDING and decision.tag in (ElectionTag.TERM_ENDED, ElectionTag.YIELDED):
             return Phase.STEPPING_DOWN
         return _idle(may_claim, decision)
     if phase == Phase.STEPPING_DOWN and action == election.WAIT:

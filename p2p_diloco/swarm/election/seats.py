@@ -84,6 +84,8 @@ class Seat:
                 rounds = sync.rounds_done if sync else 0
                 role.finish_open_rounds(now)
                 self._release(now, rounds)
+            elif decision.tag == ElectionTag.YIELDED:  # merged nothing: no round to finish
+                self._release(now, 0)
             self._drop(None, 0)
         elif decision.action == election.FOLLOW:
             self._drop(decision.holder, decision.term)
@@ -91,6 +93,8 @@ class Seat:
             membership.follow(membership.peer_id, sync.term)
         else:
             membership.follow(None, 0)
+        if decision.tag == ElectionTag.CONFIRMED and role.sync is not None:
+            membership.confirmed = True  # a read showed its claim alone: its rounds merge from now on
         return Stepped(before, self.phase, decision.reason)
 
     def stop(self, now: float) -> bool:
@@ -117,6 +121,7 @@ class Seat:
             self.role.take(lease.term)
             self.handover.begin(lease.term, now)
         if decision.action == election.CLAIM:
+            self.membership.confirmed = False  # it merges once a read confirms the claim
             self.emit(fx.Claimed(lease.term, decision.reason, self.shard))
         self.emit(self.membership.lease_record(lease, "lease"))
         self.membership.my_lease = lease
@@ -124,7 +129,7 @@ class Seat:
 
     def _drop(self, holder: str | None, term: int) -> None:
         """Hold nothing (the term's `Synchronizer` and lease forgotten) and follow `holder`'s `term`."""
-        self.role.sync, self.membership.my_lease = None, None
+        self.role.sync, self.membership.my_lease, self.membership.confirmed = None, None, False
         self.membership.follow(holder, term)
 
     def _release(self, now: float, rounds: int) -> bool:
