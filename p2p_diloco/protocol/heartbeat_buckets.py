@@ -15,10 +15,11 @@ bucket)`):
 * every other peer's heartbeat lives in bucket 1 + a hash of its ID modulo B - 1.
 
 Each period a peer reads bucket 0 (every candidate: the elections, the lease rules and the trusted tips of
-peers that may witness need them all, every period) and one other bucket, `sample_bucket`, rotating with a
-read counter from an offset seeded by its own ID, so runs replay by seed and every bucket is read once
-every B - 1 reads. What it reads per period is thus about 2 x 16 heartbeats whatever M, plus the S lease
-keys of its seats. A peer that is not a candidate never claims (its election ranks no record of its own).
+peers that may witness need them all, every period) and one other bucket, `sample_buckets`, rotating with
+a read counter from an offset seeded by its own ID, so runs replay by seed and every bucket is read once
+every B - 1 reads; its first `SWEEP_READS` reads (joining) take every bucket, once. What it reads per period
+is thus about 2 x 16 heartbeats whatever M, plus the S lease keys of its seats. A peer that is not a
+candidate never claims (its election ranks no record of its own).
 
 Pure functions: no clock, no I/O.
 """
@@ -29,6 +30,10 @@ import hashlib
 
 BUCKETED_FROM_SHARDS = 16  # fewer shards: one heartbeat key, every heartbeat read every period
 MIN_OPEN_CANDIDATES = 4  # an open run's bucket 0 with fewer others: a peer volunteers as a candidate
+# A peer's first reads take every bucket (about M heartbeats, once): a peer that knew only the buckets it had
+# sampled so far, one a period, left most of the swarm out of its relay trees for B - 1 periods, and those
+# peers caught up by replaying update logs instead (issue #40: replays were most of the bytes at 256 peers).
+SWEEP_READS = 3
 
 
 def buckets_for(shards: int) -> int:
@@ -54,9 +59,12 @@ def bucket_of(peer: str, buckets: int, *, candidate: bool) -> int:
     return 1 + (_hash(peer) // buckets) % (buckets - 1)
 
 
-def sample_bucket(peer: str, reads: int, buckets: int) -> int | None:
-    """The non-candidate bucket `peer` reads at its `reads`-th read (None with one bucket): consecutive
-    reads walk buckets 1 .. B - 1 in turn from an offset seeded by `peer`'s ID."""
+def sample_buckets(peer: str, reads: int, buckets: int) -> tuple[int, ...]:
+    """The non-candidate buckets `peer` reads at its `reads`-th read (none with one bucket): its first
+    `SWEEP_READS` reads take every bucket, then consecutive reads walk buckets 1 .. B - 1 in turn, one a
+    read, from an offset seeded by `peer`'s ID."""
     if buckets <= 1:
-        return None
-    return 1 + (_hash(peer) + reads) % (buckets - 1)
+        return ()
+    if reads < SWEEP_READS:
+        return tuple(range(1, buckets))
+    return (1 + (_hash(peer) + reads) % (buckets - 1),)

@@ -138,10 +138,10 @@ class PeerDriver:
 
     def read_swarm(self, read: fx.ReadSwarm) -> fx.SwarmRecords:
         """Every record a swarm tick reads, all lookups in one round trip where the store can (`get_many`)."""
-        optional = [key for key in (read.sampled, read.underway) if key is not None]
+        optional = [*read.sampled, *([read.underway] if read.underway is not None else [])]
         found = get_many(self.kv, [read.heartbeats, *read.leases, *optional], self.clock.now())
         extra = iter(found[1 + len(read.leases) :])
-        sampled = next(extra) if read.sampled is not None else {}
+        sampled = {key: next(extra) for key in read.sampled}
         underway = next(extra) if read.underway is not None else {}
         shard_leases = tuple(found[2 : 1 + len(read.leases)])
         return fx.SwarmRecords(

@@ -243,13 +243,13 @@ Event = (
 @dataclass(frozen=True)
 class ReadSwarm:
     """Read the heartbeat key and every shard's lease key (`Membership.read_swarm`), the sampled heartbeat
-    bucket's key when `sampled` names one (`protocol.heartbeat_buckets`) and the run-under-way key when
+    buckets' keys (`sampled`) (`protocol.heartbeat_buckets`) and the run-under-way key when
     `underway` names it; the result is `SwarmRecords`."""
 
     heartbeats: str
     leases: tuple[str, ...]  # shard 0's first
     underway: str | None = None
-    sampled: str | None = None
+    sampled: tuple[str, ...] = ()  # the sampled buckets' keys
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,8 @@ class SwarmRecords:
     now: float
     underway: Mapping[str, StoredValue] = field(default_factory=dict)  # proofs of a run under way
     shard_leases: tuple[Mapping[str, StoredValue], ...] = ()  # the lease records of shards 1..S-1
-    sampled: Mapping[str, StoredValue] = field(default_factory=dict)  # the sampled bucket's heartbeats
+    # the sampled buckets' heartbeats, by the bucket's key
+    sampled: Mapping[str, Mapping[str, StoredValue]] = field(default_factory=dict)
 
     def leases_of(self, shard: int) -> Mapping[str, StoredValue]:
         """The lease records of synchronizer shard `shard` (`leases` is shard 0's)."""

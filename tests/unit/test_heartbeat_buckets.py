@@ -1,7 +1,7 @@
 """Heartbeat buckets (issue #40 item 1): what a peer reads each heartbeat period does not grow with the swarm.
 
 From 16 synchronizer shards on, heartbeats live in S buckets: bucket 0 holds the candidates', read every
-period, and each read samples one other bucket in turn (`protocol.heartbeat_buckets`); `Membership` keeps
+period, and each read samples one other bucket in turn (a peer's first `SWEEP_READS` reads take every bucket) (`protocol.heartbeat_buckets`); `Membership` keeps
 what it read of each bucket until that bucket is read again (`live_peers`), and the per-period rules read
 only the last read (`read_peers`)."""
 
@@ -58,7 +58,7 @@ def swarm(peers: list[str], now: float, gone: frozenset[str] = frozenset()) -> I
 
 def test_below_sixteen_shards_one_key_holds_every_heartbeat():
     assert [hb.buckets_for(s) for s in (1, 4, 8, 15, 16, 32)] == [1, 1, 1, 1, 16, 32]
-    assert hb.sample_bucket("a", 3, 1) is None and hb.bucket_of("a", 1, candidate=False) == 0
+    assert hb.sample_buckets("a", 3, 1) == () and hb.bucket_of("a", 1, candidate=False) == 0
     assert all(hb.open_candidate(p, 1) for p in PEERS)
     m = membership("me", tiny_manifest("one-key"))
     assert m.own_hb_key == m.hb_key == keys.heartbeat_key("one-key", m.manifest.manifest_hash)
@@ -72,11 +72,14 @@ def test_candidates_write_bucket_zero_and_the_others_spread_over_the_rest():
     assert 4 <= buckets.count(0) <= 25  # about 200 / 16
 
 
-def test_the_sample_walks_every_other_bucket_seeded_by_the_peer():
-    walk = [hb.sample_bucket("peer-007", reads, 16) for reads in range(15)]
-    assert sorted(walk) == list(range(1, 16))
-    assert walk == [hb.sample_bucket("peer-007", reads, 16) for reads in range(15)]  # replays
-    assert walk[0] != hb.sample_bucket("peer-008", 0, 16) or walk[1] != hb.sample_bucket("peer-008", 1, 16)
+def test_the_first_reads_take_every_bucket_then_the_sample_walks_them_seeded_by_the_peer():
+    first = hb.SWEEP_READS
+    assert all(hb.sample_buckets("peer-007", reads, 16) == tuple(range(1, 16)) for reads in range(first))
+    walk = [hb.sample_buckets("peer-007", reads, 16) for reads in range(first, first + 15)]
+    assert all(len(one) == 1 for one in walk) and sorted(b for (b,) in walk) == list(range(1, 16))
+    assert walk == [hb.sample_buckets("peer-007", reads, 16) for reads in range(first, first + 15)]  # replays
+    other = [hb.sample_buckets("peer-008", reads, 16) for reads in range(first, first + 2)]
+    assert walk[:2] != other
 
 
 def test_a_read_decodes_the_candidates_and_one_bucket_whatever_the_swarm():
@@ -85,12 +88,16 @@ def test_a_read_decodes_the_candidates_and_one_bucket_whatever_the_swarm():
     m = membership("peer-000")
     candidates = {p for p in PEERS if hb.open_candidate(p, SHARDS)}
     assert 0 < len(candidates) < 30
+    m.ingest_all(read(kv, m, now))
+    assert m.live_peers.keys() == m.read_peers.keys() == set(PEERS)  # joining: the first read takes all
+    for _ in range(hb.SWEEP_READS - 1):
+        m.ingest_all(read(kv, m, now))
     for _ in range(SHARDS - 1):
         views = m.ingest_all(read(kv, m, now))
         assert candidates <= m.read_peers.keys() and len(m.read_peers) <= len(candidates) + 30
         for view in views:  # the elections rank candidates only
             assert {x.peer_id for x in view.heartbeats} <= candidates | {"peer-000"}
-    assert m.live_peers.keys() == set(PEERS)  # every bucket read once in B - 1 reads
+    assert m.live_peers.keys() == set(PEERS)  # every bucket read again in B - 1 reads
     assert all(shard.live_peers is m.live_peers for shard in m.shards)
 
 

@@ -28,6 +28,7 @@ from p2p_diloco.protocol.lease_rules import SeenLease
 from p2p_diloco.protocol.standing import Standing
 from p2p_diloco.swarm.effects import ReadSwarm, StoreRecord, SwarmRecords, Task
 from p2p_diloco.swarm.journal import Journal
+from p2p_diloco.wire.interfaces import StoredValue
 from p2p_diloco.wire.keys import heartbeat_key, lease_key
 from p2p_diloco.wire.records import HeartbeatInfo, RecordError, decode_heartbeat, decode_lease, encode_lease
 
@@ -122,7 +123,9 @@ class Membership:
         self._known_by_bucket: dict[int, dict[str, HeartbeatInfo]] = (
             {} if first is None else first._known_by_bucket
         )
-        self._sampled_bucket: int | None = None  # the non-candidate bucket the read being ingested holds
+        # the non-candidate buckets the read being ingested holds: bucket -> the peers read from it
+        self._sampled: dict[int, set[str]] = {}
+        self._key_bucket: dict[str, int] = {} if first is None else first._key_bucket  # bucket key -> bucket
 
     def allowed(self, peer: str) -> bool:
         """False for peers the manifest does not let take part (allowlist, `[trust] learners`)."""
@@ -178,12 +181,15 @@ class Membership:
         """The read of a swarm tick: the candidates' heartbeats, every shard's lease records (and
         `underway`) and, with heartbeat buckets, the next sampled bucket (`sampled`)."""
         leases = tuple(m.lease_key for m in self.shards)
-        bucket = heartbeat_buckets.sample_bucket(self.peer_id, self.reads, self.buckets)
+        buckets = heartbeat_buckets.sample_buckets(self.peer_id, self.reads, self.buckets)
         self.reads += 1
-        sampled = None
-        if bucket is not None:
-            sampled = heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash, bucket)
+        sampled = tuple(self._bucket_key(bucket) for bucket in buckets)
         return ReadSwarm(self.hb_key, leases, underway, sampled)
+
+    def _bucket_key(self, bucket: int) -> str:
+        key = heartbeat_key(self.manifest.run_id, self.manifest.manifest_hash, bucket)
+        self._key_bucket[key] = bucket
+        return key
 
     def for_fragment(self, fragment: int) -> Membership:
         """The membership of `fragment`'s shard (whose leases its updates are checked against)."""
@@ -239,15 +245,12 @@ class Membership:
 
     def _known_peers(self, read: dict[str, HeartbeatInfo]) -> dict[str, HeartbeatInfo]:
         """With heartbeat buckets: `live_peers` updated in place from one read. Each bucket it read (bucket
-        0 and the sampled one) replaces what this peer knew of that bucket, so a peer gone drops out when its
+        0 and the sampled ones) replaces what this peer knew of that bucket, so a peer gone drops out when its
         bucket is next read (within B - 1 periods); the others stay as last read. Work: the buckets read."""
-        by_bucket: dict[int, dict[str, HeartbeatInfo]] = {}
-        for peer, info in read.items():
-            bucket = 0 if peer in self._bucket0 else (self._sampled_bucket or self._bucket(peer))
-            by_bucket.setdefault(bucket, {})[peer] = info
-        if self._sampled_bucket is not None:
-            by_bucket.setdefault(self._sampled_bucket, {})
-        by_bucket.setdefault(0, {})
+        by_bucket: dict[int, dict[str, HeartbeatInfo]] = {bucket: {} for bucket in (0, *self._sampled)}
+        for bucket, peers in self._sampled.items():
+            by_bucket[bucket].update((peer, read[peer]) for peer in peers if peer in read)
+        by_bucket[0].update((peer, info) for peer, info in read.items() if peer in self._bucket0)
         known = self.live_peers
         for bucket, peers in by_bucket.items():
             for peer in self._known_by_bucket.get(bucket, {}).keys() - peers.keys():
@@ -273,15 +276,18 @@ class Membership:
     def _decode_heartbeats(self, records: SwarmRecords) -> Decoded:
         """The heartbeats of peers that may take part that decode (a bad one is counted and noted by
         shard 0's membership, which every shard's read goes through first), with their DHT expiration.
-        With heartbeat buckets: bucket 0's candidates and the sampled bucket's peers."""
+        With heartbeat buckets: bucket 0's candidates and the sampled buckets' peers."""
         stored_by_peer = records.heartbeats
-        sampled = records.sampled
-        self._sampled_bucket = None
+        self._sampled = {}
         if self.buckets > 1:
             candidates = {p: v for p, v in records.heartbeats.items() if self.manifest.may_synchronize(p)}
             self._bucket0.clear()
             self._bucket0.update(candidates)
-            self._sampled_bucket = next((self._bucket(p) for p in sampled if p not in candidates), None)
+            sampled: dict[str, StoredValue] = {}
+            for key, heartbeats in records.sampled.items():
+                peers = {p for p in heartbeats if p not in candidates}
+                self._sampled[self._key_bucket[key]] = peers
+                sampled.update((p, heartbeats[p]) for p in peers)
             stored_by_peer = {**sampled, **candidates}
         decoded: Decoded = {}
         for peer, stored in stored_by_peer.items():
