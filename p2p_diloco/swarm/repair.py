@@ -42,7 +42,7 @@ from p2p_diloco.swarm.journal import PeerContext
 from p2p_diloco.swarm.serving import Serving
 from p2p_diloco.swarm.snapshot_download import Downloaded, SnapshotDownloader, download_windows
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
-from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, reported_tips, sources_on
+from p2p_diloco.swarm.vouching import MIN_INDEPENDENT_PEERS, sources_on
 from p2p_diloco.wire.frames import decode_update
 from p2p_diloco.wire.snapshot_chunks import SnapshotIndex
 
@@ -303,8 +303,8 @@ class Repair:
         """Other live peers' tips of `fragment` as the last read showed them (bounded whatever M: issue #40),
         terms capped at the highest leased term (`swarm.vouching`)."""
         membership = self.membership
-        ceiling = membership.for_fragment(fragment).term_seen  # the terms of the fragment's shard
-        return reported_tips(membership.read_peers, fragment, self.peer_id, ceiling)
+        ceilings = [membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments)]
+        return self.book.reported(membership.read_peers, self.peer_id, ceilings)[fragment]
 
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
         """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):

@@ -173,6 +173,7 @@ class UpdateBook:
         # (`Outbox.on_applied`)
         self.merged: Callable[[UpdateRecord, Tensors, Tensors], None] = lambda record, old, new: None
         self._ahead: tuple[Mapping[str, HeartbeatInfo], tuple, dict[int, Ahead]] | None = None  # last answer
+        self._reported: tuple[Mapping[str, HeartbeatInfo], tuple, list[dict[str, BranchTip]]] | None = None
         self.keys = keys
         self.vouchers = Vouchers(plan.num_fragments)
         self.checks = UpdateChecks(manifest, plan.num_fragments, robust)
@@ -244,10 +245,24 @@ class UpdateBook:
         cached = self._ahead
         if cached is not None and cached[0] is live_peers and cached[1] == key:
             return cached[2]  # every shard's election of one read asks the same (issue #40)
-        reported = [reported_tips(live_peers, p, peer_id, ceilings[p]) for p in fragments]
+        reported = self.reported(live_peers, peer_id, ceilings)
         ahead = trusted_ahead(self.vouchers, tips, reported, self.manifest.may_synchronize)
         self._ahead = (live_peers, key, ahead)
         return ahead
+
+    def reported(
+        self, live_peers: Mapping[str, HeartbeatInfo], peer_id: str, ceilings: Sequence[int]
+    ) -> list[dict[str, BranchTip]]:
+        """Per fragment, the other live peers' tips, terms capped at `ceilings[p]` (`vouching.reported_tips`),
+        computed once per read: every seat's election and the anti-entropy round of one read ask the same
+        (issue #40). Callers must not change what it returns."""
+        key = (peer_id, tuple(ceilings))
+        cached = self._reported
+        if cached is not None and cached[0] is live_peers and cached[1] == key:
+            return cached[2]
+        reported = [reported_tips(live_peers, p, peer_id, c) for p, c in enumerate(ceilings)]
+        self._reported = (live_peers, key, reported)
+        return reported
 
     def check_record(self, run_id: str, manifest_hash: str, fragment: int) -> tuple[str, str] | None:
         """(tag, detail) if a record is not for this run, manifest or fragment layout."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 from p2p_diloco.protocol.election import LeaseRecord, PeerHeartbeat
 from p2p_diloco.protocol.reconcile import TIP_CHECKSUM_CHARS, BranchTip
@@ -64,15 +65,25 @@ class HeartbeatInfo:
 
     def tip(self, fragment: int) -> BranchTip | None:
         """The branch tip this peer published for `fragment` (None if it published no tips)."""
+        tips = self.branch_tips
+        return tips[fragment] if tips else None
+
+    @cached_property
+    def branch_tips(self) -> tuple[BranchTip, ...]:
+        """Every fragment's `tip`, built once per decoded heartbeat (the per-period rules ask for each
+        fragment's tips several times a read: issue #40)."""
         if not self.tips or not self.versions:
-            return None
-        term, checksum = self.tips[fragment]
-        return BranchTip(term, self.versions[fragment], checksum)
+            return ()
+        return tuple(BranchTip(term, v, checksum) for (term, checksum), v in zip(self.tips, self.versions))
 
     def to_bytes(self) -> bytes:
         """JSON within `MAX_RECORD_BYTES`: if the whole would not fit, what only `status` shows goes first
         (decision lines, then per-sender rejections), so a peer never stops announcing itself."""
-        d = {k: _plain(v) for k, v in self.__dict__.items() if k != "shard_terms" or v}
+        d = {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "shard_terms" or self.shard_terms
+        }
         raw = json.dumps(d, separators=(",", ":")).encode()
         for optional in ("decisions", "rejections_by_sender", "rejections"):
             if len(raw) <= MAX_RECORD_BYTES:
