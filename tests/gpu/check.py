@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -474,9 +475,13 @@ def cmd_realrun(args: argparse.Namespace) -> int:
         digests = {}
         for name in devices:
             state = work / f"state-{name}"
-            progress = [e for e in read_events(state) if e.get("event") == "progress"]
+            events = read_events(state)
+            progress = [e for e in events if e.get("event") == "progress"]
             training = [e for e in progress if e.get("tokens_per_s")]
             peer = result["peers"][name]
+            # what a slow run needs to be diagnosed from its JSON alone: the event kinds and the last others
+            peer["event_counts"] = dict(Counter(str(e.get("event")) for e in events))
+            peer["events_tail"] = [e for e in events if e.get("event") != "progress"][-40:]
             peer["tokens"] = progress[-1].get("tokens") if progress else 0
             peer["tokens_per_s_last"] = training[-1]["tokens_per_s"] if training else None
             peer["deltas_sent"] = progress[-1].get("deltas_sent") if progress else None
