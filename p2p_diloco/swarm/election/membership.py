@@ -179,7 +179,8 @@ class Membership:
 
     def read_swarm(self, underway: str | None = None) -> ReadSwarm:
         """The read of a swarm tick: the candidates' heartbeats, every shard's lease records (and
-        `underway`) and, with heartbeat buckets, the next sampled bucket (`sampled`)."""
+        `underway`) and, with heartbeat buckets, the next sampled buckets (`sampled`; every bucket on
+        joining)."""
         leases = tuple(m.lease_key for m in self.shards)
         buckets = heartbeat_buckets.sample_buckets(self.peer_id, self.reads, self.buckets)
         self.reads += 1
