@@ -300,11 +300,15 @@ class Repair:
         return False
 
     def _reported(self, fragment: int) -> dict[str, BranchTip]:
-        """Other live peers' tips of `fragment` as the last read showed them (bounded whatever M: issue #40),
-        terms capped at the highest leased term (`swarm.vouching`)."""
+        """Other live peers' tips of `fragment` as the last read showed them (`_reported_all`)."""
+        return self._reported_all()[fragment]
+
+    def _reported_all(self) -> list[dict[str, BranchTip]]:
+        """Per fragment, other live peers' tips as the last read showed them (bounded whatever M: issue #40),
+        terms capped at the highest leased term of its shard (`swarm.vouching`); computed once per read."""
         membership = self.membership
         ceilings = [membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments)]
-        return self.book.reported(membership.read_peers, self.peer_id, ceilings)[fragment]
+        return self.book.reported(membership.read_peers, self.peer_id, ceilings)
 
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
         """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):
@@ -313,9 +317,10 @@ class Repair:
         due = []
         period = self.manifest.timing.heartbeat_period
         witness = self.manifest.may_synchronize
+        reported_all = self._reported_all()
         for p in range(self.plan.num_fragments):
             mine = self.book.tip(p)
-            reported = self._reported(p)
+            reported = reported_all[p]
             theirs = self.book.vouchers.trusted_tips(p, reported, witness)
             winner = reconcile.winning_tip([mine, *theirs.values()])
             decision = reconcile.classify(mine, winner)
@@ -364,8 +369,9 @@ class Repair:
         behind: list[tuple[int, list[str], int]] = []  # (fragment, sources, target) to replay
         if not others:
             return stats
+        reported_all = self._reported_all()
         for p in range(self.plan.num_fragments):
-            reported = self._reported(p)
+            reported = reported_all[p]
             tips = self.book.vouchers.credible_tips(p, reported, self.manifest.may_synchronize)
             if not tips:
                 continue  # only unlisted keys report it: wait for a credible tip, never follow theirs

@@ -7,6 +7,7 @@ nothing here knows a frame layout.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -153,6 +154,7 @@ def quantize_blockwise_cpu(
     return codes, absmax
 
 
+@functools.cache
 def zero_code() -> int:
     """The code `quantize_blockwise_cpu` gives every value of an all-zero block (absmax 0)."""
     codes, _ = quantize_blockwise_cpu(torch.zeros(1), 1)
