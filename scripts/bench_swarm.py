@@ -413,7 +413,18 @@ def main() -> int:
         help="--sim-peers: virtual s between invariant checks (0: after every event)",
     )
     parser.add_argument("--sim-profile", type=int, default=None, metavar="M", help="cProfile the size M")
+    parser.add_argument(
+        "--sim-fragments",
+        type=int,
+        default=None,
+        metavar="P",
+        help="--sim-peers: fragments at every size, at least S (default 16; 0: max(4, S), the old layout)",
+    )
     args = parser.parse_args()
+    if args.sim_fragments is not None and args.sim_fragments < 0:
+        parser.error(
+            f"--sim-fragments {args.sim_fragments}: give the fragments per model, or 0 for max(4, S)"
+        )
     if args.peers_per_shard is not None and args.peers_per_shard < 1:
         parser.error(f"--peers-per-shard {args.peers_per_shard}: give the learners per shard, 1 or more")
     args.overrides = {}
@@ -436,6 +447,7 @@ def main() -> int:
             wall_budget=args.sim_wall_budget,
             check_every=args.sim_check_every,
             profile_at=args.sim_profile,
+            fragments=args.sim_fragments,
             say=lambda line: print(line, flush=True),
         )
         return 0

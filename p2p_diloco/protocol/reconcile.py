@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import total_ordering
+from operator import attrgetter
 
 from p2p_diloco.protocol.decisions import Action, Decision
 
@@ -119,7 +120,10 @@ def winning_tip(tips: Iterable[BranchTip]) -> BranchTip:
     tips = list(tips)
     if not tips:
         raise ValueError("winning_tip needs at least one tip")
-    return max(tips)
+    return max(tips, key=_RANK)  # `BranchTip.rank`, read in C: every read ranks each fragment's tips
+
+
+_RANK = attrgetter("version", "term", "checksum")
 
 
 def outranks(winner: BranchTip, loser: BranchTip) -> Outranked:

@@ -46,6 +46,7 @@ from p2p_diloco.swarm.spreading import Spreading
 from p2p_diloco.swarm.synchronizer import Synchronizer, SynchronizerRole
 from p2p_diloco.swarm.tasks import Tasks
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
+from p2p_diloco.swarm.vouching import Ahead
 from p2p_diloco.wire.frames import InboundDelta
 from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.replies import Reply, ReplyStatus
@@ -98,7 +99,14 @@ class Peer:
         )
         self.relay = Relay.for_run(peer_id, manifest)
         self.spreading = Spreading(
-            ctx, self.book, self.membership, self.outbox, self.relay, self.spawn, self._repair
+            ctx,
+            self.book,
+            self.membership,
+            self.outbox,
+            self.relay,
+            self.spawn,
+            self._repair,
+            self.underway.witness,
         )
         self.seats = [self._seat(shard, first_args) for shard in range(manifest.diloco.synchronizer_shards)]
         self.handover, self.role, self.watch = self.seats[0].handover, self.seats[0].role, self.seats[0].watch
@@ -276,8 +284,12 @@ class Peer:
         seat.read(view, now)
         role, handover, membership = seat.role, seat.handover, seat.membership
         rounds = role.sync.rounds_done if role.sync else 0
-        ceiling = tuple(membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments))
-        ahead = self.book.trusted_ahead(membership.read_peers, self.peer_id, ceiling)
+        ahead: dict[int, Ahead] = {}
+        if role.sync is not None or membership.candidate(self.peer_id):
+            # what only a claim's eligibility and a holder's catch-up need: a peer that may never claim
+            # follows the lease it reads, and skips the per-fragment trust rules (issue #40)
+            ceiling = tuple(membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments))
+            ahead = self.book.trusted_ahead(membership.read_peers, self.peer_id, ceiling)
         view = self.underway.election_view(view, self.replica.versions())  # no fresh start of a run under way
         decision = membership.decide(
             view,

@@ -3,8 +3,11 @@
 The publisher pushes each update to at most `[diloco] fanout` peers; every peer that checked and applied
 it (pushed or relayed, never replayed nor unchecked) offers it onward to at most `fanout` peers. Who
 offers to whom is a tree over one order of the live peers per update: the leader first, then the others
-ranked by a rendezvous hash of (update, peer), so every peer with the same view of the live peers computes
-the same tree, and different updates start at different peers (no peer relays every update). Peers with
+in the order of a hash ring (each peer at the hash of its ID) read from the hash of the update onward, so
+every peer with the same view of the live peers computes the same tree, and different updates start at
+different peers (no peer relays every update). The ring is sorted once per change of the live peers
+(`Ring`), so an update costs no hash per peer and no sort (issue #40: M hashes and a sort per applied
+update were most of what relaying cost a peer at 256). Peers with
 signed evidence of taking part come before all others (`proven`): those the manifest lists, the
 contributors the update's own signed record names, and those of the last `RECENT_RECORDS` records applied
 here. A fresh key's heartbeat thus gets it a place only below every proven peer: it can delay no proven
@@ -27,8 +30,9 @@ relayer whose record fails a check that its own checks must have passed is count
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
-from collections.abc import Callable, Collection
+from bisect import bisect_left
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Collection, Container, Iterable
 from dataclasses import dataclass, field
 
 from p2p_diloco.config import RunManifest
@@ -62,29 +66,61 @@ OFFENCES = frozenset(
 )
 
 
-def rank(update: UpdateId, peer: str) -> bytes:
-    """The rendezvous rank of `peer` for `update` (lower goes first)."""
-    key = f"{update.fragment}:{update.from_version}:{update.term}:{update.checksum}:{peer}".encode()
-    return hashlib.blake2b(key, digest_size=16).digest()
+def point(text: str) -> bytes:
+    """A place on the ring (16 bytes of BLAKE2b)."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def update_point(update: UpdateId) -> bytes:
+    """Where `update`'s walk round the ring starts."""
+    return point(f"{update.fragment}:{update.from_version}:{update.term}:{update.checksum}")
+
+
+class Ring:
+    """The peers of a tree sorted once by `point(peer)`; `order` reads them from an update's point on."""
+
+    def __init__(self, peers: Iterable[str]):
+        placed = sorted((point(peer), peer) for peer in set(peers))
+        self.points = [at for at, _ in placed]
+        self.peers = [peer for _, peer in placed]
+
+    def order(self, update: UpdateId, proven: Container[str] = ()) -> list[str]:
+        """The tree order of `update`: its leader first, then the `proven` peers, then the others, each
+        group round the ring from `update_point(update)`."""
+        start = bisect_left(self.points, update_point(update))
+        walk = self.peers[start:] + self.peers[:start]
+        leader = update.leader
+        first = [p for p in walk if p in proven and p != leader]
+        rest = [p for p in walk if p not in proven and p != leader]
+        return [leader, *first, *rest]
+
+
+def children_in(order: list[str], me: str, fanout: int) -> list[str]:
+    """`me`'s children in a tree `order`: positions i*f+1 .. i*f+f for `me` at position i."""
+    i = order.index(me)
+    return order[i * fanout + 1 : (i + 1) * fanout + 1]
 
 
 def relay_order(update: UpdateId, peers: Collection[str], proven: Collection[str] = ()) -> list[str]:
-    """The tree order of `update` over `peers`: its leader first, then the `proven` peers by `rank`, then
-    the others by `rank`."""
-    first = set(proven)
-    others = sorted(
-        (p for p in set(peers) if p != update.leader), key=lambda p: (p not in first, rank(update, p))
-    )
-    return [update.leader, *others]
+    """The tree order of `update` over `peers` (`Ring.order`)."""
+    return Ring(peers).order(update, frozenset(proven))
 
 
 def children(
     update: UpdateId, peers: Collection[str], me: str, fanout: int, proven: Collection[str] = ()
 ) -> list[str]:
     """The peers `me` offers `update` to: its children in the tree over `peers` plus `me`."""
-    order = relay_order(update, {*peers, me}, proven)
-    i = order.index(me)
-    return order[i * fanout + 1 : (i + 1) * fanout + 1]
+    return children_in(relay_order(update, {*peers, me}, proven), me, fanout)
+
+
+class _Proven:
+    """Membership in the proven peers of one update (`Relay._proven`) without building the set."""
+
+    def __init__(self, listed: Container[str], recent: Container[str], contributors: Collection[str]):
+        self.listed, self.recent, self.contributors = listed, recent, frozenset(contributors)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self.contributors or peer in self.recent or peer in self.listed
 
 
 @dataclass
@@ -139,7 +175,9 @@ class Relay:
         # who gets an update first (they could take every place near the root and swallow it).
         self.member = member
         self.listed = listed  # the manifest names it (`RunManifest.listed`): proven without a record
-        self._recent: deque[tuple[str, ...]] = deque(maxlen=RECENT_RECORDS)  # contributors of applied records
+        self._recent: deque[tuple[str, ...]] = deque()  # contributors of the last RECENT_RECORDS applied
+        self._named: Counter[str] = Counter()  # how many of those name each peer (kept as they change)
+        self._ring: tuple[frozenset[str], Ring, frozenset[str]] | None = None  # (live, its ring, listed)
         self.fanout = fanout
         self.ask_seconds = ask_seconds
         self.stats = RelayStats()
@@ -154,25 +192,43 @@ class Relay:
 
     # ---- sending -----------------------------------------------------------------------------------
 
-    def _tree(self, live: Collection[str]) -> list[str]:
-        return [p for p in live if self.member(p)]
+    def _ring_of(self, live: Collection[str]) -> tuple[Ring, frozenset[str]]:
+        """The ring of the peers of `live` that take part, and me, with the listed ones among them; built
+        again only when `live` changes."""
+        key = frozenset(live)
+        if self._ring is None or self._ring[0] != key:
+            tree = [p for p in key if self.member(p)] + [self.peer_id]
+            self._ring = (key, Ring(tree), frozenset(p for p in tree if self.listed(p)))
+        return self._ring[1], self._ring[2]
+
+    def _order(self, update: UpdateId, live: Collection[str], contributors: Collection[str]) -> list[str]:
+        """`update`'s tree over the live peers that take part (and me): the listed peers, those its signed
+        record names (`contributors`) and those the last records applied here name rank as proven."""
+        ring, listed = self._ring_of(live)
+        return ring.order(update, _Proven(listed, self._named, contributors))
 
     def _proven(self, tree: Collection[str], contributors: Collection[str]) -> set[str]:
         """The peers of `tree` with signed evidence of taking part: listed by the manifest, or named as a
         contributor by this update's record (`contributors`) or by one of the last records applied here."""
-        named = set(contributors).union(*self._recent)
-        return {p for p in tree if p in named or self.listed(p)}
+        proven = _Proven(frozenset(p for p in tree if self.listed(p)), self._named, contributors)
+        return {p for p in tree if p in proven}
 
     def _remember(self, contributors: Collection[str]) -> None:
-        self._recent.append(tuple(contributors))
+        named = tuple(set(contributors))
+        self._recent.append(named)
+        self._named.update(named)
+        if len(self._recent) > RECENT_RECORDS:
+            for peer in self._recent.popleft():
+                self._named[peer] -= 1
+                if self._named[peer] <= 0:
+                    del self._named[peer]
 
     def publish(
         self, update: UpdateId, live: Collection[str], frame_bytes: int, contributors: Collection[str] = ()
     ) -> list[str]:
         """The peers the publisher pushes `update` to (at most `fanout`), counted as sent; `contributors`:
         those its signed record names."""
-        tree = self._tree(live)
-        targets = children(update, tree, self.peer_id, self.fanout, self._proven(tree, contributors))
+        targets = children_in(self._order(update, live, contributors), self.peer_id, self.fanout)
         self._remember(contributors)
         self.stats.published += 1
         self.stats.publish_pushes += len(targets)
@@ -183,16 +239,15 @@ class Relay:
         self,
         update: UpdateId,
         live: Collection[str],
-        holds: Collection[str] = (),
+        holds: Container[str] = (),
         contributors: Collection[str] = (),
     ) -> list[str]:
         """The peers to offer an update I applied to: my children in its tree, less those known to hold
         it (`holds`: e.g. heartbeats at its version; and the peers that offered it to me)."""
-        known = set(holds) | self._holders.get(update, set())
-        tree = self._tree(live)
-        mine = children(update, tree, self.peer_id, self.fanout, self._proven(tree, contributors))
+        offered = self._holders.get(update, set())
+        mine = children_in(self._order(update, live, contributors), self.peer_id, self.fanout)
         self._remember(contributors)
-        targets = [p for p in mine if p not in known]
+        targets = [p for p in mine if p not in holds and p not in offered]
         self.stats.offers_sent += len(targets)
         return targets
 
@@ -205,12 +260,9 @@ class Relay:
     ) -> list[str]:
         """The children of `failed` peers (offers that did not reach them) I offer `update` to instead."""
         known = self._holders.get(update, set()) | {self.peer_id, *failed}
-        tree = self._tree(live)
-        proven = self._proven(tree, contributors)
-        found = [
-            c for peer in failed for c in children(update, tree, peer, self.fanout, proven) if c not in known
-        ]
-        heirs = list(dict.fromkeys(found))
+        order = self._order(update, live, contributors)
+        found = [c for peer in failed if peer in order for c in children_in(order, peer, self.fanout)]
+        heirs = [c for c in dict.fromkeys(found) if c not in known]
         self.stats.offers_sent += len(heirs)
         self.stats.heirs_offered += len(heirs)
         return heirs

@@ -8,7 +8,7 @@ check; only the pusher need not be its leader), and only an applied update is of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol.decisions import AdmissionTag
@@ -20,6 +20,7 @@ from p2p_diloco.swarm.outbox import Outbox
 from p2p_diloco.swarm.relay import Relay
 from p2p_diloco.swarm.updates import UpdateBook, UpdateSource
 from p2p_diloco.wire.frames import decode_update, encode_update
+from p2p_diloco.wire.records import HeartbeatInfo
 from p2p_diloco.wire.relay_frames import (
     Offer,
     Relayed,
@@ -42,11 +43,14 @@ class Spreading:
         relay: Relay,
         spawn: Callable[..., None],
         repair: Callable[[fx.RepairNeeded], None],
+        witness: Callable[[UpdateRecord], None] = lambda record: None,
     ):
+        """`witness`: told of every relayed record that decodes, applied or not (`UnderwayGate.witness`: a
+        fresh peer whose reads find nobody learns from it that the run is under way)."""
         self.manifest, self.plan, self.replica = ctx.manifest, ctx.plan, ctx.replica
         self.journal, self._emit = ctx.journal, ctx.emit
         self.book, self.membership, self.outbox, self.relay = book, membership, outbox, relay
-        self.spawn, self._repair = spawn, repair
+        self.spawn, self._repair, self._witness = spawn, repair, witness
 
     def receive(self, sender: str, data: bytes, now: float) -> fx.Task:
         """An offer (answered at once: send it, or why not), or an update I asked `sender` for: checked
@@ -76,6 +80,8 @@ class Spreading:
             self._relay_offence(sender, hop)
             return self.journal.reject(sender, hop, f"relayed {update}")
         verdict = yield from self.book.accept(message.frame, sender, UpdateSource.RELAYED, now)
+        if verdict.record is not None:
+            self._witness(verdict.record)
         if verdict.reply.status == ReplyStatus.APPLIED:
             self.spread(record, hop=hop, now=now, relayed=True)
         else:
@@ -93,11 +99,7 @@ class Spreading:
         update = UpdateId.of(record)
         self.relay.applied(update, hop, now, relayed=relayed)
         live = self.membership.live_peers
-        holds = [
-            p
-            for p, info in live.items()
-            if record.fragment < len(info.versions) and info.versions[record.fragment] >= update.to_version
-        ]
+        holds = _HeldBy(live, record.fragment, update.to_version)
         targets = self.relay.onward(update, live, holds, contributors=record.contributor_ids)
         if targets:
             self.spawn(self._offer(record, hop + 1, tuple(targets)))
@@ -119,6 +121,20 @@ class Spreading:
             self.relay.sent_payloads(len(wanted), len(frame), relayed=True)
             for peer in wanted:
                 self._emit(fx.RelayUpdate(peer, frame))
+
+
+class _HeldBy:
+    """The live peers whose last heartbeat shows `fragment` at `version` or later, asked peer by peer (a
+    relayer asks only about its children: no pass over every live peer per update)."""
+
+    def __init__(self, live: Mapping[str, HeartbeatInfo], fragment: int, version: int):
+        self.live, self.fragment, self.version = live, fragment, version
+
+    def __contains__(self, peer: object) -> bool:
+        info = self.live.get(peer) if isinstance(peer, str) else None
+        if info is None or self.fragment >= len(info.versions):
+            return False
+        return info.versions[self.fragment] >= self.version
 
 
 def _sorted_replies(targets: tuple[str, ...], replies: list) -> tuple[list[str], list[str]]:

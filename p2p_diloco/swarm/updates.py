@@ -260,7 +260,7 @@ class UpdateBook:
         cached = self._reported
         if cached is not None and cached[0] is live_peers and cached[1] == key:
             return cached[2]
-        reported = [reported_tips(live_peers, p, peer_id, c) for p, c in enumerate(ceilings)]
+        reported = reported_tips(live_peers, peer_id, ceilings)
         self._reported = (live_peers, key, reported)
         return reported
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from p2p_diloco.protocol import reconcile
 from p2p_diloco.protocol.messages import UpdateRecord
@@ -103,15 +103,19 @@ Witness = Callable[[str], bool]  # whether a peer's reports may count as evidenc
 
 
 def reported_tips(
-    live_peers: Mapping[str, HeartbeatInfo], fragment: int, me: str, term_ceiling: int
-) -> dict[str, BranchTip]:
-    """Other live peers' tips of `fragment`, each term capped at `term_ceiling` (the highest term a valid
-    lease has shown this peer): a heartbeat's claimed term never counts above what a lease backs."""
-    tips = {}
+    live_peers: Mapping[str, HeartbeatInfo], me: str, term_ceilings: Sequence[int]
+) -> list[dict[str, BranchTip]]:
+    """Per fragment p, other live peers' tips of p, each term capped at `term_ceilings[p]` (the highest term
+    a valid lease has shown this peer): a heartbeat's claimed term never counts above what a lease backs.
+    One pass over the peers for every fragment (it runs every read: issue #40)."""
+    reported: list[dict[str, BranchTip]] = [{} for _ in term_ceilings]
     for peer, info in live_peers.items():
-        if peer != me and (tip := info.tip(fragment)) is not None:
-            tips[peer] = tip if tip.term <= term_ceiling else replace(tip, term=term_ceiling)
-    return tips
+        tips = info.branch_tips
+        if peer == me or not tips:
+            continue
+        for found, tip, ceiling in zip(reported, tips, term_ceilings, strict=False):
+            found[peer] = tip if tip.term <= ceiling else BranchTip(ceiling, tip.version, tip.checksum)
+    return reported
 
 
 def sources_on(state: BranchTip, tips: Mapping[str, BranchTip], may_witness: Witness) -> list[str]:

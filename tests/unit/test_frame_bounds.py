@@ -10,7 +10,7 @@ import torch
 from p2p_diloco.config import WireConfig
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.swarm.outbox import Outbox
-from p2p_diloco.wire import frames, keys
+from p2p_diloco.wire import bounds, frames, keys
 from p2p_diloco.wire.codecs import codec
 from p2p_diloco.wire.frames import FragmentSnapshot
 from tests.support.manifests import tiny_manifest, tiny_training
@@ -129,3 +129,21 @@ def test_run_caps_admit_the_snapshots_a_peer_really_serves():
         )
         sizes.append(len(frames.encode_snapshot(snapshot)))
     assert max(sizes) <= cap == total < max(sizes) + 200
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("QmZVHrWb1vCDGadLdmBAFSsPGtttfhtQkqT4bMjaswwYhc", True),
+        ("node-1.a_b:c", True),
+        ("pär-1", True),  # letters of any script, as str.isalnum says
+        ("a b", False),
+        ("x/y", False),
+        ("ab\n", False),
+        ("", False),
+        ("a" * 129, False),
+        (7, False),
+    ],
+)
+def test_an_identifier_holds_letters_digits_and_dash_underscore_dot_colon(value, ok):
+    assert (bounds.identifier(value) is None) == ok

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 
 import torch
 
@@ -19,7 +20,8 @@ from p2p_diloco.protocol import election
 from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import DeltaHeader, UpdateRecord
 from p2p_diloco.protocol.reconcile import BranchTip
-from p2p_diloco.swarm.vouching import Vouchers, trusted_ahead
+from p2p_diloco.swarm.repair import spread_sources
+from p2p_diloco.swarm.vouching import Vouchers, reported_tips, trusted_ahead
 from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
 from p2p_diloco.wire.frames import encode_delta, encode_update
 from p2p_diloco.wire.keys import lease_key
@@ -67,6 +69,28 @@ def test_two_unlisted_keys_reporting_alike_are_no_evidence_two_listed_synchroniz
     honest = {"sync-a": tip(1, 3), "sync-b": tip(1, 3), "stranger-1": tip(1, 3)}
     ahead = trusted_ahead(Vouchers(1), mine, [honest], listed.__contains__)
     assert ahead[0].sources == ("sync-a", "sync-b", "stranger-1")  # listed first, strangers only as sources
+
+
+def test_peers_that_lag_spread_their_fetches_over_the_peers_on_the_tip():
+    """Sources are tried witnesses first, but which of them first depends on the asker: 64 lagging peers
+    do not all ask the same peer (sorted by ID, two peers once served 136 of 146 replays)."""
+    listed = {f"sync-{i}" for i in range(8)}
+    sources = sorted(listed) + ["stranger-1", "stranger-2"]
+    firsts = Counter()
+    for i in range(64):
+        order = spread_sources(sources, f"peer-{i}", 3, listed.__contains__)
+        assert set(order[:8]) == listed and set(order[8:]) == {"stranger-1", "stranger-2"}
+        firsts[order[0]] += 1
+    assert len(firsts) >= 6 and max(firsts.values()) <= 20
+    assert spread_sources(sources, "peer-1", 3, ANYONE) == spread_sources(sources, "peer-1", 3, ANYONE)
+
+
+def test_reported_tips_leave_me_out_and_cap_each_fragments_terms():
+    info = HeartbeatInfo("learner", True, True, (4, 2), tips=((5, "a" * 16), (1, "b" * 16)))
+    reported = reported_tips(
+        {"me": info, "a": info, "b": HeartbeatInfo("learner", True, True, (4, 2))}, "me", [3, 3]
+    )
+    assert reported == [{"a": tip(3, 4, "a" * 16)}, {"a": tip(1, 2, "b" * 16)}]
 
 
 def test_newer_versions_of_a_lower_term_are_not_ahead_of_a_higher_terms_branch():

@@ -71,6 +71,31 @@ def test_different_updates_start_at_different_peers():
     assert relay_order(update(4), PEERS) == relay_order(update(4), list(reversed(PEERS)))
 
 
+def test_a_relays_trees_follow_the_live_peers_as_they_change():
+    """The relay keeps its ring across updates and builds it again when the live peers change: its
+    children are always those of the tree over the live peers it is given."""
+    relay = Relay("peer-0", 3)
+    for live in (PEERS[:8], PEERS[:8] + ["newcomer"], PEERS[:4], PEERS):
+        for v in range(6):
+            u = update(v)
+            assert relay.onward(u, live) == children(u, live, "peer-0", 3)
+    reached = {c for v in range(40) for c in children(update(v), PEERS[:8] + ["newcomer"], "peer-0", 3)}
+    assert "newcomer" in reached  # a peer that joined sits in the trees of some updates
+
+
+def test_tree_orders_walk_the_ring_from_each_updates_point():
+    """Every peer once in each order, the leader first; the order is a rotation of one ring order, so two
+    updates' orders differ only in where the walk starts."""
+    orders = [relay_order(update(v), PEERS) for v in range(8)]
+    assert all(o[0] == "peer-0" and sorted(o) == sorted(PEERS) for o in orders)
+    rest = [o[1:] for o in orders]
+    ring = rest[0]
+    for other in rest[1:]:
+        start = ring.index(other[0])
+        assert other == ring[start:] + ring[:start]
+    assert len({o[0] for o in rest}) > 1
+
+
 def test_publisher_sends_at_most_fanout_frames_whatever_the_swarm_size():
     relay = Relay("peer-0", 3)
     for size in (2, 4, 32):

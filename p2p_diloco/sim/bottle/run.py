@@ -75,10 +75,12 @@ class Result:
         return self.violation is None
 
 
-def sim_manifest(shards: int = 1, base: RunManifest | None = None, inner_steps: int = 8) -> RunManifest:
+def sim_manifest(
+    shards: int = 1, base: RunManifest | None = None, inner_steps: int = 8, fragments: int | None = None
+) -> RunManifest:
     """The demo manifest at simulator scale: a smaller model, H = `inner_steps` (8), batch 8, `shards`
-    synchronizer shards over max(4, shards) fragments (H >= fragments, so more than 8 shards need a
-    larger H)."""
+    synchronizer shards over `fragments` fragments (default max(4, shards); H >= fragments, so more than 8
+    need a larger H)."""
     base = base or RunManifest.load(packaged_manifest("demo"))
     return dataclasses.replace(
         base,
@@ -88,7 +90,7 @@ def sim_manifest(shards: int = 1, base: RunManifest | None = None, inner_steps: 
             base.diloco,
             inner_steps=inner_steps,
             batch_size=8,
-            fragments=max(4, shards),
+            fragments=fragments if fragments is not None else max(4, shards),
             synchronizer_shards=shards,
         ),
     )

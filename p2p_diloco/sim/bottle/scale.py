@@ -2,9 +2,12 @@
 
 `measure_size(ScaleRun(peers=M))` plays one clean run (no faults) of M whole simulated nodes, each the
 real `Peer`, `Learner` and `StateDir` (`sim.bottle.node`), with S = max(1, M // 16) synchronizer shards
-(`sim_manifest(S)`: `[diloco] synchronizer_shards = S`, `fragments = max(4, S)`; H = `inner_steps` =
-max(16, fragments) at every size, since the manifest rules need H >= P and P = 16 at 256 peers, so that
-every size sends the same bytes per step) over the world's link model (`LinkSpec`), on virtual time:
+(`sim_manifest(S)`: `[diloco] synchronizer_shards = S`) over P = `fragments` = max(16, S) fragments and
+H = `inner_steps` = max(16, P) at every size (the manifest rules need H >= P and P >= S), so that every
+size trains the same model cut the same way and sends the same messages per step: only M and S change
+(`ScaleRun(fragments=0)`: P = max(4, S), the layout of the figures before 2026-11-28's second session, which
+made P and so each peer's updates per second grow with M), over the world's link model (`LinkSpec`), on
+virtual time:
 
 * `[0, warmup)`: every node starts, catches up (from nobody) and trains;
 * `[warmup, warmup + window)`: the measured window, still training: link bytes (the transport's
@@ -61,6 +64,7 @@ from p2p_diloco.swarm import effects as fx
 
 PEERS_PER_SHARD = 16  # S = M / 16 (issue #40)
 INNER_STEPS = 16  # H at every size (module docstring)
+FRAGMENTS = 16  # P at every size, at least S (module docstring)
 
 
 def shards_for(peers: int) -> int:
@@ -73,6 +77,7 @@ class ScaleRun:
 
     peers: int
     shards: int | None = None  # None: `shards_for(peers)`
+    fragments: int | None = None  # None: max(FRAGMENTS, S); 0: max(4, S) (module docstring)
     warmup: float = 10.0
     window: float = 20.0
     quiet: float = 30.0
@@ -88,8 +93,14 @@ class ScaleRun:
     def s(self) -> int:
         return self.shards if self.shards is not None else shards_for(self.peers)
 
+    @property
+    def p(self) -> int:
+        if self.fragments is None:
+            return max(FRAGMENTS, self.s)
+        return max(self.fragments, self.s) if self.fragments else max(4, self.s)
+
     def manifest(self) -> RunManifest:
-        return sim_manifest(self.s, inner_steps=max(INNER_STEPS, self.s))
+        return sim_manifest(self.s, inner_steps=max(INNER_STEPS, self.p), fragments=self.p)
 
     def scenario(self) -> Scenario:
         return Scenario(
@@ -566,6 +577,7 @@ def sim_peers_main(
     check_every: float = 0.0,
     profile_at: int | None = None,
     link: LinkSpec | None = None,
+    fragments: int | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
@@ -584,8 +596,9 @@ def sim_peers_main(
             link=link or LinkSpec(),
             wall_budget=wall_budget,
             check_every=check_every,
+            fragments=fragments,
         )
-        say(f"M={peers} S={run.s}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
+        say(f"M={peers} S={run.s} P={run.p}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
         profile = out / f"profile_{peers}.txt" if profile_at == peers else None
         result = measure_size(run, profile=profile, trace=out / f"trace_{peers}.txt")
         row = result.row()
