@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +29,27 @@ def cosine(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float | None:
     dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
     na, nb = fragment_norm(a), fragment_norm({n: b[n] for n in a})
     return dot / (na * nb) if na > 0 and nb > 0 else None
+
+
+def cosine_matrix(deltas: Sequence[Mapping[str, Tensor]]) -> list[list[float | None]]:
+    """`cosine(deltas[i], deltas[j])` for every i != j (None on the diagonal). Deltas of one fragment hold
+    the same tensor names in the same order: each norm is then taken once and each pair's dot once
+    (`cosine` is symmetric there, bit for bit), not n x n times each: a holder at 256 learners screens
+    rounds of ~70 deltas. Otherwise pair by pair."""
+    n = len(deltas)
+    names = {tuple(d) for d in deltas}
+    if len(names) > 1:
+        pairs = enumerate(deltas)
+        return [[None if i == j else cosine(a, b) for j, b in enumerate(deltas)] for i, a in pairs]
+    norms = [fragment_norm(d) for d in deltas]
+    out: list[list[float | None]] = [[None] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            a, b = deltas[i], deltas[j]
+            dot = sum(float((a[k].double() * b[k].double()).sum()) for k in a)
+            value = dot / (norms[i] * norms[j]) if norms[i] > 0 and norms[j] > 0 else None
+            out[i][j] = out[j][i] = value
+    return out
 
 
 class DirectionReferences:

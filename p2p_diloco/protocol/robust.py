@@ -60,7 +60,7 @@ from torch import Tensor
 
 from p2p_diloco.protocol import kernels
 from p2p_diloco.protocol.decisions import Action, Decision
-from p2p_diloco.protocol.direction import DirectionReferences, cosine, fragment_norm
+from p2p_diloco.protocol.direction import DirectionReferences, cosine, cosine_matrix, fragment_norm
 from p2p_diloco.protocol.loss_score import LossMeter, LossScores
 from p2p_diloco.protocol.robust_config import NON_OFFENCES, STATISTICAL, RobustConfig, RobustTag
 from p2p_diloco.protocol.standing import Standing
@@ -355,7 +355,7 @@ class RobustGuard:
             return [
                 Decision(ACCEPT, RobustTag.NO_REFERENCE, f"fewer than {self.config.round_min} deltas")
             ] * len(deltas)
-        cosines = [[cosine(a, b) for b in deltas] for a in deltas]
+        cosines = cosine_matrix(deltas)
         decisions = []
         for i, delta in enumerate(deltas):
             threshold = self._threshold(delta)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import reconcile
@@ -121,10 +121,17 @@ class Repair:
             return True
         return (yield from self.fetch_fragment(fragment, sources))
 
+    def _holders(self) -> frozenset[str]:
+        """The synchronizers this peer follows, one per shard (asked for logs last: they merge every round's
+        deltas, and a peer on the tip that merges nothing serves as well)."""
+        return frozenset(m.holder for m in self.membership.shards if m.holder is not None)
+
     def task_for(self, needed: RepairNeeded) -> Task:
         """The task that performs `needed`: a catch-up, a reconciliation or a refetch of one fragment."""
         p = needed.fragment
-        sources = spread_sources(needed.sources, self.peer_id, p, self.manifest.may_synchronize)
+        sources = spread_sources(
+            needed.sources, self.peer_id, p, self.manifest.may_synchronize, self._holders()
+        )
         if needed.kind == RepairKind.RECONCILE:
             assert needed.theirs is not None
             return self.reconcile_fragment(p, needed.theirs, sources, needed.proof)
@@ -383,7 +390,7 @@ class Repair:
             if self.replica.version(p) >= target:
                 continue  # up to date, or ahead on a branch that anti-entropy reconciles
             on = sources_on(winner, reported, self.manifest.may_synchronize)
-            sources = spread_sources(on, self.peer_id, p, self.manifest.may_synchronize)
+            sources = spread_sources(on, self.peer_id, p, self.manifest.may_synchronize, self._holders())
             if replay:
                 behind.append((p, sources, target))
             else:
@@ -415,15 +422,19 @@ class Repair:
 
 
 def spread_sources(
-    sources: Sequence[str], asker: str, fragment: int, may_witness: Callable[[str], bool]
+    sources: Sequence[str],
+    asker: str,
+    fragment: int,
+    may_witness: Callable[[str], bool],
+    holders: Collection[str] = (),
 ) -> list[str]:
-    """`sources` in the order `asker` tries them for `fragment`: those that may witness first, each group
-    ranked by a hash of (asker, fragment, source), so peers that lag spread their fetches over the peers
-    on the tip instead of all asking the same one (issue #40: sorted by ID, two peers served 136 of 146
-    replays at 128 peers)."""
+    """`sources` in the order `asker` tries them for `fragment`: those that may witness first, within them
+    the `holders` (synchronizers, busy merging) last, each group ranked by a hash of (asker, fragment,
+    source), so peers that lag spread their fetches over the peers on the tip instead of all asking the
+    same one (issue #40: sorted by ID, two peers served 136 of 146 replays at 128 peers)."""
 
-    def rank(source: str) -> tuple[bool, bytes]:
+    def rank(source: str) -> tuple[bool, bool, bytes]:
         key = f"{asker}:{fragment}:{source}".encode()
-        return (not may_witness(source), hashlib.blake2b(key, digest_size=8).digest())
+        return (not may_witness(source), source in holders, hashlib.blake2b(key, digest_size=8).digest())
 
     return sorted(dict.fromkeys(sources), key=rank)

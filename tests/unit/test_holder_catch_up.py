@@ -72,8 +72,9 @@ def test_two_unlisted_keys_reporting_alike_are_no_evidence_two_listed_synchroniz
 
 
 def test_peers_that_lag_spread_their_fetches_over_the_peers_on_the_tip():
-    """Sources are tried witnesses first, but which of them first depends on the asker: 64 lagging peers
-    do not all ask the same peer (sorted by ID, two peers once served 136 of 146 replays)."""
+    """Sources are tried witnesses first (holders last among them), but which of them first depends on the
+    asker: 64 lagging peers do not all ask the same peer (sorted by ID, two peers once served 136 of 146
+    replays)."""
     listed = {f"sync-{i}" for i in range(8)}
     sources = sorted(listed) + ["stranger-1", "stranger-2"]
     firsts = Counter()
@@ -82,6 +83,9 @@ def test_peers_that_lag_spread_their_fetches_over_the_peers_on_the_tip():
         assert set(order[:8]) == listed and set(order[8:]) == {"stranger-1", "stranger-2"}
         firsts[order[0]] += 1
     assert len(firsts) >= 6 and max(firsts.values()) <= 20
+    holders = {"sync-0", "sync-1"}
+    order = spread_sources(sources, "peer-1", 3, listed.__contains__, holders)
+    assert set(order[6:8]) == holders  # the synchronizers, busy merging, are asked last of the listed
     assert spread_sources(sources, "peer-1", 3, ANYONE) == spread_sources(sources, "peer-1", 3, ANYONE)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from p2p_diloco.config import ConfigError, DilocoConfig, RunManifest
 from p2p_diloco.protocol import robust
+from p2p_diloco.protocol.direction import cosine, cosine_matrix
 from p2p_diloco.protocol.fragments import plan_fragments
 from p2p_diloco.protocol.messages import DeltaHeader
 from p2p_diloco.protocol.replica import GlobalReplica
@@ -303,3 +304,21 @@ def test_rounds_are_held_for_a_first_reference_only_not_after_a_reset():
     assert not g.has_reference(0)
     assert not g.warming_up(0)  # ... but rounds are not held for warmup_wait again
     assert not guard(enabled=False).warming_up(0)
+
+
+@pytest.mark.parametrize("reordered", [False, True])
+def test_a_rounds_cosine_matrix_equals_each_pairs_cosine(reordered):
+    """`screen_round`'s matrix takes each norm and each pair's dot once: the same values as `cosine` pair by
+    pair, bit for bit (a zero delta has none); tensors named in another order take the pairwise path."""
+    gen = torch.Generator().manual_seed(3)
+    deltas = [{"w": torch.randn(40, generator=gen), "b": torch.randn(2, 3, generator=gen)} for _ in range(5)]
+    deltas[1] = {"w": torch.zeros(40), "b": torch.zeros(2, 3)}
+    if reordered:
+        deltas[4] = {"b": deltas[4]["b"], "w": deltas[4]["w"]}
+    matrix = cosine_matrix(deltas)
+    for i, a in enumerate(deltas):
+        assert matrix[i][i] is None
+        for j, b in enumerate(deltas):
+            if i != j:
+                assert matrix[i][j] == cosine(a, b)
+    assert matrix[0][1] is None and matrix[0][2] is not None

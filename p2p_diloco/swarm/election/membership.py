@@ -504,7 +504,7 @@ class Membership:
         stepped aside while another is up, and this peer's own versions as they are now."""
         heartbeats = self._with_recent_candidates(view, now)
         if any(hb.may_sync and hb.live(now) and hb.peer_id not in busy for hb in heartbeats):
-            heartbeats = [replace(hb, may_sync=False) if hb.peer_id in busy else hb for hb in heartbeats]
+            heartbeats = [_stepped_aside(hb) if hb.peer_id in busy else hb for hb in heartbeats]
         if own_versions is None:
             return heartbeats
         return [replace(hb, versions=own_versions) if hb.peer_id == self.peer_id else hb for hb in heartbeats]
@@ -618,3 +618,9 @@ class Membership:
     def released(self, holder: str | None, term: int) -> bool:
         """Whether a valid record this peer read says `holder` released `term`."""
         return any(x.lease.holder == holder and x.lease.released for x in self.lease_history.get(term, ()))
+
+
+def _stepped_aside(hb: PeerHeartbeat) -> PeerHeartbeat:
+    """`hb` as a candidate that steps aside (`may_sync` off); built directly, not by `dataclasses.replace`:
+    every shard's election of every read does this for most candidates at 256 peers (issue #40)."""
+    return PeerHeartbeat(hb.peer_id, False, hb.reachable, hb.versions, hb.expires_at, hb.term_seen)
