@@ -78,6 +78,7 @@ class Standing:
         self.last_merged: dict[str, float] = {}
         self.first_heard: dict[str, float] = {}
         self.fragment_merged: dict[tuple[str, int], float] = {}  # (peer, fragment) -> last merged there
+        self._forgot_at = float("-inf")  # when the tables were last swept (`_forget`)
 
     def note_merged(self, contributors: Iterable[str], now: float, fragment: int | None = None) -> None:
         contributors = list(contributors)
@@ -150,6 +151,13 @@ class Standing:
         )
 
     def _forget(self, now: float) -> None:
+        """Drop what is older than `forget_after`; the sweep runs at most once per tenth of it (every peer
+        applies every update, and a sweep per update passed over M x P entries: issue #40), so a peer's
+        history may outlive `forget_after` by up to a tenth of it; the active and newcomer windows, far
+        shorter, answer the same."""
+        if now - self._forgot_at < self.forget_after / 10:
+            return
+        self._forgot_at = now
         horizon = now - self.forget_after
         for table in (self.last_merged, self.first_heard):
             for peer in [p for p, t in table.items() if t < horizon]:

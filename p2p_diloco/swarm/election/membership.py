@@ -200,20 +200,35 @@ class Membership:
         """`ingest` in every shard's membership, shard 0 first; their views. The heartbeats are decoded once
         for all shards (a peer decoded each one once per shard: M x S decodes a period, issue #40)."""
         decoded = self._decode_heartbeats(records)
-        views = [membership.ingest(records, decoded, learn=membership is self) for membership in self.shards]
+        live = {peer: info for peer, (info, _) in decoded.items()}
+        electing = tuple(peer for peer in decoded if peer == self.peer_id or self.candidate(peer))
+        shared = (live, electing)  # the same for every shard (candidacy is the peer's, not the shard's)
+        views = [
+            membership.ingest(records, decoded, learn=membership is self, shared=shared)
+            for membership in self.shards
+        ]
         for membership in self.shards[1:]:  # equal: one object, so what is derived from it is derived once
             membership.live_peers, membership.read_peers = self.live_peers, self.read_peers
         return views
 
     def ingest(
-        self, records: SwarmRecords, decoded: Decoded | None = None, *, learn: bool = True
+        self,
+        records: SwarmRecords,
+        decoded: Decoded | None = None,
+        *,
+        learn: bool = True,
+        shared: tuple[dict[str, HeartbeatInfo], tuple[str, ...]] | None = None,
     ) -> SwarmView:
         """Decode what was read from the DHT (the heartbeats unless `decoded` holds them already); remembers
         live peers (with heartbeat buckets, only if `learn`: `ingest_all` learns once for every shard) and
-        every lease holder seen."""
+        every lease holder seen. `shared`: the read's live peers and the peers the election reads (the
+        candidates and this peer), worked out once for every shard by `ingest_all`."""
         if decoded is None:
             decoded = self._decode_heartbeats(records)
-        live, heartbeats = self._heartbeats(decoded)
+        if shared is None:
+            live = {peer: info for peer, (info, _) in decoded.items()}
+            shared = (live, tuple(p for p in decoded if p == self.peer_id or self.candidate(p)))
+        live, heartbeats = shared[0], self._heartbeats(decoded, shared[1])
         seen = self._leases(records)
         leases = self._screen(seen, live, records.now)
         leases += self._remembered(records.now, {item.lease.holder for item in seen})
@@ -304,23 +319,20 @@ class Membership:
             decoded[peer] = (info, stored.expiration)
         return decoded
 
-    def _heartbeats(self, decoded: Decoded) -> tuple[dict[str, HeartbeatInfo], list[PeerHeartbeat]]:
-        """The live peers' heartbeats, and the election's records of the peers that may synchronize (and
-        this peer itself), with this shard's term."""
+    def _heartbeats(self, decoded: Decoded, electing: tuple[str, ...]) -> list[PeerHeartbeat]:
+        """The election's records of `electing` (the candidates and this peer, in the read's order: the
+        election reads only them), with this shard's term; a candidate's `may_sync` as its heartbeat says."""
         heartbeats: list[PeerHeartbeat] = []
-        live: dict[str, HeartbeatInfo] = {}
-        for peer, (info, expiration) in decoded.items():
-            live[peer] = info
-            candidate = self.candidate(peer)
-            if peer != self.peer_id and not candidate:
-                continue  # the election reads only the candidates (and this peer itself)
+        for peer in electing:
+            info, expiration = decoded[peer]
+            candidate = peer != self.peer_id or self.candidate(peer)
             term = info.term_of(self.shard)
             heartbeats.append(
                 PeerHeartbeat(
                     peer, info.may_sync and candidate, info.reachable, info.versions, expiration, term
                 )
             )
-        return live, heartbeats
+        return heartbeats
 
     def _leases(self, records: SwarmRecords) -> list[SeenLease]:
         """This shard's lease records that decode (a bad one is counted), each with when it was first read."""
