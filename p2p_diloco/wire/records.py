@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 
@@ -165,10 +166,36 @@ def _num(value, name: str, *, integer: bool = False, lo: float = 0.0) -> float:
     return value
 
 
+def _counts(values: list, name: str) -> tuple[int, ...]:
+    """A list of integers >= 0 (versions, terms) as a tuple; the first bad one named as `_num` names it.
+    Heartbeats carry one per fragment and per shard, read every period: checked in bulk first."""
+    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
+        return tuple(values)
+    return tuple(int(_num(v, name, integer=True)) for v in values)
+
+
+_TIP_CHECKSUM = re.compile(f"[0-9a-f]{{{TIP_CHECKSUM_CHARS}}}")
+
+
+def _plain_tip(row) -> bool:
+    """Whether `row` is a well-formed [term >= 0, checksum] pair (`_tips` says what is wrong otherwise)."""
+    return (
+        type(row) is list
+        and len(row) == 2
+        and type(row[0]) is int
+        and row[0] >= 0
+        and type(row[1]) is str
+        and _TIP_CHECKSUM.fullmatch(row[1]) is not None
+    )
+
+
 def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
     """Empty, or one [term >= 0, lowercase hex of TIP_CHECKSUM_CHARS] pair per fragment version."""
     if not isinstance(value, list) or len(value) not in (0, fragments):
         raise RecordError(f"tips must be empty or list one (term, checksum) pair per fragment ({fragments})")
+    fast = [(row[0], row[1]) for row in value if _plain_tip(row)]
+    if len(fast) == len(value):  # every row well formed: the common case, checked without a call per field
+        return tuple(fast)
     tips = []
     for row in value:
         if not isinstance(row, list) or len(row) != 2:
@@ -191,7 +218,7 @@ def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
     shard_terms = d.setdefault("shard_terms", [])  # optional: only sharded runs write it
     if not isinstance(shard_terms, list) or len(shard_terms) > MAX_SHARDS:
         raise RecordError(f"shard_terms must be a list of at most {MAX_SHARDS} terms")
-    d["shard_terms"] = tuple(int(_num(t, "shard_terms[]", integer=True)) for t in shard_terms)
+    d["shard_terms"] = _counts(shard_terms, "shard_terms[]")
     if set(d) != expected:
         raise RecordError(f"heartbeat keys {sorted(d)} != {sorted(expected)}")
     if d["role"] not in ROLES:
@@ -202,8 +229,7 @@ def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
     versions = d["versions"]
     if not isinstance(versions, list) or len(versions) not in (0, num_fragments):
         raise RecordError(f"versions must list {num_fragments} fragment versions")
-    for v in versions:
-        _num(v, "versions[]", integer=True)
+    versions = _counts(versions, "versions[]")
     for name in ("term_seen", "step", "ranks", "tokens", "updates_applied"):
         _num(d[name], name, integer=True)
     for name in ("tokens_per_s", "step_time", "loss", "last_contribution"):
