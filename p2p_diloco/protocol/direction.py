@@ -26,9 +26,14 @@ def fragment_norm(tensors: Mapping[str, Tensor | kernels.QuantizedTensor]) -> fl
 
 def cosine(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float | None:
     """Cosine of two fragments seen as one vector (tensors of `a`'s names); None if either is zero."""
-    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
+    dot = _dot(a, b)
     na, nb = fragment_norm(a), fragment_norm({n: b[n] for n in a})
     return dot / (na * nb) if na > 0 and nb > 0 else None
+
+
+def _dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
+    """The dot product of two fragments seen as one vector, over `a`'s tensor names (float64)."""
+    return sum(float((a[n].double() * b[n].double()).sum()) for n in a)
 
 
 def cosine_matrix(deltas: Sequence[Mapping[str, Tensor]]) -> list[list[float | None]]:
@@ -46,7 +51,7 @@ def cosine_matrix(deltas: Sequence[Mapping[str, Tensor]]) -> list[list[float | N
     for i in range(n):
         for j in range(i + 1, n):
             a, b = deltas[i], deltas[j]
-            dot = sum(float((a[k].double() * b[k].double()).sum()) for k in a)
+            dot = _dot(a, b)
             value = dot / (norms[i] * norms[j]) if norms[i] > 0 and norms[j] > 0 else None
             out[i][j] = out[j][i] = value
     return out

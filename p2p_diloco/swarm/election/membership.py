@@ -200,9 +200,7 @@ class Membership:
         """`ingest` in every shard's membership, shard 0 first; their views. The heartbeats are decoded once
         for all shards (a peer decoded each one once per shard: M x S decodes a period, issue #40)."""
         decoded = self._decode_heartbeats(records)
-        live = {peer: info for peer, (info, _) in decoded.items()}
-        electing = tuple(peer for peer in decoded if peer == self.peer_id or self.candidate(peer))
-        shared = (live, electing)  # the same for every shard (candidacy is the peer's, not the shard's)
+        shared = self._shared(decoded)  # the same for every shard (candidacy is the peer's, not the shard's)
         views = [
             membership.ingest(records, decoded, learn=membership is self, shared=shared)
             for membership in self.shards
@@ -226,8 +224,7 @@ class Membership:
         if decoded is None:
             decoded = self._decode_heartbeats(records)
         if shared is None:
-            live = {peer: info for peer, (info, _) in decoded.items()}
-            shared = (live, tuple(p for p in decoded if p == self.peer_id or self.candidate(p)))
+            shared = self._shared(decoded)
         live, heartbeats = shared[0], self._heartbeats(decoded, shared[1])
         seen = self._leases(records)
         leases = self._screen(seen, live, records.now)
@@ -318,6 +315,12 @@ class Membership:
                 continue
             decoded[peer] = (info, stored.expiration)
         return decoded
+
+    def _shared(self, decoded: Decoded) -> tuple[dict[str, HeartbeatInfo], tuple[str, ...]]:
+        """A read's live peers, and the peers its elections read (the candidates and this peer), in the
+        read's order."""
+        live = {peer: info for peer, (info, _) in decoded.items()}
+        return live, tuple(p for p in decoded if p == self.peer_id or self.candidate(p))
 
     def _heartbeats(self, decoded: Decoded, electing: tuple[str, ...]) -> list[PeerHeartbeat]:
         """The election's records of `electing` (the candidates and this peer, in the read's order: the
