@@ -160,6 +160,8 @@ def current_holder(leases: Iterable[LeaseRecord], now: float) -> LeaseRecord | N
         return None
     top = max(lease.term for lease in live)
     of_top = {lease.holder: lease for lease in sorted(live, key=lambda x: x.expires_at) if lease.term == top}
+    if len(of_top) == 1:  # no tie to break (nearly every read: ranking one holder hashed it per shard)
+        return next(iter(of_top.values()))
     return of_top[rendezvous_rank(LEASE_TIE_SALT, top, of_top)[0]]
 
 
@@ -229,8 +231,13 @@ def decide(
         return _naming(decision, successor(decision.term + 1)) if decision.action == RENEW else decision
 
     if holder is not None and holder.term >= term_seen:
-        eligible = {hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)}
-        return _decide_under_holder(self_id, holder, self_id in eligible, down, now, timing, successor)
+
+        def eligible() -> bool:
+            return any(
+                hb.peer_id == self_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)
+            )
+
+        return _decide_under_holder(self_id, holder, eligible, down, now, timing, successor)
     decision = _decide_claim(
         self_id, run_id, heartbeats, leases, term_seen, now, timing, max_lag, verified_newest
     )
@@ -240,14 +247,16 @@ def decide(
 def _decide_under_holder(
     self_id: str,
     holder: LeaseRecord,
-    eligible: bool,
+    eligible: Callable[[], bool],
     down: Collection[str],
     now: float,
     timing: SwarmTiming,
     successor: Callable[[int], str],
 ) -> ElectionDecision:
     """Another live lease of the highest term: follow it, or succeed its holder at once if it is down and
-    named this (eligible) peer; this peer's own lease from before a restart is left to lapse."""
+    named this peer, and this peer is `eligible()` (asked only then: ranking every candidate's versions on
+    every read of every shard was a tenth of a peer's time at 256 peers, issue #40); this peer's own lease
+    from before a restart is left to lapse."""
     if holder.holder == self_id:  # my own lease from before a restart: let it lapse, do not resume
         return ElectionDecision(
             WAIT,
@@ -257,7 +266,7 @@ def _decide_under_holder(
             holder=self_id,
             expires_at=holder.expires_at,
         )
-    if holder.holder in down and holder.successor == self_id and eligible:
+    if holder.holder in down and holder.successor == self_id and eligible():
         claim = ElectionDecision(
             CLAIM,
             ElectionTag.SUCCESSION,
@@ -435,15 +444,7 @@ def _decide_claim(
     last = [lease for lease in leases if lease.term == term_seen]
     base = _claim_base(last, timing)
     if last and now < base:
-        old = max(last, key=lambda x: x.expires_at)
-        return ElectionDecision(
-            WAIT,
-            ElectionTag.LEASE_GRACE,
-            f"term {term_seen} of {old.holder} lapsed; claims for term {next_term} open at {base:.2f}",
-            term=term_seen,
-            holder=old.holder,
-            expires_at=old.expires_at,
-        )
+        return _in_lease_grace(last, base)
     candidates = [hb.peer_id for hb in eligible_candidates(heartbeats, now, max_lag, verified_newest)]
     if not candidates:
         live = sum(hb.live(now) for hb in heartbeats)
@@ -469,6 +470,46 @@ def _decide_claim(
             holder=turn,
         )
     return _claim_window(self_id, ranking, next_term, base, now, timing)
+
+
+def _in_lease_grace(last: Sequence[LeaseRecord], base: float) -> ElectionDecision:
+    """Wait: the records of the highest term (`last`) lapsed, and claims of the next open at `base`."""
+    old = max(last, key=lambda x: x.expires_at)
+    return ElectionDecision(
+        WAIT,
+        ElectionTag.LEASE_GRACE,
+        f"term {old.term} of {old.holder} lapsed; claims for term {old.term + 1} open at {base:.2f}",
+        term=old.term,
+        holder=old.holder,
+        expires_at=old.expires_at,
+    )
+
+
+def follow_only(
+    self_id: str, leases: Iterable[LeaseRecord], now: float, timing: SwarmTiming, *, term_floor: int = 0
+) -> ElectionDecision:
+    """`decide` for a peer that holds no lease and can never claim one (no candidate of the shard: the run
+    does not let it synchronize, or it is not among the candidates whose heartbeats every peer reads,
+    `protocol.heartbeat_buckets`): the decision `decide` reaches when no heartbeat shows it eligible, without
+    ranking anyone. It follows a live holder of the highest term, waits out a lapsed term's lease grace,
+    and otherwise waits for some candidate's claim (`NOT_ELIGIBLE`, naming no candidate: whose claim window
+    is open does not concern it). At 256 peers, S = 16, every peer ran S full elections a read, ranking
+    the candidates' heartbeats it could never be among (issue #40)."""
+    leases = list(leases)
+    term_seen = highest_term_seen(leases, term_floor)
+    holder = current_holder(leases, now)
+    if holder is not None and holder.term >= term_seen:
+        return _decide_under_holder(self_id, holder, lambda: False, (), now, timing, lambda _: "")
+    last = [lease for lease in leases if lease.term == term_seen]
+    base = _claim_base(last, timing)
+    if last and now < base:
+        return _in_lease_grace(last, base)
+    return ElectionDecision(
+        WAIT,
+        ElectionTag.NOT_ELIGIBLE,
+        f"I am no candidate of this shard; a candidate may claim term {term_seen + 1}",
+        term=term_seen + 1,
+    )
 
 
 def _claim_window(

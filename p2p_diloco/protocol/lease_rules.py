@@ -36,7 +36,7 @@ holder must still be a synchronizer of the run (rule 1).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -87,15 +87,16 @@ def screen_leases(
     timing: SwarmTiming,
     may_synchronize: Callable[[str], bool],
     terms_reported: Mapping[str, int] | None = None,
-    history: Iterable[SeenLease] = (),
+    history: Mapping[int, Sequence[SeenLease]] | Iterable[SeenLease] = (),
 ) -> Screened:
     """Split `seen` into the records that count and the refused ones (module docstring, rules 1-4).
 
-    `terms_reported`: the terms live peers that may synchronize report; `history`: records that counted
-    in earlier reads (a renewal replaces its predecessor in the DHT, but when the term lapsed as first
-    seen is what rule 4 needs)."""
-    history = list(history)
-    reported = terms_reported or {}
+    `terms_reported`: the terms live peers that may synchronize report (read only for a term jump or an
+    early claim, so a caller may pass a mapping that is built when first read); `history`: records that
+    counted in earlier reads, by term or as one sequence (a renewal replaces its predecessor in the DHT,
+    but when the term lapsed as first seen is what rule 4 needs)."""
+    by_term = history if isinstance(history, Mapping) else _by_term(history)
+    reported = terms_reported if terms_reported is not None else {}
     refused: list[tuple[LeaseRecord, str, str]] = []
     candidates: list[SeenLease] = []
     for item in seen:
@@ -119,13 +120,21 @@ def screen_leases(
                 )
             )
             continue
-        early = _early_claim(item, [*history, *valid], timing, reported)
+        counted = [*by_term.get(lease.term - 1, ()), *(v for v in valid if v.lease.term == lease.term - 1)]
+        early = _early_claim(item, counted, timing, reported)
         if early is not None:
             refused.append((lease, LeaseTag.EARLY_CLAIM, early))
             continue
         valid.append(item)
         floor = max(floor, lease.term)
     return Screened(valid, refused)
+
+
+def _by_term(records: Iterable[SeenLease]) -> dict[int, list[SeenLease]]:
+    grouped: dict[int, list[SeenLease]] = {}
+    for item in records:
+        grouped.setdefault(item.lease.term, []).append(item)
+    return grouped
 
 
 def _holder_or_expiry_problem(
@@ -153,7 +162,8 @@ def _early_claim(
     item: SeenLease, counted: list[SeenLease], timing: SwarmTiming, reported: Mapping[str, int]
 ) -> str | None:
     """Rule 4: why `item` was claimed before the previous term lapsed, or None if it was not (or may be:
-    the previous holder named it, or enough other peers report its term). `counted`: records that count."""
+    the previous holder named it, or enough other peers report its term). `counted`: records of the
+    previous term that count."""
     lease = item.lease
     # Only records of the previous term seen before this one: a late renewal of the old term (a zombie
     # holder) must not turn its successor's valid claim into an early one.

@@ -93,6 +93,7 @@ class PartitionedKeyValueStore:
     def __init__(self) -> None:
         self._replicas: dict[str, InMemoryKeyValueStore] = {}
         self._groups: list[frozenset[str]] | None = None
+        self._group_index: dict[str, int] = {}
 
     @property
     def split_groups(self) -> list[frozenset[str]] | None:
@@ -109,7 +110,7 @@ class PartitionedKeyValueStore:
         groups = [frozenset(g) for g in groups]
         if any(a & b for i, a in enumerate(groups) for b in groups[i + 1 :]):
             raise ValueError(f"partition groups overlap: {groups}")
-        self._groups = groups
+        self._set_groups(groups)
 
     def heal(self) -> None:
         merged = InMemoryKeyValueStore()
@@ -118,7 +119,7 @@ class PartitionedKeyValueStore:
             replica = InMemoryKeyValueStore()
             _merge_into(replica, [merged])
             self._replicas[p] = replica
-        self._groups = None
+        self._set_groups(None)
 
     def regroup(self, groups: list[set[str]] | list[frozenset[str]]) -> None:
         """Set the groups (as `split`); members of one new group that were apart merge their replicas by
@@ -134,7 +135,12 @@ class PartitionedKeyValueStore:
                 for p in members:
                     self._replicas[p] = InMemoryKeyValueStore()
                     _merge_into(self._replicas[p], [merged])
+        self._set_groups(groups)
+
+    def _set_groups(self, groups: list[frozenset[str]] | None) -> None:
         self._groups = groups
+        # peer -> its group's index: every store asks it of each replica (M per store)
+        self._group_index = {p: i for i, g in enumerate(groups or ()) for p in g}
 
     def forget(self, peer_id: str) -> None:
         """Drop `peer_id`'s replica: its DHT process is gone, and a new one starts empty."""
@@ -147,7 +153,7 @@ class PartitionedKeyValueStore:
 
     def _group_of(self, peer: str) -> int:
         assert self._groups is not None
-        return next((i for i, g in enumerate(self._groups) if peer in g), -1)
+        return self._group_index.get(peer, -1)
 
     def _reachable(self, writer: str) -> list[str]:
         return [p for p in self._replicas if self.reachable(writer, p)]

@@ -283,23 +283,24 @@ class Peer:
         seat = self.seats[shard]
         seat.read(view, now)
         role, handover, membership = seat.role, seat.handover, seat.membership
-        rounds = role.sync.rounds_done if role.sync else 0
         ahead: dict[int, Ahead] = {}
-        if role.sync is not None or membership.candidate(self.peer_id):
+        view = self.underway.election_view(view, self.replica.versions())  # no fresh start of a run under way
+        if role.sync is not None or membership.elects():
             # what only a claim's eligibility and a holder's catch-up need: a peer that may never claim
-            # follows the lease it reads, and skips the per-fragment trust rules (issue #40)
+            # follows the lease it reads, and skips the election and the per-fragment trust rules (#40)
             ceiling = tuple(membership.for_fragment(p).term_seen for p in range(self.plan.num_fragments))
             ahead = self.book.trusted_ahead(membership.read_peers, self.peer_id, ceiling)
-        view = self.underway.election_view(view, self.replica.versions())  # no fresh start of a run under way
-        decision = membership.decide(
-            view,
-            now,
-            rounds,
-            verified_newest=self.book.verified_newest({p: a.winner.version for p, a in ahead.items()}),
-            own_versions=self.replica.versions(),
-            busy=busy(self.seats, seat, view, now),
-            checks=seat.checks(self.underway.claim_wait()),
-        )
+            decision = membership.decide(
+                view,
+                now,
+                role.sync.rounds_done if role.sync else 0,
+                verified_newest=self.book.verified_newest({p: a.winner.version for p, a in ahead.items()}),
+                own_versions=self.replica.versions(),
+                busy=busy(self.seats, seat, view, now),
+                checks=seat.checks(self.underway.claim_wait()),
+            )
+        else:
+            decision = membership.follow_only(view, now)
         if seat.elected(decision, now, self.may_sync).after == Phase.STOPPING:
             return decision
         holder = membership.holder

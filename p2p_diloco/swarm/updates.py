@@ -445,9 +445,10 @@ class UpdateBook:
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now, record.fragment)
         self.vouchers.vouch(record)
         self.tip_terms[p] = record.term
+        merged = self.merged_seqs
         for (peer, _), seq in zip(record.contributors, record.seqs):
-            key = (peer, p)
-            self.merged_seqs[key] = max(seq, self.merged_seqs.get(key, 0))
+            if seq > merged.get((peer, p), 0):
+                merged[(peer, p)] = seq
         self.log.append(record)
         self.applied += 1
         if how != UpdateSource.OWN:

@@ -174,28 +174,32 @@ def _counts(values: list, name: str) -> tuple[int, ...]:
     return tuple(int(_num(v, name, integer=True)) for v in values)
 
 
-_TIP_CHECKSUM = re.compile(f"[0-9a-f]{{{TIP_CHECKSUM_CHARS}}}")
+_HEX = re.compile("[0-9a-f]*")
 
 
-def _plain_tip(row) -> bool:
-    """Whether `row` is a well-formed [term >= 0, checksum] pair (`_tips` says what is wrong otherwise)."""
-    return (
+def _plain_tips(rows: list) -> bool:
+    """Whether every row is a well-formed [term >= 0, checksum] pair, the checksums checked by one regex over
+    their concatenation (each of exactly TIP_CHECKSUM_CHARS characters); `_tips` says what is wrong
+    otherwise."""
+    if not all(
         type(row) is list
         and len(row) == 2
         and type(row[0]) is int
         and row[0] >= 0
         and type(row[1]) is str
-        and _TIP_CHECKSUM.fullmatch(row[1]) is not None
-    )
+        and len(row[1]) == TIP_CHECKSUM_CHARS
+        for row in rows
+    ):
+        return False
+    return _HEX.fullmatch("".join(row[1] for row in rows)) is not None
 
 
 def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
     """Empty, or one [term >= 0, lowercase hex of TIP_CHECKSUM_CHARS] pair per fragment version."""
     if not isinstance(value, list) or len(value) not in (0, fragments):
         raise RecordError(f"tips must be empty or list one (term, checksum) pair per fragment ({fragments})")
-    fast = [(row[0], row[1]) for row in value if _plain_tip(row)]
-    if len(fast) == len(value):  # every row well formed: the common case, checked without a call per field
-        return tuple(fast)
+    if _plain_tips(value):  # every row well formed: the common case, checked without a call per row
+        return tuple((row[0], row[1]) for row in value)
     tips = []
     for row in value:
         if not isinstance(row, list) or len(row) != 2:
@@ -231,9 +235,11 @@ def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
         raise RecordError(f"versions must list {num_fragments} fragment versions")
     versions = _counts(versions, "versions[]")
     for name in ("term_seen", "step", "ranks", "tokens", "updates_applied"):
-        _num(d[name], name, integer=True)
+        if type(d[name]) is not int or d[name] < 0:  # `_num` names what is wrong
+            _num(d[name], name, integer=True)
     for name in ("tokens_per_s", "step_time", "loss", "last_contribution"):
-        _num(d[name], name)
+        if type(d[name]) not in (float, int) or not 0.0 <= d[name] < math.inf:
+            _num(d[name], name)
     d["rejections"] = _rows(d["rejections"], "rejections", ("s", "i"), MAX_COUNTERS)
     d["rejections_by_sender"] = _rows(
         d["rejections_by_sender"], "rejections_by_sender", ("s", "s", "i"), MAX_COUNTERS

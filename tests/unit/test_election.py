@@ -398,3 +398,52 @@ def test_at_most_one_peer_claims_at_any_moment(beats, leases, now):
     assert len({(d.term, d.holder) for d in ds.values()}) <= 1
     if any(d.tag == el.ElectionTag.CLAIM_GRACE for d in ds.values()):  # someone's window is open: they claim
         assert len(claims) == 1
+
+
+# --- a peer that is no candidate only follows (`follow_only`, issue #40) --------------------------------
+
+_lease = st.builds(
+    LeaseRecord,
+    holder=st.sampled_from(PEERS),
+    term=st.integers(1, 4),
+    expires_at=st.floats(90.0, 110.0),
+    released=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    leases=st.lists(_lease, max_size=5),
+    now=st.floats(95.0, 115.0),
+    term_floor=st.integers(0, 5),
+    candidates=st.lists(st.sampled_from(PEERS), unique=True),
+)
+def test_follow_only_decides_as_decide_does_for_a_peer_no_heartbeat_shows_eligible(
+    leases, now, term_floor, candidates
+):
+    """What a non-candidate's full election would decide, without ranking anyone: the same action, tag,
+    term and holder whenever it follows or waits out a lease grace; otherwise a wait for some candidate."""
+    me = "peer-z"  # no candidate: its heartbeat cannot make it eligible
+    heartbeats = [*(hb(p) for p in candidates), hb(me, may_sync=False)]
+    full = run_decide(me, heartbeats, leases, now, term_floor=term_floor, down=set(PEERS))
+    quick = el.follow_only(me, leases, now, T, term_floor=term_floor)
+    assert quick.action == full.action
+    if full.tag in (el.ElectionTag.HELD_BY, el.ElectionTag.LEASE_GRACE):
+        assert quick == full
+    else:
+        assert full.tag in (el.ElectionTag.NOT_ELIGIBLE, el.ElectionTag.NO_CANDIDATES)
+        assert (quick.tag, quick.term, quick.holder) == (el.ElectionTag.NOT_ELIGIBLE, full.term, None)
+
+
+def test_follow_only_never_claims_even_when_named_successor_of_a_holder_seen_down():
+    lease = LeaseRecord("peer-a", 3, expires_at=120.0, successor="peer-z")
+    full = run_decide("peer-z", everyone(hb("peer-z")), [lease], 100.0, down={"peer-a"})
+    assert full.tag == el.ElectionTag.SUCCESSION  # a candidate named successor takes over at once
+    quick = el.follow_only("peer-z", [lease], 100.0, T)
+    assert (quick.action, quick.tag, quick.holder) == (el.FOLLOW, el.ElectionTag.HELD_BY, "peer-a")
+
+
+def test_follow_only_lets_its_own_lease_from_before_a_restart_lapse():
+    lease = LeaseRecord("peer-z", 2, expires_at=104.0)
+    quick = el.follow_only("peer-z", [lease], 100.0, T)
+    assert (quick.action, quick.tag, quick.holder) == (el.WAIT, el.ElectionTag.LEASE_GRACE, "peer-z")

@@ -147,3 +147,50 @@ def test_run_caps_admit_the_snapshots_a_peer_really_serves():
 )
 def test_an_identifier_holds_letters_digits_and_dash_underscore_dot_colon(value, ok):
     assert (bounds.identifier(value) is None) == ok
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [["node-1", 1.0], ["node-2", 0.5]],  # valid: the bulk check's case
+        [["pär-1", 1.0], ["node-2", 0.5]],  # valid, not ASCII: checked pair by pair
+        [["a\nb", 1.0], ["c", 1.0]],  # a line break inside an identifier, not between two
+        [["a", 1.0], ["", 1.0]],
+        [["a", 1.0], ["a", 2.0]],
+        [["a", 1.0], ["b", 1]],
+        [["a", 1.0], ["b", True]],
+        [["a", 1.0], ["b", float("nan")]],
+        [["a", 1.0], ["b", float("inf")]],
+        [["a", 1.0], ["b", -1.0]],
+        [["a", 1.0], ["b/c", 1.0]],
+        [["a", 1.0], [7, 1.0]],
+        [["a", 1.0], ["b", 1.0, 2.0]],
+        [["a", 1.0], ("b", 1.0)],
+        [["a" * 129, 1.0]],
+    ],
+)
+def test_a_contributor_list_checked_in_bulk_is_judged_as_pair_by_pair(pairs):
+    """`contributor_list` checks a plain list in bulk (issue #40); it must accept exactly what the checks of
+    each pair accept, and a refused list still says what is wrong."""
+    one_by_one = _pairwise_contributor_problem(pairs)
+    found = bounds.contributor_list(pairs)
+    assert (found is None) == (one_by_one is None)
+    if one_by_one is not None:
+        assert found == one_by_one
+
+
+def _pairwise_contributor_problem(pairs: list) -> str | None:
+    """The rule of `contributor_list`, pair by pair (the reference the bulk check must agree with)."""
+    seen = set()
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            return "entries must be [peer, weight] pairs"
+        peer, weight = pair
+        if bounds.identifier(peer) is not None:
+            return f"peer {str(peer)[:40]!r} {bounds.identifier(peer)}"
+        if type(weight) is not float or not weight >= 0 or weight == float("inf"):
+            return f"weight of {peer!r} must be a finite float >= 0"
+        if peer in seen:
+            return f"peer {peer!r} listed twice"
+        seen.add(peer)
+    return None

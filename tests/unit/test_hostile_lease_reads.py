@@ -31,9 +31,11 @@ ME = "QmFo11owerFo11owerFo11owerFo11owerFo11owerFo"
 T = SwarmTiming(heartbeat_period=0.5, heartbeat_ttl=2.0, lease_ttl=3.0, claim_grace=1.0, lease_margin=0.5)
 
 
-def follower() -> Membership:
+def follower(*, candidate: bool = False) -> Membership:
+    """`ME`'s membership: a follower, or (`candidate`) a listed synchronizer that runs the election."""
+    synchronizers = (HONEST, INSIDER, ME) if candidate else (HONEST, INSIDER)
     manifest = tiny_manifest(
-        "lease-reads", timing=T, trust=TrustConfig(authority=HONEST, synchronizers=(HONEST, INSIDER))
+        "lease-reads", timing=T, trust=TrustConfig(authority=HONEST, synchronizers=synchronizers)
     )
     standing = Standing(new_peer_rounds=1, active_window=60.0, newcomer_grace=60.0)
     return Membership(ME, manifest, 2, Journal(ME, lambda intent: None), standing)
@@ -172,8 +174,11 @@ def test_a_flood_of_fresh_keys_changes_no_election_view_no_round_and_no_counter_
     flood[HONEST] = StoredValue(honest.to_bytes(), 103.0)
     view = me.ingest(SwarmRecords(heartbeats=flood, leases={}, now=100.0))
     assert len(me.live_peers) == 501
-    assert [hb.peer_id for hb in view.heartbeats] == [HONEST]  # the election sees listed peers only
+    assert view.heartbeats == []  # a follower runs no election: it only follows the lease it reads
     assert me.live_learners(100.0) == frozenset({HONEST})  # 500 idle fresh keys: nobody to wait for
+    candidate = follower(candidate=True)
+    view = candidate.ingest(SwarmRecords(heartbeats=flood, leases={}, now=100.0))
+    assert [hb.peer_id for hb in view.heartbeats] == [HONEST]  # the election sees listed peers only
 
     for i in range(MAX_SENDERS_COUNTED + 10):
         me.journal.reject(f"QmFresh{i:06d}", "bad lease", "forged")

@@ -86,6 +86,15 @@ def test_lease_round_trip():
         ({"tips": [[1, "G" * 16]] * 3}, 3),
         ({"tips": [[1.0, "0" * 16]] * 3}, 3),
         ({"tips": [[1, "0" * 16, 2]] * 3}, 3),
+        # the bulk check joins the checksums: lengths that add up to 3 x 16 must still be refused
+        ({"tips": [[1, "0" * 15], [1, "0" * 17], [1, "0" * 16]]}, 3),
+        ({"tips": [[1, "0" * 15 + "\n"]] * 3}, 3),
+        ({"tips": [[True, "0" * 16]] * 3}, 3),
+        ({"step_time": float("inf")}, 3),
+        ({"loss": -0.5}, 3),
+        ({"tokens_per_s": True}, 3),
+        ({"ranks": -1}, 3),
+        ({"tokens": False}, 3),
     ],
 )
 def test_heartbeat_schema_violations_are_rejected(change, fragment_count):

@@ -34,6 +34,13 @@ result holds (`SizeResult.row()`, one row of `sim_peers.json`):
   other's lease (`Invariants.check`'s notion: the (shard, term) pairs it ever timed);
 * `replicas_equal`: after the quiet period every running replica has the same versions and digest.
 
+Garbage collection. One process holds all M nodes, so Python's cyclic collector scans every node's
+long-lived objects (models, replicas, logs: about 1.5M objects at 256 peers) in each full collection,
+where a real peer's process scans only its own. So that this shared heap does not count as the peers'
+work, the heap is frozen at the window's start (`gc.freeze`, `ScaleRun.freeze_heap`; `--sim-no-freeze`
+leaves it): the window's collections then scan only what was made during it. Either way the row's detail
+gives the collector's CPU seconds in the window (`window_gc_cpu_seconds`).
+
 A wall budget stops a run early (`completed` false; the cost is then measured over what was played and
 the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the command line.
 """
@@ -41,6 +48,7 @@ the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import json
 import math
@@ -88,6 +96,10 @@ class ScaleRun:
     # virtual seconds between invariant checks; 0: after every event, as `simulate` does (at 256 peers the
     # checks, M nodes x S seats after each of ~M events a virtual ms, cost more wall time than the peers)
     check_every: float = 0.0
+    # freeze the heap at the window's start (`gc.freeze`), so the window's full collections scan what was
+    # made since rather than every node's long-lived state: one process holds all M nodes (1.5M objects at
+    # 256), where each real peer's collector scans only its own (module docstring, "Garbage collection")
+    freeze_heap: bool = True
 
     @property
     def s(self) -> int:
@@ -130,9 +142,12 @@ def _minus(after: Counter, before: Counter) -> Counter:
 class MeasuredSimulation(Simulation):
     """A clean `Simulation` with the measurements of the module docstring taken along the way."""
 
-    def __init__(self, run: ScaleRun, root: Path):
+    def __init__(self, run: ScaleRun, root: Path, profiler: cProfile.Profile | None = None):
         super().__init__(run.seed, run.scenario(), root, run.manifest(), faults=[])
         self.spec = run
+        self.profiler = profiler  # on for the measured window only (`run`)
+        self.gc_cpu = 0.0  # CPU seconds the cyclic collector took while `in_window`
+        self._gc_started: float | None = None
         self.deadline = math.inf
         self.out_of_time = False
         self.check_wall = 0.0
@@ -204,6 +219,14 @@ class MeasuredSimulation(Simulation):
         self.loop_cpu += time.process_time() - started_cpu
         return ok and not self.out_of_time
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        """`gc.callbacks`: the collector's CPU time while `in_window` (`window_gc_seconds`)."""
+        if phase == "start":
+            self._gc_started = time.process_time() if self.in_window and not self.checking else None
+        elif self._gc_started is not None:
+            self.gc_cpu += time.process_time() - self._gc_started
+            self._gc_started = None
+
     def _mark(self, name: str) -> None:
         self.marks[name] = {
             "t": self.world.now(),
@@ -213,6 +236,7 @@ class MeasuredSimulation(Simulation):
             "check_wall": self.check_wall,
             "loop_cpu": self.loop_cpu,
             "check_cpu": self.check_cpu,
+            "gc_cpu": self.gc_cpu,
         }
 
     # ---- the run -------------------------------------------------------------------------------------
@@ -229,11 +253,23 @@ class MeasuredSimulation(Simulation):
         window_end = warmup_end + spec.window
         if not self._until(warmup_end):
             return
+        if spec.freeze_heap:
+            gc.collect()
+            gc.freeze()
+        gc.callbacks.append(self._on_gc)
         self._mark("window_start")
         self.in_window = True
-        if not self._until(window_end):
-            return
-        self.in_window = False
+        if self.profiler is not None:
+            self.profiler.enable()
+        try:
+            if not self._until(window_end):
+                return
+        finally:
+            if self.profiler is not None:
+                self.profiler.disable()
+            self.in_window = False
+            gc.callbacks.remove(self._on_gc)
+            gc.unfreeze()
         self._mark("window_end")
         self.world.note("sim", "stop_training")
         for node in self.nodes:
@@ -257,6 +293,7 @@ class SizeResult:
     window_seconds: float | None  # the measured window's virtual seconds, if it ended
     window_wall_seconds: float | None  # the loop's wall time in the window, checks excluded
     window_cpu_seconds: float | None  # the same in this process's CPU time
+    window_gc_seconds: float | None  # of which the cyclic garbage collector's
     build_wall_seconds: float
     window_rounds: float | None
     busiest_peer: str | None
@@ -309,6 +346,8 @@ class SizeResult:
                 "loop_wall_seconds": round(self.wall_seconds, 2),
                 "invariant_check_wall_seconds": round(self.check_wall_seconds, 2),
                 "window_wall_seconds": _round(self.window_wall_seconds, 2),
+                "window_cpu_seconds": _round(self.window_cpu_seconds, 2),
+                "window_gc_cpu_seconds": _round(self.window_gc_seconds, 2),
                 "whole_run_wall_seconds_per_virtual_second_per_peer": round(
                     (self.wall_seconds - self.check_wall_seconds)
                     / max(self.virtual_seconds, 1e-9)
@@ -385,23 +424,19 @@ def _window_figures(sim: MeasuredSimulation) -> dict[str, Any]:
 def measure_size(
     run: ScaleRun, workdir: Path | None = None, profile: Path | None = None, trace: Path | None = None
 ) -> SizeResult:
-    """Play `run` (module docstring); with `profile`, the loop runs under cProfile and the top 15 functions
-    by cumulative and by own time are written there; with `trace`, a run that broke a rule writes its
-    trace there."""
+    """Play `run` (module docstring); with `profile`, the measured window runs under cProfile (warm-up and
+    settling left out) and the top functions by cumulative and by own time are written there; with
+    `trace`, a run that broke a rule writes its trace there."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix=f"scale-{run.peers}-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
         built = time.perf_counter()
-        sim = MeasuredSimulation(run, root)
-        build_wall = time.perf_counter() - built
         profiler = cProfile.Profile() if profile is not None else None
+        sim = MeasuredSimulation(run, root, profiler)
+        build_wall = time.perf_counter() - built
         try:
-            if profiler is not None:
-                profiler.enable()
             sim.run()
         finally:
-            if profiler is not None:
-                profiler.disable()
             running = [n for n in sim.nodes if n.phase == Phase.RUNNING and n.peer is not None]
             versions = {tuple(n.peer.replica.versions()) for n in running}
             digests = {n.peer.replica.digest() for n in running}
@@ -412,7 +447,7 @@ def measure_size(
         _write_profile(profiler, profile, run, sim)
     completed = not sim.out_of_time and "end" in sim.marks
     window = _window_figures(sim)
-    window_seconds, window_wall, window_cpu = _window_costs(sim)
+    window_seconds, window_wall, window_cpu, window_gc = _window_costs(sim)
     violation = sim.invariants.violation
     if trace is not None and violation is not None:
         trace.write_text(sim.world.trace.text())
@@ -428,6 +463,7 @@ def measure_size(
         window_seconds=window_seconds,
         window_wall_seconds=window_wall,
         window_cpu_seconds=window_cpu,
+        window_gc_seconds=window_gc,
         build_wall_seconds=build_wall,
         propagation=sim.delays,
         terms_held_twice=len(sim.held_twice),
@@ -441,22 +477,25 @@ def measure_size(
     )
 
 
-def _window_costs(sim: MeasuredSimulation) -> tuple[float | None, float | None, float | None]:
-    """(virtual seconds, wall seconds, CPU seconds) of the measured window, the checks' excluded; Nones if
-    the window did not end."""
+def _window_costs(
+    sim: MeasuredSimulation,
+) -> tuple[float | None, float | None, float | None, float | None]:
+    """(virtual seconds, wall seconds, CPU seconds, of which the collector's) of the measured window, the
+    checks' excluded; Nones if the window did not end."""
     start, end = sim.marks.get("window_start"), sim.marks.get("window_end")
     if start is None or end is None:
-        return None, None, None
+        return None, None, None, None
     wall = (end["loop_wall"] - start["loop_wall"]) - (end["check_wall"] - start["check_wall"])
     cpu = (end["loop_cpu"] - start["loop_cpu"]) - (end["check_cpu"] - start["check_cpu"])
-    return end["t"] - start["t"], wall, cpu
+    return end["t"] - start["t"], wall, cpu, end["gc_cpu"] - start["gc_cpu"]
 
 
 def _write_profile(profiler: cProfile.Profile, path: Path, run: ScaleRun, sim: MeasuredSimulation) -> None:
     text = io.StringIO()
     text.write(
-        f"cProfile of the {run.peers}-peer clean run (S = {run.s}), {sim.world.now():.1f} virtual s, "
-        f"loop {sim.loop_wall:.1f} s wall (invariant checks {sim.check_wall:.1f} s)\n\n"
+        f"cProfile of the {run.peers}-peer clean run's measured window (S = {run.s}, P = {run.p}), "
+        f"{run.window:.1f} of {sim.world.now():.1f} virtual s; the whole loop {sim.loop_wall:.1f} s wall "
+        f"(invariant checks {sim.check_wall:.1f} s)\n\n"
     )
     for order in ("cumulative", "tottime"):
         text.write(f"==== top 15 by {order} ====\n")
@@ -578,6 +617,7 @@ def sim_peers_main(
     profile_at: int | None = None,
     link: LinkSpec | None = None,
     fragments: int | None = None,
+    freeze_heap: bool = True,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
@@ -597,6 +637,7 @@ def sim_peers_main(
             wall_budget=wall_budget,
             check_every=check_every,
             fragments=fragments,
+            freeze_heap=freeze_heap,
         )
         say(f"M={peers} S={run.s} P={run.p}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
         profile = out / f"profile_{peers}.txt" if profile_at == peers else None

@@ -18,8 +18,9 @@ lacks a record still stored, or while this peer lags (`protocol.claim_guard`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 
 from p2p_diloco.config import RunManifest
 from p2p_diloco.protocol import claim_guard, election, heartbeat_buckets, lease_rules, shards
@@ -149,6 +150,12 @@ class Membership:
             return True
         return self.own_bucket[0] == 0 if peer == self.peer_id else peer in self._bucket0
 
+    def elects(self) -> bool:
+        """Whether this peer runs the shard's election (`decide`): it is a candidate, or holds a lease. A
+        peer that is neither only follows the lease it reads (`follow_only`): its views carry no
+        heartbeats, and whose claim window is open does not concern it."""
+        return self.my_lease is not None or self.candidate(self.peer_id)
+
     def _volunteer(self, now: float) -> None:
         """In an open run with heartbeat buckets, a peer whose ID does not hash to bucket 0 becomes a
         candidate (for good: it writes its heartbeat there from now on) when, once it has read the swarm
@@ -225,7 +232,8 @@ class Membership:
             decoded = self._decode_heartbeats(records)
         if shared is None:
             shared = self._shared(decoded)
-        live, heartbeats = shared[0], self._heartbeats(decoded, shared[1])
+        live = shared[0]
+        heartbeats = self._heartbeats(decoded, shared[1]) if self.elects() else []
         seen = self._leases(records)
         leases = self._screen(seen, live, records.now)
         leases += self._remembered(records.now, {item.lease.holder for item in seen})
@@ -360,12 +368,8 @@ class Membership:
             term_floor=self.term_seen,
             timing=self.manifest.timing,
             may_synchronize=self.manifest.may_synchronize,
-            terms_reported={
-                peer: info.term_of(self.shard)
-                for peer, info in live.items()
-                if self.manifest.may_synchronize(peer)
-            },
-            history=[item for records in self.lease_history.values() for item in records],
+            terms_reported=_ReportedTerms(live, self.shard, self.manifest.may_synchronize),
+            history=self.lease_history,
         )
         self.own_refused = None
         for lease, tag, detail in screened.refused:
@@ -512,6 +516,15 @@ class Membership:
             decision = replace(decision, detail=detail)
         return self._account(decision, view)
 
+    def follow_only(self, view: SwarmView, now: float) -> ElectionDecision:
+        """The election of a peer that does not elect (`elects`): follow the live holder the view's leases
+        show (`election.follow_only`). It keeps no claim state: a peer that turns candidate later
+        (`_volunteer`) starts reading as a fresh one does (its warm-up, the candidates it remembers)."""
+        decision = election.follow_only(
+            self.peer_id, view.leases, now, self.manifest.timing, term_floor=self.term_seen
+        )
+        return self._account(decision, view)
+
     def _ranked_heartbeats(
         self, view: SwarmView, now: float, own_versions: tuple[int, ...] | None, busy: frozenset[str]
     ) -> list[PeerHeartbeat]:
@@ -639,3 +652,29 @@ def _stepped_aside(hb: PeerHeartbeat) -> PeerHeartbeat:
     """`hb` as a candidate that steps aside (`may_sync` off); built directly, not by `dataclasses.replace`:
     every shard's election of every read does this for most candidates at 256 peers (issue #40)."""
     return PeerHeartbeat(hb.peer_id, False, hb.reachable, hb.versions, hb.expires_at, hb.term_seen)
+
+
+class _ReportedTerms(Mapping[str, int]):
+    """The terms of `shard` that a read's peers that may synchronize report (`lease_rules.screen_leases`),
+    built when first read: only a term jump or an early claim asks, and every shard's screen of every
+    read built them all (issue #40)."""
+
+    def __init__(self, live: dict[str, HeartbeatInfo], shard: int, may_synchronize: Callable[[str], bool]):
+        self._live, self._shard, self._may_synchronize = live, shard, may_synchronize
+
+    @cached_property
+    def _terms(self) -> dict[str, int]:
+        return {
+            peer: info.term_of(self._shard)
+            for peer, info in self._live.items()
+            if self._may_synchronize(peer)
+        }
+
+    def __getitem__(self, peer: str) -> int:
+        return self._terms[peer]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._terms)
+
+    def __len__(self) -> int:
+        return len(self._terms)
