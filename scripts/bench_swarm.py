@@ -34,9 +34,8 @@ Simulated peers (`--sim-peers`, issue #40 item 3): per size M a clean run of M w
 `--sim-warmup` + `--sim-window` (measured) + `--sim-quiet` virtual seconds; OUT/sim_peers.json and
 OUT/sim_peers.png (`sim.bottle.scale`, whose docstring defines each field). `--sim-wall-budget` stops a
 size that takes longer (its cost per virtual second is still recorded); `--sim-profile M` writes
-OUT/profile_M.txt (cProfile of the measured window, top functions by cumulative and own time). The heap is
-frozen at the window's start, so that all M nodes' objects in one process are not the peers' cost
-(`--sim-no-freeze` leaves it; either way each row gives the collector's CPU seconds).
+OUT/profile_M.txt (cProfile of the measured window, top functions by cumulative and own time); each row's
+detail gives the garbage collector's CPU seconds in the window apart.
 
 Writes OUT/swarm.json and OUT/swarm.png (real processes), OUT/inprocess.json and OUT/inprocess.png.
 The done-means ratios of issue #29 are printed and stored under "figures" (each: value, target, met).
@@ -422,11 +421,6 @@ def main() -> int:
         metavar="P",
         help="--sim-peers: fragments at every size, at least S (default 16; 0: max(4, S), the old layout)",
     )
-    parser.add_argument(
-        "--sim-no-freeze",
-        action="store_true",
-        help="--sim-peers: leave the heap unfrozen in the window (every node's objects in each full collection)",
-    )
     args = parser.parse_args()
     if args.sim_fragments is not None and args.sim_fragments < 0:
         parser.error(
@@ -455,7 +449,6 @@ def main() -> int:
             check_every=args.sim_check_every,
             profile_at=args.sim_profile,
             fragments=args.sim_fragments,
-            freeze_heap=not args.sim_no_freeze,
             say=lambda line: print(line, flush=True),
         )
         return 0

@@ -79,7 +79,7 @@ class Spreading:
         if not isinstance(hop, int):
             self._relay_offence(sender, hop)
             return self.journal.reject(sender, hop, f"relayed {update}")
-        verdict = yield from self.book.accept(message.frame, sender, UpdateSource.RELAYED, now)
+        verdict = yield from self.book.accept(message.frame, sender, UpdateSource.RELAYED, now, record)
         if verdict.record is not None:
             self._witness(verdict.record)
         if verdict.reply.status == ReplyStatus.APPLIED:

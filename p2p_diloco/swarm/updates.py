@@ -274,27 +274,25 @@ class UpdateBook:
             return (AdmissionTag.UNKNOWN_FRAGMENT, f"{fragment} not in [0, {self.plan.num_fragments})")
         return None
 
-    def accept(self, frame: bytes, source: str, how: UpdateSource, now: float) -> Task:
+    def accept(
+        self, frame: bytes, source: str, how: UpdateSource, now: float, record: UpdateRecord | None = None
+    ) -> Task:
         """Check an update frame pushed by `source` or replayed from its log, then `apply` it; a task that
         returns a `Verdict`. Pushed: the allowlist, the frame, run and manifest, term fencing, that the
         sender is the leader it names, the leader's signature, a valid lease of that term
         (`Membership.verify_lease`) live when it arrived; a refused one that does not follow this replica
         names the repair it needs. Replayed: the frame, the signature, a lease of that term (past terms
         of synchronizers count), and it must extend the replica (else `SKIPPED`, no offence). Relayed:
-        as pushed, but from any peer of the run (`swarm.relay`: relaying extends no trust)."""
+        as pushed, but from any peer of the run (`swarm.relay`: relaying extends no trust). `record`: the
+        frame already decoded (a relayed one is, to learn which update it is), so it is not decoded twice."""
         pushed = how in (UpdateSource.PUSHED, UpdateSource.RELAYED)
         if pushed and not self.membership.allowed(source):
             return Verdict(
                 self.journal.reject(source, AdmissionTag.NOT_ALLOWED, "sender is not in the run's allowlist")
             )
-        try:
-            record = decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
-        except DecodeError as exc:
-            return Verdict(
-                self.journal.reject(
-                    source, exc.reason, exc.detail if pushed else f"replayed update: {exc.detail}"
-                )
-            )
+        record = record if record is not None else self._decoded(frame, source, pushed)
+        if isinstance(record, Reply):
+            return Verdict(record)
         if not pushed:
             return Verdict((yield from self._replayed(record, source, now)), record)
         bad = self.check_record(record.run_id, record.manifest_hash, record.fragment)
@@ -334,6 +332,14 @@ class UpdateBook:
         ):
             self.journal.note(f"update from {source} refused: {reply}")
         return Verdict(reply, record, repair_for(record, source, before, reply.tag))
+
+    def _decoded(self, frame: bytes, source: str, pushed: bool) -> UpdateRecord | Reply:
+        """`frame`'s record, or the refusal of a frame that does not decode."""
+        try:
+            return decode_update(frame, max_bytes=self.manifest.wire.max_message_bytes)
+        except DecodeError as exc:
+            detail = exc.detail if pushed else f"replayed update: {exc.detail}"
+            return self.journal.reject(source, exc.reason, detail)
 
     def _replayed(self, record: UpdateRecord, source: str, now: float) -> Task:
         if not self.signed_by_leader(record):

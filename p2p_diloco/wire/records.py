@@ -169,7 +169,7 @@ def _num(value, name: str, *, integer: bool = False, lo: float = 0.0) -> float:
 def _counts(values: list, name: str) -> tuple[int, ...]:
     """A list of integers >= 0 (versions, terms) as a tuple; the first bad one named as `_num` names it.
     Heartbeats carry one per fragment and per shard, read every period: checked in bulk first."""
-    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
+    if not values or (set(map(type, values)) == {int} and min(values) >= 0):
         return tuple(values)
     return tuple(int(_num(v, name, integer=True)) for v in values)
 
@@ -181,17 +181,16 @@ def _plain_tips(rows: list) -> bool:
     """Whether every row is a well-formed [term >= 0, checksum] pair, the checksums checked by one regex over
     their concatenation (each of exactly TIP_CHECKSUM_CHARS characters); `_tips` says what is wrong
     otherwise."""
-    if not all(
-        type(row) is list
-        and len(row) == 2
-        and type(row[0]) is int
-        and row[0] >= 0
-        and type(row[1]) is str
-        and len(row[1]) == TIP_CHECKSUM_CHARS
-        for row in rows
-    ):
+    if not rows:
+        return True
+    if set(map(type, rows)) != {list} or set(map(len, rows)) != {2}:
         return False
-    return _HEX.fullmatch("".join(row[1] for row in rows)) is not None
+    terms, checksums = zip(*rows)
+    if set(map(type, terms)) != {int} or min(terms) < 0:
+        return False
+    if set(map(type, checksums)) != {str} or set(map(len, checksums)) != {TIP_CHECKSUM_CHARS}:
+        return False
+    return _HEX.fullmatch("".join(checksums)) is not None
 
 
 def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
@@ -199,7 +198,7 @@ def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
     if not isinstance(value, list) or len(value) not in (0, fragments):
         raise RecordError(f"tips must be empty or list one (term, checksum) pair per fragment ({fragments})")
     if _plain_tips(value):  # every row well formed: the common case, checked without a call per row
-        return tuple((row[0], row[1]) for row in value)
+        return tuple(map(tuple, value))
     tips = []
     for row in value:
         if not isinstance(row, list) or len(row) != 2:

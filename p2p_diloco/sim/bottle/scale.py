@@ -34,12 +34,12 @@ result holds (`SizeResult.row()`, one row of `sim_peers.json`):
   other's lease (`Invariants.check`'s notion: the (shard, term) pairs it ever timed);
 * `replicas_equal`: after the quiet period every running replica has the same versions and digest.
 
-Garbage collection. One process holds all M nodes, so Python's cyclic collector scans every node's
-long-lived objects (models, replicas, logs: about 1.5M objects at 256 peers) in each full collection,
-where a real peer's process scans only its own. So that this shared heap does not count as the peers'
-work, the heap is frozen at the window's start (`gc.freeze`, `ScaleRun.freeze_heap`; `--sim-no-freeze`
-leaves it): the window's collections then scan only what was made during it. Either way the row's detail
-gives the collector's CPU seconds in the window (`window_gc_cpu_seconds`).
+The cost includes Python's cyclic garbage collector, whose CPU seconds in the window the row's detail
+gives apart (`window_gc_cpu_seconds`): one process holds all M nodes (about 1.4M objects at 256 peers),
+and its full collections scan them all, where a real peer's collector scans only its own objects. It is left
+in: freezing the heap at the window's start (`gc.freeze`) took about a tenth of it off at 256 peers (4.4
+against 4.9 CPU s in a 4-virtual-s window, within this machine's noise), most of it being the young
+generations' collections, whose number follows the objects the peers themselves allocate.
 
 A wall budget stops a run early (`completed` false; the cost is then measured over what was played and
 the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the command line.
@@ -96,10 +96,6 @@ class ScaleRun:
     # virtual seconds between invariant checks; 0: after every event, as `simulate` does (at 256 peers the
     # checks, M nodes x S seats after each of ~M events a virtual ms, cost more wall time than the peers)
     check_every: float = 0.0
-    # freeze the heap at the window's start (`gc.freeze`), so the window's full collections scan what was
-    # made since rather than every node's long-lived state: one process holds all M nodes (1.5M objects at
-    # 256), where each real peer's collector scans only its own (module docstring, "Garbage collection")
-    freeze_heap: bool = True
 
     @property
     def s(self) -> int:
@@ -253,9 +249,6 @@ class MeasuredSimulation(Simulation):
         window_end = warmup_end + spec.window
         if not self._until(warmup_end):
             return
-        if spec.freeze_heap:
-            gc.collect()
-            gc.freeze()
         gc.callbacks.append(self._on_gc)
         self._mark("window_start")
         self.in_window = True
@@ -269,7 +262,6 @@ class MeasuredSimulation(Simulation):
                 self.profiler.disable()
             self.in_window = False
             gc.callbacks.remove(self._on_gc)
-            gc.unfreeze()
         self._mark("window_end")
         self.world.note("sim", "stop_training")
         for node in self.nodes:
@@ -617,7 +609,6 @@ def sim_peers_main(
     profile_at: int | None = None,
     link: LinkSpec | None = None,
     fragments: int | None = None,
-    freeze_heap: bool = True,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
@@ -637,7 +628,6 @@ def sim_peers_main(
             wall_budget=wall_budget,
             check_every=check_every,
             fragments=fragments,
-            freeze_heap=freeze_heap,
         )
         say(f"M={peers} S={run.s} P={run.p}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
         profile = out / f"profile_{peers}.txt" if profile_at == peers else None
