@@ -83,6 +83,7 @@ class Ring:
         placed = sorted((point(peer), peer) for peer in set(peers))
         self.points = [at for at, _ in placed]
         self.peers = [peer for _, peer in placed]
+        self.members = frozenset(self.peers)
 
     def order(self, update: UpdateId, proven: Container[str] = ()) -> list[str]:
         """The tree order of `update`: its leader first, then the `proven` peers, then the others, each
@@ -111,16 +112,6 @@ def children(
 ) -> list[str]:
     """The peers `me` offers `update` to: its children in the tree over `peers` plus `me`."""
     return children_in(relay_order(update, {*peers, me}, proven), me, fanout)
-
-
-class _Proven:
-    """Membership in the proven peers of one update (`Relay._proven`) without building the set."""
-
-    def __init__(self, listed: Container[str], recent: Container[str], contributors: Collection[str]):
-        self.listed, self.recent, self.contributors = listed, recent, frozenset(contributors)
-
-    def __contains__(self, peer: object) -> bool:
-        return peer in self.contributors or peer in self.recent or peer in self.listed
 
 
 @dataclass
@@ -205,13 +196,20 @@ class Relay:
         """`update`'s tree over the live peers that take part (and me): the listed peers, those its signed
         record names (`contributors`) and those the last records applied here name rank as proven."""
         ring, listed = self._ring_of(live)
-        return ring.order(update, _Proven(listed, self._named, contributors))
+        return ring.order(update, self._proven_of(ring.members, listed, contributors))
 
-    def _proven(self, tree: Collection[str], contributors: Collection[str]) -> set[str]:
+    def _proven(self, tree: Collection[str], contributors: Collection[str]) -> frozenset[str]:
         """The peers of `tree` with signed evidence of taking part: listed by the manifest, or named as a
         contributor by this update's record (`contributors`) or by one of the last records applied here."""
-        proven = _Proven(frozenset(p for p in tree if self.listed(p)), self._named, contributors)
-        return {p for p in tree if p in proven}
+        members = frozenset(tree)
+        return self._proven_of(members, frozenset(p for p in members if self.listed(p)), contributors)
+
+    def _proven_of(
+        self, members: frozenset[str], listed: frozenset[str], contributors: Collection[str]
+    ) -> frozenset[str]:
+        """`_proven` of a tree's `members` whose `listed` ones are known, in set operations: asking for
+        each of the M members in turn was a Python call per member per applied update (issue #40)."""
+        return listed | (members & frozenset(contributors)) | (self._named.keys() & members)
 
     def _remember(self, contributors: Collection[str]) -> None:
         named = tuple(set(contributors))
