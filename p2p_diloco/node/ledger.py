@@ -94,7 +94,7 @@ def entry_from_record(record: UpdateRecord, per_step: int, fragments: int, now: 
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class PeerContribution:
     """What one peer contributed over the entries summed: tokens, merge weight, and its share.
 
@@ -127,7 +127,10 @@ class PeerContribution:
 def add_entry(totals: dict[str, PeerContribution], entry: LedgerEntry) -> None:
     total_weight = sum(w for _, w, _ in entry.contributors)
     for peer, weight, tokens in entry.contributors:
-        totals.setdefault(peer, PeerContribution()).add(weight, tokens, total_weight, entry.fragment)
+        found = totals.get(peer)
+        if found is None:
+            found = totals[peer] = PeerContribution()
+        found.add(weight, tokens, total_weight, entry.fragment)
 
 
 def summarize(entries: Iterable[LedgerEntry]) -> dict[str, PeerContribution]:
