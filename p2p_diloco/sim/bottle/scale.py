@@ -24,6 +24,8 @@ result holds (`SizeResult.row()`, one row of `sim_peers.json`):
   and links); a run stopped before the window ended: over all it played, start-up included;
 * `cpu_seconds_per_virtual_second_per_peer`: the same in the process's CPU time, window only (on a shared
   machine the wall time also holds the time other processes took the cores; CPU time does not);
+* `detail.cpu_seconds_per_round_per_peer`: the window's CPU time over its rounds and the peers (a larger
+  swarm publishes more rounds a second, and every peer applies every update);
 * `busiest_peer_bytes_per_round`: the most bytes one peer sent plus received in the window, over the
   window's rounds, a round being one update of every fragment (updates published / fragments);
 * `holder_inbound_bytes_per_round`: the most bytes a synchronizer received in the window over the rounds
@@ -319,6 +321,14 @@ class SizeResult:
             return None
         return self.window_cpu_seconds / self.window_seconds / self.peers
 
+    @property
+    def cpu_per_round_per_peer(self) -> float | None:
+        """The window's CPU time over its rounds and the peers: a peer's cost per unit of the run's progress
+        (a larger swarm publishes more rounds a second, and every peer applies every update)."""
+        if not self.window_rounds or self.window_cpu_seconds is None:
+            return None
+        return self.window_cpu_seconds / self.window_rounds / self.peers
+
     def row(self) -> dict[str, Any]:
         """One size's entry of `sim_peers.json` (module docstring)."""
         return {
@@ -350,6 +360,7 @@ class SizeResult:
                 ),
                 "build_wall_seconds": round(self.build_wall_seconds, 2),
                 "window_rounds": _round(self.window_rounds, 2),
+                "cpu_seconds_per_round_per_peer": _round(self.cpu_per_round_per_peer, 5),
                 "busiest_peer": self.busiest_peer,
                 "busiest_peer_bytes_by_kind": self.busiest_peer_kinds,
                 "holder": self.holder,
