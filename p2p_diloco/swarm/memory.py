@@ -70,10 +70,15 @@ class InMemoryKeyValueStore:
         self._data: dict[str, dict[str, StoredValue]] = {}
 
     def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
-        current = self._data.setdefault(key, {}).get(subkey)
-        if current is not None and current.expiration >= expiration:
+        return self.put(key, subkey, StoredValue(value=value, expiration=expiration))
+
+    def put(self, key: str, subkey: str, stored: StoredValue) -> bool:
+        """`store` of a record already built: one immutable record for every replica a write reaches."""
+        records = self._data.setdefault(key, {})
+        current = records.get(subkey)
+        if current is not None and current.expiration >= stored.expiration:
             return False
-        self._data[key][subkey] = StoredValue(value=value, expiration=expiration)
+        records[subkey] = stored
         return True
 
     def get(self, key: str, now: float) -> dict[str, StoredValue]:
@@ -156,12 +161,14 @@ class PartitionedKeyValueStore:
         return self._group_index.get(peer, -1)
 
     def _reachable(self, writer: str) -> list[str]:
+        if self._groups is None:
+            return list(self._replicas)
         return [p for p in self._replicas if self.reachable(writer, p)]
 
     def store_from(self, writer: str, key: str, subkey: str, value: bytes, expiration: float) -> bool:
-        stored = False
-        for p in self._reachable(writer):
-            stored |= self._replicas[p].store(key, subkey, value, expiration) and p == writer
+        record, stored = StoredValue(value=value, expiration=expiration), False
+        for p in self._reachable(writer):  # one record object for all M replicas, not one each
+            stored |= self._replicas[p].put(key, subkey, record) and p == writer
         return stored
 
     def get_for(self, reader: str, key: str, now: float) -> dict[str, StoredValue]:
