@@ -5,10 +5,11 @@ sees them.
 for each term), the synchronizer this peer follows and its own lease. It decodes records (a bad one is
 counted and skipped, never fatal), screens leases with `protocol.lease_rules` (a refused one is counted
 by reason and never reaches the election), runs `protocol.election.decide` (a peer that is no candidate
-and holds no lease only follows: `follow_only`) and returns the lease records to store; the `Peer` turns its decisions into role changes and intents. Heartbeats are self-reports: they
-never raise a term, their `may_sync` counts only for the run's synchronizers, the election reads only the
-heartbeats of peers that may synchronize, and peers the manifest does not let take part are not read at
-all (a real peer's DHT reads keep at most 512 records per key, listed peers first: `net.admission`).
+and holds no lease only follows: `follow_only`) and returns the lease records to store; the `Peer` turns
+its decisions into role changes and intents. Heartbeats are self-reports: they never raise a term, their
+`may_sync` counts only for the run's synchronizers, the election reads only the heartbeats of peers that
+may synchronize, and peers the manifest does not let take part are not read at all (a real peer's DHT
+reads keep at most 512 records per key, listed peers first: `net.admission`).
 
 With synchronizer shards (`protocol.shards`) a peer keeps one `Membership` per shard: each reads its own
 shard's lease key, with its own terms, holders and fencing; shard 0's, the one other parts hold, knows
