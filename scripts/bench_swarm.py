@@ -421,7 +421,17 @@ def main() -> int:
         metavar="P",
         help="--sim-peers: fragments at every size, at least S (default 16; 0: max(4, S), the old layout)",
     )
+    parser.add_argument(
+        "--sim-young-per-peer",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--sim-peers: the collector's youngest generation, objects per simulated peer (default 700, "
+        "one process's own; 0: Python's one setting for the whole process)",
+    )
     args = parser.parse_args()
+    if args.sim_young_per_peer is not None and args.sim_young_per_peer < 0:
+        parser.error(f"--sim-young-per-peer {args.sim_young_per_peer}: give 0 or more objects per peer")
     if args.sim_fragments is not None and args.sim_fragments < 0:
         parser.error(
             f"--sim-fragments {args.sim_fragments}: give the fragments per model, or 0 for max(4, S)"
@@ -449,6 +459,7 @@ def main() -> int:
             check_every=args.sim_check_every,
             profile_at=args.sim_profile,
             fragments=args.sim_fragments,
+            young_per_peer=args.sim_young_per_peer,
             say=lambda line: print(line, flush=True),
         )
         return 0

@@ -57,7 +57,7 @@ class LedgerEntry:
                 "version": self.version,
                 "term": self.term,
                 "leader": self.leader,
-                "contributors": [list(c) for c in self.contributors],
+                "contributors": self.contributors,  # tuples: JSON arrays
             },
             separators=(",", ":"),
         )
@@ -87,8 +87,10 @@ def entry_from_record(record: UpdateRecord, per_step: int, fragments: int, now: 
         term=record.term,
         leader=record.leader,
         contributors=tuple(
-            (peer, float(weight), round(weight / per_credit) if per_credit > 0 else 0)
-            for peer, weight in record.contributors
+            [
+                (peer, float(weight), round(weight / per_credit) if per_credit > 0 else 0)
+                for peer, weight in record.contributors
+            ]
         ),
         t=now,
     )

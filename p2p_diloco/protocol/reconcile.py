@@ -126,6 +126,13 @@ def winning_tip(tips: Iterable[BranchTip]) -> BranchTip:
 _RANK = attrgetter("version", "term", "checksum")
 
 
+def outranked_by_none(mine: BranchTip, tips: Iterable[BranchTip]) -> bool:
+    """Whether no tip of `tips` ranks above `mine`: then `mine` wins among them, and `classify` says in
+    sync or keep against any subset (the common case of a read, ranked in C: issue #40)."""
+    best = max(tips, key=_RANK, default=None)
+    return best is None or _RANK(best) <= _RANK(mine)
+
+
 def outranks(winner: BranchTip, loser: BranchTip) -> Outranked:
     """Why `winner` ranks above `loser` (or `SAME_STATE`). Raises ValueError if `loser` ranks higher."""
     if winner.same_state(loser):

@@ -39,6 +39,28 @@ class FakeClock:
         self._now = t
 
 
+def _cancelled() -> None:
+    """What a cancelled `Timer` runs."""
+
+
+class Timer:
+    """A callback `EventLoop.timer` scheduled. `cancel` keeps its event (it fires at its time, in its order,
+    as a no-op, so no other event moves) but drops the callback at once, and with it whatever its closure
+    holds: a reply timeout answered long before it is due, of which a simulated swarm of 256 peers holds
+    tens of thousands (issue #40), as a real transport cancels its timer on the reply."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], None]):
+        self.callback = callback
+
+    def __call__(self) -> None:
+        self.callback()
+
+    def cancel(self) -> None:
+        self.callback = _cancelled
+
+
 class EventLoop:
     """A heap of (time, sequence, callback); `run_until` fires them in order on the fake clock."""
 
@@ -52,6 +74,12 @@ class EventLoop:
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> None:
         self.call_at(self.clock.now() + delay, callback)
+
+    def timer(self, delay: float, callback: Callable[[], None]) -> Timer:
+        """`call_later`, cancellable (`Timer`)."""
+        timer = Timer(callback)
+        self.call_later(delay, timer)
+        return timer
 
     def run_until(self, t_end: float, stop: Callable[[], bool] | None = None) -> None:
         while self._heap and self._heap[0][0] <= t_end:

@@ -330,6 +330,9 @@ class Repair:
         for p in range(self.plan.num_fragments):
             mine = self.book.tip(p)
             reported = reported_all[p]
+            if reconcile.outranked_by_none(mine, reported.values()):  # what the rules below conclude then
+                self.behind_since.pop(p, None)
+                continue
             theirs = self.book.vouchers.trusted_tips(p, reported, witness)
             winner = reconcile.winning_tip([mine, *theirs.values()])
             decision = reconcile.classify(mine, winner)

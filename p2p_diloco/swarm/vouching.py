@@ -150,6 +150,8 @@ def trusted_ahead(
     """
     ahead = {}
     for p, (tip, tips) in enumerate(zip(mine, reported, strict=True)):
+        if reconcile.outranked_by_none(tip, tips.values()):  # nothing to catch up to
+            continue
         theirs = vouchers.trusted_tips(p, tips, may_witness)
         if not theirs:
             continue

@@ -309,8 +309,8 @@ def decode_update(frame: bytes, *, max_bytes: int) -> UpdateRecord:
     if "deltas" in header:
         header["deltas"] = parse_listing(header["deltas"])
     if "left_out" in header:
-        header["left_out"] = tuple((learner, seq) for learner, seq in header["left_out"])
-    contributors = tuple((peer, weight) for peer, weight in header.pop("contributors"))
+        header["left_out"] = tuple(map(tuple, header["left_out"]))  # pairs: the schema checked them
+    contributors = tuple(map(tuple, header.pop("contributors")))
     seqs = tuple(header.pop("seqs"))
     if seqs and len(seqs) != len(contributors):
         raise DecodeError(BAD_HEADER, f"update names {len(contributors)} contributors but {len(seqs)} seqs")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_diloco.protocol import reconcile
 from p2p_diloco.protocol.reconcile import (
@@ -159,3 +161,27 @@ def test_split_store_refuses_overlapping_groups_and_newcomers_see_their_side():
     store.view("w").store("k", "s", b"w only", 6.0)
     assert store.view("late").get("k", 0.0)["s"].value == b"v"
     assert isinstance(InMemoryKeyValueStore().get("k", 0.0), dict)
+
+
+_TIPS = st.builds(
+    BranchTip,
+    term=st.integers(0, 3),
+    version=st.integers(0, 3),
+    checksum=st.sampled_from(["aa", "bb", "cc"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mine=_TIPS, tips=st.lists(_TIPS, max_size=5), subset=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_outranked_by_none_means_in_sync_or_keep_against_every_subset(mine, tips, subset):
+    """The fast path of a read (anti-entropy, `trusted_ahead`) skips a fragment on this answer alone: it
+    must be what the full rules say of whichever tips the trust screens keep."""
+    kept = [tip for tip, keep in zip(tips, subset, strict=False) if keep]
+    action = classify(mine, winning_tip([mine, *kept])).action
+    if reconcile.outranked_by_none(mine, tips):
+        assert action in (reconcile.IN_SYNC, reconcile.KEEP)
+        assert all(not (tip.same_state(mine) and tip.term > mine.term) for tip in kept)
+    elif kept == tips:  # a tip outranks mine, and every tip counts: never kept as it is
+        winner = winning_tip([mine, *tips])
+        assert action != reconcile.KEEP
+        assert action != reconcile.IN_SYNC or (winner.same_state(mine) and winner.term > mine.term)

@@ -36,12 +36,15 @@ result holds (`SizeResult.row()`, one row of `sim_peers.json`):
   other's lease (`Invariants.check`'s notion: the (shard, term) pairs it ever timed);
 * `replicas_equal`: after the quiet period every running replica has the same versions and digest.
 
-The cost includes Python's cyclic garbage collector, whose CPU seconds in the window the row's detail
-gives apart (`window_gc_cpu_seconds`): one process holds all M nodes (about 1.4M objects at 256 peers),
-and its full collections scan them all, where a real peer's collector scans only its own objects. It is left
-in: freezing the heap at the window's start (`gc.freeze`) took about a tenth of it off at 256 peers (4.4
-against 4.9 CPU s in a 4-virtual-s window, within this machine's noise), most of it being the young
-generations' collections, whose number follows the objects the peers themselves allocate.
+The collector. The cost includes Python's cyclic garbage collector, whose CPU seconds in the window the
+row's detail gives apart (`window_gc_cpu_seconds`). Its youngest generation is sized per peer
+(`ScaleRun.young_per_peer`, 700 objects, CPython's default for one process: the threshold is 700 x M
+while a size plays). A peer in a process of its own collects its young objects every 700 of its own
+allocations; with one threshold of 700 for M peers in one process, an object a peer holds for a virtual
+round trip (a reply's timer, a frame on its way) lives through M times as many collections, so it is
+promoted and scanned again and again in the older generations. At 256 peers that put 16 % of the window's
+CPU time in the collector against 6 % at 16 (5.7 of 36 CPU s in a 4-virtual-s window at 256 peers; 2.3 of
+32 with 700 per peer). `young_per_peer=0` (`--sim-young-per-peer 0`) keeps the process's own setting.
 
 A wall budget stops a run early (`completed` false; the cost is then measured over what was played and
 the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the command line.
@@ -49,6 +52,7 @@ the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import gc
 import io
@@ -59,7 +63,7 @@ import pstats
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -77,6 +81,7 @@ from p2p_diloco.swarm import effects as fx
 PEERS_PER_SHARD = 16  # S = M / 16 (issue #40)
 INNER_STEPS = 16  # H at every size (module docstring)
 FRAGMENTS = 16  # P at every size, at least S (module docstring)
+YOUNG_PER_PEER = 700  # CPython's default threshold of the youngest generation: what one process has
 
 
 def shards_for(peers: int) -> int:
@@ -100,6 +105,9 @@ class ScaleRun:
     # virtual seconds between invariant checks; 0: after every event, as `simulate` does (at 256 peers the
     # checks, M nodes x S seats after each of ~M events a virtual ms, cost more wall time than the peers)
     check_every: float = 0.0
+    # objects of the collector's youngest generation per simulated peer (module docstring, "The collector");
+    # 0: one young generation for the whole process, Python's own setting
+    young_per_peer: int = YOUNG_PER_PEER
 
     @property
     def s(self) -> int:
@@ -433,7 +441,7 @@ def measure_size(
     settling left out) and the top functions by cumulative and by own time are written there; with
     `trace`, a run that broke a rule writes its trace there."""
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix=f"scale-{run.peers}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"scale-{run.peers}-") as tmp, _young_generation(run):
         root = Path(workdir) if workdir is not None else Path(tmp)
         built = time.perf_counter()
         profiler = cProfile.Profile() if profile is not None else None
@@ -480,6 +488,19 @@ def measure_size(
         run={**asdict(run), "link": asdict(run.link)},
         **window,
     )
+
+
+@contextlib.contextmanager
+def _young_generation(run: ScaleRun) -> Iterator[None]:
+    """The collector's youngest generation sized `run.young_per_peer` objects per peer while `run` plays
+    (module docstring, "The collector"); the process's own thresholds after."""
+    before = gc.get_threshold()
+    if run.young_per_peer > 0:
+        gc.set_threshold(run.young_per_peer * run.peers, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def _window_costs(
@@ -630,6 +651,7 @@ def sim_peers_main(
     profile_at: int | None = None,
     link: LinkSpec | None = None,
     fragments: int | None = None,
+    young_per_peer: int | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
@@ -649,6 +671,7 @@ def sim_peers_main(
             wall_budget=wall_budget,
             check_every=check_every,
             fragments=fragments,
+            young_per_peer=YOUNG_PER_PEER if young_per_peer is None else young_per_peer,
         )
         say(f"M={peers} S={run.s} P={run.p}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
         profile = out / f"profile_{peers}.txt" if profile_at == peers else None

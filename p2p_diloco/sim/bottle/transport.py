@@ -138,11 +138,12 @@ class SimTransport:
             if answered[0]:
                 return
             answered[0] = True
+            timer.cancel()
             if on_reply is not None and self.alive():
                 on_reply(value)
 
         timeout = Reply.transient(REPLY_TIMEOUT, f"no answer from {to} within {self.send_timeout:.1f} s")
-        self.world.later(self.send_timeout, lambda: reply(timeout))
+        timer = self.world.timer(self.send_timeout, lambda: reply(timeout))
         self._deliver(
             to,
             len(frame),
@@ -161,7 +162,8 @@ class SimTransport:
     def _request(self, peer: str, ask: Callable[[InboundHandlers], Any], kind: str = "request") -> Future:
         future: Future = Future()
         timeout = TimeoutError(f"no answer from {peer} within {self.fetch_timeout:.1f} s")
-        self.world.later(self.fetch_timeout, lambda: _settle(future, error=timeout))
+        timer = self.world.timer(self.fetch_timeout, lambda: _settle(future, error=timeout))
+        future.add_done_callback(lambda _: timer.cancel())
         self._deliver(
             peer,
             REQUEST_BYTES,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from p2p_diloco.swarm.memory import EventLoop, FakeClock, PartitionedKeyValueStore, PeerKeyValueView
+from p2p_diloco.swarm.memory import EventLoop, FakeClock, PartitionedKeyValueStore, PeerKeyValueView, Timer
 from p2p_diloco.wire.interfaces import InboundHandlers
 
 
@@ -133,3 +133,7 @@ class World:
 
     def later(self, delay: float, callback: Callable[[], None]) -> None:
         self.loop.call_later(delay, callback)
+
+    def timer(self, delay: float, callback: Callable[[], None]) -> Timer:
+        """`later`, cancellable: a timeout its answer makes moot."""
+        return self.loop.timer(delay, callback)
