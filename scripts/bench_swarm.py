@@ -429,7 +429,17 @@ def main() -> int:
         help="--sim-peers: the collector's youngest generation, objects per simulated peer (default 700, "
         "one process's own; 0: Python's one setting for the whole process)",
     )
+    parser.add_argument(
+        "--sim-min-window-cpu",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="--sim-peers: play a size again (a fresh process each time, at most 8 plays) until its measured "
+        "windows add up to S CPU seconds; the row pools them (0: one play)",
+    )
     args = parser.parse_args()
+    if args.sim_min_window_cpu < 0:
+        parser.error(f"--sim-min-window-cpu {args.sim_min_window_cpu}: give 0 or more CPU seconds")
     if args.sim_young_per_peer is not None and args.sim_young_per_peer < 0:
         parser.error(f"--sim-young-per-peer {args.sim_young_per_peer}: give 0 or more objects per peer")
     if args.sim_fragments is not None and args.sim_fragments < 0:
@@ -460,6 +470,7 @@ def main() -> int:
             profile_at=args.sim_profile,
             fragments=args.sim_fragments,
             young_per_peer=args.sim_young_per_peer,
+            min_window_cpu=args.sim_min_window_cpu,
             say=lambda line: print(line, flush=True),
         )
         return 0

@@ -70,7 +70,8 @@ class Repair:
         # a snapshot replaced a fragment: the outbox forgets its deltas in flight and tells the learner
         # (`Outbox.on_reload`)
         self.reloaded: Callable[[Reload], None] = lambda message: self._emit(ToLearner(message))
-        self.behind_since: dict[int, float] = {}
+        # fragment -> (since when it is off the winning tip without moving, its tip then)
+        self.behind_since: dict[int, tuple[float, BranchTip]] = {}
         self.reconciliations: list[str] = []  # every `reconciled` line, in order
         self.busy: set[int] = set()  # fragments a repair task is working on
         self.serving = serving
@@ -320,9 +321,12 @@ class Repair:
         return self.book.reported(membership.read_peers, self.peer_id, ceilings)
 
     def due_repairs(self, now: float) -> list[tuple[int, BranchTip, list[str], Decision]]:
-        """Fragments off the winning trusted tip for a whole heartbeat period (not a push still in flight):
-        (fragment, winning tip, peers on it, classification), to `reconcile_fragment`. Only tips vouched for
-        or reported by peers that may synchronize name a target (`swarm.vouching`)."""
+        """Fragments off the winning trusted tip for a whole heartbeat period without moving (not pushes
+        still in flight: in a large swarm a fragment is often a version behind at two reads in a row while
+        every update reaches it in time, and replaying logs for those was a twentieth of a peer's time at
+        256 peers, issue #40): (fragment, winning tip, peers on it, classification), to
+        `reconcile_fragment`. Only tips vouched for or reported by peers that may synchronize name a
+        target (`swarm.vouching`)."""
         due = []
         period = self.manifest.timing.heartbeat_period
         witness = self.manifest.may_synchronize
@@ -348,7 +352,10 @@ class Repair:
                 self.book.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
                 self.behind_since.pop(p, None)
                 continue
-            since = self.behind_since.setdefault(p, now)
+            since, then = self.behind_since.get(p, (now, mine))
+            if decision.action == reconcile.CATCH_UP and then.version < mine.version:
+                since = now  # it moved up since: pushes are coming in, the next may be on its way already
+            self.behind_since[p] = (since, mine)
             if now - since >= period and p not in self.busy:
                 sources = sources_on(winner, reported, witness)
                 self.journal.note(f"fragment {p}: {decision}; repairing from {len(sources)} peers")
