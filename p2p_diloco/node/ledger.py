@@ -27,6 +27,7 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -109,13 +110,6 @@ class PeerContribution:
     updates: int = 0
     fragments: set[int] = field(default_factory=set)
 
-    def add(self, weight: float, tokens: int, total_weight: float, fragment: int) -> None:
-        self.tokens += tokens
-        self.weight += weight
-        self.share += weight / total_weight if total_weight > 0 else 0.0
-        self.updates += 1
-        self.fragments.add(fragment)
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
@@ -127,12 +121,19 @@ class PeerContribution:
 
 
 def add_entry(totals: dict[str, PeerContribution], entry: LedgerEntry) -> None:
-    total_weight = sum(w for _, w, _ in entry.contributors)
+    """`entry` booked in `totals` (every peer books every update it applies: issue #40, hence no call per
+    contributor)."""
+    total_weight = sum(map(itemgetter(1), entry.contributors))
+    fragment = entry.fragment
     for peer, weight, tokens in entry.contributors:
         found = totals.get(peer)
         if found is None:
             found = totals[peer] = PeerContribution()
-        found.add(weight, tokens, total_weight, entry.fragment)
+        found.tokens += tokens
+        found.weight += weight
+        found.share += weight / total_weight if total_weight > 0 else 0.0
+        found.updates += 1
+        found.fragments.add(fragment)
 
 
 def summarize(entries: Iterable[LedgerEntry]) -> dict[str, PeerContribution]:

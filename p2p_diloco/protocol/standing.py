@@ -34,8 +34,10 @@ reach full weight whatever its claims. The loss score of issue #41 item 2 caps t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -73,7 +75,7 @@ class Standing:
         self.active_window = active_window
         self.newcomer_grace = newcomer_grace
         self.forget_after = 10 * max(active_window, newcomer_grace)
-        self.rounds: dict[str, int] = {}
+        self.rounds: Counter[str] = Counter()  # peer -> applied updates that merged its deltas
         self.founders: set[str] = set()  # merged before any key had history (`has_history`)
         self.last_merged: dict[str, float] = {}
         self.first_heard: dict[str, float] = {}
@@ -84,11 +86,11 @@ class Standing:
         contributors = list(contributors)
         if not self.has_history():  # merged before any key had history: the run's founders
             self.founders.update(contributors)
-        for peer in contributors:
-            self.rounds[peer] = self.rounds.get(peer, 0) + 1
-            self.last_merged[peer] = now
-            if fragment is not None:
-                self.fragment_merged[(peer, fragment)] = now
+        # in C, not a Python step per contributor: every peer books every update's (issue #40)
+        self.rounds.update(contributors)
+        self.last_merged.update(dict.fromkeys(contributors, now))
+        if fragment is not None:
+            self.fragment_merged.update(dict.fromkeys(zip(contributors, repeat(fragment)), now))
         self._forget(now)
 
     def heard(self, peers: Iterable[str], now: float) -> None:

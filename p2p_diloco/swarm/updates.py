@@ -23,10 +23,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from operator import itemgetter
 
 from torch import Tensor
 
-from p2p_diloco.config import LimitsConfig, RunManifest
+from p2p_diloco.config import LEARNERS_ANY, LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import kernels, lease_rules, reconcile
 from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
@@ -111,7 +112,17 @@ class UpdateChecks:
         return self.check_contributors(record)
 
     def check_contributors(self, record: UpdateRecord) -> tuple[str, str] | None:
-        for peer, weight in record.contributors:
+        """The first contributor that may not learn, or whose weight no honest delta reaches; None if none.
+        A run that lets anyone learn asks only for the heaviest weight (every peer checks every update's
+        contributors: issue #40)."""
+        manifest, pairs = self.manifest, record.contributors
+        if not manifest.allowlist and manifest.trust.learners == LEARNERS_ANY:
+            if (
+                not self.robust.config.enabled
+                or max(map(itemgetter(1), pairs), default=0.0) <= self.max_weight
+            ):
+                return None
+        for peer, weight in pairs:
             if not self.manifest.may_learn(peer):
                 return UpdateTag.UNKNOWN_CONTRIBUTOR, f"{peer} may not learn in this run"
             if self.robust.config.enabled and weight > self.max_weight:
