@@ -144,6 +144,16 @@ def outranks(winner: BranchTip, loser: BranchTip) -> Outranked:
     return Outranked.HIGHER_TERM if winner.term != loser.term else Outranked.LARGER_CHECKSUM
 
 
+def action_of(mine: BranchTip, winner: BranchTip) -> Action:
+    """`classify`'s action without its reason (every read asks it of each fragment; the reason, two tips
+    written out, only matters for the ones it acts on)."""
+    if mine.same_state(winner):
+        return IN_SYNC
+    if mine >= winner:
+        return KEEP
+    return CATCH_UP if mine.version < winner.version and mine.term <= winner.term else RECONCILE
+
+
 def classify(mine: BranchTip, winner: BranchTip) -> Decision:
     """What a replica with tip `mine` does about a fragment whose winning tip is `winner` (rules above)."""
     if mine.same_state(winner):

@@ -339,24 +339,25 @@ class Repair:
                 continue
             theirs = self.book.vouchers.trusted_tips(p, reported, witness)
             winner = reconcile.winning_tip([mine, *theirs.values()])
-            decision = reconcile.classify(mine, winner)
+            action = reconcile.action_of(mine, winner)
             credible = self.book.vouchers.credible_tips(p, reported, witness)
-            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP) and credible.keys() - theirs.keys():
+            if action in (reconcile.IN_SYNC, reconcile.KEEP) and credible.keys() - theirs.keys():
                 # A credible tip nobody else vouches for (one listed synchronizer's) may still show I am
                 # behind on my own branch: replaying its log is safe (every record's signature and lease is
                 # checked; a snapshot fallback must be vouched for), a rollback toward it is not.
                 ahead = reconcile.winning_tip([mine, *credible.values()])
-                if reconcile.classify(mine, ahead).action == reconcile.CATCH_UP:
-                    winner, decision = ahead, reconcile.classify(mine, ahead)
-            if decision.action in (reconcile.IN_SYNC, reconcile.KEEP):
+                if reconcile.action_of(mine, ahead) == reconcile.CATCH_UP:
+                    winner, action = ahead, reconcile.CATCH_UP
+            if action in (reconcile.IN_SYNC, reconcile.KEEP):
                 self.book.tip_terms[p] = max(mine.term, winner.term) if mine.same_state(winner) else mine.term
                 self.behind_since.pop(p, None)
                 continue
             since, then = self.behind_since.get(p, (now, mine))
-            if decision.action == reconcile.CATCH_UP and then.version < mine.version:
+            if action == reconcile.CATCH_UP and then.version < mine.version:
                 since = now  # it moved up since: pushes are coming in, the next may be on its way already
             self.behind_since[p] = (since, mine)
             if now - since >= period and p not in self.busy:
+                decision = reconcile.classify(mine, winner)
                 sources = sources_on(winner, reported, witness)
                 self.journal.note(f"fragment {p}: {decision}; repairing from {len(sources)} peers")
                 self.behind_since.pop(p, None)

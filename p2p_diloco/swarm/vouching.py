@@ -156,6 +156,6 @@ def trusted_ahead(
         if not theirs:
             continue
         winner = reconcile.winning_tip(theirs.values())
-        if reconcile.classify(tip, winner).action == reconcile.CATCH_UP:
+        if reconcile.action_of(tip, winner) == reconcile.CATCH_UP:
             ahead[p] = Ahead(winner, tuple(sources_on(winner, tips, may_witness)))
     return ahead

@@ -215,9 +215,12 @@ def _tips(value, fragments: int) -> tuple[tuple[int, str], ...]:
     return tuple(tips)
 
 
+_HEARTBEAT_KEYS = frozenset(HeartbeatInfo.__dataclass_fields__)
+
+
 def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
     d = _load(raw)
-    expected = set(HeartbeatInfo.__dataclass_fields__)
+    expected = _HEARTBEAT_KEYS
     shard_terms = d.setdefault("shard_terms", [])  # optional: only sharded runs write it
     if not isinstance(shard_terms, list) or len(shard_terms) > MAX_SHARDS:
         raise RecordError(f"shard_terms must be a list of at most {MAX_SHARDS} terms")

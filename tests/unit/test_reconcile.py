@@ -185,3 +185,9 @@ def test_outranked_by_none_means_in_sync_or_keep_against_every_subset(mine, tips
         winner = winning_tip([mine, *tips])
         assert action != reconcile.KEEP
         assert action != reconcile.IN_SYNC or (winner.same_state(mine) and winner.term > mine.term)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mine=_TIPS, winner=_TIPS)
+def test_action_of_is_the_action_classify_decides(mine, winner):
+    assert reconcile.action_of(mine, winner) == classify(mine, winner).action

@@ -38,6 +38,7 @@ Decoded = dict[str, tuple[HeartbeatInfo, float]]  # peer -> its decoded heartbea
 
 LEASE_HISTORY = 64
 MAX_BUCKETS_CACHED = 65536  # peers whose heartbeat bucket is remembered (a hash each, past this)
+MAX_LEASES_DECODED = 256  # holders whose last lease record is kept decoded (`_decode_lease`)
 RECORDS_PER_TERM = 8
 
 
@@ -108,6 +109,7 @@ class Membership:
         self.buckets = heartbeat_buckets.buckets_for(manifest.diloco.synchronizer_shards)
         self.hb_key = heartbeat_key(manifest.run_id, manifest.manifest_hash)
         self._buckets_of: dict[str, int] = {} if first is None else first._buckets_of  # peer -> its bucket
+        self._leases_decoded: dict[str, tuple[bytes, LeaseRecord]] = {}  # holder -> its last lease record
         self.own_bucket = (
             [self._bucket(peer_id)] if first is None else first.own_bucket
         )  # one for every shard
@@ -353,13 +355,25 @@ class Membership:
             if not self.allowed(holder):
                 continue
             try:
-                lease = decode_lease(holder, stored.value)
+                lease = self._decode_lease(holder, stored.value)
             except RecordError as exc:
                 self.journal.rejections["bad lease"] += 1
                 self.journal.note(f"ignored lease of {holder}: {exc}")
                 continue
             seen.append(SeenLease(lease, self.first_seen.setdefault(lease, records.now)))
         return seen
+
+    def _decode_lease(self, holder: str, raw: bytes) -> LeaseRecord:
+        """`decode_lease`, each holder's last record kept: a lease is renewed every few reads and read at
+        every one, in every shard (issue #40)."""
+        known = self._leases_decoded.get(holder)
+        if known is not None and known[0] == raw:
+            return known[1]
+        lease = decode_lease(holder, raw)
+        if len(self._leases_decoded) >= MAX_LEASES_DECODED:
+            self._leases_decoded.clear()
+        self._leases_decoded[holder] = (raw, lease)
+        return lease
 
     def _screen(self, seen: list[SeenLease], live: dict[str, HeartbeatInfo], now: float) -> list[LeaseRecord]:
         """The leases `protocol.lease_rules` accepts (refused ones counted once, and this peer's own noted);
