@@ -91,6 +91,10 @@ class Ring:
         start = bisect_left(self.points, update_point(update))
         walk = self.peers[start:] + self.peers[:start]
         leader = update.leader
+        if proven is self.members:  # everyone proven (a run that lists nobody): one group, sliced in C
+            if leader in self.members:
+                walk.remove(leader)
+            return [leader, *walk]
         first = [p for p in walk if p in proven and p != leader]
         rest = [p for p in walk if p not in proven and p != leader]
         return [leader, *first, *rest]
@@ -196,6 +200,8 @@ class Relay:
         """`update`'s tree over the live peers that take part (and me): the listed peers, those its signed
         record names (`contributors`) and those the last records applied here name rank as proven."""
         ring, listed = self._ring_of(live)
+        if len(listed) == len(ring.members):  # every member listed: all proven, whoever contributed
+            return ring.order(update, ring.members)
         return ring.order(update, self._proven_of(ring.members, listed, contributors))
 
     def _proven(self, tree: Collection[str], contributors: Collection[str]) -> frozenset[str]:

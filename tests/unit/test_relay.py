@@ -12,7 +12,7 @@ from p2p_diloco.config import DilocoConfig
 from p2p_diloco.errors import ConfigError, DecodeError
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.replica import ReplicaTag
-from p2p_diloco.swarm.relay import RECENT_RECORDS, Relay, children, relay_order
+from p2p_diloco.swarm.relay import RECENT_RECORDS, Relay, Ring, children, relay_order
 from p2p_diloco.wire.relay_frames import (
     Offer,
     Relayed,
@@ -227,3 +227,14 @@ def test_relayers_and_heirs_use_the_same_proven_ranking():
     assert relay.heirs(u, PEERS[:6] + FRESH, [gone], tuple(proven)) == [
         c for c in children(u, PEERS[:6] + FRESH, gone, 2, proven) if c != first
     ]
+
+
+@pytest.mark.parametrize("leader_on_ring", [True, False])
+@pytest.mark.parametrize("version", range(6))
+def test_a_ring_whose_members_are_all_proven_orders_as_the_general_rule(leader_on_ring, version):
+    """The shortcut for a run that lists nobody (every member proven, one group sliced in C) gives the tree
+    the two-group rule gives when every member is proven."""
+    ring = Ring(PEERS if leader_on_ring else PEERS[1:])
+    u = update(version)
+    assert ring.order(u, ring.members) == ring.order(u, set(ring.members))
+    assert ring.order(u, ring.members)[0] == u.leader
