@@ -52,7 +52,11 @@ of 16 peers takes about 6 CPU s, in which this shared machine's speed moved its 
 between runs of the same code (0.0138 to 0.0197 CPU s per virtual s per peer), where 256 peers' window
 takes about 190. The same seed plays the same run, so the row's traffic, rounds and propagation are the
 first play's; its time and CPU figures pool every play's window (`detail.plays`, and each play's figure
-in `detail.cpu_seconds_per_virtual_second_per_peer_by_play`). `--sim-min-window-cpu 0` plays once.
+in `detail.cpu_seconds_per_virtual_second_per_peer_by_play`). A size played more than once is played as
+many times again once the larger sizes are done, so that its figure pools plays from before and after
+them: this machine's speed drifts over minutes (16 peers' pooled figure was 0.0189 in one run of the
+command and 0.0125 in the next, the same code), and 256 peers' window takes six of them.
+`--sim-min-window-cpu 0` plays once.
 
 A wall budget stops a run early (`completed` false; the cost is then measured over what was played and
 the end-state fields are None). `--sim-peers` of `scripts/bench_swarm.py` is the command line.
@@ -658,9 +662,9 @@ def _measured_apart(run: ScaleRun, profile: Path | None, trace: Path) -> SizeRes
         return pool.submit(measure_size, run, None, profile, trace).result()
 
 
-def _played_enough(run: ScaleRun, profile: Path | None, trace: Path, min_cpu: float) -> SizeResult:
+def _played_enough(run: ScaleRun, profile: Path | None, trace: Path, min_cpu: float) -> list[SizeResult]:
     """`run` played (each time in a fresh process) until its measured windows add up to `min_cpu` CPU
-    seconds, at most `MAX_PLAYS` times; pooled (module docstring, "Plays")."""
+    seconds, at most `MAX_PLAYS` times (module docstring, "Plays")."""
     plays = [_measured_apart(run, profile, trace)]
     while (
         plays[-1].completed
@@ -669,7 +673,7 @@ def _played_enough(run: ScaleRun, profile: Path | None, trace: Path, min_cpu: fl
         and len(plays) < MAX_PLAYS
     ):
         plays.append(_measured_apart(run, None, trace))
-    return pool_plays(plays)
+    return plays
 
 
 def pool_plays(plays: list[SizeResult]) -> SizeResult:
@@ -718,8 +722,8 @@ def sim_peers_main(
     kept = json.loads(path.read_text())["sizes"] if path.exists() else []
     rows: list[dict[str, Any]] = [r for r in kept if r["peers"] not in sizes]  # other sizes' earlier runs
     report = {"sizes": rows, "figures": ratios(rows)}
-    for peers in sizes:
-        run = ScaleRun(
+    runs = {
+        peers: ScaleRun(
             peers=peers,
             warmup=warmup,
             window=window,
@@ -731,13 +735,27 @@ def sim_peers_main(
             fragments=fragments,
             young_per_peer=YOUNG_PER_PEER if young_per_peer is None else young_per_peer,
         )
-        say(f"M={peers} S={run.s} P={run.p}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
-        profile = out / f"profile_{peers}.txt" if profile_at == peers else None
-        result = _played_enough(run, profile, out / f"trace_{peers}.txt", min_window_cpu)
-        row = result.row()
-        rows = sorted([*rows, row], key=lambda r: r["peers"])
+        for peers in sizes
+    }
+    plays: dict[int, list[SizeResult]] = {}
+
+    def record(peers: int) -> None:
+        nonlocal rows, report
+        row = pool_plays(plays[peers]).row()
+        rows = sorted([*(r for r in rows if r["peers"] != peers), row], key=lambda r: r["peers"])
         say(json.dumps({k: v for k, v in row.items() if k != "detail"}))
         report = {"sizes": rows, "figures": ratios(rows)}
         path.write_text(json.dumps(report, indent=2) + "\n")
+
+    for peers, run in runs.items():
+        say(f"M={peers} S={run.s} P={run.p}: {run.warmup + run.window + run.quiet:.0f} virtual s ...")
+        profile = out / f"profile_{peers}.txt" if profile_at == peers else None
+        plays[peers] = _played_enough(run, profile, out / f"trace_{peers}.txt", min_window_cpu)
+        record(peers)
+    for peers, run in runs.items():  # replayed sizes again after the others: plays from either side of them
+        if len(plays[peers]) > 1 and peers != max(sizes):
+            say(f"M={peers}: {len(plays[peers])} more plays, after the larger sizes ...")
+            plays[peers] += [_measured_apart(run, None, out / f"trace_{peers}.txt") for _ in plays[peers]]
+            record(peers)
     plot(rows, out / "sim_peers.png")
     return report
