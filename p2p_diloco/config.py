@@ -277,6 +277,11 @@ class RunManifest:
         """Whether `peer` may send deltas and fetch state: the allowlist (if any) and `trust.learners`."""
         return (not self.allowlist or peer in self.allowlist) and self.trust.may_learn(peer)
 
+    @functools.cached_property
+    def anyone_may_learn(self) -> bool:
+        """Whether `may_learn` holds for every peer: no allowlist, and `trust.learners` is "any"."""
+        return not self.allowlist and self.trust.learners == LEARNERS_ANY
+
     def takes_part(self, peer: str) -> bool:
         """Whether `peer` may learn or synchronize: a place in an update's relay tree (`swarm.relay`)."""
         return self.may_learn(peer) or self.may_synchronize(peer)

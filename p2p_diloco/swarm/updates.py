@@ -27,7 +27,7 @@ from operator import itemgetter
 
 from torch import Tensor
 
-from p2p_diloco.config import LEARNERS_ANY, LimitsConfig, RunManifest
+from p2p_diloco.config import LimitsConfig, RunManifest
 from p2p_diloco.errors import DecodeError
 from p2p_diloco.protocol import kernels, lease_rules, reconcile
 from p2p_diloco.protocol.decisions import Action, AdmissionTag, Decision
@@ -115,8 +115,8 @@ class UpdateChecks:
         """The first contributor that may not learn, or whose weight no honest delta reaches; None if none.
         A run that lets anyone learn asks only for the heaviest weight (every peer checks every update's
         contributors: issue #40)."""
-        manifest, pairs = self.manifest, record.contributors
-        if not manifest.allowlist and manifest.trust.learners == LEARNERS_ANY:
+        pairs = record.contributors
+        if self.manifest.anyone_may_learn:
             if (
                 not self.robust.config.enabled
                 or max(map(itemgetter(1), pairs), default=0.0) <= self.max_weight

@@ -220,13 +220,12 @@ _HEARTBEAT_KEYS = frozenset(HeartbeatInfo.__dataclass_fields__)
 
 def decode_heartbeat(raw: bytes, num_fragments: int) -> HeartbeatInfo:
     d = _load(raw)
-    expected = _HEARTBEAT_KEYS
     shard_terms = d.setdefault("shard_terms", [])  # optional: only sharded runs write it
     if not isinstance(shard_terms, list) or len(shard_terms) > MAX_SHARDS:
         raise RecordError(f"shard_terms must be a list of at most {MAX_SHARDS} terms")
     d["shard_terms"] = _counts(shard_terms, "shard_terms[]")
-    if set(d) != expected:
-        raise RecordError(f"heartbeat keys {sorted(d)} != {sorted(expected)}")
+    if set(d) != _HEARTBEAT_KEYS:
+        raise RecordError(f"heartbeat keys {sorted(d)} != {sorted(_HEARTBEAT_KEYS)}")
     if d["role"] not in ROLES:
         raise RecordError(f"unknown role {d['role']!r}")
     for name in ("may_sync", "reachable"):
