@@ -217,3 +217,17 @@ def test_a_claim_on_a_read_that_may_miss_a_candidate_waits():
     alone = decide(me, beats(gone, second))  # but a read of only my own records waits a while longer
     assert alone.tag == election.ElectionTag.INCOMPLETE_READ and "only my own records" in alone.detail, alone
     assert decide(me, beats(t + alone_after(T), second)).action == election.CLAIM  # `protocol.claim_guard`
+
+
+def test_a_garbage_lease_record_is_refused_at_every_read_and_the_honest_lease_still_counts():
+    """Each holder's last lease record stays decoded (`Membership._decode_lease`); a record that does not
+    decode is never kept, so every read refuses and counts it again, and the honest one is read as ever."""
+    me = follower()
+    honest = LeaseRecord(HONEST, 1, 100.0 + T.lease_ttl)
+    for i, now in enumerate((100.0, 100.5), start=1):
+        records = read(now, honest)
+        records.leases[INSIDER] = StoredValue(b'{"term": "one"}', now + T.lease_ttl)
+        view = me.ingest(records)
+        assert me.journal.rejections["bad lease"] == i
+        assert [lease.holder for lease in view.leases] == [HONEST]
+    assert me.held_lease(HONEST, 1) and not me.held_lease(INSIDER, 1)

@@ -68,3 +68,14 @@ def test_contributors_must_be_learners_with_weights_the_schedule_allows():
     assert c.check_contributors(record(b"", (("stranger", 1.0),)))[0] == UpdateTag.UNKNOWN_CONTRIBUTOR
     heavy = c.max_weight * 4
     assert c.check_contributors(record(b"", ((QM, heavy),)))[0] == UpdateTag.IMPLAUSIBLE_WEIGHT
+
+
+def test_an_open_run_refuses_a_contributor_weight_no_honest_delta_reaches_and_names_it():
+    """A run that lets anyone learn checks an update's contributors by the heaviest weight alone; one
+    heavy weight among honest ones is still refused, naming that contributor."""
+    c = checks()
+    assert MANIFEST.anyone_may_learn and c.robust.config.enabled
+    honest = (("a", 1.0), ("b", c.max_weight))
+    assert c.check_contributors(record(b"", honest)) is None
+    tag, detail = c.check_contributors(record(b"", (*honest, ("c", c.max_weight * 4))))
+    assert tag == UpdateTag.IMPLAUSIBLE_WEIGHT and detail.startswith("c's weight")
