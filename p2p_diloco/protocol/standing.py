@@ -34,10 +34,11 @@ reach full weight whatever its claims. The loss score of issue #41 item 2 caps t
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+
+SAME_ANSWER_MARGIN = 1e-3  # seconds: `active_until`'s answer is kept this far short of a window's rounded end
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -79,24 +80,33 @@ class Standing:
         self.founders: set[str] = set()  # merged before any key had history (`has_history`)
         self.last_merged: dict[str, float] = {}
         self.first_heard: dict[str, float] = {}
-        self.fragment_merged: dict[tuple[str, int], float] = {}  # (peer, fragment) -> last merged there
+        # fragment -> peer -> when an applied update of it last merged the peer's delta (a table per
+        # fragment: no key built per contributor of every update, issue #40)
+        self.fragment_merged: defaultdict[int, dict[str, float]] = defaultdict(dict)
         self._forgot_at = float("-inf")  # when the tables were last swept (`_forget`)
+        # bumped whenever what `active` reads changes: an answer of `active_until` holds until then
+        self.version = 0
 
     def note_merged(self, contributors: Iterable[str], now: float, fragment: int | None = None) -> None:
         contributors = list(contributors)
+        self.version += 1
         if not self.has_history():  # merged before any key had history: the run's founders
             self.founders.update(contributors)
         # in C, not a Python step per contributor: every peer books every update's (issue #40)
         self.rounds.update(contributors)
         self.last_merged.update(dict.fromkeys(contributors, now))
         if fragment is not None:
-            self.fragment_merged.update(dict.fromkeys(zip(contributors, repeat(fragment)), now))
+            self.fragment_merged[fragment].update(dict.fromkeys(contributors, now))
         self._forget(now)
 
     def heard(self, peers: Iterable[str], now: float) -> None:
         """Peers whose heartbeats were read at `now` (their first one starts their newcomer grace)."""
+        first_heard = self.first_heard
+        known = len(first_heard)
         for peer in peers:
-            self.first_heard.setdefault(peer, now)
+            first_heard.setdefault(peer, now)
+        if len(first_heard) != known:
+            self.version += 1
 
     def ramp(self, peer: str) -> float:
         """The factor on `peer`'s merge weight: (rounds merged + 1) / (new_peer_rounds + 1), at most 1."""
@@ -139,18 +149,31 @@ class Standing:
         """Since when `peer` has waited for a merge of `fragment` as this peer saw it: the last applied update
         of `fragment` that merged its delta, else when it was first heard of, else `now` (the order of a
         sparse round's gather set, `protocol.gather`)."""
-        return self.fragment_merged.get((peer, fragment), self.first_heard.get(peer, now))
+        merged = self.fragment_merged.get(fragment)
+        found = merged.get(peer) if merged is not None else None
+        return found if found is not None else self.first_heard.get(peer, now)
 
     def active(self, learners: Iterable[str], now: float) -> frozenset[str]:
         """The live `learners` that count: merged within `active_window`, or heard first within
         `newcomer_grace` (a new learner is awaited while its first deltas are on their way); a learner
         never heard (an unlisted key before its first accepted delta) does not count."""
-        return frozenset(
-            peer
-            for peer in learners
-            if now - self.last_merged.get(peer, float("-inf")) <= self.active_window
-            or now - self.first_heard.get(peer, float("-inf")) <= self.newcomer_grace
-        )
+        return self.active_until(learners, now)[0]
+
+    def active_until(self, learners: Iterable[str], now: float) -> tuple[frozenset[str], float]:
+        """`active`, and a time before which it gives the same answer for these `learners` while `version`
+        stays: a little (`SAME_ANSWER_MARGIN`) before the earliest moment a counted learner's windows both
+        close (one left out stays out as time passes). A holder asks after every event it handles
+        (`Membership.live_learners`), so it keeps the answer."""
+        never = float("-inf")
+        last_merged, first_heard = self.last_merged, self.first_heard
+        window, grace = self.active_window, self.newcomer_grace
+        active, closes = [], float("inf")
+        for peer in learners:
+            merged, heard = last_merged.get(peer, never), first_heard.get(peer, never)
+            if now - merged <= window or now - heard <= grace:
+                active.append(peer)
+                closes = min(closes, max(merged + window, heard + grace))
+        return frozenset(active), closes - SAME_ANSWER_MARGIN
 
     def _forget(self, now: float) -> None:
         """Drop what is older than `forget_after`; the sweep runs at most once per tenth of it (every peer
@@ -160,6 +183,7 @@ class Standing:
         if now - self._forgot_at < self.forget_after / 10:
             return
         self._forgot_at = now
+        self.version += 1
         horizon = now - self.forget_after
         for table in (self.last_merged, self.first_heard):
             for peer in [p for p, t in table.items() if t < horizon]:
@@ -167,5 +191,6 @@ class Standing:
         for peer in [p for p in self.rounds if p not in self.last_merged]:
             del self.rounds[peer]
             self.founders.discard(peer)
-        for key in [k for k, t in self.fragment_merged.items() if t < horizon]:
-            del self.fragment_merged[key]
+        for merged in self.fragment_merged.values():
+            for peer in [p for p, t in merged.items() if t < horizon]:
+                del merged[peer]

@@ -190,9 +190,9 @@ class UpdateBook:
         self.checks = UpdateChecks(manifest, plan.num_fragments, robust)
         self.robust = robust
         self.has_learner = has_learner
-        # (learner, fragment) -> the highest delta seq of it an applied update merged: a delta carrying
+        # by fragment, learner -> the highest delta seq of it an applied update merged: a delta carrying
         # work of an older one (resent after a term change) must not count it twice (`merged_already`)
-        self.merged_seqs: dict[tuple[str, int], int] = {}
+        self.merged_seqs: list[dict[str, int]] = [{} for _ in range(plan.num_fragments)]
         sizes = [sum(math.prod(s) for s in replica.shapes(p).values()) for p in range(plan.num_fragments)]
         limits = manifest.limits
         self.log = UpdateLog(
@@ -462,10 +462,10 @@ class UpdateBook:
         self.robust.standing.note_merged((peer for peer, _ in record.contributors), now, record.fragment)
         self.vouchers.vouch(record)
         self.tip_terms[p] = record.term
-        merged = self.merged_seqs
+        merged = self.merged_seqs[p]
         for (peer, _), seq in zip(record.contributors, record.seqs):
-            if seq > merged.get((peer, p), 0):
-                merged[(peer, p)] = seq
+            if seq > merged.get(peer, 0):
+                merged[peer] = seq
         self.log.append(record)
         self.applied += 1
         if how != UpdateSource.OWN:
@@ -477,7 +477,9 @@ class UpdateBook:
     def merged_already(self, sender: str, fragment: int, carries_since: int) -> int | None:
         """The seq of `sender`'s delta of `fragment` already merged that a delta carrying work since
         `carries_since` repeats (None if it repeats none)."""
-        merged = self.merged_seqs.get((sender, fragment), 0)
+        if not 0 <= fragment < len(self.merged_seqs):
+            return None
+        merged = self.merged_seqs[fragment].get(sender, 0)
         return merged if merged >= carries_since else None
 
     def frames_after(self, fragment: int, after_version: int) -> list[bytes]:

@@ -156,7 +156,7 @@ def test_a_synchronizer_refuses_a_delta_repeating_work_an_applied_update_merged(
     me = make_peer(MANIFEST, may_sync=True)
     clock = me.clock
     me.peer.role.take(1)
-    me.peer.book.merged_seqs[("other", 0)] = 5  # what applying that update recorded
+    me.peer.book.merged_seqs[0]["other"] = 5  # what applying that update recorded
     names = me.peer.plan.names(0)
     payload = encode_tensors(
         {n: torch.zeros(me.peer.shapes[n]) for n in names}, codec=MANIFEST.wire.codec, block_size=64

@@ -121,6 +121,10 @@ class Membership:
         # the live peers this peer knows: with one heartbeat bucket, exactly those of the last read; with
         # buckets, every heartbeat read until its bucket is read again without it (`_known_peers`)
         self.live_peers: dict[str, HeartbeatInfo] = {} if first is None else first.live_peers
+        # bumped by every read that may change `live_peers` (one cell for every shard: they share the dict)
+        self._live_version: list[int] = [0] if first is None else first._live_version
+        # (live version, standing version, since, before, answer) of `live_learners`' last answer
+        self._live_learners: tuple[int, int, float, float, frozenset[str]] | None = None
         # what the last read decoded (bounded whatever M): the per-period rules read these
         self.read_peers: dict[str, HeartbeatInfo] = {}
         # bucket -> its peers as last read (one dict for every shard)
@@ -242,6 +246,7 @@ class Membership:
         leases += self._remembered(records.now, {item.lease.holder for item in seen})
         self._forget_old(records.now, {item.lease for item in seen})
         self.read_peers = live
+        self._live_version[0] += 1
         if self.buckets <= 1:
             self.live_peers = live
         elif learn:
@@ -472,11 +477,19 @@ class Membership:
         every heartbeat each period: with heartbeat buckets `live_peers` holds each bucket as last read (at
         most B - 1 periods old), and with `[robust]` on a learner counts only while its deltas merge (or
         it is new), which every peer learns from the updates it applies (docs/architecture.md, "What a
-        peer reads per tick")."""
+        peer reads per tick"). A holder asks after every event it handles: the answer is kept until a read
+        or the standing changes, or a counted learner's window closes (`Standing.active_until`)."""
+        live_version, standing_version = self._live_version[0], self.standing.version
+        kept = self._live_learners
+        if kept is not None and kept[:2] == (live_version, standing_version) and kept[2] <= now < kept[3]:
+            return kept[4]
         live = [p for p, info in self.live_peers.items() if info.role in ("learner", "synchronizer")]
-        if not self.manifest.robust.enabled:
-            return frozenset(live)
-        return self.standing.active(live, now)
+        if self.manifest.robust.enabled:
+            answer, before = self.standing.active_until(live, now)
+        else:
+            answer, before = frozenset(live), float("inf")
+        self._live_learners = (live_version, standing_version, now, before, answer)
+        return answer
 
     def held_lease(self, leader: str, term: int) -> bool:
         """Whether `leader` was seen holding the lease of `term`."""

@@ -292,13 +292,14 @@ def _quantized(view: memoryview, entry: _Entry) -> QuantizedTensor | torch.Tenso
     if entry.numel == 0:
         return torch.zeros(entry.shape, dtype=torch.float32)
     n_blocks = -(-entry.numel // entry.block_size)
-    absmax = torch.from_numpy(np.frombuffer(view, "<f4", n_blocks, entry.absmax_at).astype(np.float32))
-    if not bool(torch.isfinite(absmax).all()):
+    scales = np.frombuffer(view, "<f4", n_blocks, entry.absmax_at).astype(np.float32)
+    # checked in numpy: a few blocks a tensor, where a torch call costs more than the check (issue #40)
+    if not np.isfinite(scales).all():
         raise DecodeError(NON_FINITE, f"tensor {entry.name!r} has a non-finite block absmax")
-    if bool((absmax < 0).any()):
+    if (scales < 0).any():
         raise DecodeError(BAD_HEADER, f"tensor {entry.name!r} has a negative block absmax")
     codes = np.frombuffer(view, np.uint8, entry.numel, entry.data_at)
-    return QuantizedTensor(entry.shape, codes, absmax, entry.block_size, CODE_TABLE)
+    return QuantizedTensor(entry.shape, codes, torch.from_numpy(scales), entry.block_size, CODE_TABLE)
 
 
 def _dequantize(view: memoryview, entry: _Entry) -> torch.Tensor:
