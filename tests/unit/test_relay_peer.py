@@ -4,6 +4,7 @@ reason, counted and its relayer dropped, and the replica does not change; an hon
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,14 +14,23 @@ from p2p_diloco.protocol.election import LeaseRecord
 from p2p_diloco.protocol.messages import UpdateRecord, UpdateTag
 from p2p_diloco.protocol.replica import GlobalReplica
 from p2p_diloco.swarm.memory import FakeClock
+from p2p_diloco.swarm.relay import relay_order
 from p2p_diloco.wire.codecs.codec import decode_tensors, encode_tensors
-from p2p_diloco.wire.frames import encode_update
-from p2p_diloco.wire.keys import lease_key
-from p2p_diloco.wire.records import encode_lease
-from p2p_diloco.wire.relay_frames import Offer, RelayTag, UpdateId, encode_offer, encode_relayed
+from p2p_diloco.wire.frames import _PREFIX, UPDATE_MAGIC, decode_update, encode_update
+from p2p_diloco.wire.keys import heartbeat_key, lease_key
+from p2p_diloco.wire.records import HeartbeatInfo, encode_lease
+from p2p_diloco.wire.relay_frames import (
+    Offer,
+    Relayed,
+    RelayTag,
+    UpdateId,
+    decode_relay,
+    encode_offer,
+    encode_relayed,
+)
 from p2p_diloco.wire.replies import Reply, ReplyStatus
 from tests.support.manifests import tiny_manifest
-from tests.support.peers import PeerHarness, make_peer, signed
+from tests.support.peers import PeerHarness, StubTransport, make_peer, settled, signed
 
 MANIFEST = tiny_manifest("rl")
 
@@ -98,3 +108,59 @@ def test_garbage_relay_frames_get_a_refusal_and_never_change_the_replica(data, s
     assert isinstance(reply, Reply) and reply.tag
     assert reply.status in (ReplyStatus.REFUSED, ReplyStatus.ACCEPTED)  # an offer may be asked for
     assert peer.replica.digest() == before
+
+
+class AskingTransport(StubTransport):
+    """Every offer is asked for (`SEND`); the update payloads relayed on are kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relayed: list[tuple[str, bytes]] = []
+
+    def relay(self, to_peer, frame):  # noqa: ANN001, ANN201
+        message = decode_relay(frame)
+        if isinstance(message, Relayed):
+            self.relayed.append((to_peer, message.frame))
+            return settled(Reply(ReplyStatus.APPLIED, "applied"))
+        return settled(Reply(ReplyStatus.ACCEPTED, RelayTag.SEND, "send"))
+
+
+def test_a_relayer_passes_on_the_frame_it_received_as_it_is():
+    """The update frame goes on byte for byte (not encoded again by every relayer): here one whose header
+    lists its keys in another order than this peer's encoder writes them, which every check accepts."""
+    manifest = dataclasses.replace(MANIFEST, diloco=dataclasses.replace(MANIFEST.diloco, fanout=1))
+    transport = AskingTransport()
+    peer = make_peer(manifest, learner=False, clock=FakeClock(10.0), transport=transport)
+    lease = LeaseRecord("leader", 1, expires_at=10.0 + manifest.timing.lease_ttl)
+    peer.kv.store(lease_key(manifest.run_id, manifest.manifest_hash), "leader", encode_lease(lease), 1e9)
+    record = signed(dataclasses.replace(leader_update(peer), manifest_hash=manifest.manifest_hash))
+    update = UpdateId.of(record)
+    child = next(  # a peer right after me in this update's tree (fanout 1: a chain leader -> me -> child)
+        c
+        for c in (f"child{i}" for i in range(1000))
+        if relay_order(update, ["leader", "me", c])[1:] == ["me", c]
+    )
+    beat = HeartbeatInfo(role="learner", may_sync=False, reachable=True, versions=(0, 0)).to_bytes()
+    peer.kv.store(heartbeat_key(manifest.run_id, manifest.manifest_hash), child, beat, 1e9)
+    peer.read_view(10.0)
+    frame = reordered_header(encode_update(record))
+    assert frame != encode_update(record) and decode_update(frame, max_bytes=10**7) == record
+    assert offer(peer, "leader", record, hop=1).tag == RelayTag.SEND
+    applied = peer.handle_relay("leader", encode_relayed(1, frame))
+    assert applied.status == ReplyStatus.APPLIED, applied
+    assert transport.relayed == [(child, frame)]
+
+
+def reordered_header(frame: bytes) -> bytes:
+    """`frame` with its JSON header's keys in reverse order (the same header, other bytes)."""
+    prefix = len(UPDATE_MAGIC) + _PREFIX.size
+    version, header_len, payload_len = _PREFIX.unpack_from(frame, len(UPDATE_MAGIC))
+    header = json.loads(frame[prefix : prefix + header_len])
+    text = json.dumps(dict(reversed(header.items())), separators=(",", ":")).encode()
+    assert len(text) == header_len
+    return (
+        frame[: len(UPDATE_MAGIC)]
+        + _PREFIX.pack(version, header_len, payload_len)
+        + text
+        + frame[prefix + header_len :]
+    )
