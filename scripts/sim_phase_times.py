@@ -12,7 +12,9 @@ the outer step, the bookkeeping, the relay's next hops). The parts nest inside t
     PYTHONHASHSEED=0 .venv/bin/python scripts/sim_phase_times.py --peers 256 --window 4 --out DIR
 
 writes DIR/phase_times_M.json: per name, CPU ms per virtual s per peer, calls per virtual s per peer and
-microseconds per call.
+microseconds per call; and under `rounds` the updates published in the window: per fragment the virtual
+times and contributors of each, their mean contributors and the mean gap between a fragment's updates
+(how many rounds a swarm of M runs a second, and why: every peer applies every update).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from p2p_diloco.node.events import PeerEventLog
 from p2p_diloco.sim.bottle import scale
+from p2p_diloco.swarm import effects as fx
 from p2p_diloco.swarm import relay, spreading, updates
 from p2p_diloco.swarm.election.membership import Membership
 from p2p_diloco.swarm.learner import Learner
@@ -81,6 +84,37 @@ def instrument(timer: PhaseTimer) -> None:
     timer.wrap(updates, "decode_update")  # the update book's reference (a relayed frame decodes in spreading)
 
 
+class RoundLog:
+    """The updates published while the window is on: fragment -> [(virtual time, contributors)]."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        self.timer = timer
+        self.by_fragment: defaultdict[int, list[tuple[float, int]]] = defaultdict(list)
+
+    def watch(self) -> None:
+        on_intent = scale.MeasuredSimulation._on_intent
+
+        def logged(sim: scale.MeasuredSimulation, node: Any, intent: fx.Intent) -> None:
+            if self.timer.on and isinstance(intent, fx.Published):
+                record = intent.record
+                self.by_fragment[record.fragment].append(
+                    (round(sim.world.now(), 3), len(record.contributors))
+                )
+            on_intent(sim, node, intent)
+
+        scale.MeasuredSimulation._on_intent = logged  # this process's runs only
+
+    def report(self) -> dict[str, Any]:
+        counts = [c for updates in self.by_fragment.values() for _, c in updates]
+        gaps = [b[0] - a[0] for u in self.by_fragment.values() for a, b in zip(u, u[1:], strict=False)]
+        return {
+            "updates": len(counts),
+            "mean_contributors": round(sum(counts) / len(counts), 2) if counts else None,
+            "mean_gap_s": round(sum(gaps) / len(gaps), 3) if gaps else None,
+            "by_fragment": {str(p): u for p, u in sorted(self.by_fragment.items())},
+        }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, required=True, help="swarm size M (S = M / 16)")
@@ -91,6 +125,8 @@ def main() -> int:
         parser.error("--peers needs 2 or more peers and --window a positive number of virtual seconds")
     timer = PhaseTimer()
     instrument(timer)
+    rounds = RoundLog(timer)
+    rounds.watch()
     mark = scale.MeasuredSimulation._mark
 
     def timed_mark(sim: scale.MeasuredSimulation, name: str) -> None:
@@ -115,6 +151,7 @@ def main() -> int:
         "window": args.window,
         "cpu_seconds_per_virtual_second_per_peer": result.cpu_per_virtual_per_peer,
         "parts": parts,
+        "rounds": rounds.report(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"phase_times_{args.peers}.json"
@@ -123,6 +160,8 @@ def main() -> int:
         print(
             f"{name:45s} {row['cpu_ms_per_virtual_s_per_peer']:8.3f} ms/vs/peer {row['us_per_call']:9.1f} us/call"
         )
+    summary = {k: v for k, v in report["rounds"].items() if k != "by_fragment"}
+    print(f"rounds in the window: {summary}")
     print(f"wrote {path}")
     return 0
 
