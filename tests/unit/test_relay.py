@@ -7,12 +7,14 @@ import dataclasses
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_diloco.config import DilocoConfig
 from p2p_diloco.errors import ConfigError, DecodeError
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.replica import ReplicaTag
-from p2p_diloco.swarm.relay import RECENT_RECORDS, Relay, Ring, children, relay_order
+from p2p_diloco.swarm.relay import RECENT_RECORDS, Relay, Ring, children, relay_order, update_point
 from p2p_diloco.wire.relay_frames import (
     Offer,
     Relayed,
@@ -238,3 +240,25 @@ def test_a_ring_whose_members_are_all_proven_orders_as_the_general_rule(leader_o
     u = update(version)
     assert ring.order(u, ring.members) == ring.order(u, set(ring.members))
     assert ring.order(u, ring.members)[0] == u.leader
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    members=st.sets(st.sampled_from(PEERS), min_size=1),
+    proven=st.sets(st.sampled_from(PEERS)),
+    leader=st.sampled_from([*PEERS[:4], "peer-elsewhere"]),
+    version=st.integers(0, 50),
+)
+def test_a_tree_order_is_the_leader_then_the_proven_then_the_others_each_round_the_ring(
+    members, proven, leader, version
+):
+    """`Ring.order` against the rule written out peer by peer: the leader first, then the proven members,
+    then the others, each group in ring order from the update's point, the leader nowhere else."""
+    ring = Ring(members)
+    u = dataclasses.replace(update(version), leader=leader)
+    start = next((i for i, at in enumerate(ring.points) if at >= update_point(u)), len(ring.points))
+    walk = ring.peers[start:] + ring.peers[:start]
+    expected = [leader]
+    expected += [p for p in walk if p in proven and p != leader]
+    expected += [p for p in walk if p not in proven and p != leader]
+    assert ring.order(u, frozenset(proven)) == expected
