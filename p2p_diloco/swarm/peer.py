@@ -254,7 +254,7 @@ class Peer:
         if verdict.record is not None:
             self.underway.witness(verdict.record)
         if verdict.reply.status == ReplyStatus.APPLIED and verdict.record is not None:
-            self.spreading.spread(verdict.record, hop=1, now=now, relayed=False, frame=frame)
+            self.spreading.spread(verdict.record, hop=1, now=now, relayed=False)
         elif verdict.repair is not None:
             self._repair(verdict.repair)
         return verdict.reply

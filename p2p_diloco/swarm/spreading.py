@@ -83,7 +83,7 @@ class Spreading:
         if verdict.record is not None:
             self._witness(verdict.record)
         if verdict.reply.status == ReplyStatus.APPLIED:
-            self.spread(record, hop=hop, now=now, relayed=True, frame=message.frame)
+            self.spread(record, hop=hop, now=now, relayed=True)
         else:
             self._relay_offence(sender, verdict.reply.tag)
             if verdict.repair is not None:
@@ -94,22 +94,17 @@ class Spreading:
         if self.relay.refused(sender, tag):
             self.journal.note(f"dropped relayer {sender}: it relayed a record refused for {tag}")
 
-    def spread(
-        self, record: UpdateRecord, *, hop: int, now: float, relayed: bool, frame: bytes | None = None
-    ) -> None:
-        """An update pushed or relayed to me was applied: offer it to my children in its relay tree.
-        `frame`: the update frame it came in, passed on as it is (not encoded again for every relayer)."""
+    def spread(self, record: UpdateRecord, *, hop: int, now: float, relayed: bool) -> None:
+        """An update pushed or relayed to me was applied: offer it to my children in its relay tree."""
         update = UpdateId.of(record)
         self.relay.applied(update, hop, now, relayed=relayed)
         live = self.membership.live_peers
         holds = _HeldBy(live, record.fragment, update.to_version)
         targets = self.relay.onward(update, live, holds, contributors=record.contributor_ids)
         if targets:
-            self.spawn(self._offer(record, hop + 1, tuple(targets), frame))
+            self.spawn(self._offer(record, hop + 1, tuple(targets)))
 
-    def _offer(
-        self, record: UpdateRecord, hop: int, targets: tuple[str, ...], frame: bytes | None = None
-    ) -> fx.Task:
+    def _offer(self, record: UpdateRecord, hop: int, targets: tuple[str, ...]) -> fx.Task:
         """Offer `record` to `targets`, send it to those that ask; a target the offer did not reach hands
         its children to me (one level: I send at most fanout x (fanout + 1) payloads of an update)."""
         update = UpdateId.of(record)
@@ -122,10 +117,12 @@ class Spreading:
             wanted += _sorted_replies(heirs, replies)[0]
         self.relay.declined(len(targets) + len(heirs) - len(wanted))
         if wanted:
-            relayed = encode_relayed(hop, frame if frame is not None else encode_update(record))
-            self.relay.sent_payloads(len(wanted), len(relayed), relayed=True)
+            # encoded anew, not passed on as received: a header a relayer padded (whitespace, long number
+            # text; the signature covers the fields, not the bytes) would travel the whole subtree
+            frame = encode_relayed(hop, encode_update(record))
+            self.relay.sent_payloads(len(wanted), len(frame), relayed=True)
             for peer in wanted:
-                self._emit(fx.RelayUpdate(peer, relayed))
+                self._emit(fx.RelayUpdate(peer, frame))
 
 
 class _HeldBy:

@@ -4,7 +4,6 @@ reason, counted and its relayer dropped, and the replica does not change; an hon
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -125,9 +124,10 @@ class AskingTransport(StubTransport):
         return settled(Reply(ReplyStatus.ACCEPTED, RelayTag.SEND, "send"))
 
 
-def test_a_relayer_passes_on_the_frame_it_received_as_it_is():
-    """The update frame goes on byte for byte (not encoded again by every relayer): here one whose header
-    lists its keys in another order than this peer's encoder writes them, which every check accepts."""
+def test_a_relayer_passes_on_the_record_encoded_anew_not_a_padded_frame_it_received():
+    """A relayer sends on the record as its own encoder writes it: a header a hostile relayer padded
+    (whitespace, which every check accepts: the signature covers the fields, not the frame's bytes) costs
+    only that relayer's own upload, and goes no further than the peers it sent it to."""
     manifest = dataclasses.replace(MANIFEST, diloco=dataclasses.replace(MANIFEST.diloco, fanout=1))
     transport = AskingTransport()
     peer = make_peer(manifest, learner=False, clock=FakeClock(10.0), transport=transport)
@@ -143,24 +143,21 @@ def test_a_relayer_passes_on_the_frame_it_received_as_it_is():
     beat = HeartbeatInfo(role="learner", may_sync=False, reachable=True, versions=(0, 0)).to_bytes()
     peer.kv.store(heartbeat_key(manifest.run_id, manifest.manifest_hash), child, beat, 1e9)
     peer.read_view(10.0)
-    frame = reordered_header(encode_update(record))
-    assert frame != encode_update(record) and decode_update(frame, max_bytes=10**7) == record
+    frame = padded_header(encode_update(record), 4096)
+    assert len(frame) > len(encode_update(record)) + 4000
+    assert decode_update(frame, max_bytes=10**7) == record
     assert offer(peer, "leader", record, hop=1).tag == RelayTag.SEND
     applied = peer.handle_relay("leader", encode_relayed(1, frame))
     assert applied.status == ReplyStatus.APPLIED, applied
-    assert transport.relayed == [(child, frame)]
+    assert transport.relayed == [(child, encode_update(record))]
 
 
-def reordered_header(frame: bytes) -> bytes:
-    """`frame` with its JSON header's keys in reverse order (the same header, other bytes)."""
-    prefix = len(UPDATE_MAGIC) + _PREFIX.size
-    version, header_len, payload_len = _PREFIX.unpack_from(frame, len(UPDATE_MAGIC))
-    header = json.loads(frame[prefix : prefix + header_len])
-    text = json.dumps(dict(reversed(header.items())), separators=(",", ":")).encode()
-    assert len(text) == header_len
-    return (
-        frame[: len(UPDATE_MAGIC)]
-        + _PREFIX.pack(version, header_len, payload_len)
-        + text
-        + frame[prefix + header_len :]
+def padded_header(frame: bytes, spaces: int) -> bytes:
+    """`frame` with `spaces` blanks after its JSON header's first comma (the same header, more bytes)."""
+    at = len(UPDATE_MAGIC)
+    version, header_len, payload_len = _PREFIX.unpack_from(frame, at)
+    start = at + _PREFIX.size
+    header = frame[start : start + header_len].replace(b",", b"," + b" " * spaces, 1)
+    return b"".join(
+        (frame[:at], _PREFIX.pack(version, len(header), payload_len), header, frame[start + header_len :])
     )
