@@ -105,7 +105,7 @@ class RoundLog:
         scale.MeasuredSimulation._on_intent = logged  # this process's runs only
 
     def report(self) -> dict[str, Any]:
-        counts = [c for updates in self.by_fragment.values() for _, c in updates]
+        counts = [c for published in self.by_fragment.values() for _, c in published]
         gaps = [b[0] - a[0] for u in self.by_fragment.values() for a, b in zip(u, u[1:], strict=False)]
         return {
             "updates": len(counts),

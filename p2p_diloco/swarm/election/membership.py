@@ -123,8 +123,7 @@ class Membership:
         self.live_peers: dict[str, HeartbeatInfo] = {} if first is None else first.live_peers
         # bumped by every read that may change `live_peers` (one cell for every shard: they share the dict)
         self._live_version: list[int] = [0] if first is None else first._live_version
-        # (live version, standing version, since, before, answer) of `live_learners`' last answer
-        self._live_learners: tuple[int, int, float, float, frozenset[str]] | None = None
+        self._live_learners: _KeptLearners | None = None  # `live_learners`' last answer
         # what the last read decoded (bounded whatever M): the per-period rules read these
         self.read_peers: dict[str, HeartbeatInfo] = {}
         # bucket -> its peers as last read (one dict for every shard)
@@ -479,16 +478,16 @@ class Membership:
         it is new), which every peer learns from the updates it applies (docs/architecture.md, "What a
         peer reads per tick"). A holder asks after every event it handles: the answer is kept until a read
         or the standing changes, or a counted learner's window closes (`Standing.active_until`)."""
-        live_version, standing_version = self._live_version[0], self.standing.version
+        versions = (self._live_version[0], self.standing.version)
         kept = self._live_learners
-        if kept is not None and kept[:2] == (live_version, standing_version) and kept[2] <= now < kept[3]:
-            return kept[4]
+        if kept is not None and kept.versions == versions and kept.since <= now < kept.before:
+            return kept.answer
         live = [p for p, info in self.live_peers.items() if info.role in ("learner", "synchronizer")]
         if self.manifest.robust.enabled:
             answer, before = self.standing.active_until(live, now)
         else:
             answer, before = frozenset(live), float("inf")
-        self._live_learners = (live_version, standing_version, now, before, answer)
+        self._live_learners = _KeptLearners(versions, now, before, answer)
         return answer
 
     def held_lease(self, leader: str, term: int) -> bool:
@@ -674,6 +673,17 @@ class Membership:
     def released(self, holder: str | None, term: int) -> bool:
         """Whether a valid record this peer read says `holder` released `term`."""
         return any(x.lease.holder == holder and x.lease.released for x in self.lease_history.get(term, ()))
+
+
+@dataclass(frozen=True)
+class _KeptLearners:
+    """An answer of `Membership.live_learners`, good from `since` until before `before` while the read's
+    and the standing's versions are still `versions`."""
+
+    versions: tuple[int, int]
+    since: float
+    before: float
+    answer: frozenset[str]
 
 
 def _stepped_aside(hb: PeerHeartbeat) -> PeerHeartbeat:
