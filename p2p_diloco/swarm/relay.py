@@ -7,7 +7,9 @@ in the order of a hash ring (each peer at the hash of its ID) read from the hash
 every peer with the same view of the live peers computes the same tree, and different updates start at
 different peers (no peer relays every update). The ring is sorted once per change of the live peers
 (`Ring`), so an update costs no hash per peer and no sort (issue #40: M hashes and a sort per applied
-update were most of what relaying cost a peer at 256). Peers with
+update were most of what relaying cost a peer at 256); where every member is proven (a run that lists
+nobody) a peer's children are found by arithmetic on the ring (`Ring.children_of`), with no list of the M
+members built per update. Peers with
 signed evidence of taking part come before all others (`proven`): those the manifest lists, the
 contributors the update's own signed record names, and those of the last `RECENT_RECORDS` records applied
 here. A fresh key's heartbeat thus gets it a place only below every proven peer: it can delay no proven
@@ -84,6 +86,20 @@ class Ring:
         self.points = [at for at, _ in placed]
         self.peers = [peer for _, peer in placed]
         self.members = frozenset(self.peers)
+        self.place = {peer: i for i, peer in enumerate(self.peers)}
+
+    def children_of(self, update: UpdateId, peer: str, fanout: int, proven: Container[str] = ()) -> list[str]:
+        """`children_in(self.order(update, proven), peer, fanout)`; [] for a peer not in the order. With
+        every member proven, found by arithmetic on the ring: no list of the M members per update."""
+        if proven is not self.members:
+            order = self.order(update, proven)
+            return children_in(order, peer, fanout) if peer in order else []
+        walk = _Walk(self, update)
+        at = walk.position(peer)
+        if at is None:
+            return []
+        first = at * fanout + 1
+        return [walk.at(i) for i in range(first, min(first + fanout, walk.length))]
 
     def order(self, update: UpdateId, proven: Container[str] = ()) -> list[str]:
         """The tree order of `update`: its leader first, then the `proven` peers, then the others, each
@@ -98,6 +114,37 @@ class Ring:
         first = [p for p in walk if p in proven and p != leader]
         rest = [p for p in walk if p not in proven and p != leader]
         return [leader, *first, *rest]
+
+
+class _Walk:
+    """`Ring.order(update, ring.members)` as arithmetic: position 0 the leader, then the ring from
+    `update_point(update)` on, less the leader."""
+
+    def __init__(self, ring: Ring, update: UpdateId):
+        self.ring, self.leader, self.n = ring, update.leader, len(ring.peers)
+        self.start = bisect_left(ring.points, update_point(update)) % self.n if self.n else 0
+        self.skip = self._step(ring.place[self.leader]) if self.leader in ring.place else None
+        self.length = self.n + (0 if self.skip is not None else 1)
+
+    def _step(self, place: int) -> int:
+        """How far round the ring from the start `place` is."""
+        return (place - self.start) % self.n
+
+    def position(self, peer: str) -> int | None:
+        if peer == self.leader:
+            return 0
+        place = self.ring.place.get(peer)
+        if place is None:
+            return None
+        step = self._step(place)
+        return step + (0 if self.skip is not None and self.skip < step else 1)
+
+    def at(self, position: int) -> str:
+        """The peer at `position` (1 <= position < length)."""
+        step = position - 1
+        if self.skip is not None and step >= self.skip:
+            step += 1
+        return self.ring.peers[(self.start + step) % self.n]
 
 
 def children_in(order: list[str], me: str, fanout: int) -> list[str]:
@@ -196,13 +243,18 @@ class Relay:
             self._ring = (key, Ring(tree), frozenset(p for p in tree if self.listed(p)))
         return self._ring[1], self._ring[2]
 
-    def _order(self, update: UpdateId, live: Collection[str], contributors: Collection[str]) -> list[str]:
-        """`update`'s tree over the live peers that take part (and me): the listed peers, those its signed
-        record names (`contributors`) and those the last records applied here name rank as proven."""
+    def _children(
+        self, update: UpdateId, live: Collection[str], contributors: Collection[str], peers: Iterable[str]
+    ) -> list[list[str]]:
+        """The children of each of `peers` in `update`'s tree over the live peers that take part (and me):
+        the listed peers, those its signed record names (`contributors`) and those the last records applied
+        here name rank as proven."""
         ring, listed = self._ring_of(live)
         if len(listed) == len(ring.members):  # every member listed: all proven, whoever contributed
-            return ring.order(update, ring.members)
-        return ring.order(update, self._proven_of(ring.members, listed, contributors))
+            proven: Container[str] = ring.members
+        else:
+            proven = self._proven_of(ring.members, listed, contributors)
+        return [ring.children_of(update, peer, self.fanout, proven) for peer in peers]
 
     def _proven(self, tree: Collection[str], contributors: Collection[str]) -> frozenset[str]:
         """The peers of `tree` with signed evidence of taking part: listed by the manifest, or named as a
@@ -232,7 +284,7 @@ class Relay:
     ) -> list[str]:
         """The peers the publisher pushes `update` to (at most `fanout`), counted as sent; `contributors`:
         those its signed record names."""
-        targets = children_in(self._order(update, live, contributors), self.peer_id, self.fanout)
+        (targets,) = self._children(update, live, contributors, (self.peer_id,))
         self._remember(contributors)
         self.stats.published += 1
         self.stats.publish_pushes += len(targets)
@@ -249,7 +301,7 @@ class Relay:
         """The peers to offer an update I applied to: my children in its tree, less those known to hold
         it (`holds`: e.g. heartbeats at its version; and the peers that offered it to me)."""
         offered = self._holders.get(update, set())
-        mine = children_in(self._order(update, live, contributors), self.peer_id, self.fanout)
+        (mine,) = self._children(update, live, contributors, (self.peer_id,))
         self._remember(contributors)
         targets = [p for p in mine if p not in holds and p not in offered]
         self.stats.offers_sent += len(targets)
@@ -264,8 +316,7 @@ class Relay:
     ) -> list[str]:
         """The children of `failed` peers (offers that did not reach them) I offer `update` to instead."""
         known = self._holders.get(update, set()) | {self.peer_id, *failed}
-        order = self._order(update, live, contributors)
-        found = [c for peer in failed if peer in order for c in children_in(order, peer, self.fanout)]
+        found = [c for mine in self._children(update, live, contributors, failed) for c in mine]
         heirs = [c for c in dict.fromkeys(found) if c not in known]
         self.stats.offers_sent += len(heirs)
         self.stats.heirs_offered += len(heirs)

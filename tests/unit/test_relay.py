@@ -14,7 +14,15 @@ from p2p_diloco.config import DilocoConfig
 from p2p_diloco.errors import ConfigError, DecodeError
 from p2p_diloco.protocol.messages import UpdateTag
 from p2p_diloco.protocol.replica import ReplicaTag
-from p2p_diloco.swarm.relay import RECENT_RECORDS, Relay, Ring, children, relay_order, update_point
+from p2p_diloco.swarm.relay import (
+    RECENT_RECORDS,
+    Relay,
+    Ring,
+    children,
+    children_in,
+    relay_order,
+    update_point,
+)
 from p2p_diloco.wire.relay_frames import (
     Offer,
     Relayed,
@@ -262,3 +270,23 @@ def test_a_tree_order_is_the_leader_then_the_proven_then_the_others_each_round_t
     expected += [p for p in walk if p in proven and p != leader]
     expected += [p for p in walk if p not in proven and p != leader]
     assert ring.order(u, frozenset(proven)) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    members=st.sets(st.sampled_from(PEERS)),
+    proven=st.one_of(st.none(), st.sets(st.sampled_from(PEERS))),
+    leader=st.sampled_from([*PEERS[:4], "peer-elsewhere"]),
+    version=st.integers(0, 50),
+    fanout=st.integers(1, 4),
+)
+def test_a_peers_children_are_its_positions_in_the_tree_order(members, proven, leader, version, fanout):
+    """`Ring.children_of` (found by arithmetic when every member is proven, `proven` None here) names, for
+    every peer of the order and one outside it, the children `children_in` reads off the whole order."""
+    ring = Ring(members)
+    u = dataclasses.replace(update(version), leader=leader)
+    rule = ring.members if proven is None else frozenset(proven)
+    order = ring.order(u, rule)
+    for peer in [*order, "peer-nowhere"]:
+        expected = children_in(order, peer, fanout) if peer in order else []
+        assert ring.children_of(u, peer, fanout, rule) == expected
