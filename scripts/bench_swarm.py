@@ -402,7 +402,9 @@ def main() -> int:
     parser.add_argument("--real-seconds", type=float, default=20.0, help="fake seconds of that run")
     parser.add_argument("--tabulate", action="store_true", help="figures and plots again from OUT, no runs")
     parser.add_argument("--sim-peers", type=int_list, default=None, metavar="PEERS,...")
-    parser.add_argument("--sim-warmup", type=float, default=10.0, help="--sim-peers: virtual s, >= 10")
+    parser.add_argument(
+        "--sim-warmup", type=float, default=40.0, help="--sim-peers: virtual s before the window, >= 10"
+    )
     parser.add_argument("--sim-window", type=float, default=20.0, help="--sim-peers: measured virtual s")
     parser.add_argument("--sim-quiet", type=float, default=30.0, help="--sim-peers: virtual s to settle")
     parser.add_argument("--sim-seed", type=int, default=0)
@@ -430,6 +432,14 @@ def main() -> int:
         "one process's own; 0: Python's one setting for the whole process)",
     )
     parser.add_argument(
+        "--sim-min-quorum",
+        type=int,
+        default=None,
+        metavar="K",
+        help="--sim-peers: the deltas a round waits for at every size (default: the manifest's, 1; "
+        "0: K = S, sized with the swarm as the shards are)",
+    )
+    parser.add_argument(
         "--sim-min-window-cpu",
         type=float,
         default=30.0,
@@ -440,6 +450,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.sim_min_window_cpu < 0:
         parser.error(f"--sim-min-window-cpu {args.sim_min_window_cpu}: give 0 or more CPU seconds")
+    if args.sim_min_quorum is not None and args.sim_min_quorum < 0:
+        parser.error(f"--sim-min-quorum {args.sim_min_quorum}: give K >= 1, or 0 for K = S")
     if args.sim_young_per_peer is not None and args.sim_young_per_peer < 0:
         parser.error(f"--sim-young-per-peer {args.sim_young_per_peer}: give 0 or more objects per peer")
     if args.sim_fragments is not None and args.sim_fragments < 0:
@@ -471,6 +483,7 @@ def main() -> int:
             fragments=args.sim_fragments,
             young_per_peer=args.sim_young_per_peer,
             min_window_cpu=args.sim_min_window_cpu,
+            min_quorum=args.sim_min_quorum,
             say=lambda line: print(line, flush=True),
         )
         return 0

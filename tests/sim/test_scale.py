@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from p2p_diloco.sim.bottle.scale import SizeResult, pool_plays, sim_peers_main
+from p2p_diloco.sim.bottle.scale import ScaleRun, SizeResult, pool_plays, sim_peers_main
 
 pytestmark = pytest.mark.sim
 
@@ -71,3 +71,10 @@ def test_plays_pool_their_windows_and_keep_the_first_plays_traffic():
     assert pooled.cpu_per_round_per_peer == pytest.approx(11.2 / 9.0 / 16)
     assert pooled.cpu_by_play == pytest.approx([6.4 / 20 / 16, 4.8 / 20 / 16])
     assert pooled.busiest_peer_bytes_per_round == 300.0
+
+
+def test_a_quorum_of_zero_is_sized_with_the_swarm_as_the_shards_are():
+    """`ScaleRun.min_quorum`: None keeps the manifest's K, a number sets it, 0 sets K = S."""
+    assert ScaleRun(peers=64).manifest().diloco.min_quorum == 1
+    assert ScaleRun(peers=64, min_quorum=3).manifest().diloco.min_quorum == 3
+    assert ScaleRun(peers=64, min_quorum=0).manifest().diloco.min_quorum == ScaleRun(peers=64).s == 4

@@ -9,7 +9,8 @@ size trains the same model cut the same way and sends the same messages per step
 made P and so each peer's updates per second grow with M), over the world's link model (`LinkSpec`), on
 virtual time:
 
-* `[0, warmup)`: every node starts, catches up (from nobody) and trains;
+* `[0, warmup)`: every node starts, catches up (from nobody) and trains (40 virtual s by default: module
+  docstring, "Steady state");
 * `[warmup, warmup + window)`: the measured window, still training: link bytes (the transport's
   `Traffic`), updates published, DHT records read;
 * then training stops and `quiet` virtual seconds let deltas and updates settle; the end state is
@@ -35,6 +36,18 @@ result holds (`SizeResult.row()`, one row of `sim_peers.json`):
 * `terms_held_twice`: shard terms that two peers held at once while each one's DHT view held the
   other's lease (`Invariants.check`'s notion: the (shard, term) pairs it ever timed);
 * `replicas_equal`: after the quiet period every running replica has the same versions and digest.
+
+Steady state. Every node starts at once, so for the first outer cycle (H = 16 steps of 1 virtual s) the
+learners are still in step and send each fragment's deltas together: a window from 10 to 30 virtual s (the
+default before 2026-12-02's session) held 4.6 rounds at 16 peers against 8.8 from 40 to 60 and 8.7 from
+130 to 150 (issue #40), and at 256 peers 9.9 against 22.1. The window opens at 40 virtual s, after two
+outer cycles, where a size's rounds a second have settled.
+
+Quorum. With K = 1 (the paper's default, the manifest's) a round opens at a fragment's first delta and
+closes a grace window later; once learners are out of step a larger swarm's deltas arrive all the time, so
+a fragment gets a round every grace window and every peer applies every one: in steady state 256 peers run
+2.5x the rounds of 16. `ScaleRun.min_quorum` (`--sim-min-quorum K`; 0: K = S, sized with the swarm as the
+shards are) sets K at every size; the row's detail says which K a size ran with.
 
 The collector. The cost includes Python's cyclic garbage collector, whose CPU seconds in the window the
 row's detail gives apart (`window_gc_cpu_seconds`). Its youngest generation is sized per peer
@@ -110,7 +123,7 @@ class ScaleRun:
     peers: int
     shards: int | None = None  # None: `shards_for(peers)`
     fragments: int | None = None  # None: max(FRAGMENTS, S); 0: max(4, S) (module docstring)
-    warmup: float = 10.0
+    warmup: float = 40.0  # two outer cycles and more (module docstring, "Steady state")
     window: float = 20.0
     quiet: float = 30.0
     seed: int = 0
@@ -123,6 +136,9 @@ class ScaleRun:
     # objects of the collector's youngest generation per simulated peer (module docstring, "The collector");
     # 0: one young generation for the whole process, Python's own setting
     young_per_peer: int = YOUNG_PER_PEER
+    # K, the deltas a round waits for (module docstring, "Quorum"): None keeps the manifest's (1, the
+    # paper's default); 0 sizes it with the swarm as S is, K = S (one delta per 16 peers)
+    min_quorum: int | None = None
 
     @property
     def s(self) -> int:
@@ -134,8 +150,16 @@ class ScaleRun:
             return max(FRAGMENTS, self.s)
         return max(self.fragments, self.s) if self.fragments else max(4, self.s)
 
+    @property
+    def k(self) -> int | None:
+        """The quorum this run sets (None: the manifest's)."""
+        return self.s if self.min_quorum == 0 else self.min_quorum
+
     def manifest(self) -> RunManifest:
-        return sim_manifest(self.s, inner_steps=max(INNER_STEPS, self.p), fragments=self.p)
+        manifest = sim_manifest(self.s, inner_steps=max(INNER_STEPS, self.p), fragments=self.p)
+        if self.k is None:
+            return manifest
+        return dataclasses.replace(manifest, diloco=dataclasses.replace(manifest.diloco, min_quorum=self.k))
 
     def scenario(self) -> Scenario:
         return Scenario(
@@ -331,6 +355,7 @@ class SizeResult:
     # plays pooled into the window fields (`pool_plays`); each one's CPU s per virtual s per peer
     plays: int = 1
     cpu_by_play: list[float] = field(default_factory=list)
+    min_quorum: int = 1  # K the size ran with
 
     @property
     def wall_per_virtual_per_peer(self) -> float:
@@ -380,6 +405,7 @@ class SizeResult:
                 "loop_wall_seconds": round(self.wall_seconds, 2),
                 "invariant_check_wall_seconds": round(self.check_wall_seconds, 2),
                 "plays": self.plays,
+                "min_quorum": self.min_quorum,
                 "cpu_seconds_per_virtual_second_per_peer_by_play": [round(c, 5) for c in self.cpu_by_play],
                 "window_wall_seconds": _round(self.window_wall_seconds, 2),
                 "window_cpu_seconds": _round(self.window_cpu_seconds, 2),
@@ -510,6 +536,7 @@ def measure_size(
         else None,
         versions=list(max(versions, key=sum)) if versions else [],
         run={**asdict(run), "link": asdict(run.link)},
+        min_quorum=sim.manifest.diloco.min_quorum,
         **window,
     )
 
@@ -703,7 +730,7 @@ def sim_peers_main(
     sizes: Sequence[int],
     out: Path,
     *,
-    warmup: float = 10.0,
+    warmup: float = 40.0,
     window: float = 20.0,
     quiet: float = 30.0,
     seed: int = 0,
@@ -714,6 +741,7 @@ def sim_peers_main(
     fragments: int | None = None,
     young_per_peer: int | None = None,
     min_window_cpu: float = MIN_WINDOW_CPU,
+    min_quorum: int | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every size in `sizes`, write OUT/sim_peers.json and OUT/sim_peers.png; the report."""
@@ -734,6 +762,7 @@ def sim_peers_main(
             check_every=check_every,
             fragments=fragments,
             young_per_peer=YOUNG_PER_PEER if young_per_peer is None else young_per_peer,
+            min_quorum=min_quorum,
         )
         for peers in sizes
     }
