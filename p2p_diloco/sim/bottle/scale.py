@@ -47,7 +47,9 @@ Quorum. With K = 1 (the paper's default, the manifest's) a round opens at a frag
 closes a grace window later; once learners are out of step a larger swarm's deltas arrive all the time, so
 a fragment gets a round every grace window and every peer applies every one: in steady state 256 peers run
 2.5x the rounds of 16. `ScaleRun.min_quorum` (`--sim-min-quorum K`; 0: K = S, sized with the swarm as the
-shards are) sets K at every size; the row's detail says which K a size ran with.
+shards are) sets K at every size; the row's detail says which K a size ran with. A quorum waits with
+no deadline, so with K > 1 a fragment's last round holds open once training stops, and the run ends
+with `deltas_settled` broken (256 peers at K = 16, 2026-12-02).
 
 The collector. The cost includes Python's cyclic garbage collector, whose CPU seconds in the window the
 row's detail gives apart (`window_gc_cpu_seconds`). Its youngest generation is sized per peer
@@ -750,22 +752,10 @@ def sim_peers_main(
     kept = json.loads(path.read_text())["sizes"] if path.exists() else []
     rows: list[dict[str, Any]] = [r for r in kept if r["peers"] not in sizes]  # other sizes' earlier runs
     report = {"sizes": rows, "figures": ratios(rows)}
-    runs = {
-        peers: ScaleRun(
-            peers=peers,
-            warmup=warmup,
-            window=window,
-            quiet=quiet,
-            seed=seed,
-            link=link or LinkSpec(),
-            wall_budget=wall_budget,
-            check_every=check_every,
-            fragments=fragments,
-            young_per_peer=YOUNG_PER_PEER if young_per_peer is None else young_per_peer,
-            min_quorum=min_quorum,
-        )
-        for peers in sizes
-    }
+    young = YOUNG_PER_PEER if young_per_peer is None else young_per_peer
+    fields = dict(warmup=warmup, window=window, quiet=quiet, seed=seed, link=link or LinkSpec())
+    fields.update(wall_budget=wall_budget, check_every=check_every, fragments=fragments, young_per_peer=young)
+    runs = {peers: ScaleRun(peers=peers, min_quorum=min_quorum, **fields) for peers in sizes}
     plays: dict[int, list[SizeResult]] = {}
 
     def record(peers: int) -> None:
